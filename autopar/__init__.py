@@ -1,0 +1,21 @@
+"""autopar: zero-code-change auto-parallelization for PyTorch (data x 3D tensor parallelism).
+
+    with autopar.auto_parallelize(tensor=(row, col, depth), data=D):
+        model = MyModel()
+"""
+
+from autopar.collectives import comm_stats, reset_comm_stats
+from autopar.config import ParallelConfig, Plan
+from autopar.context import auto_parallelize, full_state_dict, plan_of
+from autopar.errors import AutoparError
+
+__all__ = [
+    "AutoparError",
+    "ParallelConfig",
+    "Plan",
+    "auto_parallelize",
+    "comm_stats",
+    "full_state_dict",
+    "plan_of",
+    "reset_comm_stats",
+]

@@ -1,0 +1,116 @@
+"""Module -> graph: ``torch.export.export(strict=False)`` on a meta-device shadow of the model.
+
+The shadow shares no storage with the model: its parameters and buffers are meta tensors with the
+full (serial) shapes, so capture costs no memory and still works after the real model's parameters
+were replaced by this rank's shards. Captures are per input signature; each rank captures with its
+own local batch shape, so batch sizes in view/reshape ops are this rank's.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+from torch.export.graph_signature import InputKind as ExportInputKind
+from torch.export.graph_signature import OutputKind
+
+from autopar.errors import CaptureError
+from passes.ir import BatchInfo, InputInfo, InputKind
+
+_KINDS = {
+    ExportInputKind.PARAMETER: InputKind.PARAMETER,
+    ExportInputKind.BUFFER: InputKind.BUFFER,
+    ExportInputKind.CONSTANT_TENSOR: InputKind.CONSTANT,
+    ExportInputKind.USER_INPUT: InputKind.USER,
+}
+
+
+@dataclass
+class Captured:
+    """One captured graph and how to call it."""
+
+    gm: fx.GraphModule
+    in_spec: pytree.TreeSpec
+    """Tree structure of the (args, kwargs) it was captured with."""
+    out_spec: pytree.TreeSpec
+    user_leaves: tuple[int, ...]
+    """For each USER placeholder, its index among the flattened (args, kwargs) leaves."""
+    constants: dict[str, Any]
+
+
+def meta_shadow(model: nn.Module) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are meta tensors of the same shapes."""
+    memo: dict[int, Any] = {}
+    for t in list(model.parameters()) + list(model.buffers()):
+        meta = torch.empty_like(t, device="meta")
+        memo[id(t)] = nn.Parameter(meta, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else meta
+    try:
+        return copy.deepcopy(model, memo)
+    except Exception as e:
+        raise CaptureError(f"cannot copy {type(model).__name__} to the meta device for capture ({e}). "
+                           "autopar needs models to be deep-copyable.") from e
+
+
+def _to_meta(leaf: Any) -> Any:
+    if isinstance(leaf, torch.Tensor):
+        return torch.empty_like(leaf, device="meta").requires_grad_(leaf.requires_grad)
+    return leaf
+
+
+def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict[str, bool],
+            batch: BatchInfo | None) -> Captured:
+    """Exports ``shadow`` on meta copies of the given (already batch-sliced) inputs.
+
+    Args:
+        requires_grad: parameter FQN -> whether the real parameter needs a gradient.
+        batch: how the batch was split, recorded on the graph; None when nothing is split.
+    """
+    leaves, in_spec = pytree.tree_flatten((args, kwargs))
+    meta_args, meta_kwargs = pytree.tree_unflatten([_to_meta(x) for x in leaves], in_spec)
+    try:
+        ep = torch.export.export(shadow, tuple(meta_args), dict(meta_kwargs), strict=False)
+    except Exception as e:
+        raise CaptureError(
+            f"torch.export could not capture {type(shadow).__name__} ({type(e).__name__}: "
+            f"{str(e).splitlines()[0] if str(e) else ''}). autopar needs a model torch.export can trace "
+            "with strict=False; data-dependent control flow is the usual cause.") from e
+    sig = ep.graph_signature
+    bad = [o for o in sig.output_specs if o.kind is not OutputKind.USER_OUTPUT]
+    if bad:
+        raise CaptureError(f"{type(shadow).__name__}.forward mutates state ({', '.join(f'{o.kind.name} {o.target}' for o in bad)}). "
+                           "autopar does not yet support in-place buffer updates (e.g. BatchNorm running stats); "
+                           "use a model without them or put it in eval mode.")
+    tensor_leaf_ids = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    gm = ep.graph_module
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    user_leaves: list[int] = []
+    for node, spec in zip(placeholders, sig.input_specs, strict=True):
+        kind = _KINDS.get(spec.kind)
+        if kind is None:
+            raise CaptureError(f"unsupported graph input kind {spec.kind.name} for {spec.target!r}.")
+        if kind is InputKind.USER:
+            index = _user_leaf_index(node, leaves, len(user_leaves), tensor_leaf_ids)
+            user_leaves.append(index)
+            leaf = leaves[index]
+            is_tensor = isinstance(leaf, torch.Tensor)
+            split = is_tensor and batch is not None and leaf.dim() > 0
+            info = InputInfo(kind, str(index), bool(is_tensor and leaf.requires_grad), split)
+        elif kind is InputKind.PARAMETER:
+            info = InputInfo(kind, spec.target, requires_grad.get(spec.target, True))
+        else:
+            info = InputInfo(kind, spec.target, False)
+        node.meta["autopar"] = info
+    gm.meta["autopar_batch"] = batch
+    return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants))
+
+
+def _user_leaf_index(node: fx.Node, leaves: list, position: int, tensor_leaf_ids: list[int]) -> int:
+    # export lists every (args, kwargs) leaf as a user input, tensors and non-tensors alike.
+    if position < len(leaves):
+        return position
+    raise CaptureError(f"cannot match graph input {node.name} to the call's inputs.")

@@ -1,0 +1,98 @@
+"""Counted collectives. Every byte autopar sends goes through here and lands in ``comm_stats()``.
+
+Bytes are what this rank sends under ring algorithms (``autopar.config.collective_bytes``),
+counted from the tensors actually passed, so the count is the same on gloo (which emulates
+reduce-scatter with all-reduce) and NCCL. Groups of one are skipped and count nothing.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+import torch.distributed as dist
+
+from autopar.config import COLLECTIVE_KINDS, collective_bytes
+
+
+class _CommStats:
+    def __init__(self) -> None:
+        self.bytes = {k: Fraction(0) for k in COLLECTIVE_KINDS}
+        self.calls = {k: 0 for k in COLLECTIVE_KINDS}
+
+    def record(self, kind: str, group_size: int, message_bytes: int) -> None:
+        self.bytes[kind] += collective_bytes(kind, group_size, message_bytes)
+        self.calls[kind] += 1
+
+
+_stats = _CommStats()
+
+
+def comm_stats() -> dict[str, float]:
+    """Bytes this rank sent since the last ``reset_comm_stats()``: one key per collective kind and "total"."""
+    out = {k: float(v) for k, v in _stats.bytes.items()}
+    out["total"] = float(sum(_stats.bytes.values(), Fraction(0)))
+    return out
+
+
+def comm_calls() -> dict[str, int]:
+    """Number of collectives of each kind since the last reset (groups of one are not counted)."""
+    return dict(_stats.calls)
+
+
+def reset_comm_stats() -> None:
+    global _stats
+    _stats = _CommStats()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Sums ``t`` over the group; returns a contiguous result (``t`` itself when possible)."""
+    if size == 1:
+        return t
+    t = t.contiguous()
+    _stats.record("all_reduce", size, _nbytes(t))
+    dist.all_reduce(t, group=group)
+    return t
+
+
+def all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Concatenates every rank's ``t`` along dim 0, in group order."""
+    if size == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _stats.record("all_gather", size, _nbytes(out))
+    dist.all_gather_single(out, t, group=group)
+    return out
+
+
+def all_gather_last(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Concatenates every rank's ``t`` along the last dim, in group order."""
+    if size == 1:
+        return t
+    stacked = all_gather(t.unsqueeze(0), group, size)  # (size, *t.shape)
+    return torch.cat(stacked.unbind(0), dim=-1)
+
+
+def reduce_scatter(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
+    """Sums ``t`` over the group and returns this rank's 1/size chunk of dim 0."""
+    if size == 1:
+        return t
+    t = t.contiguous()
+    out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
+    _stats.record("reduce_scatter", size, _nbytes(t))
+    dist.reduce_scatter_single(out, t, group=group)
+    return out
+
+
+def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, size: int) -> torch.Tensor:
+    """Overwrites ``t`` with global rank ``src``'s values."""
+    if size == 1:
+        return t
+    _stats.record("broadcast", size, _nbytes(t))
+    dist.broadcast(t, src=src, group=group)
+    return t

@@ -1,0 +1,282 @@
+"""What the user asked for (ParallelConfig) and what the compiler decided (Plan). Leaf module.
+
+Both are frozen and identical on every rank. The Plan is keyed by stable names (parameter FQNs,
+module FQNs), never by FX node names, so one Plan applies to every capture of the same model.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from enum import StrEnum
+from fractions import Fraction
+from typing import Any
+
+from autopar.errors import ConfigError
+
+#: Mesh axes, outermost first. ``col`` varies fastest between consecutive ranks, so it is placed on
+#: the fastest links (as AxoNN does); ``data`` is outermost.
+MESH_AXES: tuple[str, ...] = ("data", "depth", "row", "col")
+
+
+@dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """The parallel degrees the user asked for.
+
+    Rank placement is row-major over ``MESH_AXES`` = (data, depth, row, col).
+    """
+
+    data: int = 1
+    """Data-parallel replicas."""
+    row: int = 1
+    """Tensor-parallel ranks splitting a normal layer's output features (the paper's G_r)."""
+    col: int = 1
+    """Tensor-parallel ranks splitting a normal layer's input features (the paper's G_c)."""
+    depth: int = 1
+    """Tensor-parallel ranks splitting each weight block and the batch (the paper's G_d)."""
+
+    def __post_init__(self) -> None:
+        for name in MESH_AXES:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"parallel degree {name}={value!r} is invalid. Use an integer >= 1.")
+
+    @classmethod
+    def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
+                  world_size: int | None = None) -> ParallelConfig:
+        """Validates the user's ``tensor=(row, col, depth)`` and ``data`` against the world size.
+
+        ``data=None`` means "every rank not used by tensor parallelism" (pure data parallelism when
+        ``tensor`` is left at its default).
+        """
+        try:
+            row, col, depth = tuple(tensor)
+        except (TypeError, ValueError):
+            raise ConfigError(f"tensor={tensor!r} is invalid. Pass tensor=(row, col, depth), "
+                              "three integers >= 1.") from None
+        probe = cls(1, row, col, depth)  # validates the tensor degrees
+        num_tensor = probe.num_tensor
+        if data is None:
+            if world_size is None:
+                data = 1
+            elif world_size % num_tensor:
+                raise ConfigError(
+                    f"world size {world_size} is not divisible by row*col*depth = {row}*{col}*{depth} = "
+                    f"{num_tensor}. Launch a multiple of {num_tensor} processes or change tensor=.")
+            else:
+                data = world_size // num_tensor
+        config = cls(data, row, col, depth)
+        if world_size is not None and config.world_size != world_size:
+            raise ConfigError(
+                f"world size {world_size} does not match data*row*col*depth = "
+                f"{config.data}*{row}*{col}*{depth} = {config.world_size}. Launch {config.world_size} "
+                f"processes (torchrun --nproc-per-node {config.world_size}) or change data=/tensor=.")
+        return config
+
+    @property
+    def tensor(self) -> tuple[int, int, int]:
+        return (self.row, self.col, self.depth)
+
+    @property
+    def num_tensor(self) -> int:
+        return self.row * self.col * self.depth
+
+    @property
+    def num_batch_shards(self) -> int:
+        """Ranks the batch is split over: data x depth."""
+        return self.data * self.depth
+
+    @property
+    def world_size(self) -> int:
+        return self.data * self.num_tensor
+
+    def size(self, axis: str) -> int:
+        return getattr(self, axis)
+
+    @property
+    def mesh_shape(self) -> tuple[int, ...]:
+        return tuple(self.size(a) for a in MESH_AXES)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """This rank's coordinate on each mesh axis."""
+        if not 0 <= rank < self.world_size:
+            raise ConfigError(f"rank {rank} is outside the grid of {self.world_size} ranks.")
+        out: dict[str, int] = {}
+        for axis in reversed(MESH_AXES):
+            out[axis] = rank % self.size(axis)
+            rank //= self.size(axis)
+        return {a: out[a] for a in MESH_AXES}
+
+    def batch_index(self, rank: int) -> int:
+        """Which of the ``num_batch_shards`` slices of the global batch this rank computes."""
+        c = self.coords(rank)
+        return c["data"] * self.depth + c["depth"]
+
+    def batch_sizes(self, global_batch: int) -> tuple[int, ...]:
+        """Rows per batch shard, in batch-index order; the first ``global_batch % n`` get one extra."""
+        n = self.num_batch_shards
+        return tuple(global_batch // n + (1 if i < global_batch % n else 0) for i in range(n))
+
+    def __str__(self) -> str:
+        return f"data={self.data} tensor=(row={self.row}, col={self.col}, depth={self.depth})"
+
+
+class _CodeEnum(StrEnum):
+    """A StrEnum whose repr is valid Python (``Layout.ROW``), so FX code that holds one compiles."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}.{self.name}"
+
+
+class Layout(_CodeEnum):
+    """How an activation's last (feature) dimension is laid out over the tensor-parallel grid."""
+
+    REPLICATED = "replicated"
+    ROW = "row"  # split over the row axis, replicated over col
+    COL = "col"  # split over the col axis, replicated over row
+
+
+class Orientation(_CodeEnum):
+    """How a matmul's weight is cut over (row, col). See DESIGN-NOTES section 1."""
+
+    NORMAL = "normal"  # out features over row, in features over col: input COL -> output ROW
+    TRANSPOSED = "transposed"  # out features over col, in features over row: input ROW -> output COL
+    REPLICATED = "replicated"  # not sharded: full weight, input and output REPLICATED
+
+    @property
+    def in_layout(self) -> Layout:
+        return {Orientation.NORMAL: Layout.COL, Orientation.TRANSPOSED: Layout.ROW}.get(self, Layout.REPLICATED)
+
+    @property
+    def out_layout(self) -> Layout:
+        return {Orientation.NORMAL: Layout.ROW, Orientation.TRANSPOSED: Layout.COL}.get(self, Layout.REPLICATED)
+
+    @property
+    def out_axis(self) -> str:
+        """The mesh axis splitting the output features (the in axis is the other one)."""
+        return "row" if self is Orientation.NORMAL else "col"
+
+    @property
+    def in_axis(self) -> str:
+        return "col" if self is Orientation.NORMAL else "row"
+
+
+class ParamKind(_CodeEnum):
+    WEIGHT_3D = "weight3d"  # (out, in) block over (row, col), flattened and split over depth
+    BIAS = "bias"  # split over the axis that splits the matmul's output
+    REPLICATED = "replicated"  # full on every rank
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulPlan:
+    """The decision for one matmul whose weight is a 2-D parameter."""
+
+    weight: str
+    """FQN of the weight parameter: the stable key."""
+    module: str
+    """FQN of the module that ran the matmul ('' for the root)."""
+    op: str
+    """ATen op name (linear, addmm, mm, matmul)."""
+    in_features: int
+    out_features: int
+    weight_in_out: bool
+    """True when the weight is stored (in, out), as in HF's Conv1D (addmm); False for nn.Linear's (out, in)."""
+    bias: str | None
+    orientation: Orientation
+    reason: str = ""
+    """Why the matmul stays replicated ('' when it is sharded)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ParamPlan:
+    """How one parameter is stored on each rank and how its gradient is completed."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: ParamKind
+    orientation: Orientation = Orientation.REPLICATED
+    """For WEIGHT_3D and BIAS: the orientation of the matmul that uses it."""
+    weight_in_out: bool = False
+    grad_axes: tuple[str, ...] = ("data", "depth")
+    """Mesh axes over which this parameter's gradient is summed after backward."""
+
+    def local_numel(self, config: ParallelConfig) -> int:
+        numel = 1
+        for s in self.shape:
+            numel *= s
+        if self.kind is ParamKind.WEIGHT_3D:
+            return numel // (config.row * config.col * config.depth)
+        if self.kind is ParamKind.BIAS:
+            return numel // config.size(self.orientation.out_axis)
+        return numel
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Every decision the compiler made for one model under one ParallelConfig."""
+
+    config: ParallelConfig
+    matmuls: tuple[MatmulPlan, ...]
+    params: tuple[ParamPlan, ...]
+    notes: tuple[str, ...] = ()
+    _by_weight: dict[str, MatmulPlan] = field(default_factory=dict, compare=False, repr=False)
+    _by_param: dict[str, ParamPlan] = field(default_factory=dict, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._by_weight.update({m.weight: m for m in self.matmuls})
+        self._by_param.update({p.name: p for p in self.params})
+
+    def matmul(self, weight: str) -> MatmulPlan | None:
+        return self._by_weight.get(weight)
+
+    def param(self, name: str) -> ParamPlan:
+        return self._by_param[name]
+
+    def to_dict(self) -> dict[str, Any]:
+        def enc(obj: Any) -> Any:
+            if dataclasses.is_dataclass(obj):
+                return {f.name: enc(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                        if not f.name.startswith("_")}
+            if isinstance(obj, (tuple, list)):
+                return [enc(o) for o in obj]
+            return obj
+        return enc(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    def summary(self) -> str:
+        """A short human-readable account of the decisions (the CLI prints a longer table)."""
+        c = self.config
+        sharded = [m for m in self.matmuls if m.orientation is not Orientation.REPLICATED]
+        lines = [f"autopar plan: {c} on {c.world_size} ranks; "
+                 f"{len(sharded)}/{len(self.matmuls)} matmuls sharded"]
+        for m in self.matmuls:
+            what = m.orientation.value if not m.reason else f"replicated ({m.reason})"
+            lines.append(f"  {m.weight:<40} {m.op:<7} {m.in_features:>6} -> {m.out_features:<6} {what}")
+        lines.extend(f"  note: {n}" for n in self.notes)
+        return "\n".join(lines)
+
+
+# ---- communication accounting (bytes a rank sends under ring algorithms) ------------------------------
+
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+
+
+def collective_bytes(kind: str, group_size: int, message_bytes: int) -> Fraction:
+    """Bytes one rank sends for one collective, as an exact fraction.
+
+    ``message_bytes`` is the output size for all-gather, the input size for reduce-scatter and the
+    tensor size otherwise. A group of one sends nothing.
+    """
+    p = group_size
+    if p <= 1:
+        return Fraction(0)
+    if kind == "all_reduce":
+        return Fraction(2 * (p - 1) * message_bytes, p)
+    if kind in ("all_gather", "reduce_scatter", "broadcast"):
+        return Fraction((p - 1) * message_bytes, p)
+    if kind == "send":
+        return Fraction(message_bytes)
+    raise ValueError(f"unknown collective kind {kind!r}; expected one of {COLLECTIVE_KINDS}")

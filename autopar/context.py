@@ -1,0 +1,160 @@
+"""auto_parallelize(): build an unchanged model inside it; after the block the model is parallel.
+
+Interception uses torch's supported, removable global registration hooks (parameter, buffer and
+submodule registration) to learn which modules were built inside the block; nothing is patched.
+Whatever happens inside the block, every hook is removed on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import weakref
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.nn.modules import module as module_hooks
+
+from autopar import collectives as C
+from autopar.config import ParallelConfig
+from autopar.errors import ContextError, NotInitializedError
+from autopar.mesh import Mesh
+from autopar.runtime import ParallelRuntime
+
+log = logging.getLogger(__name__)
+
+_state = threading.local()
+_runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKeyDictionary()
+
+
+class _ModuleRecorder:
+    """Records modules that gain parameters, buffers or submodules; the roots are the models."""
+
+    def __init__(self) -> None:
+        self._owners: list[weakref.ref[nn.Module]] = []
+        self._seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._children: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        self._handles = [
+            module_hooks.register_module_parameter_registration_hook(self._owner),
+            module_hooks.register_module_buffer_registration_hook(self._owner),
+            module_hooks.register_module_module_registration_hook(self._child),
+        ]
+
+    def _owner(self, module: nn.Module, name: str, value: Any) -> None:
+        if module not in self._seen:
+            self._seen.add(module)
+            self._owners.append(weakref.ref(module))
+
+    def _child(self, module: nn.Module, name: str, child: nn.Module | None) -> None:
+        self._owner(module, name, child)
+        if child is not None:
+            self._children.add(child)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    def roots(self) -> list[nn.Module]:
+        out = []
+        for ref in self._owners:
+            m = ref()
+            if m is not None and m not in self._children and any(True for _ in m.parameters()):
+                out.append(m)
+        return out
+
+
+@contextmanager
+def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None,
+                     example_inputs: tuple | None = None) -> Iterator[ParallelConfig]:
+    """Parallelizes every model built inside the block over data x 3D tensor parallelism.
+
+    Args:
+        tensor: ``(row, col, depth)`` degrees of 3D tensor parallelism (AxoNN). Default (1, 1, 1).
+        data: data-parallel degree. Default: every rank not used by ``tensor``, so with no arguments
+            the model is purely data parallel.
+        example_inputs: optional positional inputs of one global batch; when given, the model is
+            captured, planned and sharded at the end of the block instead of at its first call.
+
+    Yields:
+        The validated ParallelConfig.
+
+    After the block each model built inside it is the same object, now parallel: ``model(x)`` takes
+    the same global batch on every rank and returns the full output on every rank; its parameters
+    become this rank's shards at the first call (or at the end of the block with example_inputs);
+    gradients are complete and synchronized when backward returns.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise NotInitializedError(
+            "auto_parallelize needs torch.distributed: launch with torchrun (or call "
+            "torch.distributed.init_process_group()) before entering it.")
+    config = ParallelConfig.from_user(tensor=tensor, data=data, world_size=dist.get_world_size())
+    if getattr(_state, "active", False):
+        raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
+    _state.active = True
+    recorder = _ModuleRecorder()
+    try:
+        yield config
+    finally:
+        recorder.remove()
+        _state.active = False
+    roots = recorder.roots()
+    if not roots:
+        log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
+    for model in roots:
+        parallelize(model, config, example_inputs=example_inputs)
+
+
+def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None) -> nn.Module:
+    """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end)."""
+    if model in _runtimes:
+        raise ContextError(f"{type(model).__name__} is already parallelized.")
+    mesh = Mesh(config)
+    _agree_on_parameters(model, mesh)
+    runtime = ParallelRuntime(model, config, mesh)
+    _runtimes[model] = runtime
+    model.forward = runtime.__call__  # instance attribute: nn.Module.__call__ dispatches to it
+    if example_inputs is not None:
+        model(*example_inputs)  # compiles and shards; the output is discarded
+    return model
+
+
+def _agree_on_parameters(model: nn.Module, mesh: Mesh) -> None:
+    """Makes every rank hold rank 0's initial parameters and buffers (as DDP does).
+
+    The usual case, every rank seeded alike, costs one small all-gather of fingerprints.
+    """
+    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+    if not tensors or mesh.config.world_size == 1:
+        return
+    with torch.no_grad():
+        fp = torch.stack([torch.stack([t.sum(dtype=torch.float64), t.square().sum(dtype=torch.float64)])
+                          for t in tensors]).flatten().to(mesh.device)
+        every = C.all_gather(fp.unsqueeze(0), None, mesh.config.world_size)
+        if torch.equal(every.amin(0), every.amax(0)):
+            return
+        if mesh.rank == 0:
+            log.warning("auto_parallelize: initial parameters differ across ranks (no common seed?); "
+                        "using rank 0's.")
+        for t in tensors:
+            C.broadcast(t.data, 0, None, mesh.config.world_size)
+
+
+def runtime_of(model: nn.Module) -> ParallelRuntime:
+    try:
+        return _runtimes[model]
+    except KeyError:
+        raise ContextError(f"{type(model).__name__} was not built inside autopar.auto_parallelize().") from None
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The serial model's state dict (full tensors, serial names) on every rank. Collective."""
+    return runtime_of(model).full_state_dict(model.state_dict())
+
+
+def plan_of(model: nn.Module):
+    """The Plan the model runs under, or None before its first call."""
+    return runtime_of(model).plan

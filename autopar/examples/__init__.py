@@ -1,0 +1,1 @@
+"""Example models and training scripts shipped with autopar."""

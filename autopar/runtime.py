@@ -1,0 +1,263 @@
+"""Binds emitted graphs to this rank: parameter shards, process groups, gradient sync, state dicts.
+
+One ``ParallelRuntime`` per parallelized model. The plan is made once, at the first capture (all
+ranks plan from the same canonical capture, so the plan is identical everywhere); later input
+signatures (a smaller last batch, eval mode) are captured again and compiled with the same plan.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autopar import collectives as C
+from autopar.capture import Captured, capture, meta_shadow
+from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
+from autopar.errors import CaptureError, InputError, PlanError, StateDictError
+from autopar.mesh import Mesh
+from autopar.ops import ConvertOp, GatherOutputOp, MatmulOp, scatter_batch
+from passes.analysis.make_plan import make_plan
+from passes.ir import BatchInfo, InputKind, convert_layout, gather_output, input_info, sharded_matmul
+from passes.runner import PassRecord, run_passes
+from passes.shard_linears import shard_linears
+
+log = logging.getLogger(__name__)
+
+PASSES = (shard_linears,)
+
+
+@dataclass
+class Executable:
+    """One compiled graph for one input signature."""
+
+    gm: fx.GraphModule
+    inputs: tuple[tuple[InputKind, str], ...]
+    out_spec: pytree.TreeSpec
+    constants: dict[str, Any]
+    records: tuple[PassRecord, ...]
+
+
+class ParallelRuntime:
+    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh) -> None:
+        self.config, self.mesh = config, mesh
+        self.shadow = meta_shadow(model)
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.buffers = dict(model.named_buffers(remove_duplicate=False))
+        self.plan: Plan | None = None
+        self.executables: dict[Any, Executable] = {}
+        self._hooks: list[Any] = []
+        self._training = lambda: model.training
+        model.register_load_state_dict_pre_hook(self._shard_state_dict)
+
+    # ---- calling ----------------------------------------------------------------------------------
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        split, global_batch = self._batch_leaves(leaves)
+        sizes = self.config.batch_sizes(global_batch) if split else ()
+        key = (spec, self._training(), global_batch,
+               tuple(_signature(x) for x in leaves))
+        exe = self.executables.get(key)
+        if exe is None:
+            exe = self.executables[key] = self._compile(leaves, spec, split, sizes)
+        local = [scatter_batch(x, self.mesh, sizes) if i in split else x for i, x in enumerate(leaves)]
+        flat = []
+        for kind, target in exe.inputs:
+            if kind is InputKind.PARAMETER:
+                flat.append(self.params[target])
+            elif kind is InputKind.BUFFER:
+                flat.append(self.buffers[target])
+            elif kind is InputKind.CONSTANT:
+                flat.append(exe.constants[target])
+            else:
+                flat.append(local[int(target)])
+        out = exe.gm(*flat)
+        return pytree.tree_unflatten(list(out), exe.out_spec)
+
+    def _batch_leaves(self, leaves: list[Any]) -> tuple[frozenset[int], int]:
+        """Which input leaves are split as the batch (dim 0 equal to the first tensor's) and its size."""
+        n = self.config.num_batch_shards
+        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        if n == 1 or not tensors:
+            return frozenset(), 0
+        batch = tensors[0][1].shape[0]
+        if batch < n:
+            raise InputError(f"global batch of {batch} rows is smaller than data*depth = {n}: every data "
+                             f"and depth rank needs at least one row. Use a batch of at least {n} rows "
+                             "or lower data/depth.")
+        return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
+
+    # ---- compiling --------------------------------------------------------------------------------
+
+    def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+                 sizes: tuple[int, ...], index: int) -> Captured:
+        local = []
+        for i, x in enumerate(leaves):
+            if i in split:
+                x = torch.empty((sizes[index], *x.shape[1:]), dtype=x.dtype, device="meta").requires_grad_(
+                    x.requires_grad)
+            local.append(x)
+        args, kwargs = pytree.tree_unflatten(local, spec)
+        self.shadow.train(self._training())
+        batch = BatchInfo(sum(sizes), sizes, index) if split else None
+        requires_grad = {name: p.requires_grad for name, p in self.params.items()}
+        return capture(self.shadow, args, kwargs, requires_grad=requires_grad, batch=batch)
+
+    def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+                 sizes: tuple[int, ...]) -> Executable:
+        index = self.mesh.index("batch") if split else 0
+        captured = self._capture(leaves, spec, split, sizes, index)
+        if self.plan is None:
+            # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere.
+            canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0)
+            self._adopt(make_plan(canonical.gm, self.config))
+        gm, records = run_passes(captured.gm, self.plan, PASSES)
+        self._bind(gm, sizes)
+        inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
+        constants = {}
+        for name, value in captured.constants.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
+                                   "capture; autopar cannot recover its data. Register it as a buffer.")
+            constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
+        return Executable(gm, inputs, captured.out_spec, constants, records)
+
+    def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...]) -> None:
+        """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
+        device = self.mesh.device
+        for node in gm.graph.nodes:
+            if node.target is sharded_matmul:
+                node.target = MatmulOp(node.args[3], self.mesh).__call__
+                node.args = node.args[:3]
+            elif node.target is convert_layout:
+                node.target = ConvertOp(node.args[1], self.mesh).__call__
+                node.args = node.args[:1]
+            elif node.target is gather_output:
+                node.target = GatherOutputOp(node.args[1], self.mesh, sizes).__call__
+                node.args = node.args[:1]
+            elif node.op == "call_function":
+                node.args = _retarget(node.args, device)
+                node.kwargs = _retarget(node.kwargs, device)
+        gm.recompile()
+
+    # ---- parameters -------------------------------------------------------------------------------
+
+    def _adopt(self, plan: Plan) -> None:
+        """Makes ``plan`` this model's plan: shards parameters in place and installs gradient sync."""
+        for pp in plan.params:
+            p = self.params.get(pp.name)
+            if p is None or tuple(p.shape) != pp.shape:
+                raise PlanError(f"parameter {pp.name!r} has shape {None if p is None else tuple(p.shape)}, "
+                                f"but the captured graph has {pp.shape}. Do not resize parameters after "
+                                "building the model inside auto_parallelize.")
+        for pp in plan.params:
+            p = self.params[pp.name]
+            if pp.kind is not ParamKind.REPLICATED:
+                with torch.no_grad():
+                    p.data = self.local_shard(p.data, pp).clone()
+            axis, size = self.mesh.grad_group(pp.grad_axes)
+            if p.requires_grad and size > 1:
+                self._hooks.append(p.register_hook(functools.partial(_sync_grad, self.mesh, axis)))
+        self.plan = plan
+        if self.mesh.rank == 0:
+            log.info("%s", plan.summary())
+
+    def local_shard(self, full: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
+        """This rank's part of a full (serial) parameter tensor."""
+        if pp.kind is ParamKind.REPLICATED:
+            return full
+        m, o = self.mesh, pp.orientation
+        out_i, out_n = m.index(o.out_axis), m.size(o.out_axis)
+        if pp.kind is ParamKind.BIAS:
+            n = pp.shape[0] // out_n
+            return full[out_i * n:(out_i + 1) * n]
+        in_i, in_n = m.index(o.in_axis), m.size(o.in_axis)
+        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
+        n, k = pp.shape[out_dim] // out_n, pp.shape[in_dim] // in_n
+        block = full.narrow(out_dim, out_i * n, n).narrow(in_dim, in_i * k, k).reshape(-1)
+        chunk = block.numel() // m.size("depth")
+        return block[m.index("depth") * chunk:(m.index("depth") + 1) * chunk]
+
+    def full_tensor(self, local: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
+        """The full (serial) tensor from every rank's ``local`` part of parameter ``pp`` (collective)."""
+        if pp.kind is ParamKind.REPLICATED:
+            return local
+        m, o = self.mesh, pp.orientation
+        local = local.detach()
+        if pp.kind is ParamKind.BIAS:
+            return C.all_gather(local, m.group(o.out_axis), m.size(o.out_axis))
+        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
+        shape = list(pp.shape)
+        shape[out_dim] //= m.size(o.out_axis)
+        shape[in_dim] //= m.size(o.in_axis)
+        block = C.all_gather(local, m.group("depth"), m.size("depth")).view(shape)
+        for axis, dim in ((o.in_axis, in_dim), (o.out_axis, out_dim)):
+            parts = C.all_gather(block.movedim(dim, 0).contiguous(), m.group(axis), m.size(axis))
+            block = parts.movedim(0, dim)
+        return block.contiguous()
+
+    def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        if self.plan is None:
+            return state
+        by_id = {id(self.params[pp.name]): pp for pp in self.plan.params if pp.kind is not ParamKind.REPLICATED}
+        named = {name: id(p) for name, p in self.params.items()}
+        return {k: (self.full_tensor(v, by_id[named[k]]) if named.get(k) in by_id else v) for k, v in state.items()}
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's full gradient by serial name (collective; for tests and debugging)."""
+        out = {}
+        for pp in (self.plan.params if self.plan else ()):
+            g = self.params[pp.name].grad
+            out[pp.name] = None if g is None else self.full_tensor(g, pp)
+        return out
+
+    def _shard_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
+        if self.plan is None:
+            return
+        for pp in self.plan.params:
+            key = prefix + pp.name
+            if pp.kind is ParamKind.REPLICATED or key not in state_dict:
+                continue
+            t = state_dict[key]
+            local_shape = tuple(self.params[pp.name].shape)
+            if tuple(t.shape) == pp.shape:
+                state_dict[key] = self.local_shard(t, pp)
+            elif tuple(t.shape) != local_shape:
+                raise StateDictError(
+                    f"state dict entry {key!r} has shape {tuple(t.shape)}; expected the serial shape "
+                    f"{pp.shape} (or this rank's shard {local_shape}). Load the serial model's state dict.")
+
+
+def _sync_grad(mesh: Mesh, axis: str, grad: torch.Tensor) -> torch.Tensor:
+    # Clone: autograd may hand the same buffer to other consumers.
+    return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
+    try:
+        hash(x)
+    except TypeError:
+        return ("object", repr(x))
+    return ("value", type(x), x)
+
+
+def _retarget(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.device) and value.type == "meta":
+        return device
+    if isinstance(value, (tuple, list)):
+        return type(value)(_retarget(v, device) for v in value)
+    if isinstance(value, dict):
+        return {k: _retarget(v, device) for k, v in value.items()}
+    return value
+
+
+

@@ -1,0 +1,1 @@
+"""Read-only analyses over captured graphs: they decide, transforms apply."""

@@ -1,0 +1,183 @@
+"""Predicts, for one rank, every collective a training step issues and the matmul FLOPs.
+
+The runtime counts the bytes it really sends (autopar.collectives); tests hold the two equal. The
+accounting per op mirrors the implementations in autopar.ops one to one:
+
+- sharded matmul: forward all-gather of the weight block over depth, all-reduce of the output over
+  the axis splitting the input features; backward all-gather of the block again, all-reduce of dX
+  over the axis splitting the output features (only if the input needs a gradient),
+  reduce-scatter of dW over depth.
+- layout conversion: gather = all-gather forward, free backward; slice = free forward, all-gather of
+  the gradient backward (only if the input needs a gradient).
+- output: features gathered, then batch rows gathered over data x depth (padded to the largest shard).
+- after backward: each parameter's gradient all-reduced over its ``grad_axes``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+
+import torch.fx as fx
+
+from autopar.config import Layout, Orientation, ParallelConfig, ParamPlan, collective_bytes
+from passes.analysis.graph_facts import MatmulMatch, module_of, param_name, rows_of, tensor_meta
+from passes.analysis.layouts import LayoutResult, _output_node
+from passes.ir import BatchInfo, input_info
+
+
+@dataclass(frozen=True, slots=True)
+class Collective:
+    kind: str
+    axis: str
+    """Mesh axis, or 'batch' for data x depth together."""
+    group_size: int
+    message_bytes: int
+    phase: str
+    """forward, backward, or step (gradient synchronization after backward)."""
+    where: str
+    """Module FQN or parameter name, for the plan table."""
+
+    @property
+    def bytes(self) -> Fraction:
+        return collective_bytes(self.kind, self.group_size, self.message_bytes)
+
+
+def axis_size(config: ParallelConfig, axis: str) -> int:
+    if axis == "batch":
+        return config.num_batch_shards
+    size = 1
+    for a in axis.split("+"):
+        size *= config.size(a)
+    return size
+
+
+def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad: bool,
+                       w_requires_grad: bool, config: ParallelConfig) -> list[Collective]:
+    x = tensor_meta(m.x)
+    b = x.element_size()
+    rows = rows_of(x)
+    out_split = config.size(orientation.out_axis)
+    in_split = config.size(orientation.in_axis)
+    block_bytes = m.out_features * m.in_features // (out_split * in_split) * b
+    where = m.module or m.weight
+
+    def c(kind: str, axis: str, nbytes: int, phase: str) -> Collective:
+        return Collective(kind, axis, axis_size(config, axis), nbytes, phase, where)
+
+    out = [c("all_gather", "depth", block_bytes, "forward"),
+           c("all_reduce", orientation.in_axis, rows * m.out_features // out_split * b, "forward")]
+    if x_requires_grad or w_requires_grad:
+        out.append(c("all_gather", "depth", block_bytes, "backward"))
+    if x_requires_grad:
+        out.append(c("all_reduce", orientation.out_axis, rows * m.in_features // in_split * b, "backward"))
+    if w_requires_grad:
+        out.append(c("reduce_scatter", "depth", block_bytes, "backward"))
+    return [x for x in out if x.group_size > 1]
+
+
+def conversion_collectives(producer: fx.Node, src: Layout, dst: Layout, requires_grad: bool,
+                           config: ParallelConfig, where: str) -> list[Collective]:
+    t = tensor_meta(producer)
+    nbytes = t.numel() * t.element_size()
+    out = []
+    if src is not Layout.REPLICATED:
+        out.append(Collective("all_gather", src.value, config.size(src.value), nbytes, "forward", where))
+    if dst is not Layout.REPLICATED and requires_grad:
+        out.append(Collective("all_gather", dst.value, config.size(dst.value), nbytes, "backward", where))
+    return [c for c in out if c.group_size > 1]
+
+
+def output_collectives(producer: fx.Node, layout: Layout, batch_split: bool, batch: BatchInfo | None,
+                       config: ParallelConfig) -> list[Collective]:
+    t = tensor_meta(producer)
+    out = []
+    if layout is not Layout.REPLICATED:
+        out.append(Collective("all_gather", layout.value, config.size(layout.value),
+                              t.numel() * t.element_size(), "forward", "<output>"))
+    if batch_split and batch is not None and t.dim() >= 1 and t.shape[0]:
+        row_bytes = t.numel() // t.shape[0] * t.element_size()
+        padded = max(batch.local_sizes) * len(batch.local_sizes) * row_bytes
+        out.append(Collective("all_gather", "batch", config.num_batch_shards, padded, "forward", "<output>"))
+    return [c for c in out if c.group_size > 1]
+
+
+def input_collectives(node: fx.Node, batch: BatchInfo | None, config: ParallelConfig) -> list[Collective]:
+    """The backward all-gather of a batch-split input's gradient (only inputs that need one)."""
+    info = input_info(node)
+    t = tensor_meta(node)
+    if batch is None or info is None or not info.batch_split or not info.requires_grad or t is None:
+        return []
+    row_bytes = t.numel() // max(t.shape[0], 1) * t.element_size()
+    padded = max(batch.local_sizes) * len(batch.local_sizes) * row_bytes
+    out = [Collective("all_gather", "batch", config.num_batch_shards, padded, "backward", "<input>")]
+    return [c for c in out if c.group_size > 1]
+
+
+def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
+                          config: ParallelConfig) -> list[Collective]:
+    out = []
+    for node in gm.graph.nodes:
+        name = param_name(node)
+        t = tensor_meta(node)
+        info = input_info(node)
+        if name is None or t is None or not node.users or not (info and info.requires_grad):
+            continue
+        plan = params[name]
+        axis = "+".join(plan.grad_axes)
+        nbytes = plan.local_numel(config) * t.element_size()
+        out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
+    return [c for c in out if c.group_size > 1]
+
+
+def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[MatmulMatch],
+                     params: Mapping[str, ParamPlan] | None, config: ParallelConfig) -> list[Collective]:
+    """Every collective this rank issues in one forward + backward + gradient sync, in graph order."""
+    batch: BatchInfo | None = gm.meta.get("autopar_batch")
+    by_node = {m.node: m for m in matmuls}
+    out: list[Collective] = []
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            out += input_collectives(node, batch, config)
+    done: set[tuple[fx.Node, Layout]] = set()
+    output = _output_node(gm)
+    for (consumer, producer), dst in res.conversions.items():
+        if consumer is output or (producer, dst) in done:
+            continue
+        done.add((producer, dst))
+        out += conversion_collectives(producer, res.layouts[producer], dst, res.requires_grad[producer],
+                                      config, module_of(consumer) or str(consumer.target))
+    for node, orientation in res.orientations.items():
+        m = by_node[node]
+        w_node = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
+        out += matmul_collectives(m, orientation, res.requires_grad[m.x], res.requires_grad[w_node], config)
+    seen: set[fx.Node] = set()
+    for producer in output.all_input_nodes:
+        if producer in seen or tensor_meta(producer) is None:
+            continue
+        seen.add(producer)
+        out += output_collectives(producer, res.layouts.get(producer, Layout.REPLICATED),
+                                  res.batch_split.get(producer, False), batch, config)
+    if params is not None:
+        out += grad_sync_collectives(gm, params, config)
+    return out
+
+
+def total_bytes(collectives: Iterable[Collective]) -> Fraction:
+    return sum((c.bytes for c in collectives), Fraction(0))
+
+
+def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, Fraction]:
+    out: dict[str, Fraction] = {}
+    for c in collectives:
+        out[c.kind] = out.get(c.kind, Fraction(0)) + c.bytes
+    return out
+
+
+def matmul_flops(m: MatmulMatch, x_requires_grad: bool, w_requires_grad: bool,
+                 global_rows: int | None = None) -> int:
+    """Forward + backward FLOPs of one matmul over ``global_rows`` rows (default: the captured rows)."""
+    rows = rows_of(tensor_meta(m.x)) if global_rows is None else global_rows
+    one = 2 * rows * m.in_features * m.out_features
+    return one * (1 + int(x_requires_grad) + int(w_requires_grad))

@@ -1,0 +1,138 @@
+"""Small read-only facts about captured ATen graphs: shapes, owning modules, matmuls on parameters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from passes.ir import InputKind, input_info
+
+aten = torch.ops.aten
+
+_TRANSPOSES = (aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default)
+
+
+def tensor_meta(node: fx.Node) -> torch.Tensor | None:
+    """The fake/meta tensor recorded for a node at capture, or None for non-tensor values."""
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val if isinstance(val, torch.Tensor) else None
+
+
+def module_of(node: fx.Node) -> str:
+    """FQN of the innermost module that produced ``node`` ('' for the root module)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path = list(stack.values())[-1][0]
+    return "" if path.startswith("L__self__") else path
+
+
+def param_name(node: object) -> str | None:
+    """The parameter FQN if ``node`` is a parameter placeholder."""
+    if not isinstance(node, fx.Node) or node.op != "placeholder":
+        return None
+    info = input_info(node)
+    return info.target if info is not None and info.kind is InputKind.PARAMETER else None
+
+
+@dataclass(frozen=True, slots=True)
+class MatmulMatch:
+    """A matmul whose one operand is a 2-D parameter: ``y = x @ W^T (+ b)``."""
+
+    node: fx.Node
+    x: fx.Node
+    weight: str
+    weight_node: fx.Node
+    """The node the matmul reads the weight through (the placeholder, or a transpose of it)."""
+    bias: str | None
+    weight_in_out: bool
+    op: str
+    in_features: int
+    out_features: int
+    module: str
+
+
+def _is_transpose_2d(node: object) -> bool:
+    if not isinstance(node, fx.Node) or node.op != "call_function" or node.target not in _TRANSPOSES:
+        return False
+    if node.target is aten.permute.default:
+        return list(node.args[1]) in ([1, 0], [-1, -2], [1, -2], [-1, 0])
+    if node.target is aten.transpose.int:
+        return sorted(int(d) % 2 for d in node.args[1:3]) == [0, 1]
+    return True
+
+
+def match_matmul(node: fx.Node) -> MatmulMatch | None:
+    """Recognizes linear / addmm (HF Conv1D) / mm / matmul with a 2-D parameter as the weight."""
+    if node.op != "call_function":
+        return None
+    target = node.target
+    bias_node = None
+    if target is aten.linear.default:
+        x, w = node.args[0], node.args[1]
+        bias_node = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        weight_node, in_out = w, False
+    elif target is aten.addmm.default:
+        if node.kwargs.get("beta", 1) != 1 or node.kwargs.get("alpha", 1) != 1:
+            return None
+        bias_node, x, w = node.args[0], node.args[1], node.args[2]
+        weight_node, in_out = w, True
+    elif target in (aten.mm.default, aten.matmul.default):
+        x, w = node.args[0], node.args[1]
+        weight_node, in_out = w, True
+    else:
+        return None
+    name = param_name(weight_node)
+    if name is None and _is_transpose_2d(weight_node):
+        name = param_name(weight_node.args[0])
+        in_out = not in_out
+    if name is None or param_name(x) is not None or not isinstance(x, fx.Node):
+        return None
+    wt = tensor_meta(weight_node)
+    xt = tensor_meta(x)
+    if wt is None or xt is None or wt.dim() != 2 or xt.dim() < 1:
+        return None
+    bias = None
+    if bias_node is not None:
+        bias = param_name(bias_node)
+        bt = tensor_meta(bias_node)
+        if bias is None or bt is None or bt.dim() != 1:
+            return None  # a computed or broadcast bias: leave the op alone
+    in_features, out_features = (wt.shape[0], wt.shape[1]) if in_out else (wt.shape[1], wt.shape[0])
+    if xt.shape[-1] != in_features:
+        return None
+    return MatmulMatch(node, x, name, weight_node, bias, in_out, str(target.__name__).split(".")[0],
+                       int(in_features), int(out_features), module_of(node))
+
+
+def find_matmuls(gm: fx.GraphModule) -> list[MatmulMatch]:
+    """Every matmul on a 2-D parameter, in graph order."""
+    return [m for n in gm.graph.nodes if (m := match_matmul(n)) is not None]
+
+
+def param_uses(gm: fx.GraphModule) -> dict[str, int]:
+    """How many ops read each parameter (through transposes too): a shared weight reads more than once."""
+    uses: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        name = param_name(node)
+        if name is None:
+            continue
+        count = 0
+        for user in node.users:
+            count += len(user.users) if _is_transpose_2d(user) else 1
+        uses[name] = count
+    return uses
+
+
+def dtype_bytes(t: torch.Tensor) -> int:
+    return t.element_size()
+
+
+def rows_of(t: torch.Tensor) -> int:
+    """Number of 'rows': every dimension but the last, multiplied."""
+    n = 1
+    for s in t.shape[:-1]:
+        n *= int(s)
+    return n
