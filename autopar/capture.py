@@ -114,3 +114,36 @@ def _user_leaf_index(node: fx.Node, leaves: list, position: int, tensor_leaf_ids
     if position < len(leaves):
         return position
     raise CaptureError(f"cannot match graph input {node.name} to the call's inputs.")
+
+
+def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[int], int]:
+    """Which input leaves are split as the global batch, and its size.
+
+    The batch is dim 0 of the first tensor input; every tensor input with that dim 0 is split.
+    Nothing is split when ``num_shards`` is 1.
+    """
+    from autopar.errors import InputError
+
+    tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if num_shards == 1 or not tensors:
+        return frozenset(), 0
+    batch = tensors[0][1].shape[0]
+    if batch < num_shards:
+        raise InputError(f"global batch of {batch} rows is smaller than data*depth = {num_shards}: every "
+                         f"data and depth rank needs at least one row. Use a batch of at least "
+                         f"{num_shards} rows or lower data/depth.")
+    return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
+
+
+def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+                  sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool]) -> Captured:
+    """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows."""
+    local = []
+    for i, x in enumerate(leaves):
+        if i in split:
+            x = torch.empty((sizes[index], *x.shape[1:]), dtype=x.dtype, device="meta").requires_grad_(
+                x.requires_grad)
+        local.append(x)
+    args, kwargs = pytree.tree_unflatten(local, spec)
+    batch = BatchInfo(sum(sizes), sizes, index) if split else None
+    return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch)

@@ -18,13 +18,13 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autopar import collectives as C
-from autopar.capture import Captured, capture, meta_shadow
+from autopar.capture import Captured, capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
-from autopar.errors import CaptureError, InputError, PlanError, StateDictError
+from autopar.errors import CaptureError, PlanError, StateDictError
 from autopar.mesh import Mesh
 from autopar.ops import ConvertOp, GatherOutputOp, MatmulOp, scatter_batch
 from passes.analysis.make_plan import make_plan
-from passes.ir import BatchInfo, InputKind, convert_layout, gather_output, input_info, sharded_matmul
+from passes.ir import InputKind, convert_layout, gather_output, input_info, sharded_matmul
 from passes.runner import PassRecord, run_passes
 from passes.shard_linears import shard_linears
 
@@ -60,7 +60,7 @@ class ParallelRuntime:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        split, global_batch = self._batch_leaves(leaves)
+        split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards)
         sizes = self.config.batch_sizes(global_batch) if split else ()
         key = (spec, self._training(), global_batch,
                tuple(_signature(x) for x in leaves))
@@ -81,34 +81,13 @@ class ParallelRuntime:
         out = exe.gm(*flat)
         return pytree.tree_unflatten(list(out), exe.out_spec)
 
-    def _batch_leaves(self, leaves: list[Any]) -> tuple[frozenset[int], int]:
-        """Which input leaves are split as the batch (dim 0 equal to the first tensor's) and its size."""
-        n = self.config.num_batch_shards
-        tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
-        if n == 1 or not tensors:
-            return frozenset(), 0
-        batch = tensors[0][1].shape[0]
-        if batch < n:
-            raise InputError(f"global batch of {batch} rows is smaller than data*depth = {n}: every data "
-                             f"and depth rank needs at least one row. Use a batch of at least {n} rows "
-                             "or lower data/depth.")
-        return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
-
     # ---- compiling --------------------------------------------------------------------------------
 
     def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
                  sizes: tuple[int, ...], index: int) -> Captured:
-        local = []
-        for i, x in enumerate(leaves):
-            if i in split:
-                x = torch.empty((sizes[index], *x.shape[1:]), dtype=x.dtype, device="meta").requires_grad_(
-                    x.requires_grad)
-            local.append(x)
-        args, kwargs = pytree.tree_unflatten(local, spec)
         self.shadow.train(self._training())
-        batch = BatchInfo(sum(sizes), sizes, index) if split else None
         requires_grad = {name: p.requires_grad for name, p in self.params.items()}
-        return capture(self.shadow, args, kwargs, requires_grad=requires_grad, batch=batch)
+        return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad)
 
     def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
                  sizes: tuple[int, ...]) -> Executable:

@@ -51,8 +51,12 @@ def example_inputs(batch_size: int = 32) -> tuple[torch.Tensor]:
 
 
 def synthetic_mnist(num_batches: int, batch_size: int, image_size: int, seed: int = 0):
-    """Deterministic MNIST-shaped batches: (images (B, 1, S, S), labels (B,)). Same on every rank."""
+    """Deterministic MNIST-shaped batches: (images (B, 1, S, S), labels (B,)). Same on every rank.
+
+    Labels are a fixed random linear function of the image, so the loss can go down.
+    """
     g = torch.Generator().manual_seed(seed)
+    teacher = torch.randn(image_size * image_size, 10, generator=g)
     for _ in range(num_batches):
-        yield (torch.randn(batch_size, 1, image_size, image_size, generator=g),
-               torch.randint(0, 10, (batch_size,), generator=g))
+        x = torch.randn(batch_size, 1, image_size, image_size, generator=g)
+        yield x, (x.flatten(1) @ teacher).argmax(1)

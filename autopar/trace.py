@@ -1,0 +1,169 @@
+"""``python -m autopar.trace model.py --tensor R C D --data D``: the plan, without processes or GPUs.
+
+``model.py`` defines ``build_model()`` and ``example_inputs()``. The model is built on the meta
+device (no weights are allocated), captured for one rank's batch shard, planned, and reported: a
+per-matmul table (module, op, shapes, parameters, FLOPs, sharding, bytes per step) and totals.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
+from autopar.config import ParallelConfig, Plan
+from autopar.errors import AutoparError, ConfigError
+from passes.analysis.make_plan import make_plan
+from passes.analysis.report import StepReport, estimate_step
+
+
+def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
+               kwargs: dict | None = None) -> tuple[Plan, StepReport]:
+    """The Plan every rank would run under, and ``rank``'s step report, for one global batch."""
+    shadow = model if _is_meta(model) else meta_shadow(model)
+    leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
+    split, batch = split_batch_leaves(leaves, config.num_batch_shards)
+    sizes = config.batch_sizes(batch) if split else ()
+    requires_grad = {n: p.requires_grad for n, p in shadow.named_parameters(remove_duplicate=False)}
+    canonical = capture_shard(shadow, leaves, spec, split, sizes, 0, requires_grad=requires_grad)
+    plan = make_plan(canonical.gm, config)
+    index = config.batch_index(rank) if split else 0
+    mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
+                                                      requires_grad=requires_grad)
+    return plan, estimate_step(mine.gm, plan)
+
+
+def _is_meta(model: nn.Module) -> bool:
+    tensors = list(model.parameters()) + list(model.buffers())
+    return bool(tensors) and all(t.device.type == "meta" for t in tensors)
+
+
+def _load(path: str) -> Any:
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"model file {path!r} does not exist. Pass a .py file that defines "
+                          "build_model() and example_inputs().")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules.setdefault(file.stem, module)
+    spec.loader.exec_module(module)
+    for name in ("build_model", "example_inputs"):
+        if not callable(getattr(module, name, None)):
+            raise ConfigError(f"{path} does not define {name}(). It must define build_model() and "
+                              "example_inputs().")
+    return module
+
+
+def _with_batch(inputs: tuple, batch_size: int | None) -> tuple:
+    """Meta copies of ``inputs``; with ``batch_size``, tensors sharing the first tensor's dim 0 get it."""
+    leaves, spec = pytree.tree_flatten(inputs)
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
+    first = tensors[0].shape[0] if tensors else None
+    out = []
+    for x in leaves:
+        if isinstance(x, torch.Tensor):
+            shape = list(x.shape)
+            if batch_size is not None and x.dim() > 0 and shape[0] == first:
+                shape[0] = batch_size
+            x = torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
+        out.append(x)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n}"
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("T", 1e12), ("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -> str:
+    c = plan.config
+    lines = [f"autopar plan for {c} = {c.world_size} ranks, global batch {batch_size}, shown for rank {rank}",
+             ""]
+    header = f"{'module':<22} {'op':<7} {'in shape':<16} {'out shape':<16} {'params':>9} {'FLOPs':>9}  {'sharding':<12} {'comm/step':>11}"
+    lines += [header, "-" * len(header)]
+    for r in report.layers:
+        lines.append(f"{r.module or '<root>':<22} {r.op:<7} {str(list(r.in_shape)):<16} {str(list(r.out_shape)):<16} "
+                     f"{_fmt_count(r.num_parameters):>9} {_fmt_count(r.flops):>9}  {r.sharding:<12} "
+                     f"{_fmt_bytes(float(r.comm_bytes)):>11}")
+    for what, nbytes in report.other_comm:
+        lines.append(f"{what:<80} {_fmt_bytes(float(nbytes)):>11}")
+    lines.append("-" * len(header))
+    share = report.matmul_flops_sharded / report.flops_per_step if report.flops_per_step else 1.0
+    kinds = ", ".join(f"{k} {_fmt_bytes(float(v))}" for k, v in report.comm_bytes_by_kind.items())
+    lines += [
+        f"parameters:            {report.num_parameters:,}",
+        f"matmul FLOPs per step: {report.flops_per_step:,} (fwd+bwd, global batch; {share:.1%} sharded)",
+        f"parameter bytes/rank:  {report.param_bytes_per_rank:,} ({_fmt_bytes(report.param_bytes_per_rank)})",
+        f"comm bytes/step/rank:  {float(report.comm_bytes_per_step):,.0f} ({kinds or 'none'})",
+    ]
+    lines += [f"note: {n}" for n in plan.notes]
+    return "\n".join(lines)
+
+
+def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -> dict[str, Any]:
+    return {
+        "config": {"data": plan.config.data, "tensor": list(plan.config.tensor), "world_size": plan.config.world_size},
+        "batch_size": batch_size,
+        "rank": rank,
+        "num_parameters": report.num_parameters,
+        "flops_per_step": report.flops_per_step,
+        "param_bytes_per_rank": report.param_bytes_per_rank,
+        "comm_bytes_per_step": float(report.comm_bytes_per_step),
+        "comm_bytes_by_kind": {k: float(v) for k, v in report.comm_bytes_by_kind.items()},
+        "layers": [{"module": r.module, "op": r.op, "in_shape": list(r.in_shape), "out_shape": list(r.out_shape),
+                    "num_parameters": r.num_parameters, "flops": r.flops, "sharding": r.sharding,
+                    "comm_bytes": float(r.comm_bytes)} for r in report.layers],
+        "other_comm": [{"what": w, "comm_bytes": float(b)} for w, b in report.other_comm],
+        "plan": plan.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar.trace", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="a .py file defining build_model() and example_inputs()")
+    parser.add_argument("--tensor", type=int, nargs=3, default=(1, 1, 1), metavar=("ROW", "COL", "DEPTH"))
+    parser.add_argument("--data", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: example_inputs')")
+    parser.add_argument("--rank", type=int, default=0, help="the rank whose bytes and shapes are shown")
+    parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    args = parser.parse_args(argv)
+    try:
+        config = ParallelConfig(args.data, *args.tensor)
+        module = _load(args.model)
+        with torch.device("meta"):
+            model = module.build_model()
+        inputs = module.example_inputs()
+        inputs = _with_batch(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
+        leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
+        batch_size = leaves[0].shape[0] if leaves else 0
+        plan, report = plan_model(model, inputs, config, rank=args.rank)
+    except AutoparError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(plan, report, batch_size=batch_size, rank=args.rank))
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(plan, report, batch_size=batch_size, rank=args.rank),
+                                              indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

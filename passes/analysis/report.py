@@ -1,0 +1,112 @@
+"""estimate_step: the per-layer table and totals that ``python -m autopar.trace`` prints.
+
+Everything is for one training step (forward + backward + gradient sync) on one rank, from a graph
+captured for that rank's batch shard and the Plan; communicated bytes use the same accounting as
+``autopar.comm_stats()``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from fractions import Fraction
+
+import torch.fx as fx
+
+from autopar.config import Orientation, Plan
+from passes.analysis.estimate_costs import Collective, bytes_by_kind, list_collectives, matmul_flops, total_bytes
+from passes.analysis.graph_facts import find_matmuls, param_name, rows_of, tensor_meta
+from passes.analysis.layouts import propagate_layouts
+from passes.analysis.make_plan import _local_batch
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRow:
+    module: str
+    op: str
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    """Logical (unsharded) shapes on this rank's batch shard."""
+    num_parameters: int
+    flops: int
+    """Forward + backward over the global batch."""
+    sharding: str
+    comm_bytes: Fraction
+    """This rank's bytes for the matmul and the gradient sync of its weight and bias."""
+
+
+@dataclass(frozen=True, slots=True)
+class StepReport:
+    layers: tuple[LayerRow, ...]
+    other_comm: tuple[tuple[str, Fraction], ...]
+    """Communication not attributed to a matmul: (what, bytes)."""
+    num_parameters: int
+    flops_per_step: int
+    matmul_flops_sharded: int
+    param_bytes_per_rank: int
+    comm_bytes_per_step: Fraction
+    comm_bytes_by_kind: dict[str, Fraction] = field(default_factory=dict)
+    collectives: tuple[Collective, ...] = ()
+
+
+def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
+    config = plan.config
+    matches = find_matmuls(gm)
+    by_node = {m.node: m for m in matches}
+    res = propagate_layouts(gm, by_node, lambda m, _: plan.matmul(m.weight).orientation, _local_batch(gm))
+    params = {p.name: p for p in plan.params}
+    colls = list_collectives(gm, res, matches, params, config)
+    batch = gm.meta.get("autopar_batch")
+    scale = Fraction(batch.global_size, batch.local_sizes[batch.index]) if batch is not None else Fraction(1)
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    grad_of: dict[str, bool] = {}
+    for node in gm.graph.nodes:
+        name = param_name(node)
+        if name is not None:
+            shapes[name] = tuple(int(s) for s in tensor_meta(node).shape)
+            grad_of[name] = res.requires_grad[node]
+
+    by_where: dict[str, Fraction] = {}
+    for c in colls:
+        by_where[c.where] = by_where.get(c.where, Fraction(0)) + c.bytes
+    rows, attributed = [], set()
+    total_flops = sharded_flops = 0
+    for m in matches:
+        mp = plan.matmul(m.weight)
+        global_rows = int(rows_of(tensor_meta(m.x)) * scale)
+        flops = matmul_flops(m, res.requires_grad[m.x], grad_of[m.weight], global_rows)
+        total_flops += flops
+        where = m.module or m.weight
+        comm = by_where.get(where, Fraction(0)) if where not in attributed else Fraction(0)
+        for p in (m.weight, m.bias):
+            if p is not None:
+                comm += by_where.get(p, Fraction(0))
+                attributed.add(p)
+        attributed.add(where)
+        nparams = _numel(shapes[m.weight]) + (_numel(shapes[m.bias]) if m.bias else 0)
+        if mp.orientation is Orientation.REPLICATED:
+            sharding = f"replicated: {mp.reason}"
+        else:
+            sharding = mp.orientation.value
+            sharded_flops += flops
+        rows.append(LayerRow(m.module, m.op, tuple(tensor_meta(m.x).shape), tuple(tensor_meta(m.node).shape),
+                             nparams, flops, sharding, comm))
+    other: dict[str, Fraction] = {}
+    for c in colls:
+        if c.where in attributed:
+            continue
+        label = {"<output>": "output gather", "<input>": "input gradient gather"}.get(c.where)
+        if label is None:
+            label = f"gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
+        other[label] = other.get(label, Fraction(0)) + c.bytes
+    param_bytes = sum(p.local_numel(config) * 4 for p in plan.params)  # fp32 parameters
+    return StepReport(tuple(rows), tuple(other.items()), sum(_numel(s) for s in shapes.values()),
+                      total_flops, sharded_flops, param_bytes, total_bytes(colls), bytes_by_kind(colls),
+                      tuple(colls))
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n
