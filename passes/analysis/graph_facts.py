@@ -84,13 +84,14 @@ def match_matmul(node: fx.Node) -> MatmulMatch | None:
         weight_node, in_out = w, True
     else:
         return None
-    name = param_name(weight_node)
+    name, param_node = param_name(weight_node), weight_node
     if name is None and _is_transpose_2d(weight_node):
-        name = param_name(weight_node.args[0])
+        param_node = weight_node.args[0]
+        name = param_name(param_node)
         in_out = not in_out
     if name is None or param_name(x) is not None or not isinstance(x, fx.Node):
         return None
-    wt = tensor_meta(weight_node)
+    wt = tensor_meta(param_node)  # the stored (in, out) or (out, in) weight
     xt = tensor_meta(x)
     if wt is None or xt is None or wt.dim() != 2 or xt.dim() < 1:
         return None

@@ -1,0 +1,67 @@
+"""End to end: the trace CLI and the README's main command."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from autopar.trace import main as trace_main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "autopar" / "examples" / "fc_net.py")
+
+
+def test_trace_prints_table_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    assert trace_main([EXAMPLE, "--tensor", "2", "2", "1", "--data", "2", "--batch-size", "32",
+                       "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "layers.3.fc2" in text and "transposed" in text and "normal" in text
+    assert "parameters:            142,686,218" in text
+    d = json.loads(out.read_text())
+    assert d["num_parameters"] == 142_686_218
+    # 2*(fwd) + 4*(bwd) * rows * in * out per matmul; the first layer's input needs no gradient.
+    per_row = sum(i * o for i, o in [(2048, 8192), (8192, 2048)] * 4) * 6 + 4096 * 2048 * 4 + 2048 * 10 * 6
+    assert d["flops_per_step"] == 32 * per_row
+    assert d["comm_bytes_per_step"] > 0 and len(d["layers"]) == 10
+    assert d["param_bytes_per_rank"] < 142_686_218 * 4 / 3
+
+
+def test_trace_runs_as_module_and_reports_bad_input():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ok = subprocess.run([sys.executable, "-m", "autopar.trace", EXAMPLE, "--tensor", "4", "1", "1"],
+                        capture_output=True, text=True, env=env, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert "shown for rank 0" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "autopar.trace", "no_such_model.py"],
+                         capture_output=True, text=True, env=env, timeout=120)
+    assert bad.returncode == 2 and "does not exist" in bad.stderr
+
+
+def _readme_main_command() -> str:
+    text = (ROOT / "README.md").read_text()
+    first = re.search(r"```bash\n(.*?)\n```", text, re.S).group(1)
+    assert first.startswith('pip install torch==2.13.0 -e ".[test]" && ')
+    return first.split(" && ", 1)[1]
+
+
+@pytest.mark.slow
+def test_readme_main_command_trains_with_serial_losses():
+    cmd = _readme_main_command()
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    run = subprocess.run(cmd, shell=True, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "autopar plan: data=1 tensor=(row=2, col=2, depth=1) on 4 ranks; 10/10 matmuls sharded" in run.stdout
+    losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", run.stdout)]
+    assert len(losses) == 5
+    serial = subprocess.run([sys.executable, "-m", "autopar.examples.train_fc_net", "--serial"],
+                            capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
+    expected = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", serial.stdout)]
+    assert len(expected) == 5
+    assert all(abs(a - b) <= 1e-4 * abs(b) for a, b in zip(losses, expected)), (losses, expected)

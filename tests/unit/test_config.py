@@ -1,0 +1,59 @@
+from fractions import Fraction
+
+import pytest
+
+from autopar.config import Layout, Orientation, ParallelConfig, collective_bytes
+from autopar.errors import AutoparError, ConfigError
+
+
+def test_config_rejects_bad_degrees():
+    for bad in (0, -1, 1.5, True, "2"):
+        with pytest.raises(ConfigError, match="Use an integer >= 1"):
+            ParallelConfig(data=bad)
+
+
+def test_config_from_user_infers_data_and_checks_world_size():
+    assert ParallelConfig.from_user(world_size=8) == ParallelConfig(8, 1, 1, 1)
+    assert ParallelConfig.from_user(tensor=(2, 2, 1), world_size=8) == ParallelConfig(2, 2, 2, 1)
+    with pytest.raises(ConfigError, match=r"world size 8 does not match .* = 4"):
+        ParallelConfig.from_user(tensor=(2, 2, 1), data=1, world_size=8)
+    with pytest.raises(ConfigError, match="not divisible by row\\*col\\*depth"):
+        ParallelConfig.from_user(tensor=(3, 1, 1), world_size=8)
+    with pytest.raises(ConfigError, match="three integers"):
+        ParallelConfig.from_user(tensor=(2, 2), world_size=4)
+    assert issubclass(ConfigError, AutoparError) and issubclass(ConfigError, ValueError)
+
+
+def test_config_coords_are_row_major_with_col_fastest():
+    c = ParallelConfig(data=2, row=2, col=2, depth=1)
+    assert c.coords(0) == dict(data=0, depth=0, row=0, col=0)
+    assert c.coords(1) == dict(data=0, depth=0, row=0, col=1)
+    assert c.coords(2) == dict(data=0, depth=0, row=1, col=0)
+    assert c.coords(7) == dict(data=1, depth=0, row=1, col=1)
+    d = ParallelConfig(data=2, row=1, col=1, depth=2)
+    assert [d.batch_index(r) for r in range(4)] == [0, 1, 2, 3]
+    with pytest.raises(ConfigError):
+        c.coords(8)
+
+
+def test_config_batch_sizes_uneven_first_shards_larger():
+    c = ParallelConfig(data=2, depth=2)
+    assert c.batch_sizes(13) == (4, 3, 3, 3)
+    assert sum(c.batch_sizes(9)) == 9
+
+
+def test_collective_bytes_ring_formulas():
+    assert collective_bytes("all_reduce", 4, 100) == Fraction(150)
+    assert collective_bytes("all_gather", 4, 100) == Fraction(75)
+    assert collective_bytes("reduce_scatter", 2, 100) == Fraction(50)
+    assert collective_bytes("send", 2, 100) == Fraction(100)
+    assert collective_bytes("all_reduce", 1, 100) == 0
+    assert collective_bytes("all_reduce", 3, 10) == Fraction(40, 3)
+    with pytest.raises(ValueError):
+        collective_bytes("gossip", 2, 1)
+
+
+def test_orientation_layouts_swap_row_and_col():
+    assert (Orientation.NORMAL.in_layout, Orientation.NORMAL.out_layout) == (Layout.COL, Layout.ROW)
+    assert (Orientation.TRANSPOSED.in_layout, Orientation.TRANSPOSED.out_layout) == (Layout.ROW, Layout.COL)
+    assert repr(Layout.ROW) == "Layout.ROW"

@@ -1,0 +1,34 @@
+"""passes/ stays pure: it imports only torch, networkx, the stdlib and autopar's leaves."""
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ALLOWED_AUTOPAR = {"autopar.config", "autopar.errors"}
+
+
+def _imports(path: Path) -> set[str]:
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            out.add(node.module)
+    return out
+
+
+def test_passes_import_only_torch_networkx_stdlib_and_leaves():
+    for path in sorted((ROOT / "passes").rglob("*.py")):
+        for name in _imports(path):
+            top = name.split(".")[0]
+            ok = (top in ("torch", "networkx", "passes", "__future__") or top in sys.stdlib_module_names
+                  or name in ALLOWED_AUTOPAR)
+            assert ok, f"{path.relative_to(ROOT)} imports {name}"
+            assert not name.startswith("torch.distributed"), f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_leaves_import_nothing_from_the_project_but_leaves():
+    for leaf in ("config.py", "errors.py"):
+        names = _imports(ROOT / "autopar" / leaf)
+        assert {n for n in names if n.startswith(("autopar", "passes"))} <= ALLOWED_AUTOPAR
