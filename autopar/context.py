@@ -7,6 +7,7 @@ Whatever happens inside the block, every hook is removed on the way out.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import weakref
@@ -116,7 +117,13 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
     _agree_on_parameters(model, mesh)
     runtime = ParallelRuntime(model, config, mesh)
     _runtimes[model] = runtime
-    model.forward = runtime.__call__  # instance attribute: nn.Module.__call__ dispatches to it
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        return runtime(*args, **kwargs)
+
+    functools.update_wrapper(forward, original)  # inspect.signature(model.forward) stays the user's
+    model.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
     if example_inputs is not None:
         model(*example_inputs)  # compiles and shards; the output is discarded
     return model

@@ -2,7 +2,7 @@
 
 The ops are markers: calling one raises. The runtime binds each marker node to an implementation
 over real process groups (autopar.runtime). Keeping them abstract keeps the passes free of
-torch.distributed and lets a graph be planned, printed and checked without processes.
+process groups and lets a graph be planned, printed and checked without processes.
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -59,6 +61,7 @@ def errors_worker() -> dict:
     with autopar.auto_parallelize() as config:
         dp = FC_Net(**SMALL)
     out["default"] = (config.data, config.tensor)
+    out["signature"] = str(inspect.signature(dp.forward))
     try:
         dp(x[:1])
     except InputError as e:
@@ -74,6 +77,7 @@ def test_errors_and_context_hygiene(distributed):
     assert r["config"] == (1, (2, 1, 1))
     assert r["output_shape"] == (13, 10)
     assert r["default"] == (2, (1, 1, 1))
+    assert r["signature"] == "(x: 'torch.Tensor') -> 'torch.Tensor'"  # FC_Net's own (postponed) annotations
     assert "smaller than data*depth = 2" in r["small_batch"]
 
 
