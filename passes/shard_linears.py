@@ -26,8 +26,8 @@ import torch.fx as fx
 from autopar.config import Layout, Plan
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import MatmulMatch, find_matmuls, tensor_meta
-from passes.analysis.layouts import _output_node, propagate_layouts
-from passes.analysis.make_plan import _local_batch
+from passes.analysis.layouts import output_node, propagate_layouts
+from passes.analysis.make_plan import local_batch_of
 from passes.ir import ConvertSpec, GatherOutputSpec, MatmulSpec, convert_layout, gather_output, sharded_matmul
 from passes.runner import PassResult
 
@@ -39,9 +39,9 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
             raise PlanError(f"the graph has a matmul on '{m.weight}' that the plan does not know. The model "
                             "changed after it was planned; build a new model inside auto_parallelize.")
     by_node = {m.node: m for m in matches}
-    res = propagate_layouts(gm, by_node, lambda m, _: plan.matmul(m.weight).orientation, _local_batch(gm))
+    res = propagate_layouts(gm, by_node, lambda m, _: plan.matmul(m.weight).orientation, local_batch_of(gm))
     graph = gm.graph
-    output = _output_node(gm)
+    output = output_node(gm)
     notes: list[str] = []
 
     converted: dict[tuple[fx.Node, Layout], fx.Node] = {}

@@ -23,7 +23,7 @@ import torch.fx as fx
 
 from autopar.config import Layout, Orientation, ParallelConfig, ParamPlan, collective_bytes
 from passes.analysis.graph_facts import MatmulMatch, module_of, param_name, rows_of, tensor_meta
-from passes.analysis.layouts import LayoutResult, _output_node
+from passes.analysis.layouts import LayoutResult, output_node
 from passes.ir import BatchInfo, input_info
 
 
@@ -141,7 +141,7 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
         if node.op == "placeholder":
             out += input_collectives(node, batch, config)
     done: set[tuple[fx.Node, Layout]] = set()
-    output = _output_node(gm)
+    output = output_node(gm)
     for (consumer, producer), dst in res.conversions.items():
         if consumer is output or (producer, dst) in done:
             continue

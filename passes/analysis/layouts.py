@@ -121,13 +121,13 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             if res.layouts.get(i, R) is not R:
                 _need(res, node, i, R)
         res.layouts[node] = R
-    for out in _tensor_inputs(_output_node(gm)):
+    for out in _tensor_inputs(output_node(gm)):
         if res.layouts.get(out, R) is not R:
-            res.conversions.setdefault((_output_node(gm), out), R)
+            res.conversions.setdefault((output_node(gm), out), R)
     return res
 
 
-def _output_node(gm: fx.GraphModule) -> fx.Node:
+def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 

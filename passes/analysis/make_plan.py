@@ -59,7 +59,7 @@ def _propagate(gm: fx.GraphModule, matmuls: dict[fx.Node, MatmulMatch],
     return propagate_layouts(gm, matmuls, orientation_of, local_batch), chosen
 
 
-def _local_batch(gm: fx.GraphModule) -> int | None:
+def local_batch_of(gm: fx.GraphModule) -> int | None:
     batch = gm.meta.get("autopar_batch")
     return batch.local_sizes[batch.index] if batch is not None and len(batch.local_sizes) > 1 else None
 
@@ -92,7 +92,7 @@ def make_plan(gm: fx.GraphModule, config: ParallelConfig) -> Plan:
     reasons: dict[str, str] = {}
     for m in matches:
         feasible[m.weight], reasons[m.weight] = feasible_orientations(m, uses.get(m.weight, 1), config)
-    local_batch = _local_batch(gm)
+    local_batch = local_batch_of(gm)
 
     def cost(roots: dict[str, Orientation]) -> tuple[object, dict[str, Orientation]]:
         res, chosen = _propagate(gm, by_node, feasible, roots, local_batch)

@@ -16,7 +16,7 @@ from autopar.config import Orientation, Plan
 from passes.analysis.estimate_costs import Collective, bytes_by_kind, list_collectives, matmul_flops, total_bytes
 from passes.analysis.graph_facts import find_matmuls, param_name, rows_of, tensor_meta
 from passes.analysis.layouts import propagate_layouts
-from passes.analysis.make_plan import _local_batch
+from passes.analysis.make_plan import local_batch_of
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
     config = plan.config
     matches = find_matmuls(gm)
     by_node = {m.node: m for m in matches}
-    res = propagate_layouts(gm, by_node, lambda m, _: plan.matmul(m.weight).orientation, _local_batch(gm))
+    res = propagate_layouts(gm, by_node, lambda m, _: plan.matmul(m.weight).orientation, local_batch_of(gm))
     params = {p.name: p for p in plan.params}
     colls = list_collectives(gm, res, matches, params, config)
     batch = gm.meta.get("autopar_batch")
