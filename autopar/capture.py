@@ -19,7 +19,7 @@ import torch.utils._pytree as pytree
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
-from autopar.errors import CaptureError
+from autopar.errors import CaptureError, InputError
 from passes.ir import BatchInfo, InputInfo, InputKind
 
 _KINDS = {
@@ -85,7 +85,6 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         raise CaptureError(f"{type(shadow).__name__}.forward mutates state ({', '.join(f'{o.kind.name} {o.target}' for o in bad)}). "
                            "autopar does not yet support in-place buffer updates (e.g. BatchNorm running stats); "
                            "use a model without them or put it in eval mode.")
-    tensor_leaf_ids = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     gm = ep.graph_module
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     user_leaves: list[int] = []
@@ -94,7 +93,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         if kind is None:
             raise CaptureError(f"unsupported graph input kind {spec.kind.name} for {spec.target!r}.")
         if kind is InputKind.USER:
-            index = _user_leaf_index(node, leaves, len(user_leaves), tensor_leaf_ids)
+            index = len(user_leaves)  # export lists every (args, kwargs) leaf as a user input, in order
             user_leaves.append(index)
             leaf = leaves[index]
             is_tensor = isinstance(leaf, torch.Tensor)
@@ -109,21 +108,12 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
     return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants))
 
 
-def _user_leaf_index(node: fx.Node, leaves: list, position: int, tensor_leaf_ids: list[int]) -> int:
-    # export lists every (args, kwargs) leaf as a user input, tensors and non-tensors alike.
-    if position < len(leaves):
-        return position
-    raise CaptureError(f"cannot match graph input {node.name} to the call's inputs.")
-
-
 def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[int], int]:
     """Which input leaves are split as the global batch, and its size.
 
     The batch is dim 0 of the first tensor input; every tensor input with that dim 0 is split.
     Nothing is split when ``num_shards`` is 1.
     """
-    from autopar.errors import InputError
-
     tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
     if num_shards == 1 or not tensors:
         return frozenset(), 0

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from autopar import collectives as C
-from autopar.config import Layout, Orientation
+from autopar.config import Layout
 from autopar.mesh import Mesh
 from passes.ir import ConvertSpec, GatherOutputSpec, MatmulSpec
 
@@ -176,8 +176,3 @@ class GatherOutputOp:
         if self.spec.batch_split:
             x = _GatherBatch.apply(x, self.mesh, self.batch_sizes)
         return x
-
-
-def orientation_index(mesh: Mesh, orientation: Orientation) -> tuple[int, int]:
-    """(index along the output-feature split, index along the input-feature split) of this rank."""
-    return mesh.index(orientation.out_axis), mesh.index(orientation.in_axis)

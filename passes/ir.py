@@ -90,20 +90,11 @@ def gather_output(x, spec: GatherOutputSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
-MARKER_OPS = (sharded_matmul, convert_layout, gather_output)
-
-
 # Generated FX code spells specs as constructor calls (``ConvertSpec(src=Layout.ROW, ...)``); make
 # those names resolvable so graphs holding specs recompile and print as runnable code.
 for _obj in (Layout, Orientation, MatmulSpec, ConvertSpec, GatherOutputSpec):
     _module = "autopar.config" if _obj in (Layout, Orientation) else __name__
     fx.graph._register_custom_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
-
-
-def is_marker(node: fx.Node, op=None) -> bool:
-    if node.op != "call_function":
-        return False
-    return node.target is op if op is not None else node.target in MARKER_OPS
 
 
 def input_info(node: fx.Node) -> InputInfo | None:

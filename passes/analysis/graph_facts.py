@@ -127,10 +127,6 @@ def param_uses(gm: fx.GraphModule) -> dict[str, int]:
     return uses
 
 
-def dtype_bytes(t: torch.Tensor) -> int:
-    return t.element_size()
-
-
 def rows_of(t: torch.Tensor) -> int:
     """Number of 'rows': every dimension but the last, multiplied."""
     n = 1

@@ -97,7 +97,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
             continue
         label = {"<output>": "output gather", "<input>": "input gradient gather"}.get(c.where)
         if label is None:
-            label = f"gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
+            label = "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
         other[label] = other.get(label, Fraction(0)) + c.bytes
     param_bytes = sum(p.local_numel(config) * 4 for p in plan.params)  # fp32 parameters
     return StepReport(tuple(rows), tuple(other.items()), sum(_numel(s) for s in shapes.values()),
