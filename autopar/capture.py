@@ -13,9 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
-import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch import fx, nn
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 

@@ -92,7 +92,8 @@ class ParallelConfig:
         return self.data * self.num_tensor
 
     def size(self, axis: str) -> int:
-        return getattr(self, axis)
+        """Ranks along ``axis``; the empty axis '' (nothing split) has one."""
+        return getattr(self, axis) if axis else 1
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -143,6 +144,16 @@ class Orientation(_CodeEnum):
     NORMAL = "normal"  # out features over row, in features over col: input COL -> output ROW
     TRANSPOSED = "transposed"  # out features over col, in features over row: input ROW -> output COL
     REPLICATED = "replicated"  # not sharded: full weight, input and output REPLICATED
+    OUT_ROW = "out-row"  # output features over row only (Megatron column-parallel): input REPLICATED -> ROW
+    OUT_COL = "out-col"  # output features over col only: input REPLICATED -> COL
+
+    @property
+    def is_3d(self) -> bool:
+        return self in (Orientation.NORMAL, Orientation.TRANSPOSED)
+
+    @property
+    def is_sharded(self) -> bool:
+        return self is not Orientation.REPLICATED
 
     @property
     def in_layout(self) -> Layout:
@@ -150,22 +161,45 @@ class Orientation(_CodeEnum):
 
     @property
     def out_layout(self) -> Layout:
-        return {Orientation.NORMAL: Layout.ROW, Orientation.TRANSPOSED: Layout.COL}.get(self, Layout.REPLICATED)
+        return {Orientation.NORMAL: Layout.ROW, Orientation.TRANSPOSED: Layout.COL, Orientation.OUT_ROW: Layout.ROW,
+                Orientation.OUT_COL: Layout.COL}.get(self, Layout.REPLICATED)
 
     @property
     def out_axis(self) -> str:
-        """The mesh axis splitting the output features (the in axis is the other one)."""
-        return "row" if self is Orientation.NORMAL else "col"
+        """The mesh axis splitting the output features."""
+        return "col" if self in (Orientation.TRANSPOSED, Orientation.OUT_COL) else "row"
 
     @property
     def in_axis(self) -> str:
-        return "col" if self is Orientation.NORMAL else "row"
+        """The mesh axis splitting the input features ('' when the input is replicated)."""
+        return {Orientation.NORMAL: "col", Orientation.TRANSPOSED: "row"}.get(self, "")
 
 
 class ParamKind(_CodeEnum):
     WEIGHT_3D = "weight3d"  # (out, in) block over (row, col), flattened and split over depth
     BIAS = "bias"  # split over the axis that splits the matmul's output
+    SPLIT = "split"  # one dim split over one axis (vocab/hidden-parallel tables, OUT_* weights)
     REPLICATED = "replicated"  # full on every rank
+
+
+class EmbeddingMode(_CodeEnum):
+    VOCAB = "vocab"  # rows (tokens) split over an axis: masked local lookup, all-reduce of the output
+    HIDDEN = "hidden"  # columns (features) split over an axis: local lookup, output sharded, no comm
+    REPLICATED = "replicated"
+
+
+def split_chunks(parts: tuple[int, ...], n: int, index: int) -> list[tuple[int, int]]:
+    """(start, length) of rank ``index``'s piece of each segment of a dim made of ``parts``.
+
+    A sharded dim is a concatenation of segments (one, or q/k/v of a fused projection); each
+    segment is split evenly over the ``n`` ranks of the axis, and a rank keeps its piece of each.
+    """
+    out, start = [], 0
+    for size in parts:
+        k = size // n
+        out.append((start + index * k, k))
+        start += size
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +220,26 @@ class MatmulPlan:
     orientation: Orientation
     reason: str = ""
     """Why the matmul stays replicated ('' when it is sharded)."""
+    out_parts: tuple[int, ...] = ()
+    """Segments of the output features each split on its own (fused q/k/v); () means one."""
+
+    @property
+    def parts(self) -> tuple[int, ...]:
+        return self.out_parts or (self.out_features,)
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingPlan:
+    """The decision for one embedding lookup (``aten.embedding``) on a 2-D parameter."""
+
+    weight: str
+    module: str
+    num_embeddings: int
+    embedding_dim: int
+    mode: EmbeddingMode
+    axis: str = ""
+    """Mesh axis splitting the table (row or col); '' when replicated."""
+    reason: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,6 +254,11 @@ class ParamPlan:
     weight_in_out: bool = False
     grad_axes: tuple[str, ...] = ("data", "depth")
     """Mesh axes over which this parameter's gradient is summed after backward."""
+    parts: tuple[int, ...] = ()
+    """Segments of the split dim (WEIGHT_3D and BIAS: the output features; SPLIT: ``split_dim``)."""
+    split_axis: str = ""
+    """SPLIT only: the mesh axis splitting ``split_dim``."""
+    split_dim: int = 0
 
     def local_numel(self, config: ParallelConfig) -> int:
         numel = 1
@@ -209,6 +268,8 @@ class ParamPlan:
             return numel // (config.row * config.col * config.depth)
         if self.kind is ParamKind.BIAS:
             return numel // config.size(self.orientation.out_axis)
+        if self.kind is ParamKind.SPLIT:
+            return numel // config.size(self.split_axis)
         return numel
 
 
@@ -220,15 +281,21 @@ class Plan:
     matmuls: tuple[MatmulPlan, ...]
     params: tuple[ParamPlan, ...]
     notes: tuple[str, ...] = ()
+    embeddings: tuple[EmbeddingPlan, ...] = ()
     _by_weight: dict[str, MatmulPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_param: dict[str, ParamPlan] = field(default_factory=dict, compare=False, repr=False)
+    _by_table: dict[str, EmbeddingPlan] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         self._by_weight.update({m.weight: m for m in self.matmuls})
         self._by_param.update({p.name: p for p in self.params})
+        self._by_table.update({e.weight: e for e in self.embeddings})
 
     def matmul(self, weight: str) -> MatmulPlan | None:
         return self._by_weight.get(weight)
+
+    def embedding(self, weight: str) -> EmbeddingPlan | None:
+        return self._by_table.get(weight)
 
     def param(self, name: str) -> ParamPlan:
         return self._by_param[name]
@@ -254,7 +321,12 @@ class Plan:
                  f"{len(sharded)}/{len(self.matmuls)} matmuls sharded"]
         for m in self.matmuls:
             what = m.orientation.value if not m.reason else f"replicated ({m.reason})"
+            if len(m.parts) > 1:
+                what += f" (fused {'+'.join(map(str, m.parts))})"
             lines.append(f"  {m.weight:<40} {m.op:<7} {m.in_features:>6} -> {m.out_features:<6} {what}")
+        for e in self.embeddings:
+            what = f"{e.mode.value}-parallel over {e.axis}" if e.axis else f"replicated ({e.reason})"
+            lines.append(f"  {e.weight:<40} {'lookup':<7} {e.num_embeddings:>6} x {e.embedding_dim:<6} {what}")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
+from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from autopar import collectives as C

@@ -41,13 +41,15 @@ class Mesh:
         self._groups = {axis: self._mesh.get_group(axis) for axis in MESH_AXES}
         self._groups["batch"] = self._mesh["data", "depth"]._flatten("batch").get_group()
 
-    def group(self, axis: str) -> dist.ProcessGroup:
-        return self._groups[axis]
+    def group(self, axis: str) -> dist.ProcessGroup | None:
+        return self._groups[axis] if axis else None
 
     def size(self, axis: str) -> int:
         return self.config.num_batch_shards if axis == "batch" else self.config.size(axis)
 
     def index(self, axis: str) -> int:
+        if not axis:
+            return 0
         if axis == "batch":
             return self.config.batch_index(self.rank)
         return self.coords[axis]

@@ -12,40 +12,101 @@ from typing import Any
 import torch
 
 from autopar import collectives as C
-from autopar.config import Layout
+from autopar.config import EmbeddingMode, split_chunks
 from autopar.mesh import Mesh
-from passes.ir import ConvertSpec, GatherOutputSpec, MatmulSpec
+from passes.ir import (
+    ConvertSpec,
+    EmbeddingSpec,
+    GatherOutputSpec,
+    MatmulSpec,
+    ReduceSpec,
+    Sharding,
+)
 
 
-def _chunk_last(t: torch.Tensor, size: int, index: int) -> torch.Tensor:
-    if size == 1:
+def _axis(mesh: Mesh, s: Sharding) -> tuple[int, int]:
+    return mesh.size(s.axis), mesh.index(s.axis)
+
+
+def take_pieces(t: torch.Tensor, dim: int, parts: tuple[int, ...], n: int, index: int) -> torch.Tensor:
+    """Rank ``index``'s piece of every segment of ``dim`` (see ``split_chunks``), concatenated."""
+    if n == 1:
         return t
-    n = t.shape[-1] // size
-    return t[..., index * n:(index + 1) * n].contiguous()
+    chunks = [t.narrow(dim, start, k) for start, k in split_chunks(parts or (t.shape[dim],), n, index)]
+    return (torch.cat(chunks, dim) if len(chunks) > 1 else chunks[0]).contiguous()
 
 
-class _GatherLast(torch.autograd.Function):
+def join_pieces(pieces: list[torch.Tensor], dim: int, parts: tuple[int, ...]) -> torch.Tensor:
+    """The inverse of ``take_pieces`` given every rank's pieces, in rank order."""
+    if len(pieces) == 1:
+        return pieces[0]
+    if len(parts) <= 1:
+        return torch.cat(pieces, dim)
+    sizes = [p // len(pieces) for p in parts]
+    split = [t.split(sizes, dim) for t in pieces]
+    return torch.cat([split[i][j] for j in range(len(sizes)) for i in range(len(pieces))], dim)
+
+
+def gather_sharded(x: torch.Tensor, s: Sharding, mesh: Mesh) -> torch.Tensor:
+    n, _ = _axis(mesh, s)
+    if n == 1:
+        return x
+    stacked = C.all_gather(x.unsqueeze(0), mesh.group(s.axis), n)  # (n, *local)
+    return join_pieces(list(stacked.unbind(0)), s.dim, s.parts)
+
+
+class _Gather(torch.autograd.Function):
+    """Local pieces -> the full tensor on every rank of the axis; backward keeps this rank's piece."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
-        ctx.mesh, ctx.axis = mesh, axis
-        return C.all_gather_last(x, mesh.group(axis), mesh.size(axis))
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, s: Sharding) -> torch.Tensor:
+        ctx.mesh, ctx.s = mesh, s
+        return gather_sharded(x, s, mesh)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        m = ctx.mesh
-        return _chunk_last(dy, m.size(ctx.axis), m.index(ctx.axis)), None, None
+        s = ctx.s
+        return take_pieces(dy, s.dim, s.parts, *_axis(ctx.mesh, s)), None, None
 
 
-class _SliceLast(torch.autograd.Function):
+class _Slice(torch.autograd.Function):
+    """A replicated tensor -> this rank's piece; backward gathers the pieces' gradients."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
-        ctx.mesh, ctx.axis = mesh, axis
-        return _chunk_last(x, mesh.size(axis), mesh.index(axis))
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, s: Sharding) -> torch.Tensor:
+        ctx.mesh, ctx.s = mesh, s
+        return take_pieces(x, s.dim, s.parts, *_axis(mesh, s))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        m = ctx.mesh
-        return C.all_gather_last(dy, m.group(ctx.axis), m.size(ctx.axis)), None, None
+        return gather_sharded(dy, ctx.s, ctx.mesh), None, None
+
+
+class _ReduceFrom(torch.autograd.Function):
+    """Sums partial results over an axis (times ``scale``); the gradient is already replicated."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, axis: str, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        y = C.all_reduce(x.clone(), mesh.group(axis), mesh.size(axis))
+        return y * scale if scale != 1.0 else y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return (dy * ctx.scale if ctx.scale != 1.0 else dy), None, None, None
+
+
+class _CopyTo(torch.autograd.Function):
+    """Identity forward into ops that split their output over an axis; backward sums the gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, axis: str) -> torch.Tensor:
+        ctx.mesh, ctx.axis = mesh, axis
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return C.all_reduce(dy.clone(), ctx.mesh.group(ctx.axis), ctx.mesh.size(ctx.axis)), None, None
 
 
 def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
@@ -151,7 +212,41 @@ class MatmulOp:
         return C.all_reduce(t, self.mesh.group(axis), self.mesh.size(axis))
 
     def __call__(self, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _Matmul3D.apply(x, w_shard, bias, self)
+        if self.spec.orientation.is_3d:
+            return _Matmul3D.apply(x, w_shard, bias, self)
+        # OUT_ROW/OUT_COL: the weight's output features are split over one axis, the input is whole.
+        x = _CopyTo.apply(x, self.mesh, self.spec.orientation.out_axis)
+        y = torch.matmul(x, w_shard) if self.spec.weight_in_out else torch.nn.functional.linear(x, w_shard)
+        return y + bias if bias is not None else y
+
+
+class EmbeddingOp:
+    """A lookup in a table split over the vocabulary (masked lookup + all-reduce) or the features."""
+
+    def __init__(self, spec: EmbeddingSpec, mesh: Mesh) -> None:
+        self.spec, self.mesh = spec, mesh
+
+    def __call__(self, weight: torch.Tensor, ids: torch.Tensor, padding_idx: int = -1) -> torch.Tensor:
+        aten = torch.ops.aten
+        if self.spec.mode is EmbeddingMode.HIDDEN:
+            return aten.embedding.default(weight, ids, padding_idx)
+        n, i = self.mesh.size(self.spec.axis), self.mesh.index(self.spec.axis)
+        rows = self.spec.num_embeddings // n
+        start = i * rows
+        mine = (ids >= start) & (ids < start + rows)
+        local_ids = (ids - start).masked_fill(~mine, 0)
+        local_pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
+        out = aten.embedding.default(weight, local_ids, local_pad) * mine.unsqueeze(-1).to(weight.dtype)
+        return _ReduceFrom.apply(out, self.mesh, self.spec.axis, 1.0)
+
+
+class ReduceOp:
+    def __init__(self, spec: ReduceSpec, mesh: Mesh) -> None:
+        self.spec, self.mesh = spec, mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = self.mesh.size(self.spec.axis)
+        return _ReduceFrom.apply(x, self.mesh, self.spec.axis, 1.0 / n if self.spec.mean else 1.0)
 
 
 class ConvertOp:
@@ -159,10 +254,10 @@ class ConvertOp:
         self.spec, self.mesh = spec, mesh
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.src is not Layout.REPLICATED:
-            x = _GatherLast.apply(x, self.mesh, self.spec.src.value)
-        if self.spec.dst is not Layout.REPLICATED:
-            x = _SliceLast.apply(x, self.mesh, self.spec.dst.value)
+        if not self.spec.src.is_replicated:
+            x = _Gather.apply(x, self.mesh, self.spec.src)
+        if not self.spec.dst.is_replicated:
+            x = _Slice.apply(x, self.mesh, self.spec.dst)
         return x
 
 
@@ -170,9 +265,9 @@ class GatherOutputOp:
     def __init__(self, spec: GatherOutputSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
         self.spec, self.mesh, self.batch_sizes = spec, mesh, batch_sizes
 
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.layout is not Layout.REPLICATED:
-            x = _GatherLast.apply(x, self.mesh, self.spec.layout.value)
+    def __call__(self, x: torch.Tensor, gather_features: bool = True) -> torch.Tensor:
+        if not self.spec.sharding.is_replicated and gather_features:
+            x = _Gather.apply(x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:
             x = _GatherBatch.apply(x, self.mesh, self.batch_sizes)
         return x

@@ -13,18 +13,19 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.fx as fx
-import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch import fx, nn
 
 from autopar import collectives as C
 from autopar.capture import Captured, capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CaptureError, PlanError, StateDictError
 from autopar.mesh import Mesh
-from autopar.ops import ConvertOp, GatherOutputOp, MatmulOp, scatter_batch
+from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, join_pieces, scatter_batch,
+                         take_pieces)
 from passes.analysis.make_plan import make_plan
-from passes.ir import InputKind, convert_layout, gather_output, input_info, sharded_matmul
+from passes.ir import (InputKind, convert_layout, gather_output, input_info, reduce_partial, sharded_embedding,
+                       sharded_matmul)
 from passes.runner import PassRecord, run_passes
 from passes.shard_linears import shard_linears
 
@@ -121,6 +122,12 @@ class ParallelRuntime:
             elif node.target is gather_output:
                 node.target = GatherOutputOp(node.args[1], self.mesh, sizes).__call__
                 node.args = node.args[:1]
+            elif node.target is sharded_embedding:
+                node.target = EmbeddingOp(node.args[3], self.mesh).__call__
+                node.args = node.args[:3]
+            elif node.target is reduce_partial:
+                node.target = ReduceOp(node.args[1], self.mesh).__call__
+                node.args = node.args[:1]
             elif node.op == "call_function":
                 node.args = _retarget(node.args, device)
                 node.kwargs = _retarget(node.kwargs, device)
@@ -150,17 +157,17 @@ class ParallelRuntime:
 
     def local_shard(self, full: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
         """This rank's part of a full (serial) parameter tensor."""
+        m, o = self.mesh, pp.orientation
         if pp.kind is ParamKind.REPLICATED:
             return full
-        m, o = self.mesh, pp.orientation
-        out_i, out_n = m.index(o.out_axis), m.size(o.out_axis)
+        if pp.kind is ParamKind.SPLIT:
+            axis = pp.split_axis
+            return take_pieces(full, pp.split_dim, pp.parts, m.size(axis), m.index(axis))
         if pp.kind is ParamKind.BIAS:
-            n = pp.shape[0] // out_n
-            return full[out_i * n:(out_i + 1) * n]
-        in_i, in_n = m.index(o.in_axis), m.size(o.in_axis)
+            return take_pieces(full, 0, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
         out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
-        n, k = pp.shape[out_dim] // out_n, pp.shape[in_dim] // in_n
-        block = full.narrow(out_dim, out_i * n, n).narrow(in_dim, in_i * k, k).reshape(-1)
+        block = take_pieces(full, out_dim, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
+        block = take_pieces(block, in_dim, (), m.size(o.in_axis), m.index(o.in_axis)).reshape(-1)
         chunk = block.numel() // m.size("depth")
         return block[m.index("depth") * chunk:(m.index("depth") + 1) * chunk]
 
@@ -170,17 +177,25 @@ class ParallelRuntime:
             return local
         m, o = self.mesh, pp.orientation
         local = local.detach()
+
+        def gather(t: torch.Tensor, axis: str, dim: int, parts: tuple[int, ...]) -> torch.Tensor:
+            n = m.size(axis)
+            if n == 1:
+                return t
+            stacked = C.all_gather(t.contiguous().unsqueeze(0), m.group(axis), n)
+            return join_pieces(list(stacked.unbind(0)), dim, parts)
+
+        if pp.kind is ParamKind.SPLIT:
+            return gather(local, pp.split_axis, pp.split_dim, pp.parts).contiguous()
         if pp.kind is ParamKind.BIAS:
-            return C.all_gather(local, m.group(o.out_axis), m.size(o.out_axis))
+            return gather(local, o.out_axis, 0, pp.parts).contiguous()
         out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
         shape = list(pp.shape)
         shape[out_dim] //= m.size(o.out_axis)
         shape[in_dim] //= m.size(o.in_axis)
         block = C.all_gather(local, m.group("depth"), m.size("depth")).view(shape)
-        for axis, dim in ((o.in_axis, in_dim), (o.out_axis, out_dim)):
-            parts = C.all_gather(block.movedim(dim, 0).contiguous(), m.group(axis), m.size(axis))
-            block = parts.movedim(0, dim)
-        return block.contiguous()
+        block = gather(block, o.in_axis, in_dim, ())
+        return gather(block, o.out_axis, out_dim, pp.parts).contiguous()
 
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.plan is None:

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn as nn
 import torch.utils._pytree as pytree
+from torch import nn
 
 from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig, Plan
@@ -100,7 +100,7 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
     header = f"{'module':<22} {'op':<7} {'in shape':<16} {'out shape':<16} {'params':>9} {'FLOPs':>9}  {'sharding':<12} {'comm/step':>11}"
     lines += [header, "-" * len(header)]
     for r in report.layers:
-        lines.append(f"{r.module or '<root>':<22} {r.op:<7} {str(list(r.in_shape)):<16} {str(list(r.out_shape)):<16} "
+        lines.append(f"{r.module or '<root>':<22} {r.op:<7} {list(r.in_shape)!s:<16} {list(r.out_shape)!s:<16} "
                      f"{_fmt_count(r.num_parameters):>9} {_fmt_count(r.flops):>9}  {r.sharding:<12} "
                      f"{_fmt_bytes(float(r.comm_bytes)):>11}")
     for what, nbytes in report.other_comm:

@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-import torch.fx as fx
+from torch import fx
 
-from autopar.config import Layout, Orientation
+from autopar.config import EmbeddingMode, Layout, Orientation
 
 
 class InputKind(StrEnum):
@@ -46,6 +46,50 @@ class BatchInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class Sharding:
+    """How one tensor is laid out over the tensor-parallel grid.
+
+    Either replicated, or dim ``dim`` is split over the mesh axis ``layout`` (row or col) and the
+    tensor is replicated over the other axes. The split dim is a concatenation of segments of
+    logical sizes ``parts`` (one segment, or e.g. q/k/v of a fused projection); each segment is
+    split evenly, and a rank holds its piece of every segment, in order.
+    """
+
+    layout: Layout = Layout.REPLICATED
+    dim: int = -1
+    """Non-negative index of the split dim (-1 when replicated)."""
+    parts: tuple[int, ...] = ()
+
+    @property
+    def is_replicated(self) -> bool:
+        return self.layout is Layout.REPLICATED
+
+    @property
+    def axis(self) -> str:
+        return "" if self.is_replicated else self.layout.value
+
+    @property
+    def full_size(self) -> int:
+        return sum(self.parts)
+
+    def __str__(self) -> str:
+        if self.is_replicated:
+            return "replicated"
+        fused = f" in {'+'.join(map(str, self.parts))}" if len(self.parts) > 1 else ""
+        return f"dim {self.dim} over {self.layout.value}{fused}"
+
+
+REPLICATED = Sharding()
+
+
+def last_dim(layout: Layout, size: int, ndim: int, parts: tuple[int, ...] = ()) -> Sharding:
+    """The sharding that splits the last dim (features) over ``layout``."""
+    if layout is Layout.REPLICATED:
+        return REPLICATED
+    return Sharding(layout, ndim - 1, parts or (size,))
+
+
+@dataclass(frozen=True, slots=True)
 class MatmulSpec:
     weight: str
     orientation: Orientation
@@ -53,20 +97,34 @@ class MatmulSpec:
     out_features: int
     weight_in_out: bool
     has_bias: bool
+    out_parts: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class EmbeddingSpec:
+    weight: str
+    mode: EmbeddingMode
+    axis: str
+    num_embeddings: int
 
 
 @dataclass(frozen=True, slots=True)
 class ConvertSpec:
-    src: Layout
-    dst: Layout
-    full_size: int
-    """Size of the full (unsharded) last dimension."""
+    src: Sharding
+    dst: Sharding
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceSpec:
+    """A sum or mean over a split dim computed on local pieces: completed by an all-reduce."""
+
+    axis: str
+    mean: bool
 
 
 @dataclass(frozen=True, slots=True)
 class GatherOutputSpec:
-    layout: Layout
-    full_size: int
+    sharding: Sharding
     batch_split: bool
 
 
@@ -80,8 +138,18 @@ def sharded_matmul(x, weight, bias, spec: MatmulSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def sharded_embedding(weight, indices, padding_idx, spec: EmbeddingSpec):
+    """``embedding(weight, indices)`` with the table split per ``spec.mode`` over ``spec.axis``."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def reduce_partial(x, spec: ReduceSpec):
+    """Completes a sum/mean that each rank computed over its piece of a split dim."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def convert_layout(x, spec: ConvertSpec):
-    """Re-lays out the last dimension of ``x`` from ``spec.src`` to ``spec.dst``."""
+    """Re-lays out ``x`` from sharding ``spec.src`` to ``spec.dst`` (gather, then slice)."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
@@ -92,8 +160,9 @@ def gather_output(x, spec: GatherOutputSpec):
 
 # Generated FX code spells specs as constructor calls (``ConvertSpec(src=Layout.ROW, ...)``); make
 # those names resolvable so graphs holding specs recompile and print as runnable code.
-for _obj in (Layout, Orientation, MatmulSpec, ConvertSpec, GatherOutputSpec):
-    _module = "autopar.config" if _obj in (Layout, Orientation) else __name__
+for _obj in (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
+             GatherOutputSpec):
+    _module = "autopar.config" if _obj in (Layout, Orientation, EmbeddingMode) else __name__
     fx.graph._register_custom_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
 
 

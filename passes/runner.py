@@ -7,7 +7,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import torch.fx as fx
+from torch import fx
 
 from autopar.config import Plan
 from autopar.errors import PlanError

@@ -7,11 +7,11 @@ At num_layers=4, hidden=2048, image_size=64 it has 142,686,218 parameters. For
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 
-class FC_Net(nn.Module):  # noqa: N801 (the tutorial's name)
+class FC_Net(nn.Module):
     def __init__(self, num_layers: int, hidden: int, image_size: int, num_classes: int = 10) -> None:
         super().__init__()
         self.embed = nn.Linear(image_size**2, hidden)

@@ -3,10 +3,12 @@
 The runtime counts the bytes it really sends (autopar.collectives); tests hold the two equal. The
 accounting per op mirrors the implementations in autopar.ops one to one:
 
-- sharded matmul: forward all-gather of the weight block over depth, all-reduce of the output over
-  the axis splitting the input features; backward all-gather of the block again, all-reduce of dX
-  over the axis splitting the output features (only if the input needs a gradient),
-  reduce-scatter of dW over depth.
+- sharded matmul (3D): forward all-gather of the weight block over depth, all-reduce of the output
+  over the axis splitting the input features; backward all-gather of the block again, all-reduce of
+  dX over the axis splitting the output features (only if the input needs a gradient),
+  reduce-scatter of dW over depth. OUT_ROW/OUT_COL: only the backward all-reduce of dX.
+- embedding: vocabulary-parallel all-reduces its output; hidden-parallel is free.
+- partial sum/mean over a split dim: one all-reduce of the (small) result forward.
 - layout conversion: gather = all-gather forward, free backward; slice = free forward, all-gather of
   the gradient backward (only if the input needs a gradient).
 - output: features gathered, then batch rows gathered over data x depth (padded to the largest shard).
@@ -19,12 +21,24 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
 
-import torch.fx as fx
+from torch import fx
 
-from autopar.config import Layout, Orientation, ParallelConfig, ParamPlan, collective_bytes
-from passes.analysis.graph_facts import MatmulMatch, module_of, param_name, rows_of, tensor_meta
+from autopar.config import (
+    EmbeddingMode,
+    Orientation,
+    ParallelConfig,
+    ParamPlan,
+    collective_bytes,
+)
+from passes.analysis.graph_facts import (
+    MatmulMatch,
+    module_of,
+    param_name,
+    rows_of,
+    tensor_meta,
+)
 from passes.analysis.layouts import LayoutResult, output_node
-from passes.ir import BatchInfo, input_info
+from passes.ir import BatchInfo, Sharding, input_info
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +80,11 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     def c(kind: str, axis: str, nbytes: int, phase: str) -> Collective:
         return Collective(kind, axis, axis_size(config, axis), nbytes, phase, where)
 
+    if not orientation.is_3d:
+        if not x_requires_grad:
+            return []
+        out = [c("all_reduce", orientation.out_axis, rows * m.in_features * b, "backward")]
+        return [x for x in out if x.group_size > 1]
     out = [c("all_gather", "depth", block_bytes, "forward"),
            c("all_reduce", orientation.in_axis, rows * m.out_features // out_split * b, "forward")]
     if x_requires_grad or w_requires_grad:
@@ -77,24 +96,30 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     return [x for x in out if x.group_size > 1]
 
 
-def conversion_collectives(producer: fx.Node, src: Layout, dst: Layout, requires_grad: bool,
+def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requires_grad: bool,
                            config: ParallelConfig, where: str) -> list[Collective]:
     t = tensor_meta(producer)
     nbytes = t.numel() * t.element_size()
     out = []
-    if src is not Layout.REPLICATED:
-        out.append(Collective("all_gather", src.value, config.size(src.value), nbytes, "forward", where))
-    if dst is not Layout.REPLICATED and requires_grad:
-        out.append(Collective("all_gather", dst.value, config.size(dst.value), nbytes, "backward", where))
+    if not src.is_replicated:
+        out.append(Collective("all_gather", src.axis, config.size(src.axis), nbytes, "forward", where))
+    if not dst.is_replicated and requires_grad:
+        out.append(Collective("all_gather", dst.axis, config.size(dst.axis), nbytes, "backward", where))
     return [c for c in out if c.group_size > 1]
 
 
-def output_collectives(producer: fx.Node, layout: Layout, batch_split: bool, batch: BatchInfo | None,
+def _all_reduce_of(node: fx.Node, axis: str, config: ParallelConfig, where: str) -> list[Collective]:
+    t = tensor_meta(node)
+    out = [Collective("all_reduce", axis, config.size(axis), t.numel() * t.element_size(), "forward", where)]
+    return [c for c in out if c.group_size > 1]
+
+
+def output_collectives(producer: fx.Node, sharding: Sharding, batch_split: bool, batch: BatchInfo | None,
                        config: ParallelConfig) -> list[Collective]:
     t = tensor_meta(producer)
     out = []
-    if layout is not Layout.REPLICATED:
-        out.append(Collective("all_gather", layout.value, config.size(layout.value),
+    if not sharding.is_replicated:
+        out.append(Collective("all_gather", sharding.axis, config.size(sharding.axis),
                               t.numel() * t.element_size(), "forward", "<output>"))
     if batch_split and batch is not None and t.dim() >= 1 and t.shape[0]:
         row_bytes = t.numel() // t.shape[0] * t.element_size()
@@ -140,14 +165,19 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             out += input_collectives(node, batch, config)
-    done: set[tuple[fx.Node, Layout]] = set()
+    done: set[tuple[fx.Node, Sharding]] = set()
     output = output_node(gm)
     for (consumer, producer), dst in res.conversions.items():
         if consumer is output or (producer, dst) in done:
             continue
         done.add((producer, dst))
-        out += conversion_collectives(producer, res.layouts[producer], dst, res.requires_grad[producer],
+        out += conversion_collectives(producer, res.sharding(producer), dst, res.requires_grad.get(producer, False),
                                       config, module_of(consumer) or str(consumer.target))
+    for node, spec in res.reductions.items():
+        out += _all_reduce_of(node, spec.axis, config, module_of(node) or str(node.target))
+    for node, (mode, axis) in res.embeddings.items():
+        if mode is EmbeddingMode.VOCAB:
+            out += _all_reduce_of(node, axis, config, module_of(node) or param_name(node.args[0]))
     for node, orientation in res.orientations.items():
         m = by_node[node]
         w_node = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
@@ -157,8 +187,8 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
         if producer in seen or tensor_meta(producer) is None:
             continue
         seen.add(producer)
-        out += output_collectives(producer, res.layouts.get(producer, Layout.REPLICATED),
-                                  res.batch_split.get(producer, False), batch, config)
+        out += output_collectives(producer, res.sharding(producer), res.batch_split.get(producer, False),
+                                  batch, config)
     if params is not None:
         out += grad_sync_collectives(gm, params, config)
     return out

@@ -1,37 +1,48 @@
-"""Layout propagation: which feature layout every tensor has, and where a re-layout is needed.
+"""Layout propagation: how every tensor is sharded, and where a re-layout is needed.
 
-Given an orientation for each sharded matmul, the per-op rules below fix every other layout:
+Given the decisions for the sharded matmuls and embedding tables, per-op rules fix every other
+tensor's ``Sharding`` (replicated, or one dim split over row or col; see ``passes.ir.Sharding``):
 
-- a sharded matmul reads its input in ``orientation.in_layout`` and writes ``out_layout``;
-- a pointwise op (``torch.Tag.pointwise``, plus clone/detach/dtype casts) keeps the layout of its
-  first sharded operand; other sharded operands are re-laid out to it and replicated operands that
-  span the feature dimension are sliced (free forward, all-gather of the gradient in backward);
-- every other op (LayerNorm, views, reductions, the model output) sees replicated inputs: a
-  sharded input is gathered first. Correct first; later issues add rules that keep more sharded.
+- a sharded matmul reads its input split on the last dim over ``orientation.in_layout`` and writes
+  its output split over ``out_layout`` (in segments for a fused projection);
+- pointwise ops keep the sharding of their first sharded operand; replicated operands that span
+  the split dim are sliced (free), broadcast ones are left alone;
+- views, reshapes, expands, transposes, permutes, (un)squeezes, slices, splits and cats move the
+  split dim, and get this rank's local sizes as arguments (``local_args``);
+- scaled-dot-product attention and batched matmuls keep a split head/batch dim; softmax, norms and
+  reductions keep a split dim they do not reduce over; a sum or mean over the split dim is
+  computed locally and completed by one all-reduce (``reductions``);
+- every other op sees replicated inputs: a sharded input is gathered first. Correct first.
 
-The orientation chooser and the transform both call ``propagate_layouts``, so the costs the
-planner compares are those of the graph that is emitted.
+The planner and the transform both call ``propagate_layouts``, so the costs the planner compares
+are those of the graph that is emitted.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-import torch.fx as fx
+from torch import fx
 
-from autopar.config import Layout, Orientation
+from autopar.config import EmbeddingMode, Layout, Orientation
 from autopar.errors import PlanError
-from passes.analysis.graph_facts import MatmulMatch, module_of, tensor_meta
-from passes.ir import input_info
+from passes.analysis.graph_facts import MatmulMatch, module_of, param_name, tensor_meta
+from passes.ir import REPLICATED, ReduceSpec, Sharding, input_info, last_dim
 
 aten = torch.ops.aten
 
 _LAYOUT_PRESERVING = frozenset({
     aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default,
-    aten.to.dtype, aten.contiguous.default, aten.dropout.default,
+    aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.contiguous.default, aten.dropout.default,
+    aten.type_as.default, aten.where.ScalarOther, aten.where.ScalarSelf, aten.lift_fresh_copy.default,
 })
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default})
+_SOFTMAX = frozenset({aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default})
+_REDUCE = {aten.mean.dim: True, aten.sum.dim_IntList: False}
 
 
 def is_pointwise(node: fx.Node) -> bool:
@@ -42,16 +53,32 @@ def is_pointwise(node: fx.Node) -> bool:
 
 @dataclass
 class LayoutResult:
-    layouts: dict[fx.Node, Layout] = field(default_factory=dict)
-    """Feature layout of every node's value (REPLICATED for non-tensors)."""
+    shardings: dict[fx.Node, Any] = field(default_factory=dict)
+    """Sharding of every node's value; a tuple of them for ops returning several tensors."""
     requires_grad: dict[fx.Node, bool] = field(default_factory=dict)
     batch_split: dict[fx.Node, bool] = field(default_factory=dict)
-    conversions: dict[tuple[fx.Node, fx.Node], Layout] = field(default_factory=dict)
-    """(consumer, producer) -> the layout the consumer needs the producer in."""
+    conversions: dict[tuple[fx.Node, fx.Node], Sharding] = field(default_factory=dict)
+    """(consumer, producer) -> the sharding the consumer needs the producer in."""
     orientations: dict[fx.Node, Orientation] = field(default_factory=dict)
     """Orientation of each matmul node that is sharded."""
-    joins: list[tuple[fx.Node, fx.Node, fx.Node]] = field(default_factory=list)
-    """(pointwise node, first sharded operand, other sharded operand): the parity constraints."""
+    embeddings: dict[fx.Node, tuple[EmbeddingMode, str]] = field(default_factory=dict)
+    """Sharded embedding lookups: (mode, axis)."""
+    local_args: dict[fx.Node, tuple[Any, tuple, dict]] = field(default_factory=dict)
+    """Ops whose target/arguments change on local pieces: (target, args, kwargs)."""
+    reductions: dict[fx.Node, ReduceSpec] = field(default_factory=dict)
+    """Sums/means over a split dim: computed locally, completed by an all-reduce."""
+
+    def sharding(self, node: Any) -> Sharding:
+        s = self.shardings.get(node, REPLICATED) if isinstance(node, fx.Node) else REPLICATED
+        return s if isinstance(s, Sharding) else REPLICATED
+
+
+@dataclass
+class _Decision:
+    out: Any
+    needs: dict[fx.Node, Sharding] = field(default_factory=dict)
+    args: tuple[Any, tuple, dict] | None = None
+    reduce: ReduceSpec | None = None
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -63,82 +90,401 @@ def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
 
 
 def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch],
-                      orientation_of: Callable[[MatmulMatch, Layout], Orientation],
-                      local_batch: int | None = None) -> LayoutResult:
-    """Walks ``gm`` in order and assigns layouts.
+                      orientation_of: Callable[[MatmulMatch, Sharding], tuple[Orientation, tuple[int, ...]]],
+                      sizes: Mapping[str, int], local_batch: int | None = None,
+                      embedding_of: Callable[[str], tuple[EmbeddingMode, str]] | None = None) -> LayoutResult:
+    """Walks ``gm`` in order and assigns shardings.
 
     Args:
         matmuls: the matmul nodes that may be sharded.
-        orientation_of: called with each matmul and the layout of its input as it arrives; returns
-            the orientation to use (REPLICATED leaves it unsharded).
+        orientation_of: called with each matmul and its input's sharding as it arrives; returns the
+            orientation (REPLICATED leaves it unsharded) and the output segments.
+        sizes: ranks per mesh axis ('row', 'col').
         local_batch: rows of the batch-split inputs on this rank, to check that ops keep dim 0 as
             the batch; None skips the check (no batch split).
+        embedding_of: the decision for an embedding table (by parameter name), if any.
     """
     res = LayoutResult()
-    R = Layout.REPLICATED
+    rules = _Rules(res, sizes)
     for node in gm.graph.nodes:
-        ins = _tensor_inputs(node)
         val = tensor_meta(node)
         if node.op == "placeholder":
             info = input_info(node)
-            res.layouts[node] = R
+            res.shardings[node] = REPLICATED
             res.requires_grad[node] = bool(info and info.requires_grad)
             res.batch_split[node] = bool(info and info.batch_split)
             continue
         if node.op == "output":
             continue
+        ins = _tensor_inputs(node)
         res.requires_grad[node] = bool(
             any(res.requires_grad.get(i, False) for i in ins)
             and val is not None and (val.is_floating_point() or val.is_complex()))
         res.batch_split[node] = any(res.batch_split.get(i, False) for i in ins)
         if res.batch_split[node] and local_batch is not None:
             _check_batch_dim(node, local_batch)
+        decision = None
         match = matmuls.get(node)
         if match is not None:
-            orientation = orientation_of(match, res.layouts[match.x])
-            if orientation is not Orientation.REPLICATED:
+            orientation, parts = orientation_of(match, res.sharding(match.x))
+            if orientation.is_sharded:
                 res.orientations[node] = orientation
-                _need(res, node, match.x, orientation.in_layout)
-                res.layouts[node] = orientation.out_layout
-                continue
-        if val is not None and is_pointwise(node):
-            sharded = [i for i in ins if res.layouts.get(i, R) is not R]
-            if sharded and all(_spans_features(i, val) for i in sharded):
-                target = res.layouts[sharded[0]]
-                for i in ins:
-                    src = res.layouts.get(i, R)
-                    if src is R:
-                        if _spans_features(i, val) and val.shape[-1] > 1:
-                            _need(res, node, i, target)
-                    elif src is not target:
-                        res.joins.append((node, sharded[0], i))
-                        _need(res, node, i, target)
-                    elif i is not sharded[0]:
-                        res.joins.append((node, sharded[0], i))
-                res.layouts[node] = target
-                continue
-        for i in ins:
-            if res.layouts.get(i, R) is not R:
-                _need(res, node, i, R)
-        res.layouts[node] = R
-    for out in _tensor_inputs(output_node(gm)):
-        if res.layouts.get(out, R) is not R:
-            res.conversions.setdefault((output_node(gm), out), R)
+                ndim = tensor_meta(match.x).dim()
+                need = last_dim(orientation.in_layout, match.in_features, ndim)
+                decision = _Decision(last_dim(orientation.out_layout, match.out_features, val.dim(), parts),
+                                     {match.x: need})
+        elif (node.target is aten.embedding.default and embedding_of is not None
+              and (name := param_name(node.args[0])) is not None):
+            mode, axis = embedding_of(name)
+            if mode is not EmbeddingMode.REPLICATED:
+                res.embeddings[node] = (mode, axis)
+                out = last_dim(Layout(axis), val.shape[-1], val.dim()) if mode is EmbeddingMode.HIDDEN else REPLICATED
+                decision = _Decision(out, {node.args[1]: REPLICATED})
+        elif node.op == "call_function":
+            decision = rules.decide(node)
+        if decision is None:
+            decision = _Decision(REPLICATED, {i: REPLICATED for i in ins})
+        for producer, need in decision.needs.items():
+            if isinstance(producer, fx.Node) and res.sharding(producer) != need:
+                res.conversions[(node, producer)] = need
+        if decision.args is not None:
+            res.local_args[node] = decision.args
+        if decision.reduce is not None:
+            res.reductions[node] = decision.reduce
+        res.shardings[node] = decision.out
+    out_node = output_node(gm)
+    for out in _tensor_inputs(out_node):
+        if not res.sharding(out).is_replicated:
+            res.conversions.setdefault((out_node, out), REPLICATED)
     return res
+
+
+class _Rules:
+    """Per-op sharding rules. Each returns a _Decision, or None for "gather everything"."""
+
+    def __init__(self, res: LayoutResult, sizes: Mapping[str, int]) -> None:
+        self.res, self.sizes = res, sizes
+
+    def n(self, s: Sharding) -> int:
+        return self.sizes.get(s.axis, 1)
+
+    def decide(self, node: fx.Node) -> _Decision | None:
+        t = node.target
+        if t is operator.getitem:
+            src = self.res.shardings.get(node.args[0])
+            return _Decision(src[node.args[1]] if isinstance(src, tuple) else REPLICATED)
+        if t is aten._assert_tensor_metadata.default:
+            kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "stride")}
+            return _Decision(REPLICATED, {}, (t, node.args, kwargs))
+        ins = _tensor_inputs(node)
+        if not any(not self.res.sharding(i).is_replicated for i in ins):
+            return None if not ins else _Decision(REPLICATED)
+        handler = _HANDLERS.get(t)
+        if handler is not None:
+            return handler(self, node)
+        if is_pointwise(node):
+            return self.pointwise(node)
+        return None
+
+    # ---- helpers --------------------------------------------------------------------------------
+
+    def x(self, node: fx.Node) -> tuple[fx.Node, Sharding, torch.Tensor]:
+        x = node.args[0]
+        return x, self.res.sharding(x), tensor_meta(x)
+
+    def local_shape(self, shape: Any, s: Sharding) -> list[int]:
+        out = [int(v) for v in shape]
+        out[s.dim] = s.full_size // self.n(s)
+        return out
+
+    def divides(self, s: Sharding) -> bool:
+        return all(p % self.n(s) == 0 and p > 0 for p in s.parts)
+
+    # ---- rules ----------------------------------------------------------------------------------
+
+    def pointwise(self, node: fx.Node) -> _Decision | None:
+        val = tensor_meta(node)
+        if val is None:
+            return None
+        target = None
+        for i in _tensor_inputs(node):
+            s, t = self.res.sharding(i), tensor_meta(i)
+            if not s.is_replicated and t is not None:
+                target = Sharding(s.layout, s.dim + val.dim() - t.dim(), s.parts)
+                break
+        if target is None or target.dim < 0 or val.shape[target.dim] != target.full_size:
+            return None
+        needs = {}
+        for i in _tensor_inputs(node):
+            t = tensor_meta(i)
+            if t is None:
+                continue
+            a = target.dim - (val.dim() - t.dim())
+            if a < 0 or t.shape[a] == 1:
+                needs[i] = REPLICATED
+            else:
+                needs[i] = Sharding(target.layout, a, target.parts)
+        return _Decision(target, needs)
+
+    def view(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        val = tensor_meta(node)
+        mapped = _map_through_view(tuple(xt.shape), tuple(val.shape), s)
+        if mapped is None or not self.divides(mapped):
+            return None
+        return _Decision(mapped, {x: s}, (node.target, (x, self.local_shape(val.shape, mapped)), node.kwargs))
+
+    def expand(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        val = tensor_meta(node)
+        o = s.dim + val.dim() - xt.dim()
+        if val.shape[o] != xt.shape[s.dim]:
+            return None
+        out = Sharding(s.layout, o, s.parts)
+        sizes = list(node.args[1])
+        if sizes[o] != -1:
+            sizes[o] = out.full_size // self.n(out)
+        return _Decision(out, {x: s}, (node.target, (x, sizes, *node.args[2:]), node.kwargs))
+
+    def unsqueeze(self, node: fx.Node) -> _Decision | None:
+        x, s, _ = self.x(node)
+        d = node.args[1] % tensor_meta(node).dim()
+        return _Decision(Sharding(s.layout, s.dim + (1 if d <= s.dim else 0), s.parts), {x: s})
+
+    def squeeze(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        dims = node.args[1] if len(node.args) > 1 else ()
+        dims = [d % xt.dim() for d in (dims if isinstance(dims, (list, tuple)) else (dims,))]
+        removed = [d for d in dims if xt.shape[d] == 1]
+        if s.dim in removed or not dims:
+            return None
+        return _Decision(Sharding(s.layout, s.dim - sum(d < s.dim for d in removed), s.parts), {x: s})
+
+    def transpose(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        nd = xt.dim()
+        if node.target is aten.t.default:
+            perm = list(range(nd))[::-1]
+        elif node.target is aten.permute.default:
+            perm = [d % nd for d in node.args[1]]
+        else:
+            a, b = node.args[1] % nd, node.args[2] % nd
+            perm = list(range(nd))
+            perm[a], perm[b] = perm[b], perm[a]
+        return _Decision(Sharding(s.layout, perm.index(s.dim), s.parts), {x: s})
+
+    def slice(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        dim = (node.args[1] if len(node.args) > 1 else 0) % xt.dim()
+        if dim != s.dim:
+            return _Decision(s, {x: s})
+        start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+        end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else s.full_size
+        step = node.args[4] if len(node.args) > 4 else 1
+        start, end = _clamp(start, s.full_size), _clamp(end, s.full_size)
+        segs = _segments_between(s.parts, start, end)
+        if segs is None or step != 1:
+            return None
+        a, b = segs
+        n = self.n(s)
+        local = (x, dim, sum(s.parts[:a]) // n, sum(s.parts[:b]) // n)
+        return _Decision(Sharding(s.layout, s.dim, s.parts[a:b]), {x: s}, (aten.slice.Tensor, local, {}))
+
+    def split(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        vals = node.meta.get("val")
+        if not isinstance(vals, (list, tuple)):
+            return None
+        if node.target is aten.chunk.default:
+            dim = node.args[2] if len(node.args) > 2 else 0
+        else:
+            dim = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        dim %= xt.dim()
+        if dim != s.dim:
+            return _Decision(tuple(s for _ in vals), {x: s})
+        pieces, outs, start = [], [], 0
+        for v in vals:
+            size = int(v.shape[dim])
+            segs = _segments_between(s.parts, start, start + size)
+            if segs is None:
+                return None
+            outs.append(Sharding(s.layout, s.dim, s.parts[segs[0]:segs[1]]))
+            pieces.append(size // self.n(s))
+            start += size
+        return _Decision(tuple(outs), {x: s}, (aten.split_with_sizes.default, (x, pieces, dim), {}))
+
+    def cat(self, node: fx.Node) -> _Decision | None:
+        tensors = list(node.args[0])
+        val = tensor_meta(node)
+        dim = (node.args[1] if len(node.args) > 1 else 0) % val.dim()
+        first = next(self.res.sharding(t) for t in tensors if not self.res.sharding(t).is_replicated)
+        needs: dict[fx.Node, Sharding] = {}
+        if first.dim != dim:
+            for t in tensors:
+                needs[t] = first
+            return _Decision(first, needs)
+        parts: list[int] = []
+        for t in tensors:
+            s = self.res.sharding(t)
+            if s.is_replicated:
+                s = Sharding(first.layout, dim, (int(tensor_meta(t).shape[dim]),))
+                if not self.divides(s):
+                    return None
+            elif s.layout is not first.layout:
+                return None
+            needs[t] = s
+            parts.extend(s.parts)
+        return _Decision(Sharding(first.layout, dim, tuple(parts)), needs)
+
+    def attention(self, node: fx.Node) -> _Decision | None:
+        q, k, v = node.args[:3]
+        qt = tensor_meta(q)
+        hd = qt.dim() - 3
+        first = next(self.res.sharding(i) for i in (q, k, v) if not self.res.sharding(i).is_replicated)
+        if first.dim != hd or len(first.parts) != 1:
+            return None
+        needs = {}
+        for i in (q, k, v):
+            heads = int(tensor_meta(i).shape[hd])
+            s = Sharding(first.layout, hd, (heads,))
+            if not self.divides(s) or heads != int(qt.shape[hd]) and self.res.sharding(i) != s:
+                return None
+            needs[i] = s
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        if isinstance(mask, fx.Node):
+            mt = tensor_meta(mask)
+            a = hd - (qt.dim() - mt.dim())
+            needs[mask] = REPLICATED if a < 0 or mt.shape[a] == 1 else Sharding(first.layout, a, (int(mt.shape[a]),))
+        return _Decision(needs[q], needs)
+
+    def bmm(self, node: fx.Node) -> _Decision | None:
+        a, b = node.args[:2]
+        at, bt, val = tensor_meta(a), tensor_meta(b), tensor_meta(node)
+        if at is None or bt is None or at.dim() < 3 or bt.dim() < 3:
+            return None
+        first = next(self.res.sharding(i) for i in (a, b) if not self.res.sharding(i).is_replicated)
+        src = a if not self.res.sharding(a).is_replicated else b
+        o = first.dim + val.dim() - tensor_meta(src).dim()
+        if o >= val.dim() - 2:
+            return None
+        needs = {}
+        for i in (a, b):
+            t = tensor_meta(i)
+            d = o - (val.dim() - t.dim())
+            needs[i] = REPLICATED if d < 0 or t.shape[d] == 1 else Sharding(first.layout, d, first.parts)
+        return _Decision(Sharding(first.layout, o, first.parts), needs)
+
+    def softmax(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        if node.args[1] % xt.dim() == s.dim:
+            return None
+        return _Decision(s, {x: s})
+
+    def layer_norm(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        if s.dim >= xt.dim() - len(node.args[1]):
+            return None
+        return _Decision(s, {x: s})
+
+    def reduce(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        dims = node.args[1] if len(node.args) > 1 else None
+        if not dims:
+            return None
+        dims = sorted(d % xt.dim() for d in dims)
+        keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
+        if s.dim in dims:
+            return _Decision(REPLICATED, {x: s}, reduce=ReduceSpec(s.axis, _REDUCE[node.target]))
+        o = s.dim if keepdim else s.dim - sum(d < s.dim for d in dims)
+        return _Decision(Sharding(s.layout, o, s.parts), {x: s})
+
+
+_HANDLERS: dict[Any, Callable[[_Rules, fx.Node], _Decision | None]] = {
+    **{t: _Rules.view for t in _VIEWS},
+    aten.expand.default: _Rules.expand,
+    aten.unsqueeze.default: _Rules.unsqueeze,
+    aten.squeeze.dim: _Rules.squeeze,
+    aten.squeeze.dims: _Rules.squeeze,
+    aten.transpose.int: _Rules.transpose,
+    aten.permute.default: _Rules.transpose,
+    aten.t.default: _Rules.transpose,
+    aten.slice.Tensor: _Rules.slice,
+    aten.split.Tensor: _Rules.split,
+    aten.split_with_sizes.default: _Rules.split,
+    aten.chunk.default: _Rules.split,
+    aten.cat.default: _Rules.cat,
+    aten.scaled_dot_product_attention.default: _Rules.attention,
+    aten.matmul.default: _Rules.bmm,
+    aten.bmm.default: _Rules.bmm,
+    **{t: _Rules.softmax for t in _SOFTMAX},
+    aten.layer_norm.default: _Rules.layer_norm,
+    **{t: _Rules.reduce for t in _REDUCE},
+}
+
+
+def _clamp(i: int, size: int) -> int:
+    i = i + size if i < 0 else i
+    return max(0, min(i, size))
+
+
+def _segments_between(parts: tuple[int, ...], start: int, end: int) -> tuple[int, int] | None:
+    """Indices [a, b) of the segments that exactly cover [start, end), or None if unaligned."""
+    bounds = [0]
+    for p in parts:
+        bounds.append(bounds[-1] + p)
+    if start not in bounds or end not in bounds or end <= start:
+        return None
+    return bounds.index(start), bounds.index(end)
+
+
+def _map_through_view(src: tuple[int, ...], dst: tuple[int, ...], s: Sharding) -> Sharding | None:
+    """Where split dim ``s.dim`` of shape ``src`` lands in the view ``dst``, or None if it is strided."""
+    groups, i, j = [], 0, 0
+    while i < len(src) and j < len(dst):
+        gi, gj = [i], [j]
+        pi, pj = src[i], dst[j]
+        while pi != pj:
+            if pi < pj:
+                i += 1
+                if i >= len(src):
+                    return None
+                gi.append(i)
+                pi *= src[i]
+            else:
+                j += 1
+                if j >= len(dst):
+                    return None
+                gj.append(j)
+                pj *= dst[j]
+        groups.append((gi, gj))
+        i, j = i + 1, j + 1
+    for gi, gj in groups:
+        if s.dim not in gi:
+            continue
+        if any(src[d] != 1 for d in gi[:gi.index(s.dim)]):
+            return None
+        inner_in = 1
+        for d in gi[gi.index(s.dim) + 1:]:
+            inner_in *= src[d]
+        o = next((d for d in gj if dst[d] != 1), gj[0])
+        inner_out = 1
+        for d in gj[gj.index(o) + 1:]:
+            inner_out *= dst[d]
+        parts = []
+        for p in s.parts:
+            if (p * inner_in) % inner_out:
+                return None
+            parts.append(p * inner_in // inner_out)
+        return Sharding(s.layout, o, tuple(parts))
+    return None
 
 
 def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
-def _need(res: LayoutResult, consumer: fx.Node, producer: fx.Node, layout: Layout) -> None:
-    if res.layouts.get(producer, Layout.REPLICATED) is not layout:
-        res.conversions[(consumer, producer)] = layout
-
-
-def _spans_features(node: fx.Node, out: torch.Tensor) -> bool:
-    t = tensor_meta(node)
-    return t is not None and t.dim() >= 1 and t.shape[-1] == out.shape[-1]
+_BATCH_VIEWS = _VIEWS | {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
+                         aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor}
 
 
 def _check_batch_dim(node: fx.Node, local_batch: int) -> None:
@@ -147,12 +493,18 @@ def _check_batch_dim(node: fx.Node, local_batch: int) -> None:
     for v in vals:
         if not isinstance(v, torch.Tensor):
             continue
-        if v.dim() == 0 or v.shape[0] != local_batch:
+        # Views may merge the batch with the next dims ((B, T, C) -> (B*T, C)): rows stay batch-major.
+        if v.dim() == 0 or v.shape[0] % local_batch:
             raise PlanError(
                 f"op {node.target} in module '{module_of(node) or '<root>'}' turns the batch-split dim 0 "
                 f"(size {local_batch} on this rank) into shape {tuple(v.shape)}. Data and depth "
                 "parallelism split dim 0 of the inputs as the batch; this model mixes batch rows "
-                "(a reduction over the batch, or a loss inside forward). Use data=1 and depth=1 for it.")
+                "(a reduction over the batch, or a loss inside forward). Compute the loss outside the "
+                "model (or with autopar.train_step), or use data=1 and depth=1 for it.")
+    if node.target in _BATCH_VIEWS and node.target is not aten.slice.Tensor:
+        return
+    if node.target is aten.slice.Tensor and _is_full_slice(node):
+        return
     dim = _dim_arg(node)
     if dim is None or is_pointwise(node):
         return
@@ -164,6 +516,15 @@ def _check_batch_dim(node: fx.Node, local_batch: int) -> None:
                 f"op {node.target} in module '{module_of(node) or '<root>'}' works along dim 0, "
                 "which data and depth parallelism split as the batch. Use data=1 and depth=1 "
                 "for this model.")
+
+
+def _is_full_slice(node: fx.Node) -> bool:
+    t = tensor_meta(node.args[0])
+    dim = (node.args[1] if len(node.args) > 1 else 0) % t.dim()
+    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
+    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else t.shape[dim]
+    step = node.args[4] if len(node.args) > 4 else 1
+    return start == 0 and end >= t.shape[dim] and step == 1
 
 
 def _dim_arg(node: fx.Node) -> object:

@@ -1,62 +1,132 @@
-"""make_plan: decides how every matmul and parameter is sharded for one ParallelConfig.
+"""make_plan: decides how every matmul, embedding table and parameter is sharded for one ParallelConfig.
 
 Orientation choice. A matmul whose input is already sharded takes the orientation that reads that
 layout as it is (so chained matmuls never re-lay out). Only a matmul whose input is replicated (the
-first after a LayerNorm, the embedding) has a free choice; those "roots" are decided greedily in
-graph order by the predicted bytes of the whole step, which makes a residual branch end in the
-layout of the residual stream (FC_Net: fc1 transposed, fc2 normal, no conversion at the add).
+first after a norm, the embedding) has a free choice; those "roots" are decided greedily in graph
+order by the predicted bytes of the whole step. Roots of repeated blocks (``layers.3.mlp.up``) are
+decided once for the block and applied to every copy, which keeps planning fast at real depth.
+
+Roles. An output head (a matmul whose result reaches a model output through no other matmul) is
+split over its output features only (vocabulary-parallel: OUT_ROW/OUT_COL), so logits come out
+split over the vocabulary with no forward communication. A weight tied to an embedding table is the
+head's weight: the table is split over the vocabulary on the same axis. Other embedding tables are
+split over their features (hidden-parallel: no forward communication). A fused projection whose
+output is split apart (q/k/v, gate/up) keeps each piece sharded on its own (``out_parts``).
 """
 
 from __future__ import annotations
 
-import torch.fx as fx
+import itertools
+import re
+from collections.abc import Callable
 
-from autopar.config import (Layout, MatmulPlan, Orientation, ParallelConfig, ParamKind, ParamPlan, Plan)
+import torch
+from torch import fx
+
+from autopar.config import (
+    EmbeddingMode,
+    EmbeddingPlan,
+    MatmulPlan,
+    Orientation,
+    ParallelConfig,
+    ParamKind,
+    ParamPlan,
+    Plan,
+)
+from autopar.errors import PlanError
 from passes.analysis.estimate_costs import list_collectives, total_bytes
-from passes.analysis.graph_facts import MatmulMatch, find_matmuls, param_name, param_uses, tensor_meta
-from passes.analysis.layouts import LayoutResult, propagate_layouts
+from passes.analysis.graph_facts import (
+    MatmulMatch,
+    find_matmuls,
+    module_of,
+    param_name,
+    param_uses,
+    tensor_meta,
+)
+from passes.analysis.layouts import LayoutResult, output_node, propagate_layouts
+from passes.ir import Sharding
 
-_SHARDED = (Orientation.NORMAL, Orientation.TRANSPOSED)
+aten = torch.ops.aten
 
-
-def feasible_orientations(m: MatmulMatch, uses: int, config: ParallelConfig) -> tuple[tuple[Orientation, ...], str]:
-    """The orientations whose cuts divide this matmul's sizes, and why the others do not."""
-    if uses > 1:
-        return (), f"weight read by {uses} ops (shared weights are not sharded yet)"
-    ok, why = [], []
-    for o in _SHARDED:
-        out_split, in_split = config.size(o.out_axis), config.size(o.in_axis)
-        if m.out_features % out_split:
-            why.append(f"{o.value}: out_features {m.out_features} not divisible by {o.out_axis}={out_split}")
-        elif m.in_features % in_split:
-            why.append(f"{o.value}: in_features {m.in_features} not divisible by {o.in_axis}={in_split}")
-        elif (m.out_features // out_split * m.in_features // in_split) % config.depth:
-            why.append(f"{o.value}: weight block of {m.out_features // out_split}x{m.in_features // in_split} "
-                       f"not divisible by depth={config.depth}")
-        else:
-            ok.append(o)
-    return tuple(ok), "; ".join(why)
+_3D = (Orientation.NORMAL, Orientation.TRANSPOSED)
+_OUT = (Orientation.OUT_ROW, Orientation.OUT_COL)
+_SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
+_SAME_LAST = (aten.view.default, aten.reshape.default, aten._unsafe_view.default)
 
 
-def _propagate(gm: fx.GraphModule, matmuls: dict[fx.Node, MatmulMatch],
-               feasible: dict[str, tuple[Orientation, ...]], roots: dict[str, Orientation],
-               local_batch: int | None) -> tuple[LayoutResult, dict[str, Orientation]]:
-    chosen: dict[str, Orientation] = {}
+def fused_parts(m: MatmulMatch) -> tuple[int, ...]:
+    """Segments of a matmul's output features that its consumers split apart (fused q/k/v), or ()."""
+    n = m.out_features
+    bounds, frontier = {0, n}, [m.node]
+    while frontier:
+        node = frontier.pop()
+        for user in node.users:
+            val = user.meta.get("val")
+            if user.target in _SAME_LAST and isinstance(val, torch.Tensor) and val.shape[-1] == n:
+                frontier.append(user)
+            elif user.target in _SPLITS and isinstance(val, (list, tuple)):
+                dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+                if dim % tensor_meta(node).dim() == tensor_meta(node).dim() - 1:
+                    start = 0
+                    for v in val:
+                        start += int(v.shape[-1])
+                        bounds.add(start)
+            elif user.target is aten.slice.Tensor and len(user.args) > 1:
+                t = tensor_meta(node)
+                if user.args[1] % t.dim() == t.dim() - 1:
+                    for b in user.args[2:4]:
+                        if isinstance(b, int):
+                            bounds.add(max(0, min(b + n if b < 0 else b, n)))
+    edges = sorted(bounds)
+    parts = tuple(b - a for a, b in itertools.pairwise(edges))
+    return parts if len(parts) > 1 else ()
 
-    def orientation_of(m: MatmulMatch, in_layout: Layout) -> Orientation:
-        options = feasible[m.weight]
-        if not options:
-            o = Orientation.REPLICATED
-        elif len(options) == 1:
-            o = options[0]
-        elif in_layout is Layout.REPLICATED:
-            o = roots.get(m.weight, Orientation.NORMAL)
-        else:
-            o = next(x for x in options if x.in_layout is in_layout)
-        chosen[m.weight] = o
-        return o
 
-    return propagate_layouts(gm, matmuls, orientation_of, local_batch), chosen
+def _divides(m: MatmulMatch, o: Orientation, parts: tuple[int, ...], config: ParallelConfig) -> str:
+    """'' if orientation ``o`` divides this matmul's sizes, else why not."""
+    out_split, in_split = config.size(o.out_axis), config.size(o.in_axis)
+    if o in _OUT and out_split == 1:
+        return f"{o.value}: {o.out_axis}=1"
+    for p in parts or (m.out_features,):
+        if p % out_split:
+            what = f"output piece {p}" if parts else f"out_features {p}"
+            return f"{o.value}: {what} not divisible by {o.out_axis}={out_split}"
+    if m.in_features % in_split:
+        return f"{o.value}: in_features {m.in_features} not divisible by {o.in_axis}={in_split}"
+    if o in _3D and (m.out_features // out_split * m.in_features // in_split) % config.depth:
+        return (f"{o.value}: weight block of {m.out_features // out_split}x{m.in_features // in_split} "
+                f"not divisible by depth={config.depth}")
+    return ""
+
+
+def _heads(gm: fx.GraphModule, matmul_nodes: set[fx.Node]) -> set[fx.Node]:
+    """Matmuls whose output reaches a model output without passing through another matmul."""
+    reaches: set[fx.Node] = set()
+    out = output_node(gm)
+    for node in reversed(list(gm.graph.nodes)):
+        if node is out:
+            continue
+        if any(u is out or (u in reaches and u not in matmul_nodes) for u in node.users):
+            reaches.add(node)
+    return {n for n in matmul_nodes if n in reaches}
+
+
+def _block_key(weight: str) -> str:
+    return re.sub(r"\.\d+\.", ".#.", weight)
+
+
+def matmul_decider(plan: Plan) -> Callable[[MatmulMatch, Sharding], tuple[Orientation, tuple[int, ...]]]:
+    def decide(m: MatmulMatch, _: Sharding) -> tuple[Orientation, tuple[int, ...]]:
+        mp = plan.matmul(m.weight)
+        return mp.orientation, mp.parts
+    return decide
+
+
+def embedding_decider(plan: Plan) -> Callable[[str], tuple[EmbeddingMode, str]]:
+    def decide(weight: str) -> tuple[EmbeddingMode, str]:
+        e = plan.embedding(weight)
+        return (EmbeddingMode.REPLICATED, "") if e is None else (e.mode, e.axis)
+    return decide
 
 
 def local_batch_of(gm: fx.GraphModule) -> int | None:
@@ -64,61 +134,184 @@ def local_batch_of(gm: fx.GraphModule) -> int | None:
     return batch.local_sizes[batch.index] if batch is not None and len(batch.local_sizes) > 1 else None
 
 
-def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan]) -> tuple[ParamPlan, ...]:
-    sharded_weight = {m.weight: m for m in matmul_plans.values() if m.orientation in _SHARDED}
-    sharded_bias = {m.bias: m for m in sharded_weight.values() if m.bias is not None}
+def layouts_for(gm: fx.GraphModule, plan: Plan) -> tuple[LayoutResult, dict[fx.Node, MatmulMatch]]:
+    """The layouts ``plan`` gives this graph (shared by the transform and the step report)."""
+    matches = find_matmuls(gm)
+    for m in matches:
+        if plan.matmul(m.weight) is None:
+            raise PlanError(f"the graph has a matmul on '{m.weight}' that the plan does not know. The model "
+                            "changed after it was planned; build a new model inside auto_parallelize.")
+    by_node = {m.node: m for m in matches}
+    sizes = {"row": plan.config.row, "col": plan.config.col}
+    res = propagate_layouts(gm, by_node, matmul_decider(plan), sizes, local_batch_of(gm), embedding_decider(plan))
+    return res, by_node
+
+
+class _Planner:
+    def __init__(self, gm: fx.GraphModule, config: ParallelConfig) -> None:
+        self.gm, self.config = gm, config
+        self.sizes = {"row": config.row, "col": config.col}
+        self.matches = find_matmuls(gm)
+        self.by_node = {m.node: m for m in self.matches}
+        self.local_batch = local_batch_of(gm)
+        uses = param_uses(gm)
+        lookups: dict[str, list[fx.Node]] = {}
+        for node in gm.graph.nodes:
+            if node.target is aten.embedding.default and (name := param_name(node.args[0])) is not None:
+                lookups.setdefault(name, []).append(node)
+        self.lookups = lookups
+        heads = _heads(gm, set(self.by_node))
+        self.feasible: dict[str, tuple[Orientation, ...]] = {}
+        self.reasons: dict[str, str] = {}
+        self.parts: dict[str, tuple[int, ...]] = {}
+        self.tied: set[str] = set()
+        for m in self.matches:
+            num_lookups = len(lookups.get(m.weight, ()))
+            matmul_uses = uses.get(m.weight, 1) - num_lookups
+            self.parts[m.weight] = fused_parts(m)
+            if matmul_uses > 1:
+                self.feasible[m.weight] = ()
+                self.reasons[m.weight] = f"weight read by {matmul_uses} matmuls (shared weights stay replicated)"
+                continue
+            if num_lookups:
+                if m.weight_in_out:
+                    self.feasible[m.weight] = ()
+                    self.reasons[m.weight] = "tied to an embedding table but stored (in, out)"
+                    continue
+                self.tied.add(m.weight)
+            candidates = _OUT if num_lookups else _3D + _OUT if m.node in heads else _3D
+            ok, why = [], []
+            for o in candidates:
+                problem = _divides(m, o, self.parts[m.weight], config)
+                (why if problem else ok).append(problem or o)
+            self.feasible[m.weight] = tuple(ok)
+            self.reasons[m.weight] = "; ".join(why)
+
+    def propagate(self, roots: dict[str, Orientation]) -> tuple[LayoutResult, dict[str, Orientation]]:
+        chosen: dict[str, Orientation] = {}
+
+        def orientation_of(m: MatmulMatch, s: Sharding) -> tuple[Orientation, tuple[int, ...]]:
+            options = self.feasible[m.weight]
+            contiguous_last = (not s.is_replicated and len(s.parts) == 1
+                               and s.dim == tensor_meta(m.x).dim() - 1)
+            if not options:
+                o = Orientation.REPLICATED
+            elif len(options) == 1:
+                o = options[0]
+            elif contiguous_last and any(x.in_layout is s.layout for x in options):
+                o = next(x for x in options if x.in_layout is s.layout)
+            else:
+                o = roots.get(m.weight, options[0])
+            chosen[m.weight] = o
+            return o, self.parts[m.weight] if o.is_sharded else ()
+
+        res = propagate_layouts(self.gm, self.by_node, orientation_of, self.sizes, self.local_batch,
+                                self.embedding_of(chosen))
+        return res, chosen
+
+    def embedding_of(self, chosen: dict[str, Orientation]) -> Callable[[str], tuple[EmbeddingMode, str]]:
+        def decide(weight: str) -> tuple[EmbeddingMode, str]:
+            mode, axis, _ = self.embedding_decision(weight, chosen)
+            return mode, axis
+        return decide
+
+    def embedding_decision(self, weight: str, chosen: dict[str, Orientation]) -> tuple[EmbeddingMode, str, str]:
+        table = tensor_meta(self.lookups[weight][0].args[0])
+        num, dim = int(table.shape[0]), int(table.shape[1])
+        if weight in self.tied:
+            o = chosen.get(weight, Orientation.REPLICATED)
+            if o.is_sharded:
+                return EmbeddingMode.VOCAB, o.out_axis, ""
+            return EmbeddingMode.REPLICATED, "", "tied to an output head that stays replicated"
+        if weight in self.feasible:
+            return EmbeddingMode.REPLICATED, "", "also read by a matmul"
+        axes = sorted(("row", "col"), key=lambda a: -self.config.size(a))
+        for mode, size in ((EmbeddingMode.HIDDEN, dim), (EmbeddingMode.VOCAB, num)):
+            for axis in axes:
+                if self.config.size(axis) > 1 and size % self.config.size(axis) == 0:
+                    return mode, axis, ""
+        if self.config.row == self.config.col == 1:
+            return EmbeddingMode.REPLICATED, "", "no row or col split"
+        return EmbeddingMode.REPLICATED, "", f"neither {dim} features nor {num} rows divide by row or col"
+
+    def cost(self, roots: dict[str, Orientation]) -> tuple:
+        res, chosen = self.propagate(roots)
+        plan = self.plan(chosen)
+        coll = list_collectives(self.gm, res, self.matches, {p.name: p for p in plan.params}, self.config)
+        return total_bytes(coll), len(res.conversions)
+
+    def choose(self) -> Plan:
+        roots: dict[str, Orientation] = {}
+        res, _ = self.propagate(roots)
+        decided: set[str] = set()
+        for node in res.orientations:
+            m = self.by_node[node]
+            options = self.feasible[m.weight]
+            key = _block_key(m.weight)
+            if len(options) < 2 or not res.sharding(m.x).is_replicated or key in decided:
+                continue
+            decided.add(key)
+            group = [x.weight for x in self.matches if _block_key(x.weight) == key and self.feasible[x.weight] == options]
+            # Fewest bytes, then fewest re-layouts (they still cost a copy at degree 1), then the first option.
+            best = min(options, key=lambda o: (*self.cost({**roots, **dict.fromkeys(group, o)}), options.index(o)))
+            roots.update(dict.fromkeys(group, best))
+        _, chosen = self.propagate(roots)
+        return self.plan(chosen)
+
+    def plan(self, chosen: dict[str, Orientation]) -> Plan:
+        matmuls = {}
+        for m in self.matches:
+            o = chosen.get(m.weight, Orientation.REPLICATED)
+            reason = "" if o.is_sharded else (self.reasons[m.weight] or "its input layout has no sharded option")
+            matmuls[m.weight] = MatmulPlan(m.weight, m.module, m.op, m.in_features, m.out_features, m.weight_in_out,
+                                           m.bias, o, reason, self.parts[m.weight] if o.is_sharded else ())
+        embeddings = []
+        for weight, nodes in self.lookups.items():
+            table = tensor_meta(nodes[0].args[0])
+            mode, axis, reason = self.embedding_decision(weight, chosen)
+            embeddings.append(EmbeddingPlan(weight, module_of(nodes[0]), int(table.shape[0]), int(table.shape[1]),
+                                            mode, axis, reason))
+        notes = tuple(f"{m.weight} stays replicated: {m.reason}" for m in matmuls.values() if m.reason)
+        notes += tuple(f"{e.weight} (embedding) stays replicated: {e.reason}" for e in embeddings if e.reason)
+        return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings), notes,
+                    tuple(embeddings))
+
+
+def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
+                embeddings: list[EmbeddingPlan] | tuple[EmbeddingPlan, ...] = ()) -> tuple[ParamPlan, ...]:
+    sharded = {m.weight: m for m in matmul_plans.values() if m.orientation.is_sharded}
+    biases = {m.bias: m for m in sharded.values() if m.bias is not None}
+    tables = {e.weight: e for e in embeddings if e.mode is not EmbeddingMode.REPLICATED}
     out = []
     for node in gm.graph.nodes:
         name = param_name(node)
         if name is None:
             continue
         shape = tuple(int(s) for s in tensor_meta(node).shape)
-        if name in sharded_weight:
-            m = sharded_weight[name]
-            out.append(ParamPlan(name, shape, ParamKind.WEIGHT_3D, m.orientation, m.weight_in_out, ("data",)))
-        elif name in sharded_bias:
-            out.append(ParamPlan(name, shape, ParamKind.BIAS, sharded_bias[name].orientation))
+        if name in sharded and sharded[name].orientation.is_3d:
+            m = sharded[name]
+            out.append(ParamPlan(name, shape, ParamKind.WEIGHT_3D, m.orientation, m.weight_in_out, ("data",),
+                                 m.out_parts))
+        elif name in sharded:
+            m = sharded[name]
+            out.append(ParamPlan(name, shape, ParamKind.SPLIT, m.orientation, m.weight_in_out, parts=m.out_parts,
+                                 split_axis=m.orientation.out_axis, split_dim=1 if m.weight_in_out else 0))
+        elif name in biases and biases[name].orientation.is_3d:
+            out.append(ParamPlan(name, shape, ParamKind.BIAS, biases[name].orientation, parts=biases[name].out_parts))
+        elif name in biases:
+            m = biases[name]
+            out.append(ParamPlan(name, shape, ParamKind.SPLIT, m.orientation, parts=m.out_parts,
+                                 split_axis=m.orientation.out_axis, split_dim=0))
+        elif name in tables:
+            e = tables[name]
+            out.append(ParamPlan(name, shape, ParamKind.SPLIT, split_axis=e.axis,
+                                 split_dim=0 if e.mode is EmbeddingMode.VOCAB else 1))
         else:
             out.append(ParamPlan(name, shape, ParamKind.REPLICATED))
     return tuple(out)
 
 
 def make_plan(gm: fx.GraphModule, config: ParallelConfig) -> Plan:
-    """Chooses orientations (see module docstring) and derives every parameter's storage."""
-    matches = find_matmuls(gm)
-    by_node = {m.node: m for m in matches}
-    uses = param_uses(gm)
-    feasible: dict[str, tuple[Orientation, ...]] = {}
-    reasons: dict[str, str] = {}
-    for m in matches:
-        feasible[m.weight], reasons[m.weight] = feasible_orientations(m, uses.get(m.weight, 1), config)
-    local_batch = local_batch_of(gm)
+    """Chooses orientations and embedding splits (see module docstring) and every parameter's storage."""
+    return _Planner(gm, config).choose()
 
-    def cost(roots: dict[str, Orientation]) -> tuple[object, dict[str, Orientation]]:
-        res, chosen = _propagate(gm, by_node, feasible, roots, local_batch)
-        plans = _matmul_plans(matches, chosen, reasons)
-        coll = list_collectives(gm, res, matches, {p.name: p for p in param_plans(gm, plans)}, config)
-        return (total_bytes(coll), len(res.conversions)), chosen
-
-    roots: dict[str, Orientation] = {}
-    res, _ = _propagate(gm, by_node, feasible, roots, local_batch)
-    for node in res.orientations:
-        m = by_node[node]
-        if len(feasible[m.weight]) == 2 and res.layouts[m.x] is Layout.REPLICATED:
-            # Fewest bytes, then fewest re-layouts (they still cost a copy at degree 1), then NORMAL.
-            roots[m.weight] = min(_SHARDED, key=lambda o: (*cost({**roots, m.weight: o})[0],
-                                                            o is not Orientation.NORMAL))
-    _, chosen = _propagate(gm, by_node, feasible, roots, local_batch)
-    plans = _matmul_plans(matches, chosen, reasons)
-    notes = tuple(f"{m.weight} stays replicated: {m.reason}" for m in plans.values() if m.reason)
-    return Plan(config, tuple(plans.values()), param_plans(gm, plans), notes)
-
-
-def _matmul_plans(matches: list[MatmulMatch], chosen: dict[str, Orientation],
-                  reasons: dict[str, str]) -> dict[str, MatmulPlan]:
-    out = {}
-    for m in matches:
-        o = chosen.get(m.weight, Orientation.REPLICATED)
-        out[m.weight] = MatmulPlan(m.weight, m.module, m.op, m.in_features, m.out_features, m.weight_in_out,
-                                   m.bias, o, reasons[m.weight] if o is Orientation.REPLICATED else "")
-    return out

@@ -10,13 +10,18 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from fractions import Fraction
 
-import torch.fx as fx
+from torch import fx
 
 from autopar.config import Orientation, Plan
-from passes.analysis.estimate_costs import Collective, bytes_by_kind, list_collectives, matmul_flops, total_bytes
-from passes.analysis.graph_facts import find_matmuls, param_name, rows_of, tensor_meta
-from passes.analysis.layouts import propagate_layouts
-from passes.analysis.make_plan import local_batch_of
+from passes.analysis.estimate_costs import (
+    Collective,
+    bytes_by_kind,
+    list_collectives,
+    matmul_flops,
+    total_bytes,
+)
+from passes.analysis.graph_facts import param_name, rows_of, tensor_meta
+from passes.analysis.make_plan import layouts_for
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,9 +55,8 @@ class StepReport:
 
 def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
     config = plan.config
-    matches = find_matmuls(gm)
-    by_node = {m.node: m for m in matches}
-    res = propagate_layouts(gm, by_node, lambda m, _: plan.matmul(m.weight).orientation, local_batch_of(gm))
+    res, by_node = layouts_for(gm, plan)
+    matches = list(by_node.values())
     params = {p.name: p for p in plan.params}
     colls = list_collectives(gm, res, matches, params, config)
     batch = gm.meta.get("autopar_batch")

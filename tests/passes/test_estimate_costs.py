@@ -17,11 +17,18 @@ M, K, N, B = 8, 16, 32, 4  # batch rows, in features, out features, bytes per fl
 
 def analytic(R: int, C: int, D: int, G: int, orientation: Orientation) -> Fraction:
     """Bytes one rank sends for a Linear(K, N) with bias whose input needs no gradient."""
+    md = M // (G * D)
+    f = lambda p: Fraction(p - 1, p)  # noqa: E731
+    if not orientation.is_3d:
+        # Output features split over one axis of P ranks (P = 1: replicated): no forward comm.
+        P = {Orientation.OUT_ROW: R, Orientation.OUT_COL: C}.get(orientation, 1)
+        return (2 * f(G * D) * Fraction(N * K, P) * B   # weight gradient over data x depth
+                + 2 * f(G * D) * Fraction(N, P) * B     # bias gradient over data x depth
+                + f(P) * md * N * B                     # output: features gathered over the axis
+                + f(G * D) * M * N * B)                 # output: batch rows gathered over data x depth
     if orientation is Orientation.TRANSPOSED:
         R, C = C, R  # the other orientation swaps the roles of row and col
-    md = M // (G * D)
     w = Fraction(N * K, R * C) * B
-    f = lambda p: Fraction(p - 1, p)  # noqa: E731
     return (f(D) * w                               # fwd all-gather W over depth
             + 2 * f(C) * md * N // R * B           # fwd all-reduce Y over the axis splitting in
             + f(D) * w                             # bwd all-gather W again
@@ -39,3 +46,6 @@ def test_single_linear_matches_design_notes_formula(R, C, D, G):
     plan, report = plan_model(model, (torch.empty(M, K),), ParallelConfig(G, R, C, D))
     (mp,) = plan.matmuls
     assert report.comm_bytes_per_step == analytic(R, C, D, G, mp.orientation)
+    # A lone Linear is an output head: split over its outputs unless 3D sends fewer bytes.
+    if R * C > 1:
+        assert mp.orientation.is_sharded

@@ -11,7 +11,7 @@ from autopar.config import Layout, Orientation, ParallelConfig
 from autopar.ops import ConvertOp, GatherOutputOp, MatmulOp
 from autopar.examples.fc_net import FC_Net
 from passes.analysis.make_plan import make_plan
-from passes.ir import ConvertSpec, convert_layout, gather_output, sharded_matmul
+from passes.ir import REPLICATED, ConvertSpec, Sharding, convert_layout, gather_output, sharded_matmul
 from passes.runner import run_passes
 from passes.shard_linears import shard_linears
 from tests.helpers import SMALL, rel_err
@@ -43,7 +43,7 @@ def test_fc_net_plan_alternates_orientations_and_converts_only_at_layernorm():
     gm, records = run_passes(cap.gm, plan, [shard_linears])
     assert len(calls(gm, sharded_matmul)) == 2 * SMALL["num_layers"] + 2
     assert not calls(gm, aten.linear.default)
-    gathers = [n for n in calls(gm, convert_layout) if n.args[1].dst is Layout.REPLICATED]
+    gathers = [n for n in calls(gm, convert_layout) if n.args[1].dst.is_replicated]
     assert [u.target for n in gathers for u in n.users] == [aten.layer_norm.default] * SMALL["num_layers"]
     for add in calls(gm, aten.add.Tensor):
         assert all(a.target is sharded_matmul for a in add.args if a.op == "call_function" and a.target
@@ -131,5 +131,7 @@ def test_identity_at_degree_one_changes_no_number():
 
 
 def test_convert_spec_prints_as_code():
-    spec = ConvertSpec(Layout.ROW, Layout.REPLICATED, 16)
-    assert repr(spec) == "ConvertSpec(src=Layout.ROW, dst=Layout.REPLICATED, full_size=16)"
+    spec = ConvertSpec(Sharding(Layout.ROW, 2, (8, 8)), REPLICATED)
+    assert repr(spec) == ("ConvertSpec(src=Sharding(layout=Layout.ROW, dim=2, parts=(8, 8)), "
+                          "dst=Sharding(layout=Layout.REPLICATED, dim=-1, parts=()))")
+    assert eval(repr(spec), {"ConvertSpec": ConvertSpec, "Sharding": Sharding, "Layout": Layout}) == spec
