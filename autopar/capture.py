@@ -8,7 +8,11 @@ own local batch shape, so batch sizes in view/reshape ops are this rank's.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,6 +24,9 @@ from torch.export.graph_signature import OutputKind
 
 from autopar.errors import CaptureError, InputError
 from passes.ir import BatchInfo, InputInfo, InputKind
+
+log = logging.getLogger(__name__)
+_warned = threading.local()
 
 _KINDS = {
     ExportInputKind.PARAMETER: InputKind.PARAMETER,
@@ -72,7 +79,8 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     meta_args, meta_kwargs = pytree.tree_unflatten([_to_meta(x) for x in leaves], in_spec)
     try:
-        ep = torch.export.export(shadow, tuple(meta_args), dict(meta_kwargs), strict=False)
+        with cache_outputs(shadow, "use_cache" in meta_kwargs):
+            ep = torch.export.export(shadow, tuple(meta_args), dict(meta_kwargs), strict=False)
     except Exception as e:
         raise CaptureError(
             f"torch.export could not capture {type(shadow).__name__} ({type(e).__name__}: "
@@ -105,6 +113,48 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         node.meta["autopar"] = info
     gm.meta["autopar_batch"] = batch
     return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants))
+
+
+@contextlib.contextmanager
+def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
+    """HuggingFace key/value caches in outputs (``use_cache``), handled the way HF itself does.
+
+    Training: the cache is dropped (HF does the same under gradient checkpointing): the shadow's
+    ``config.use_cache`` is False while it is captured, and the output's ``past_key_values`` is
+    None, with one warning. Eval: HF's cache classes are registered as pytrees (with HF's own
+    helper) so the cache comes back as an output, gathered like any other.
+    """
+    config = getattr(shadow, "config", None)
+    if user_chose or not getattr(config, "use_cache", False):
+        yield
+        return
+    if not shadow.training:
+        _register_hf_caches(shadow)
+        yield
+        return
+    if not getattr(_warned, "cache", False):
+        _warned.cache = True
+        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+            log.warning("autopar: %s returns a key/value cache (use_cache=True); it is not built in training "
+                        "(past_key_values is None), as HF does under gradient checkpointing. Pass use_cache= "
+                        "explicitly to choose.", type(shadow).__name__)
+    # Sub-stacks may hold their own config copies (T5's decoder does).
+    configs = {id(c): c for m in shadow.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
+    for c in configs.values():
+        c.use_cache = False
+    try:
+        yield
+    finally:
+        for c in configs.values():
+            c.use_cache = True
+
+
+def _register_hf_caches(model: nn.Module) -> None:
+    try:
+        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
+    except ImportError:  # older transformers: the export then fails with a clear CaptureError
+        return
+    register_cache_pytrees_for_model(model)
 
 
 def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[int], int]:

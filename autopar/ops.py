@@ -249,6 +249,14 @@ class ReduceOp:
         return _ReduceFrom.apply(x, self.mesh, self.spec.axis, 1.0 / n if self.spec.mean else 1.0)
 
 
+class SumGradOp:
+    def __init__(self, axis: str, mesh: Mesh) -> None:
+        self.axis, self.mesh = axis, mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return _CopyTo.apply(x, self.mesh, self.axis)
+
+
 class ConvertOp:
     def __init__(self, spec: ConvertSpec, mesh: Mesh) -> None:
         self.spec, self.mesh = spec, mesh

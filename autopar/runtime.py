@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,15 +18,15 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from autopar import collectives as C
-from autopar.capture import Captured, capture_shard, meta_shadow, split_batch_leaves
+from autopar.capture import Captured, cache_outputs, capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CaptureError, PlanError, StateDictError
 from autopar.mesh import Mesh
-from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, join_pieces, scatter_batch,
-                         take_pieces)
+from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, join_pieces,
+                         scatter_batch, take_pieces)
 from passes.analysis.make_plan import make_plan
 from passes.ir import (InputKind, convert_layout, gather_output, input_info, reduce_partial, sharded_embedding,
-                       sharded_matmul)
+                       sharded_matmul, sum_grad)
 from passes.runner import PassRecord, run_passes
 from passes.shard_linears import shard_linears
 
@@ -54,6 +55,8 @@ class ParallelRuntime:
         self.plan: Plan | None = None
         self.executables: dict[Any, Executable] = {}
         self._hooks: list[Any] = []
+        self._model = weakref.ref(model)
+        self._constants: dict[str, Any] = {}
         self._training = lambda: model.training
         model.register_load_state_dict_pre_hook(self._shard_state_dict)
 
@@ -94,6 +97,10 @@ class ParallelRuntime:
                  sizes: tuple[int, ...]) -> Executable:
         index = self.mesh.index("batch") if split else 0
         captured = self._capture(leaves, spec, split, sizes, index)
+        lost = [k for k, v in captured.constants.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"
+                and self._real_constant(k) is None and k not in self._constants]
+        if lost and self.plan is None:  # parameters are still whole: the real model can be exported once
+            self._constants.update(self._export_constants(leaves, spec, split, sizes, index))
         if self.plan is None:
             # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere.
             canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0)
@@ -104,10 +111,42 @@ class ParallelRuntime:
         constants = {}
         for name, value in captured.constants.items():
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                real = self._real_constant(name)
+                value = real if real is not None else self._constants.get(name, value)
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
                                    "capture; autopar cannot recover its data. Register it as a buffer.")
             constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
         return Executable(gm, inputs, captured.out_spec, constants, records)
+
+    def _export_constants(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+                          sizes: tuple[int, ...], index: int) -> dict[str, Any]:
+        """Tensor constants the model creates inside forward (``torch.tensor(..., device=x.device)``).
+
+        On the meta shadow they are meta; exporting the real model once (before its parameters
+        are sharded, on zero inputs of this rank's shapes) gives their values.
+        """
+        model = self._model()
+        local = [torch.zeros((sizes[index], *x.shape[1:]), dtype=x.dtype, device=x.device) if i in split
+                 else x for i, x in enumerate(leaves)]
+        args, kwargs = pytree.tree_unflatten(local, spec)
+        wrapper = model.__dict__.pop("forward", None)  # export the user's forward, not ours
+        try:
+            with cache_outputs(model, "use_cache" in kwargs):
+                ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
+        except Exception:
+            return {}
+        finally:
+            if wrapper is not None:
+                model.forward = wrapper
+        return {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
+
+    def _real_constant(self, name: str) -> Any:
+        """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""
+        obj: Any = self._model()
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
 
     def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...]) -> None:
         """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
@@ -125,12 +164,22 @@ class ParallelRuntime:
             elif node.target is sharded_embedding:
                 node.target = EmbeddingOp(node.args[3], self.mesh).__call__
                 node.args = node.args[:3]
+            elif node.target is sum_grad:
+                node.target = SumGradOp(node.args[1], self.mesh).__call__
+                node.args = node.args[:1]
             elif node.target is reduce_partial:
                 node.target = ReduceOp(node.args[1], self.mesh).__call__
                 node.args = node.args[:1]
             elif node.op == "call_function":
                 node.args = _retarget(node.args, device)
                 node.kwargs = _retarget(node.kwargs, device)
+        for sub in gm.modules():  # subgraphs of higher-order ops (e.g. no_grad regions)
+            if sub is not gm and isinstance(sub, fx.GraphModule):
+                for node in sub.graph.nodes:
+                    if node.op == "call_function":
+                        node.args = _retarget(node.args, device)
+                        node.kwargs = _retarget(node.kwargs, device)
+                sub.recompile()
         gm.recompile()
 
     # ---- parameters -------------------------------------------------------------------------------
@@ -205,22 +254,28 @@ class ParallelRuntime:
         return {k: (self.full_tensor(v, by_id[named[k]]) if named.get(k) in by_id else v) for k, v in state.items()}
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's full gradient by serial name (collective; for tests and debugging)."""
-        out = {}
+        """Every parameter's full gradient under each of its names (collective; for tests and debugging)."""
+        out: dict[str, torch.Tensor | None] = {}
+        by_id = {id(self.params[pp.name]): pp for pp in (self.plan.params if self.plan else ())}
         for pp in (self.plan.params if self.plan else ()):
             g = self.params[pp.name].grad
             out[pp.name] = None if g is None else self.full_tensor(g, pp)
+        for name, p in self.params.items():  # tied weights: the same tensor under another name
+            if name not in out and id(p) in by_id:
+                out[name] = out[by_id[id(p)].name]
         return out
 
     def _shard_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
         if self.plan is None:
             return
-        for pp in self.plan.params:
-            key = prefix + pp.name
-            if pp.kind is ParamKind.REPLICATED or key not in state_dict:
+        by_id = {id(self.params[pp.name]): pp for pp in self.plan.params if pp.kind is not ParamKind.REPLICATED}
+        for name, p in self.params.items():  # every name, so tied aliases are sharded too
+            pp = by_id.get(id(p))
+            key = prefix + name
+            if pp is None or key not in state_dict:
                 continue
             t = state_dict[key]
-            local_shape = tuple(self.params[pp.name].shape)
+            local_shape = tuple(p.shape)
             if tuple(t.shape) == pp.shape:
                 state_dict[key] = self.local_shard(t, pp)
             elif tuple(t.shape) != local_shape:

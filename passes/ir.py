@@ -148,6 +148,12 @@ def reduce_partial(x, spec: ReduceSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def sum_grad(x, axis: str):
+    """Identity forward; backward sums the gradient over ``axis`` (a replicated tensor that fed
+    computations split over the axis)."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def convert_layout(x, spec: ConvertSpec):
     """Re-lays out ``x`` from sharding ``spec.src`` to ``spec.dst`` (gather, then slice)."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")

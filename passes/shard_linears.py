@@ -42,6 +42,7 @@ from passes.ir import (
     reduce_partial,
     sharded_embedding,
     sharded_matmul,
+    sum_grad,
 )
 from passes.runner import PassResult
 
@@ -67,6 +68,17 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
             conv.meta.update(val=producer.meta.get("val"), nn_module_stack=consumer.meta.get("nn_module_stack", {}))
             converted[key] = conv
         consumer.replace_input_with(producer, converted[key])
+
+    summed: dict[tuple[fx.Node, str], fx.Node] = {}
+    for (consumer, producer), axis in res.grad_sums.items():
+        source = next((a for a in consumer.all_input_nodes if a is producer or a.args[:1] == (producer,)
+                       and a.target is convert_layout), producer)
+        key = (source, axis)
+        if key not in summed:
+            with graph.inserting_after(source):
+                summed[key] = graph.call_function(sum_grad, (source, axis))
+            summed[key].meta.update(val=source.meta.get("val"))
+        consumer.replace_input_with(source, summed[key])
 
     for node, spec in res.reductions.items():
         with graph.inserting_after(node):

@@ -173,6 +173,15 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
         done.add((producer, dst))
         out += conversion_collectives(producer, res.sharding(producer), dst, res.requires_grad.get(producer, False),
                                       config, module_of(consumer) or str(consumer.target))
+    summed: set[tuple[fx.Node, Sharding | None, str]] = set()
+    for (consumer, producer), axis in res.grad_sums.items():
+        key = (producer, res.conversions.get((consumer, producer)), axis)
+        if key not in summed:
+            summed.add(key)
+            t = tensor_meta(producer)
+            c = Collective("all_reduce", axis, config.size(axis), t.numel() * t.element_size(), "backward",
+                           module_of(consumer) or str(consumer.target))
+            out += [c] if c.group_size > 1 else []
     for node, spec in res.reductions.items():
         out += _all_reduce_of(node, spec.axis, config, module_of(node) or str(node.target))
     for node, (mode, axis) in res.embeddings.items():

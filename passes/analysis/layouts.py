@@ -67,6 +67,9 @@ class LayoutResult:
     """Ops whose target/arguments change on local pieces: (target, args, kwargs)."""
     reductions: dict[fx.Node, ReduceSpec] = field(default_factory=dict)
     """Sums/means over a split dim: computed locally, completed by an all-reduce."""
+    grad_sums: dict[tuple[fx.Node, fx.Node], str] = field(default_factory=dict)
+    """(consumer, producer) -> axis: a replicated tensor broadcast along a split dim gets only this
+    rank's part of its gradient from the consumer; the parts are summed over the axis in backward."""
 
     def sharding(self, node: Any) -> Sharding:
         s = self.shardings.get(node, REPLICATED) if isinstance(node, fx.Node) else REPLICATED
@@ -79,6 +82,8 @@ class _Decision:
     needs: dict[fx.Node, Sharding] = field(default_factory=dict)
     args: tuple[Any, tuple, dict] | None = None
     reduce: ReduceSpec | None = None
+    broadcast: tuple[fx.Node, ...] = ()
+    """Replicated inputs broadcast along the output's split dim (their gradients are partial)."""
 
 
 def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
@@ -147,6 +152,10 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         for producer, need in decision.needs.items():
             if isinstance(producer, fx.Node) and res.sharding(producer) != need:
                 res.conversions[(node, producer)] = need
+        out_axis = decision.out.axis if isinstance(decision.out, Sharding) else ""
+        for producer in decision.broadcast:
+            if out_axis and res.requires_grad.get(producer, False):
+                res.grad_sums[(node, producer)] = out_axis
         if decision.args is not None:
             res.local_args[node] = decision.args
         if decision.reduce is not None:
@@ -214,7 +223,7 @@ class _Rules:
                 break
         if target is None or target.dim < 0 or val.shape[target.dim] != target.full_size:
             return None
-        needs = {}
+        needs, broadcast = {}, []
         for i in _tensor_inputs(node):
             t = tensor_meta(i)
             if t is None:
@@ -222,9 +231,10 @@ class _Rules:
             a = target.dim - (val.dim() - t.dim())
             if a < 0 or t.shape[a] == 1:
                 needs[i] = REPLICATED
+                broadcast.append(i)
             else:
                 needs[i] = Sharding(target.layout, a, target.parts)
-        return _Decision(target, needs)
+        return _Decision(target, needs, broadcast=tuple(broadcast))
 
     def view(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)
@@ -351,11 +361,15 @@ class _Rules:
                 return None
             needs[i] = s
         mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        broadcast = ()
         if isinstance(mask, fx.Node):
             mt = tensor_meta(mask)
             a = hd - (qt.dim() - mt.dim())
-            needs[mask] = REPLICATED if a < 0 or mt.shape[a] == 1 else Sharding(first.layout, a, (int(mt.shape[a]),))
-        return _Decision(needs[q], needs)
+            if a < 0 or mt.shape[a] == 1:
+                needs[mask], broadcast = REPLICATED, (mask,)
+            else:
+                needs[mask] = Sharding(first.layout, a, (int(mt.shape[a]),))
+        return _Decision(needs[q], needs, broadcast=broadcast)
 
     def bmm(self, node: fx.Node) -> _Decision | None:
         a, b = node.args[:2]
@@ -367,12 +381,16 @@ class _Rules:
         o = first.dim + val.dim() - tensor_meta(src).dim()
         if o >= val.dim() - 2:
             return None
-        needs = {}
+        needs, broadcast = {}, []
         for i in (a, b):
             t = tensor_meta(i)
             d = o - (val.dim() - t.dim())
-            needs[i] = REPLICATED if d < 0 or t.shape[d] == 1 else Sharding(first.layout, d, first.parts)
-        return _Decision(Sharding(first.layout, o, first.parts), needs)
+            if d < 0 or t.shape[d] == 1:
+                needs[i] = REPLICATED
+                broadcast.append(i)
+            else:
+                needs[i] = Sharding(first.layout, d, first.parts)
+        return _Decision(Sharding(first.layout, o, first.parts), needs, broadcast=tuple(broadcast))
 
     def softmax(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)

@@ -285,7 +285,7 @@ def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
     out = []
     for node in gm.graph.nodes:
         name = param_name(node)
-        if name is None:
+        if name is None or not node.users:  # unused, or an alias export lists for a tied weight
             continue
         shape = tuple(int(s) for s in tensor_meta(node).shape)
         if name in sharded and sharded[name].orientation.is_3d:

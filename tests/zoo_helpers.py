@@ -1,0 +1,65 @@
+"""Zoo parity: train a zoo model serially and under autopar; both sides share this code."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autopar.examples import zoo
+
+
+def batches(name: str, steps: int = 2, batch: int = 4, seq: int = 16) -> list[tuple[tuple, dict, torch.Tensor]]:
+    out = []
+    for s in range(steps):
+        args = zoo.example_inputs(name, batch, seq, seed=s)
+        kwargs = zoo.example_kwargs(name, batch, seq, seed=100 + s)
+        g = torch.Generator().manual_seed(200 + s)
+        if name == "vit":
+            target = torch.randint(0, 10, (batch,), generator=g)
+        else:
+            t = kwargs["decoder_input_ids"].shape[1] if name in zoo.ENCODER_DECODER else seq
+            target = torch.randint(0, zoo.VOCAB, (batch, t), generator=g)
+        out.append((args, kwargs, target))
+    return out
+
+
+def loss_of(model: torch.nn.Module, args: tuple, kwargs: dict, target: torch.Tensor) -> torch.Tensor:
+    logits = zoo.logits_of(model(*args, **kwargs))
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+
+def train(model: torch.nn.Module, data: list, grads_of=None) -> tuple[list[float], Any]:
+    """Losses of a few AdamW steps; ``grads_of(model)`` is called after the first backward."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for step, (args, kwargs, target) in enumerate(data):
+        loss = loss_of(model, args, kwargs, target)
+        loss.backward()
+        if step == 0 and grads_of is not None:
+            grads = grads_of(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, grads
+
+
+def serial(name: str, data: list, seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(seed)
+    model = zoo.build_model(name)
+    return train(model, data, lambda m: {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
+
+
+def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: int | None = None,
+             seed: int = 0) -> dict[str, Any]:
+    """Runs on every rank (forked by run_distributed); returns losses, first-step grads and the plan."""
+    import autopar
+    from autopar.context import runtime_of
+
+    torch.manual_seed(seed)
+    with autopar.auto_parallelize(tensor=tensor, data=data_degree):
+        model = zoo.build_model(name)
+    losses, grads = train(model, data, lambda m: runtime_of(m).full_grads())
+    plan = autopar.plan_of(model)
+    return {"losses": losses, "grads": grads, "plan": plan}
