@@ -8,6 +8,7 @@ from autopar.collectives import comm_stats, reset_comm_stats
 from autopar.config import ParallelConfig, Plan
 from autopar.context import auto_parallelize, full_state_dict, plan_of
 from autopar.errors import AutoparError
+from autopar.train import train_step
 
 __all__ = [
     "AutoparError",
@@ -18,4 +19,5 @@ __all__ = [
     "full_state_dict",
     "plan_of",
     "reset_comm_stats",
+    "train_step",
 ]

@@ -49,13 +49,13 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:
-    """Sums ``t`` over the group; returns a contiguous result (``t`` itself when possible)."""
+def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int, op: str = "sum") -> torch.Tensor:
+    """Sums (or takes the max of) ``t`` over the group; returns a contiguous result (``t`` itself when possible)."""
     if size == 1:
         return t
     t = t.contiguous()
     _stats.record("all_reduce", size, _nbytes(t))
-    dist.all_reduce(t, group=group)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t
 
 

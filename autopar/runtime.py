@@ -44,6 +44,8 @@ class Executable:
     out_spec: pytree.TreeSpec
     constants: dict[str, Any]
     records: tuple[PassRecord, ...]
+    output_specs: list[Any]
+    """Per output leaf: its GatherOutputSpec (how the rank's value is laid out), or None if whole."""
 
 
 class ParallelRuntime:
@@ -63,14 +65,22 @@ class ParallelRuntime:
     # ---- calling ----------------------------------------------------------------------------------
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.run(args, kwargs)[0]
+
+    def run(self, args: tuple, kwargs: dict, *, local_outputs: bool = False) -> tuple[Any, list[Any], tuple[int, ...]]:
+        """Runs the model; returns (outputs, the GatherOutputSpec of each output leaf, batch sizes).
+
+        With ``local_outputs`` the outputs stay as this rank computed them (its batch rows, its
+        piece of a split dim) and the specs say how they are laid out; train_step uses this.
+        """
         leaves, spec = pytree.tree_flatten((args, kwargs))
         split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards)
         sizes = self.config.batch_sizes(global_batch) if split else ()
         key = (spec, self._training(), global_batch,
-               tuple(_signature(x) for x in leaves))
+               tuple(_signature(x) for x in leaves), local_outputs)
         exe = self.executables.get(key)
         if exe is None:
-            exe = self.executables[key] = self._compile(leaves, spec, split, sizes)
+            exe = self.executables[key] = self._compile(leaves, spec, split, sizes, local_outputs)
         local = [scatter_batch(x, self.mesh, sizes) if i in split else x for i, x in enumerate(leaves)]
         flat = []
         for kind, target in exe.inputs:
@@ -83,7 +93,7 @@ class ParallelRuntime:
             else:
                 flat.append(local[int(target)])
         out = exe.gm(*flat)
-        return pytree.tree_unflatten(list(out), exe.out_spec)
+        return pytree.tree_unflatten(list(out), exe.out_spec), exe.output_specs, sizes
 
     # ---- compiling --------------------------------------------------------------------------------
 
@@ -94,7 +104,7 @@ class ParallelRuntime:
         return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad)
 
     def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
-                 sizes: tuple[int, ...]) -> Executable:
+                 sizes: tuple[int, ...], local_outputs: bool = False) -> Executable:
         index = self.mesh.index("batch") if split else 0
         captured = self._capture(leaves, spec, split, sizes, index)
         lost = [k for k, v in captured.constants.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"
@@ -106,7 +116,9 @@ class ParallelRuntime:
             canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0)
             self._adopt(make_plan(canonical.gm, self.config))
         gm, records = run_passes(captured.gm, self.plan, PASSES)
-        self._bind(gm, sizes)
+        output_specs = [a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
+                        for a in gm.graph.output_node().args[0]]
+        self._bind(gm, sizes, local_outputs)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
         for name, value in captured.constants.items():
@@ -117,7 +129,7 @@ class ParallelRuntime:
                 raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
                                    "capture; autopar cannot recover its data. Register it as a buffer.")
             constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
-        return Executable(gm, inputs, captured.out_spec, constants, records)
+        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs)
 
     def _export_constants(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
                           sizes: tuple[int, ...], index: int) -> dict[str, Any]:
@@ -148,7 +160,7 @@ class ParallelRuntime:
             obj = getattr(obj, part, None)
         return obj if isinstance(obj, torch.Tensor) else None
 
-    def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...]) -> None:
+    def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False) -> None:
         """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
         device = self.mesh.device
         for node in gm.graph.nodes:
@@ -159,7 +171,7 @@ class ParallelRuntime:
                 node.target = ConvertOp(node.args[1], self.mesh).__call__
                 node.args = node.args[:1]
             elif node.target is gather_output:
-                node.target = GatherOutputOp(node.args[1], self.mesh, sizes).__call__
+                node.target = _identity if local_outputs else GatherOutputOp(node.args[1], self.mesh, sizes).__call__
                 node.args = node.args[:1]
             elif node.target is sharded_embedding:
                 node.target = EmbeddingOp(node.args[3], self.mesh).__call__
@@ -282,6 +294,10 @@ class ParallelRuntime:
                 raise StateDictError(
                     f"state dict entry {key!r} has shape {tuple(t.shape)}; expected the serial shape "
                     f"{pp.shape} (or this rank's shard {local_shape}). Load the serial model's state dict.")
+
+
+def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
 
 
 def _sync_grad(mesh: Mesh, axis: str, grad: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,138 @@
+"""``train_step``: forward, loss and backward in one call, with vocabulary-parallel cross-entropy.
+
+Serial meaning (what the returned loss equals)::
+
+    out = model(*inputs)                       # or model(**inputs) for a dict, model(inputs) for a tensor
+    logits = out if tensor else out.logits     # HF ModelOutput; else the first element
+    if targets.dim() == logits.dim() - 1:      # class indices: flatten tokens, as LM loops do
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    else:
+        loss = loss_fn(logits, targets)
+    loss.backward()
+
+Which loss functions get the fast path. ``torch.nn.functional.cross_entropy`` and
+``torch.nn.CrossEntropyLoss`` (no class weights, no label smoothing, reduction "mean" or "sum",
+any ``ignore_index``) with class-index targets are computed on this rank's batch rows and its piece
+of the vocabulary: the full logits are never built (one max and two sum all-reduces of one value
+per token, and one all-reduce of the loss and token count over data x depth). Every other loss
+function gets the full logits on every rank (gathered, as ``model(x)`` returns them) and is
+applied exactly as written above.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils._pytree as pytree
+
+from autopar import collectives as C
+from autopar.context import runtime_of
+from autopar.errors import InputError
+from autopar.ops import _ReduceFrom
+
+
+def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
+    """Runs forward, the loss and backward; returns the global mean loss (detached) on every rank.
+
+    Args:
+        model: a model built inside ``autopar.auto_parallelize``.
+        inputs: positional inputs (a tuple), keyword inputs (a dict) or one tensor: the global batch.
+        targets: the global batch's targets (same on every rank), batch along dim 0.
+        loss_fn: the loss; cross-entropy is vocabulary-parallel (see the module docstring).
+    """
+    args, kwargs = _split_inputs(inputs)
+    ce = _cross_entropy_options(loss_fn)
+    if ce is not None:
+        runtime = runtime_of(model)
+        out, specs, sizes = runtime.run(args, kwargs, local_outputs=True)
+        logits, spec = _logits_and_spec(out, specs)
+        if logits.dim() - 1 == targets.dim() and (spec is None or _splits_last_only(spec, logits)):
+            return _vocab_parallel_step(runtime, logits, spec, targets, sizes, *ce)
+        # The logits are laid out some other way: fall back to the gathered path.
+    out = model(*args, **kwargs)
+    logits = _logits_and_spec(out, None)[0]
+    if targets.dim() == logits.dim() - 1:
+        loss = loss_fn(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
+    else:
+        loss = loss_fn(logits, targets)
+    loss.backward()
+    return loss.detach()
+
+
+def _split_inputs(inputs: Any) -> tuple[tuple, dict]:
+    if isinstance(inputs, dict):
+        return (), dict(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), {}
+    return (inputs,), {}
+
+
+def _cross_entropy_options(loss_fn: Any) -> tuple[int, str] | None:
+    """(ignore_index, reduction) when ``loss_fn`` is a plain cross-entropy, else None."""
+    if loss_fn is F.cross_entropy:
+        return -100, "mean"
+    if isinstance(loss_fn, nn.CrossEntropyLoss) and type(loss_fn) is nn.CrossEntropyLoss:
+        if loss_fn.weight is None and loss_fn.label_smoothing == 0 and loss_fn.reduction in ("mean", "sum"):
+            return loss_fn.ignore_index, loss_fn.reduction
+    return None
+
+
+def _logits_and_spec(out: Any, specs: list[Any] | None) -> tuple[torch.Tensor, Any]:
+    if isinstance(out, torch.Tensor):
+        logits = out
+    elif hasattr(out, "logits") and isinstance(out.logits, torch.Tensor):
+        logits = out.logits
+    elif isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor):
+        logits = out[0]
+    else:
+        raise InputError(f"train_step cannot find logits in the model output of type {type(out).__name__}: "
+                         "return a tensor, a tuple whose first element is the logits, or an object with "
+                         ".logits.")
+    if specs is None:
+        return logits, None
+    leaves = pytree.tree_leaves(out)
+    index = next(i for i, leaf in enumerate(leaves) if leaf is logits)
+    return logits, specs[index]
+
+
+def _splits_last_only(spec: Any, logits: torch.Tensor) -> bool:
+    s = spec.sharding
+    return s.is_replicated or (s.dim == logits.dim() - 1 and len(s.parts) == 1)
+
+
+def _vocab_parallel_step(runtime: Any, logits: torch.Tensor, spec: Any, targets: torch.Tensor,
+                         sizes: tuple[int, ...], ignore_index: int, reduction: str) -> torch.Tensor:
+    mesh = runtime.mesh
+    sharding = spec.sharding if spec is not None else None
+    axis = "" if sharding is None or sharding.is_replicated else sharding.axis
+    n, i = mesh.size(axis), mesh.index(axis)
+    batch_split = spec is not None and spec.batch_split
+    if batch_split:
+        start = sum(sizes[:mesh.index("batch")])
+        targets = targets[start:start + sizes[mesh.index("batch")]]
+    targets = targets.to(logits.device)
+    x = logits.float()  # (..., V/n): this rank's rows and piece of the vocabulary
+    local_vocab = x.shape[-1]
+    with torch.no_grad():  # any shift is exact; the max keeps exp() in range
+        peak = C.all_reduce(x.max(dim=-1).values, mesh.group(axis), n, op="max")
+    shifted = x - peak.unsqueeze(-1)
+    sum_exp = shifted.exp().sum(-1)
+    valid = targets != ignore_index
+    local_t = targets - i * local_vocab
+    mine = valid & (local_t >= 0) & (local_t < local_vocab)
+    picked = shifted.gather(-1, local_t.masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1) * mine
+    if n > 1:
+        sum_exp = _ReduceFrom.apply(sum_exp, mesh, axis, 1.0)
+        picked = _ReduceFrom.apply(picked, mesh, axis, 1.0)
+    per_token = (sum_exp.log() - picked) * valid
+    local_sum = per_token.sum()
+    count = valid.sum().to(torch.float32)
+    batch_n = mesh.size("batch") if batch_split else 1
+    totals = torch.stack([local_sum.detach(), count])
+    totals = C.all_reduce(totals, mesh.group("batch"), batch_n) if batch_n > 1 else totals
+    denominator = totals[1].clamp(min=1) if reduction == "mean" else torch.ones((), device=x.device)
+    (local_sum / denominator).backward()
+    return totals[0] / denominator
