@@ -154,6 +154,26 @@ class _ScatterBatch(torch.autograd.Function):
         return _gather_rows(dy, ctx.mesh, ctx.sizes), None, None
 
 
+class _GatherRowsWorld(torch.autograd.Function):
+    """Rows of every rank's batch share, over the whole world (the data-parallel fallback)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        ctx.sizes = sizes
+        stacked = C.all_gather(_pad_rows(x, max(sizes)).unsqueeze(0), None, len(sizes))
+        return torch.cat([stacked[i, :s] for i, s in enumerate(sizes)])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        rank = torch.distributed.get_rank()
+        start = sum(ctx.sizes[:rank])
+        return dy[start:start + ctx.sizes[rank]], None
+
+
+def gather_rows_world(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+    return _GatherRowsWorld.apply(x, sizes)
+
+
 def scatter_batch(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
     return _ScatterBatch.apply(x, mesh, sizes)
 

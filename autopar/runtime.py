@@ -22,8 +22,8 @@ from autopar.capture import Captured, cache_outputs, capture_shard, meta_shadow,
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CaptureError, PlanError, StateDictError
 from autopar.mesh import Mesh
-from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, join_pieces,
-                         scatter_batch, take_pieces)
+from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
+                         join_pieces, scatter_batch, take_pieces)
 from passes.analysis.make_plan import make_plan
 from passes.ir import (InputKind, convert_layout, gather_output, input_info, reduce_partial, sharded_embedding,
                        sharded_matmul, sum_grad)
@@ -58,6 +58,8 @@ class ParallelRuntime:
         self.executables: dict[Any, Executable] = {}
         self._hooks: list[Any] = []
         self._model = weakref.ref(model)
+        self.fallback = False
+        self.original_forward = model.forward
         self._constants: dict[str, Any] = {}
         self._training = lambda: model.training
         model.register_load_state_dict_pre_hook(self._shard_state_dict)
@@ -73,6 +75,8 @@ class ParallelRuntime:
         With ``local_outputs`` the outputs stay as this rank computed them (its batch rows, its
         piece of a split dim) and the specs say how they are laid out; train_step uses this.
         """
+        if self.fallback:
+            return self._run_data_parallel(args, kwargs), None, ()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards)
         sizes = self.config.batch_sizes(global_batch) if split else ()
@@ -80,7 +84,13 @@ class ParallelRuntime:
                tuple(_signature(x) for x in leaves), local_outputs)
         exe = self.executables.get(key)
         if exe is None:
-            exe = self.executables[key] = self._compile(leaves, spec, split, sizes, local_outputs)
+            try:
+                exe = self.executables[key] = self._compile(leaves, spec, split, sizes, local_outputs)
+            except CaptureError as e:
+                if self.plan is not None:
+                    raise
+                self._fall_back(e)
+                return self._run_data_parallel(args, kwargs), None, ()
         local = [scatter_batch(x, self.mesh, sizes) if i in split else x for i, x in enumerate(leaves)]
         flat = []
         for kind, target in exe.inputs:
@@ -94,6 +104,37 @@ class ParallelRuntime:
                 flat.append(local[int(target)])
         out = exe.gm(*flat)
         return pytree.tree_unflatten(list(out), exe.out_spec), exe.output_specs, sizes
+
+    # ---- fallback: no graph ---------------------------------------------------------------------
+
+    def _fall_back(self, error: CaptureError) -> None:
+        """The model cannot be captured: every rank runs it whole on its share of the batch (DDP)."""
+        self.fallback = True
+        world = self.config.world_size
+        if self.mesh.rank == 0:
+            log.warning("autopar: %s; falling back to data parallelism over all %d ranks (no tensor "
+                        "parallelism for this model).", str(error).split(". autopar needs")[0], world)
+        seen: set[int] = set()
+        for p in self.params.values():
+            if p.requires_grad and id(p) not in seen and world > 1:
+                seen.add(id(p))
+                self._hooks.append(p.register_hook(functools.partial(_sync_grad_world, world)))
+
+    def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
+        world = self.config.world_size
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        split, batch = split_batch_leaves(leaves, world)
+        if not split:
+            return self.original_forward(*args, **kwargs)
+        flat = ParallelConfig(data=world)
+        sizes = flat.batch_sizes(batch)
+        start = sum(sizes[:self.mesh.rank])
+        local = [x[start:start + sizes[self.mesh.rank]] if i in split else x for i, x in enumerate(leaves)]
+        local_args, local_kwargs = pytree.tree_unflatten(local, spec)
+        out = self.original_forward(*local_args, **local_kwargs)
+        rows = sizes[self.mesh.rank]
+        return pytree.tree_map(lambda t: gather_rows_world(t, sizes) if isinstance(t, torch.Tensor) and t.dim()
+                               and t.shape[0] == rows else t, out)
 
     # ---- compiling --------------------------------------------------------------------------------
 
@@ -215,6 +256,9 @@ class ParallelRuntime:
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())
+            if self.config.row * self.config.col > 1:
+                for note in plan.notes:  # one line per region that is not tensor-parallel
+                    log.warning("autopar: %s", note)
 
     def local_shard(self, full: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
         """This rank's part of a full (serial) parameter tensor."""
@@ -298,6 +342,10 @@ class ParallelRuntime:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _sync_grad_world(world: int, grad: torch.Tensor) -> torch.Tensor:
+    return C.all_reduce(grad.clone(), None, world)
 
 
 def _sync_grad(mesh: Mesh, axis: str, grad: torch.Tensor) -> torch.Tensor:

@@ -47,6 +47,7 @@ def _is_meta(model: nn.Module) -> bool:
 
 
 def _load(path: str) -> Any:
+    path, _, name = path.partition(":")
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"model file {path!r} does not exist. Pass a .py file that defines "
@@ -55,11 +56,24 @@ def _load(path: str) -> Any:
     module = importlib.util.module_from_spec(spec)
     sys.modules.setdefault(file.stem, module)
     spec.loader.exec_module(module)
-    for name in ("build_model", "example_inputs"):
-        if not callable(getattr(module, name, None)):
-            raise ConfigError(f"{path} does not define {name}(). It must define build_model() and "
+    for fn in ("build_model", "example_inputs"):
+        if not callable(getattr(module, fn, None)):
+            raise ConfigError(f"{path} does not define {fn}(). It must define build_model() and "
                               "example_inputs().")
+    if name:  # model.py:NAME -> build_model(NAME), example_inputs(NAME)
+        return _Named(module, name)
     return module
+
+
+class _Named:
+    def __init__(self, module: Any, name: str) -> None:
+        self.module, self.name = module, name
+
+    def build_model(self) -> nn.Module:
+        return self.module.build_model(self.name)
+
+    def example_inputs(self) -> Any:
+        return self.module.example_inputs(self.name)
 
 
 def _with_batch(inputs: tuple, batch_size: int | None) -> tuple:
@@ -114,8 +128,20 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
         f"parameter bytes/rank:  {report.param_bytes_per_rank:,} ({_fmt_bytes(report.param_bytes_per_rank)})",
         f"comm bytes/step/rank:  {float(report.comm_bytes_per_step):,.0f} ({kinds or 'none'})",
     ]
+    for reason, flops in coverage_gaps(report):
+        lines.append(f"not sharded: {flops / report.flops_per_step:.1%} of matmul FLOPs: {reason}")
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
+
+
+def coverage_gaps(report: StepReport) -> list[tuple[str, int]]:
+    """(reason, FLOPs) of the matmul FLOPs that stay replicated, largest first."""
+    gaps: dict[str, int] = {}
+    for r in report.layers:
+        if r.sharding.startswith("replicated"):
+            reason = f"{r.module or '<root>'}: {r.sharding.removeprefix('replicated: ')}"
+            gaps[reason] = gaps.get(reason, 0) + r.flops
+    return sorted(gaps.items(), key=lambda kv: -kv[1])
 
 
 def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -> dict[str, Any]:
@@ -128,6 +154,8 @@ def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -
         "param_bytes_per_rank": report.param_bytes_per_rank,
         "comm_bytes_per_step": float(report.comm_bytes_per_step),
         "comm_bytes_by_kind": {k: float(v) for k, v in report.comm_bytes_by_kind.items()},
+        "matmul_flops_sharded": report.matmul_flops_sharded,
+        "not_sharded": [{"why": w, "flops": f} for w, f in coverage_gaps(report)],
         "layers": [{"module": r.module, "op": r.op, "in_shape": list(r.in_shape), "out_shape": list(r.out_shape),
                     "num_parameters": r.num_parameters, "flops": r.flops, "sharding": r.sharding,
                     "comm_bytes": float(r.comm_bytes)} for r in report.layers],

@@ -122,9 +122,11 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         if node.op == "output":
             continue
         ins = _tensor_inputs(node)
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else (vals,)
         res.requires_grad[node] = bool(
             any(res.requires_grad.get(i, False) for i in ins)
-            and val is not None and (val.is_floating_point() or val.is_complex()))
+            and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))
         res.batch_split[node] = any(res.batch_split.get(i, False) for i in ins)
         if res.batch_split[node] and local_batch is not None:
             _check_batch_dim(node, local_batch)

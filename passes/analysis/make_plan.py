@@ -271,10 +271,23 @@ class _Planner:
             mode, axis, reason = self.embedding_decision(weight, chosen)
             embeddings.append(EmbeddingPlan(weight, module_of(nodes[0]), int(table.shape[0]), int(table.shape[1]),
                                             mode, axis, reason))
-        notes = tuple(f"{m.weight} stays replicated: {m.reason}" for m in matmuls.values() if m.reason)
-        notes += tuple(f"{e.weight} (embedding) stays replicated: {e.reason}" for e in embeddings if e.reason)
+        why = [(m.weight, m.reason) for m in matmuls.values() if m.reason]
+        why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
+        notes = _grouped_notes(why)
         return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings), notes,
                     tuple(embeddings))
+
+
+def _grouped_notes(why: list[tuple[str, str]]) -> tuple[str, ...]:
+    """One line per region that stays replicated; copies in repeated blocks share a line."""
+    groups: dict[tuple[str, str], list[str]] = {}
+    for weight, reason in why:
+        groups.setdefault((_block_key(weight), reason), []).append(weight)
+    out = []
+    for (key, reason), weights in groups.items():
+        name = weights[0] if len(weights) == 1 else f"{key} ({len(weights)} blocks)"
+        out.append(f"{name} stays replicated: {reason}")
+    return tuple(out)
 
 
 def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
