@@ -203,37 +203,26 @@ class ParallelRuntime:
 
     def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False) -> None:
         """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
-        device = self.mesh.device
-        for node in gm.graph.nodes:
-            if node.target is sharded_matmul:
-                node.target = MatmulOp(node.args[3], self.mesh).__call__
-                node.args = node.args[:3]
-            elif node.target is convert_layout:
-                node.target = ConvertOp(node.args[1], self.mesh).__call__
-                node.args = node.args[:1]
-            elif node.target is gather_output:
-                node.target = _identity if local_outputs else GatherOutputOp(node.args[1], self.mesh, sizes).__call__
-                node.args = node.args[:1]
-            elif node.target is sharded_embedding:
-                node.target = EmbeddingOp(node.args[3], self.mesh).__call__
-                node.args = node.args[:3]
-            elif node.target is sum_grad:
-                node.target = SumGradOp(node.args[1], self.mesh).__call__
-                node.args = node.args[:1]
-            elif node.target is reduce_partial:
-                node.target = ReduceOp(node.args[1], self.mesh).__call__
-                node.args = node.args[:1]
-            elif node.op == "call_function":
-                node.args = _retarget(node.args, device)
-                node.kwargs = _retarget(node.kwargs, device)
-        for sub in gm.modules():  # subgraphs of higher-order ops (e.g. no_grad regions)
-            if sub is not gm and isinstance(sub, fx.GraphModule):
-                for node in sub.graph.nodes:
-                    if node.op == "call_function":
-                        node.args = _retarget(node.args, device)
-                        node.kwargs = _retarget(node.kwargs, device)
-                sub.recompile()
-        gm.recompile()
+        mesh, device = self.mesh, self.mesh.device
+        makers = {  # marker -> implementation, from the marker's last argument (its spec)
+            sharded_matmul: lambda spec: MatmulOp(spec, mesh).__call__,
+            convert_layout: lambda spec: ConvertOp(spec, mesh).__call__,
+            gather_output: lambda spec: _identity if local_outputs else GatherOutputOp(spec, mesh, sizes).__call__,
+            sharded_embedding: lambda spec: EmbeddingOp(spec, mesh).__call__,
+            sum_grad: lambda axis: SumGradOp(axis, mesh).__call__,
+            reduce_partial: lambda spec: ReduceOp(spec, mesh).__call__,
+        }
+        for sub in gm.modules():  # gm itself, then subgraphs of higher-order ops (no_grad regions)
+            if not isinstance(sub, fx.GraphModule):
+                continue
+            for node in sub.graph.nodes:
+                make = makers.get(node.target)
+                if make is not None:
+                    node.target, node.args = make(node.args[-1]), node.args[:-1]
+                elif node.op == "call_function":
+                    node.args = _retarget(node.args, device)
+                    node.kwargs = _retarget(node.kwargs, device)
+            sub.recompile()
 
     # ---- parameters -------------------------------------------------------------------------------
 
