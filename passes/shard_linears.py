@@ -95,12 +95,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
         b = _bias_node(node, m)
         spec = MatmulSpec(m.weight, orientation, m.in_features, m.out_features, m.weight_in_out, b is not None,
                           mp.out_parts)
-        with graph.inserting_before(node):
-            new = graph.call_function(sharded_matmul, (x, w, b, spec))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        replaced[new] = node
+        replaced[_swap(node, sharded_matmul, (x, w, b, spec))] = node
         if m.weight_node is not w and not m.weight_node.users:
             graph.erase_node(m.weight_node)
         notes.append(f"{m.weight}: {orientation.value}")
@@ -109,12 +104,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
         table, ids = node.args[0], node.args[1]
         padding_idx = node.args[2] if len(node.args) > 2 else -1
         spec = EmbeddingSpec(plan.embedding(param_name(table)).weight, mode, axis, int(tensor_meta(table).shape[0]))
-        with graph.inserting_before(node):
-            new = graph.call_function(sharded_embedding, (table, ids, padding_idx, spec))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        replaced[new] = node
+        replaced[_swap(node, sharded_embedding, (table, ids, padding_idx, spec))] = node
         notes.append(f"{spec.weight}: {mode.value}-parallel over {axis}")
 
     gathered: dict[fx.Node, fx.Node] = {}
@@ -134,6 +124,16 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
 
     changed = bool(res.orientations or converted or gathered or res.embeddings or res.local_args)
     return PassResult(gm, changed, tuple(notes))
+
+
+def _swap(node: fx.Node, target: object, args: tuple) -> fx.Node:
+    """Replaces ``node`` by a call of ``target`` that keeps its metadata; returns the new node."""
+    with node.graph.inserting_before(node):
+        new = node.graph.call_function(target, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
+    return new
 
 
 def _bias_node(node: fx.Node, m: MatmulMatch) -> fx.Node | None:
