@@ -186,3 +186,56 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
     args, kwargs = pytree.tree_unflatten(local, spec)
     batch = BatchInfo(sum(sizes), sizes, index) if split else None
     return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch)
+
+
+# Per-block attributes that name the block's position, not its behaviour.
+_INDEX_ATTRS = frozenset({"layer_idx", "layer_id", "layer_number", "layer_index", "block_idx"})
+
+
+def _signature(block: nn.Module) -> tuple:
+    """What makes two blocks behave alike: module types, plain attributes, parameter and buffer shapes."""
+    out = []
+    for name, m in block.named_modules():
+        attrs = tuple(sorted((k, v) for k, v in vars(m).items()
+                             if not k.startswith("_") and k not in _INDEX_ATTRS
+                             and isinstance(v, (bool, int, float, str, type(None), tuple))))
+        tensors = tuple((n, tuple(t.shape), t.dtype, t.requires_grad)
+                        for n, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)))
+        out.append((name, type(m).__qualname__, attrs, tensors))
+    return tuple(out)
+
+
+def repeated_blocks(model: nn.Module, *, min_count: int = 5) -> list[tuple[str, int, int]]:
+    """ModuleLists of alike blocks, outermost only: (FQN, first index from which all blocks are alike, count)."""
+    found: list[tuple[str, int, int]] = []
+    for name, m in model.named_modules():
+        if not isinstance(m, nn.ModuleList) or len(m) < min_count:
+            continue
+        if any(name.startswith(f + ".") for f, _, _ in found):
+            continue
+        signatures = [_signature(b) for b in m]
+        start = next((i for i in range(len(m)) if all(s == signatures[i] for s in signatures[i:])), len(m))
+        if len(m) - start >= min_count:
+            found.append((name, start, len(m)))
+    return found
+
+
+@contextlib.contextmanager
+def truncated_blocks(model: nn.Module, lists: list[tuple[str, int, int]]) -> Iterator[None]:
+    """``model`` with each listed ModuleList cut after three alike blocks (``start + 3``); always restored.
+
+    Three, because the first block may still differ in layout (its input comes from the embedding):
+    the second and third must agree for the third to stand for the rest.
+    """
+    saved = []
+    try:
+        for name, start, _ in lists:
+            parent_name, _, attr = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            full = getattr(parent, attr)
+            saved.append((parent, attr, full))
+            setattr(parent, attr, nn.ModuleList(list(full)[:start + 3]))
+        yield
+    finally:
+        for parent, attr, full in reversed(saved):
+            setattr(parent, attr, full)

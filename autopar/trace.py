@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,17 +19,44 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
+from autopar.capture import capture_shard, meta_shadow, repeated_blocks, split_batch_leaves, truncated_blocks
 from autopar.config import ParallelConfig, Plan
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
+from passes.analysis.repeat_blocks import Repeat, repeat_plan, repeat_report, template_holds
 from passes.analysis.report import StepReport, estimate_step
+
+log = logging.getLogger(__name__)
 
 
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
-               kwargs: dict | None = None) -> tuple[Plan, StepReport]:
-    """The Plan every rank would run under, and ``rank``'s step report, for one global batch."""
+               kwargs: dict | None = None, repeat: bool = True) -> tuple[Plan, StepReport]:
+    """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
+
+    With ``repeat``, a ModuleList of alike blocks (a transformer's layers) is captured with three of
+    them and the plan extended to the rest by name (passes/analysis/repeat_blocks.py): Llama-2-70B
+    plans in seconds instead of exporting 80 layers. If the cut model does not capture, or its two
+    blocks are not planned alike, the whole model is captured instead.
+    """
     shadow = model if _is_meta(model) else meta_shadow(model)
+    lists = repeated_blocks(shadow) if repeat else []
+    if lists:
+        try:
+            with truncated_blocks(shadow, lists):
+                plan, report = _plan_captured(shadow, inputs, kwargs, config, rank)
+        except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
+            log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
+                      type(shadow).__name__, e)
+        else:
+            repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
+            if all(template_holds(plan, report, r) for r in repeats):
+                full = repeat_plan(plan, repeats)
+                return full, repeat_report(report, full, repeats)
+    return _plan_captured(shadow, inputs, kwargs, config, rank)
+
+
+def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
+                   rank: int) -> tuple[Plan, StepReport]:
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
     split, batch = split_batch_leaves(leaves, config.num_batch_shards)
     sizes = config.batch_sizes(batch) if split else ()
@@ -172,6 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: example_inputs')")
     parser.add_argument("--rank", type=int, default=0, help="the rank whose bytes and shapes are shown")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--capture-all-blocks", action="store_true",
+                        help="capture every repeated block instead of three (slower; the plan is the same "
+                             "whenever the shortcut applies)")
     args = parser.parse_args(argv)
     try:
         config = ParallelConfig(args.data, *args.tensor)
@@ -182,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
         inputs = _with_batch(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
         batch_size = leaves[0].shape[0] if leaves else 0
-        plan, report = plan_model(model, inputs, config, rank=args.rank)
+        plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -89,10 +89,13 @@ def _no_dropout(config: Any) -> None:
             setattr(config, key, 0.0)
 
 
-def build_model(name: str = "llama", *, dropout: bool = False) -> nn.Module:
-    """The named model with random weights (tiny unless the name is in REAL)."""
+_LAYER_KEYS = ("n_layer", "n_layers", "num_layers", "num_hidden_layers", "num_decoder_layers")
+
+
+def build_model(name: str = "llama", *, dropout: bool = False, layers: int | None = None) -> nn.Module:
+    """The named model with random weights (tiny unless the name is in REAL), optionally with ``layers`` blocks."""
     if name == "nanogpt":
-        return GPT(GPTConfig(vocab_size=VOCAB, block_size=POSITIONS, n_layer=LAYERS, n_head=HEADS, n_embd=HIDDEN,
+        return GPT(GPTConfig(vocab_size=VOCAB, block_size=POSITIONS, n_layer=layers or LAYERS, n_head=HEADS, n_embd=HIDDEN,
                              dropout=0.1 if dropout else 0.0))
     import transformers
 
@@ -100,6 +103,10 @@ def build_model(name: str = "llama", *, dropout: bool = False) -> nn.Module:
     if name not in table:
         raise ValueError(f"unknown zoo model {name!r}; choose one of {', '.join(NAMES + tuple(REAL))}")
     config_cls, model_cls, kwargs = table[name]
+    if layers is not None:
+        kwargs = {k: layers if k in _LAYER_KEYS else v for k, v in kwargs.items()}
+        if "attention_types" in kwargs:  # GPT-Neo alternates global and local attention
+            kwargs["attention_types"] = [[["global", "local"], layers // 2]] + [[["global"], layers % 2]] * (layers % 2)
     config = getattr(transformers, config_cls)(**kwargs)
     if not dropout:
         _no_dropout(config)

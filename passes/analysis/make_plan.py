@@ -273,12 +273,12 @@ class _Planner:
                                             mode, axis, reason))
         why = [(m.weight, m.reason) for m in matmuls.values() if m.reason]
         why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
-        notes = _grouped_notes(why)
+        notes = replicated_notes(why)
         return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings), notes,
                     tuple(embeddings))
 
 
-def _grouped_notes(why: list[tuple[str, str]]) -> tuple[str, ...]:
+def replicated_notes(why: list[tuple[str, str]]) -> tuple[str, ...]:
     """One line per region that stays replicated; copies in repeated blocks share a line."""
     groups: dict[tuple[str, str], list[str]] = {}
     for weight, reason in why:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Sequence
 
 from torch import fx
 
@@ -27,6 +28,8 @@ from passes.analysis.make_plan import layouts_for
 @dataclass(frozen=True, slots=True)
 class LayerRow:
     module: str
+    weight: str
+    bias: str | None
     op: str
     in_shape: tuple[int, ...]
     out_shape: tuple[int, ...]
@@ -37,6 +40,10 @@ class LayerRow:
     sharding: str
     comm_bytes: Fraction
     """This rank's bytes for the matmul and the gradient sync of its weight and bias."""
+
+    @property
+    def is_sharded(self) -> bool:
+        return not self.sharding.startswith("replicated")
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,22 +71,23 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
 
     shapes: dict[str, tuple[int, ...]] = {}
     grad_of: dict[str, bool] = {}
+    num_parameters = 0
     for node in gm.graph.nodes:
         name = param_name(node)
         if name is not None:
             shapes[name] = tuple(int(s) for s in tensor_meta(node).shape)
             grad_of[name] = res.requires_grad[node]
+            if node.users:  # an unused placeholder is export's alias of a tied weight, counted once
+                num_parameters += _numel(shapes[name])
 
     by_where: dict[str, Fraction] = {}
     for c in colls:
         by_where[c.where] = by_where.get(c.where, Fraction(0)) + c.bytes
     rows, attributed = [], set()
-    total_flops = sharded_flops = 0
     for m in matches:
         mp = plan.matmul(m.weight)
         global_rows = int(rows_of(tensor_meta(m.x)) * scale)
         flops = matmul_flops(m, res.requires_grad[m.x], grad_of[m.weight], global_rows)
-        total_flops += flops
         where = m.module or m.weight
         comm = by_where.get(where, Fraction(0)) if where not in attributed else Fraction(0)
         for p in (m.weight, m.bias):
@@ -88,13 +96,17 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
                 attributed.add(p)
         attributed.add(where)
         nparams = _numel(shapes[m.weight]) + (_numel(shapes[m.bias]) if m.bias else 0)
-        if mp.orientation is Orientation.REPLICATED:
-            sharding = f"replicated: {mp.reason}"
-        else:
-            sharding = mp.orientation.value
-            sharded_flops += flops
-        rows.append(LayerRow(m.module, m.op, tuple(tensor_meta(m.x).shape), tuple(tensor_meta(m.node).shape),
-                             nparams, flops, sharding, comm))
+        sharding = (f"replicated: {mp.reason}" if mp.orientation is Orientation.REPLICATED
+                    else mp.orientation.value)
+        rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
+                             tuple(tensor_meta(m.node).shape), nparams, flops, sharding, comm))
+    return summarize(rows, colls, num_parameters, plan)
+
+
+def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,
+              plan: Plan) -> StepReport:
+    """Totals over the per-matmul rows and every collective; the rest of the bytes by where they occur."""
+    attributed = {n for r in rows for n in (r.module or r.weight, r.weight, r.bias) if n}
     other: dict[str, Fraction] = {}
     for c in colls:
         if c.where in attributed:
@@ -103,11 +115,10 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
         if label is None:
             label = "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
         other[label] = other.get(label, Fraction(0)) + c.bytes
-    param_bytes = sum(p.local_numel(config) * 4 for p in plan.params)  # fp32 parameters
-    return StepReport(tuple(rows), tuple(other.items()), sum(_numel(s) for s in shapes.values()),
-                      total_flops, sharded_flops, param_bytes, total_bytes(colls), bytes_by_kind(colls),
-                      tuple(colls))
-
+    param_bytes = sum(p.local_numel(plan.config) * 4 for p in plan.params)  # fp32 parameters
+    return StepReport(tuple(rows), tuple(other.items()), num_parameters, sum(r.flops for r in rows),
+                      sum(r.flops for r in rows if r.is_sharded), param_bytes, total_bytes(colls),
+                      bytes_by_kind(colls), tuple(colls))
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1

@@ -1,0 +1,127 @@
+"""Plans for models with many identical blocks, from a capture that kept only a few of them.
+
+Capturing Llama-2-70B's 80 decoder layers with torch.export takes ~10 s, and every layer gets the same
+decisions (make_plan already decides once per repeated block). ``autopar.trace`` therefore captures a
+copy whose ModuleList keeps its first blocks only, plans it, and extends the Plan and the step report
+here: every entry of the *template* block is copied for each dropped block, renamed by FQN
+(``model.layers.1.mlp.up_proj.weight`` -> ``model.layers.7.mlp.up_proj.weight``).
+
+The copy is exact when the dropped blocks behave like the template. ``template_holds`` checks what it
+can: the block before the template, renamed, must have the same decisions, rows and collectives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Sequence, TypeVar
+
+from autopar.config import Plan
+from passes.analysis.make_plan import replicated_notes
+from passes.analysis.report import StepReport, summarize
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class Repeat:
+    """One ModuleList of identical blocks that was captured with only ``template + 1`` of them."""
+
+    prefix: str
+    """FQN of the ModuleList, e.g. 'model.layers'."""
+    template: int
+    """The last captured block; it stands for every dropped one. Blocks before it may differ (T5's first)."""
+    count: int
+    """Blocks in the real model."""
+
+    def index_of(self, name: str) -> int | None:
+        """The block index ``name`` lives in, or None when it is outside this list."""
+        head = self.prefix + "."
+        if not name.startswith(head):
+            return None
+        index = name[len(head):].split(".", 1)[0]
+        return int(index) if index.isdigit() else None
+
+    def rename(self, name: str, src: int, dst: int) -> str:
+        if self.index_of(name) != src:
+            return name
+        rest = name[len(self.prefix) + 1 + len(str(src)):]
+        return f"{self.prefix}.{dst}{rest}"
+
+
+# Fields holding FQNs, per record type; the first one says which block a record belongs to.
+_NAME_FIELDS: dict[str, tuple[str, ...]] = {
+    "MatmulPlan": ("weight", "module", "bias"),
+    "ParamPlan": ("name",),
+    "EmbeddingPlan": ("weight", "module"),
+    "LayerRow": ("weight", "module", "bias"),
+    "Collective": ("where",),
+}
+
+
+def _renamed(record: T, repeat: Repeat, src: int, dst: int) -> T:
+    fields = _NAME_FIELDS[type(record).__name__]
+    changes = {f: repeat.rename(getattr(record, f), src, dst) for f in fields if getattr(record, f)}
+    return dataclasses.replace(record, **changes)
+
+
+def _block(records: Sequence[T], repeat: Repeat, index: int) -> list[T]:
+    key = _NAME_FIELDS[type(records[0]).__name__][0] if records else ""
+    return [r for r in records if repeat.index_of(getattr(r, key)) == index]
+
+
+def _extend(records: Sequence[T], repeat: Repeat) -> tuple[T, ...]:
+    """``records`` with the template block's entries copied for every dropped block.
+
+    Each consecutive run of template entries (a block's forward collectives, later its backward
+    ones) is followed by its copies, block by block: the order a capture of the whole model gives.
+    """
+    key = _NAME_FIELDS[type(records[0]).__name__][0] if records else ""
+    out: list[T] = []
+    run: list[T] = []
+    for r in (*records, None):
+        if r is not None and repeat.index_of(getattr(r, key)) == repeat.template:
+            run.append(r)
+            continue
+        out.extend(run)
+        out.extend(_renamed(x, repeat, repeat.template, dst) for dst in range(repeat.template + 1, repeat.count)
+                   for x in run)
+        run = []
+        if r is not None:
+            out.append(r)
+    return tuple(out)
+
+
+def template_holds(plan: Plan, report: StepReport, repeat: Repeat) -> bool:
+    """Whether the block before the template, renamed, matches the template in every decision and cost."""
+    prev, tmpl = repeat.template - 1, repeat.template
+    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives):
+        if not records:
+            continue
+        before = [_renamed(r, repeat, prev, tmpl) for r in _block(records, repeat, prev)]
+        if before != _block(records, repeat, tmpl):
+            return False
+    return True
+
+
+def repeat_plan(plan: Plan, repeats: Sequence[Repeat]) -> Plan:
+    matmuls, params, embeddings = plan.matmuls, plan.params, plan.embeddings
+    for r in repeats:
+        matmuls, params, embeddings = _extend(matmuls, r), _extend(params, r), _extend(embeddings, r)
+    why = [(m.weight, m.reason) for m in matmuls if m.reason]
+    why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
+    copied = tuple(f"{r.prefix}: blocks {r.template + 1}-{r.count - 1} planned as copies of block {r.template} "
+                   f"(alike modules; blocks {r.template - 1} and {r.template} planned alike)" for r in repeats)
+    return Plan(plan.config, matmuls, params, replicated_notes(why) + copied, embeddings)
+
+
+def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]) -> StepReport:
+    """The report of the whole model; ``full_plan`` is ``repeat_plan``'s result."""
+    rows, colls = report.layers, report.collectives
+    num_parameters = report.num_parameters
+    for r in repeats:
+        rows, colls = _extend(rows, r), _extend(colls, r)
+        block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
+        num_parameters += (r.count - r.template - 1) * block
+    return summarize(rows, colls, num_parameters, full_plan)
