@@ -274,6 +274,88 @@ class ParamPlan:
 
 
 @dataclass(frozen=True, slots=True)
+class MemoryConfig:
+    """What the user asked for memory: ``checkpoint="auto" | "none" | "full" | <bytes per device>``.
+
+    "auto" recomputes the fewest FLOPs that fit the device's memory (the GPU's total memory; on CPU
+    the machine's physical memory divided by the ranks on it); bytes give that budget explicitly.
+    The budget covers parameters, gradients, optimizer state (two fp32 tensors per trainable
+    parameter, as Adam keeps) and activations.
+    """
+
+    checkpoint: str | int = "auto"
+
+    def __post_init__(self) -> None:
+        c = self.checkpoint
+        if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
+            raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "
+                              "per device (an int > 0, e.g. 80 * 2**30).")
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Predicted memory per rank for one training step, and which blocks are recomputed."""
+
+    checkpoint: str
+    """The policy: auto, none, full or budget."""
+    budget_bytes: int | None
+    """The per-device budget the choice had to fit (None for none/full)."""
+    recompute: tuple[str, ...]
+    """Blocks (module FQNs) recomputed in backward."""
+    blocks: tuple[str, ...]
+    """Every block that could be recomputed."""
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int
+    """Predicted activation peak with ``recompute``."""
+    activation_bytes_no_checkpoint: int
+    recompute_flops: int
+    """Forward FLOPs recomputed in backward, this rank."""
+    step_flops: int
+    """Forward + backward matmul FLOPs of one step without recomputation, this rank."""
+    fits: bool = True
+    """False when even recomputing every block exceeds the budget (then every block is recomputed)."""
+
+    @property
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+    @property
+    def peak_bytes(self) -> int:
+        return self.static_bytes + self.activation_bytes
+
+    def summary(self) -> str:
+        mib = 2.0 ** 20
+        lines = [f"memory per rank ({self.checkpoint}"
+                 + (f", budget {self.budget_bytes / mib:,.1f} MiB" if self.budget_bytes else "") + "): "
+                 f"parameters {self.param_bytes / mib:,.1f} MiB, gradients {self.grad_bytes / mib:,.1f} MiB, "
+                 f"optimizer {self.optimizer_bytes / mib:,.1f} MiB, activations "
+                 f"{self.activation_bytes / mib:,.1f} MiB (without checkpointing "
+                 f"{self.activation_bytes_no_checkpoint / mib:,.1f} MiB); peak {self.peak_bytes / mib:,.1f} MiB"]
+        if not self.fits:
+            lines.append(f"DOES NOT FIT: the budget of {self.budget_bytes / mib:,.1f} MiB is exceeded even with "
+                         "every block recomputed")
+        if self.recompute:
+            overhead = self.recompute_flops / self.step_flops if self.step_flops else 0.0
+            lines.append(f"recomputed in backward: {len(self.recompute)}/{len(self.blocks)} blocks "
+                         f"(+{overhead:.1%} FLOPs): {_ranges(self.recompute)}")
+        return "\n".join(lines)
+
+
+def _ranges(names: tuple[str, ...]) -> str:
+    """``a.0, a.1, a.2, a.5`` -> ``a.0-2, a.5``."""
+    out: list[list] = []
+    for name in names:
+        head, _, index = name.rpartition(".")
+        if index.isdigit() and out and out[-1][0] == head and out[-1][2] == int(index) - 1:
+            out[-1][2] = int(index)
+        else:
+            out.append([head, int(index) if index.isdigit() else index, int(index) if index.isdigit() else index])
+    return ", ".join(f"{h}.{a}" + (f"-{b}" if b != a else "") for h, a, b in out)
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Every decision the compiler made for one model under one ParallelConfig."""
 
@@ -282,6 +364,7 @@ class Plan:
     params: tuple[ParamPlan, ...]
     notes: tuple[str, ...] = ()
     embeddings: tuple[EmbeddingPlan, ...] = ()
+    memory: MemoryPlan | None = None
     _by_weight: dict[str, MatmulPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_param: dict[str, ParamPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_table: dict[str, EmbeddingPlan] = field(default_factory=dict, compare=False, repr=False)
@@ -328,6 +411,8 @@ class Plan:
             what = f"{e.mode.value}-parallel over {e.axis}" if e.axis else f"replicated ({e.reason})"
             lines.append(f"  {e.weight:<40} {'lookup':<7} {e.num_embeddings:>6} x {e.embedding_dim:<6} {what}")
         lines.extend(f"  note: {n}" for n in self.notes)
+        if self.memory is not None:
+            lines.extend(f"  {line}" for line in self.memory.summary().splitlines())
         return "\n".join(lines)
 
 

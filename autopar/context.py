@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from autopar import collectives as C
-from autopar.config import ParallelConfig
+from autopar.config import MemoryConfig, ParallelConfig
 from autopar.errors import ContextError, NotInitializedError
 from autopar.mesh import Mesh
 from autopar.runtime import ParallelRuntime
@@ -70,7 +70,7 @@ class _ModuleRecorder:
 
 @contextmanager
 def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None,
-                     example_inputs: tuple | None = None) -> Iterator[ParallelConfig]:
+                     example_inputs: tuple | None = None, checkpoint: str | int = "auto") -> Iterator[ParallelConfig]:
     """Parallelizes every model built inside the block over data x 3D tensor parallelism.
 
     Args:
@@ -79,6 +79,11 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             the model is purely data parallel.
         example_inputs: optional positional inputs of one global batch; when given, the model is
             captured, planned and sharded at the end of the block instead of at its first call.
+        checkpoint: which blocks recompute their activations in backward. "auto" (default): the
+            fewest recomputed FLOPs that fit the device's memory (GPU: its total memory; CPU: physical
+            memory divided by the ranks on the machine); an int: that budget in bytes per device;
+            "full": every block; "none": nothing. The budget covers parameters, gradients, Adam's
+            two optimizer states and activations. See ``plan_of(model).memory``.
 
     Yields:
         The validated ParallelConfig.
@@ -93,6 +98,7 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             "auto_parallelize needs torch.distributed: launch with torchrun (or call "
             "torch.distributed.init_process_group()) before entering it.")
     config = ParallelConfig.from_user(tensor=tensor, data=data, world_size=dist.get_world_size())
+    memory = MemoryConfig(checkpoint)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -106,16 +112,17 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
     for model in roots:
-        parallelize(model, config, example_inputs=example_inputs)
+        parallelize(model, config, example_inputs=example_inputs, memory=memory)
 
 
-def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None) -> nn.Module:
+def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
+                memory: MemoryConfig | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end)."""
     if model in _runtimes:
         raise ContextError(f"{type(model).__name__} is already parallelized.")
     mesh = Mesh(config)
     _agree_on_parameters(model, mesh)
-    runtime = ParallelRuntime(model, config, mesh)
+    runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig())
     _runtimes[model] = runtime
     original = model.forward
 

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 
 
@@ -69,3 +73,56 @@ class PeakMemory(TorchDispatchMode):
     @property
     def peak_bytes(self) -> int:
         return self.peak - self.start
+
+
+class LiveBytes(TorchDispatchMode):
+    """``with LiveBytes() as m: ...`` then ``m.peak_bytes()``: exact live bytes of tensors created inside.
+
+    Every ATen op's output storage is tracked until it is freed (a weak reference to the storage
+    expires), on any device, meta included; views share their base's storage and count once. Unlike
+    ``PeakMemory`` it does not see the allocator, so it is exact and noise-free, and
+    ``peak_bytes(exclude=...)`` can leave out storages that outlive the block on purpose
+    (parameter gradients).
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}  # cdata -> (ref, bytes, event index)
+        self.events: list[tuple[int, int]] = []
+        """(storage cdata, +bytes at allocation / -bytes when found freed), in order."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for key, (ref, nbytes, _) in list(self._live.items()):
+            if ref.expired():
+                del self._live[key]
+                self.events.append((key, -nbytes))
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+                storage = t.untyped_storage()
+                ref = StorageWeakRef(storage)
+                if ref.cdata not in self._live:
+                    self._live[ref.cdata] = (ref, storage.nbytes(), len(self.events))
+                    self.events.append((ref.cdata, storage.nbytes()))
+        return out
+
+    def peak_bytes(self, exclude: Iterable[torch.Tensor] = ()) -> int:
+        """The most bytes live at once, leaving out the storages of ``exclude`` (still alive at the end)."""
+        keys = {StorageWeakRef(t.untyped_storage()).cdata for t in exclude}
+        skip = {self._live[k][2] for k in keys if k in self._live}  # their (still live) allocation events
+        live = peak = 0
+        for i, (_, delta) in enumerate(self.events):
+            if i in skip:
+                continue
+            live += delta
+            peak = max(peak, live)
+        return peak
+
+
+def device_budget(device: torch.device, ranks: int) -> int:
+    """checkpoint="auto"'s budget per rank: the GPU's memory, or on CPU the machine's physical memory
+    shared by its ranks (``LOCAL_WORLD_SIZE`` from torchrun, else ``ranks``)."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)

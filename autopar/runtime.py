@@ -7,6 +7,7 @@ signatures (a smaller last batch, eval mode) are captured again and compiled wit
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import weakref
@@ -19,20 +20,24 @@ from torch import fx, nn
 
 from autopar import collectives as C
 from autopar.capture import Captured, cache_outputs, capture_shard, meta_shadow, split_batch_leaves
-from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
+from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CaptureError, PlanError, StateDictError
+from autopar.memory import device_budget
 from autopar.mesh import Mesh
 from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
                          join_pieces, scatter_batch, take_pieces)
+from passes.analysis.choose_checkpoints import plan_memory
+from passes.analysis.estimate_memory import estimate_memory
 from passes.analysis.make_plan import make_plan
 from passes.ir import (InputKind, convert_layout, gather_output, input_info, reduce_partial, sharded_embedding,
                        sharded_matmul, sum_grad)
 from passes.runner import PassRecord, run_passes
+from passes.insert_checkpoints import insert_checkpoints
 from passes.shard_linears import shard_linears
 
 log = logging.getLogger(__name__)
 
-PASSES = (shard_linears,)
+PASSES = (shard_linears, insert_checkpoints)
 
 
 @dataclass
@@ -49,8 +54,9 @@ class Executable:
 
 
 class ParallelRuntime:
-    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh) -> None:
-        self.config, self.mesh = config, mesh
+    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
+                 memory: MemoryConfig = MemoryConfig()) -> None:
+        self.config, self.mesh, self.memory = config, mesh, memory
         self.shadow = meta_shadow(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -155,7 +161,9 @@ class ParallelRuntime:
         if self.plan is None:
             # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere.
             canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0)
-            self._adopt(make_plan(canonical.gm, self.config))
+            plan = make_plan(canonical.gm, self.config)
+            plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
+            self._adopt(plan)
         gm, records = run_passes(captured.gm, self.plan, PASSES)
         output_specs = [a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
                         for a in gm.graph.output_node().args[0]]
@@ -171,6 +179,14 @@ class ParallelRuntime:
                                    "capture; autopar cannot recover its data. Register it as a buffer.")
             constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs)
+
+    def _plan_memory(self, gm: fx.GraphModule, plan: Plan) -> MemoryPlan:
+        checkpoint = self.memory.checkpoint
+        budget = checkpoint if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
+        memory = plan_memory(estimate_memory(gm, plan), checkpoint, budget, strict=isinstance(checkpoint, int))
+        if not memory.fits and self.mesh.rank == 0:
+            log.warning("autopar: %s", memory.summary().replace("\n", "; "))
+        return memory
 
     def _export_constants(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
                           sizes: tuple[int, ...], index: int) -> dict[str, Any]:

@@ -8,9 +8,11 @@ per-matmul table (module, op, shapes, parameters, FLOPs, sharding, bytes per ste
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import logging
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,43 +22,60 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.capture import capture_shard, meta_shadow, repeated_blocks, split_batch_leaves, truncated_blocks
-from autopar.config import ParallelConfig, Plan
+from autopar.config import MemoryConfig, ParallelConfig, Plan
+from autopar.memory import device_budget
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
-from passes.analysis.repeat_blocks import Repeat, repeat_plan, repeat_report, template_holds
+from passes.analysis.choose_checkpoints import plan_memory
+from passes.analysis.estimate_memory import MemoryProfile, estimate_memory
+from passes.analysis.repeat_blocks import Repeat, repeat_memory, repeat_plan, repeat_report, template_holds
 from passes.analysis.report import StepReport, estimate_step
 
 log = logging.getLogger(__name__)
 
 
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
-               kwargs: dict | None = None, repeat: bool = True) -> tuple[Plan, StepReport]:
+               kwargs: dict | None = None, repeat: bool = True, checkpoint: str | int = "auto",
+               budget: int | None = None) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
+
+    ``checkpoint`` is auto_parallelize's option; ``budget`` (bytes per device) replaces the device's
+    memory for "auto" (default: this machine's memory shared by the ranks, as on CPU).
 
     With ``repeat``, a ModuleList of alike blocks (a transformer's layers) is captured with three of
     them and the plan extended to the rest by name (passes/analysis/repeat_blocks.py): Llama-2-70B
     plans in seconds instead of exporting 80 layers. If the cut model does not capture, or its two
-    blocks are not planned alike, the whole model is captured instead.
+    last blocks are not planned alike, the whole model is captured instead.
     """
+    MemoryConfig(checkpoint)  # validates
+    if isinstance(checkpoint, int):
+        budget = checkpoint
+    elif budget is None:
+        budget = device_budget(torch.device("cpu"), config.world_size)
     shadow = model if _is_meta(model) else meta_shadow(model)
     lists = repeated_blocks(shadow) if repeat else []
+    found = None
     if lists:
         try:
             with truncated_blocks(shadow, lists):
-                plan, report = _plan_captured(shadow, inputs, kwargs, config, rank)
+                found = _plan_captured(shadow, inputs, kwargs, config, rank)
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
-        else:
-            repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
-            if all(template_holds(plan, report, r) for r in repeats):
-                full = repeat_plan(plan, repeats)
-                return full, repeat_report(report, full, repeats)
-    return _plan_captured(shadow, inputs, kwargs, config, rank)
+    if found is not None:
+        plan, report, profile = found
+        repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
+        if all(template_holds(plan, report, r, profile) for r in repeats):
+            full = repeat_plan(plan, repeats)
+            report = repeat_report(report, full, repeats)
+            profile = repeat_memory(profile, full, repeats)
+            return dataclasses.replace(full, memory=plan_memory(profile, checkpoint, budget)), report
+    plan, report, profile = _plan_captured(shadow, inputs, kwargs, config, rank)
+    return dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget)), report
 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
-                   rank: int) -> tuple[Plan, StepReport]:
+                   rank: int) -> tuple[Plan, StepReport, MemoryProfile]:
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
     split, batch = split_batch_leaves(leaves, config.num_batch_shards)
     sizes = config.batch_sizes(batch) if split else ()
@@ -66,7 +85,7 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     index = config.batch_index(rank) if split else 0
     mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
                                                       requires_grad=requires_grad)
-    return plan, estimate_step(mine.gm, plan)
+    return plan, estimate_step(mine.gm, plan), estimate_memory(canonical.gm, plan)
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -158,6 +177,8 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
     ]
     for reason, flops in coverage_gaps(report):
         lines.append(f"not sharded: {flops / report.flops_per_step:.1%} of matmul FLOPs: {reason}")
+    if plan.memory is not None:
+        lines += plan.memory.summary().splitlines()
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -181,6 +202,7 @@ def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -
         "flops_per_step": report.flops_per_step,
         "param_bytes_per_rank": report.param_bytes_per_rank,
         "comm_bytes_per_step": float(report.comm_bytes_per_step),
+        "memory": plan.to_dict()["memory"],
         "comm_bytes_by_kind": {k: float(v) for k, v in report.comm_bytes_by_kind.items()},
         "matmul_flops_sharded": report.matmul_flops_sharded,
         "not_sharded": [{"why": w, "flops": f} for w, f in coverage_gaps(report)],
@@ -192,6 +214,22 @@ def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -
     }
 
 
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def _parse_bytes(text: str) -> int:
+    """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '2e9' -> 2e9."""
+    m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 2e9")
+    try:
+        return int(float(m.group(1)) * _UNITS[unit])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 80GB, 80GiB or 2e9") from None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar.trace", description=__doc__.splitlines()[0])
     parser.add_argument("model", help="a .py file defining build_model() and example_inputs()")
@@ -200,6 +238,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: example_inputs')")
     parser.add_argument("--rank", type=int, default=0, help="the rank whose bytes and shapes are shown")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--checkpoint", default="auto", choices=("auto", "none", "full"),
+                        help="activation checkpointing policy, as auto_parallelize's checkpoint= (default auto)")
+    parser.add_argument("--memory-per-device", type=_parse_bytes, default=None, metavar="SIZE",
+                        help="memory budget per device for --checkpoint auto, e.g. 80GB, 80GiB or 2e9 "
+                             "(default: this machine's memory shared by the ranks)")
     parser.add_argument("--capture-all-blocks", action="store_true",
                         help="capture every repeated block instead of three (slower; the plan is the same "
                              "whenever the shortcut applies)")
@@ -213,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = _with_batch(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
         batch_size = leaves[0].shape[0] if leaves else 0
-        plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks)
+        plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
+                                  checkpoint=args.checkpoint, budget=args.memory_per_device)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -19,6 +19,7 @@ from typing import Sequence, TypeVar
 
 from autopar.config import Plan
 from passes.analysis.make_plan import replicated_notes
+from passes.analysis.estimate_memory import MemoryProfile, static_memory
 from passes.analysis.report import StepReport, summarize
 
 T = TypeVar("T")
@@ -57,6 +58,7 @@ _NAME_FIELDS: dict[str, tuple[str, ...]] = {
     "EmbeddingPlan": ("weight", "module"),
     "LayerRow": ("weight", "module", "bias"),
     "Collective": ("where",),
+    "SegmentCost": ("name",),
 }
 
 
@@ -93,10 +95,11 @@ def _extend(records: Sequence[T], repeat: Repeat) -> tuple[T, ...]:
     return tuple(out)
 
 
-def template_holds(plan: Plan, report: StepReport, repeat: Repeat) -> bool:
+def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: MemoryProfile | None = None) -> bool:
     """Whether the block before the template, renamed, matches the template in every decision and cost."""
     prev, tmpl = repeat.template - 1, repeat.template
-    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives):
+    segments = profile.segments if profile is not None else ()
+    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives, segments):
         if not records:
             continue
         before = [_renamed(r, repeat, prev, tmpl) for r in _block(records, repeat, prev)]
@@ -125,3 +128,13 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
     return summarize(rows, colls, num_parameters, full_plan)
+
+
+def repeat_memory(profile: MemoryProfile, full_plan: Plan, repeats: Sequence[Repeat]) -> MemoryProfile:
+    """The memory profile of the whole model: segments of dropped blocks copied from the template's."""
+    segments, frozen = profile.segments, set(profile.frozen)
+    for r in repeats:
+        segments = _extend(segments, r)
+        frozen |= {r.rename(name, r.template, dst) for name in profile.frozen
+                   for dst in range(r.template + 1, r.count)}
+    return static_memory(segments, full_plan, tuple(sorted(frozen)))

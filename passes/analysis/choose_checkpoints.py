@@ -1,0 +1,120 @@
+"""choose_checkpoints: which blocks to recompute so activations fit a budget, at the least recompute.
+
+The model, per segment k of the chain (estimate_memory's segments, in order), with ``C`` the set of
+recomputed (checkpointed) segments and ``P_k`` the bytes kept by the segments before k (``a_i`` for
+i in C: only its inputs; ``s_i`` otherwise: everything it saves):
+
+    peak(C) = max( max_k  P_k + s_k + t_k + [k in C] a_k ,  P_end )
+
+While segment k runs forward, or backward (after recomputing it when k is in C), all of its saved
+tensors ``s_k`` and its transients ``t_k`` are live on top of what the earlier segments keep; a
+recomputed segment also still holds its inputs. Segments after k have been freed by then in
+backward, and are not yet built in forward.
+
+The cost is the forward FLOPs of the recomputed segments. Minimizing it under ``peak <= budget`` is
+exact by dynamic programming over the chain with the kept prefix ``P`` as the state: the constraint
+at k depends only on ``P_k`` and the choice at k, so for each ``P`` only the cheapest way to reach it
+matters, and a state that keeps more bytes at a higher cost is dropped (a Pareto front). For a chain
+of identical blocks the front has at most one state per number of checkpointed blocks so far, so
+100 blocks take well under 100 ms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from autopar.config import MemoryPlan
+from autopar.errors import PlanError
+from passes.analysis.estimate_memory import MemoryProfile, SegmentCost
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointChoice:
+    recompute: tuple[str, ...]
+    """Names of the segments recomputed in backward, in chain order."""
+    peak_bytes: int
+    """Predicted activation peak with this choice."""
+    recompute_flops: int
+
+
+def activation_peak(segments: Sequence[SegmentCost], recompute: set[str] | frozenset[str]) -> int:
+    """The predicted activation peak (see the module docstring) when ``recompute`` is checkpointed."""
+    kept = peak = 0
+    for s in segments:
+        ck = s.name in recompute
+        peak = max(peak, kept + s.saved_bytes + s.peak_bytes + (s.input_bytes if ck else 0))
+        kept += s.input_bytes if ck else s.saved_bytes
+    return max(peak, kept)
+
+
+def _choice(segments: Sequence[SegmentCost], recompute: set[str] | frozenset[str]) -> CheckpointChoice:
+    names = tuple(s.name for s in segments if s.name in recompute)
+    return CheckpointChoice(names, activation_peak(segments, recompute),
+                            sum(s.flops for s in segments if s.name in recompute))
+
+
+def choose_checkpoints(segments: Sequence[SegmentCost], budget: int) -> CheckpointChoice:
+    """The cheapest set of checkpointable segments whose activation peak fits ``budget`` bytes.
+
+    Raises:
+        PlanError: not even recomputing every checkpointable segment fits.
+    """
+    # front: kept prefix -> (cost, chosen names); only Pareto-optimal (kept, cost) pairs survive.
+    front: list[tuple[int, int, tuple[str, ...]]] = [(0, 0, ())]
+    for s in segments:
+        grown: list[tuple[int, int, tuple[str, ...]]] = []
+        for kept, cost, chosen in front:
+            if kept + s.saved_bytes + s.peak_bytes <= budget:
+                grown.append((kept + s.saved_bytes, cost, chosen))
+            if s.checkpointable and kept + s.saved_bytes + s.peak_bytes + s.input_bytes <= budget:
+                grown.append((kept + s.input_bytes, cost + s.flops, (*chosen, s.name)))
+        grown.sort(key=lambda x: (x[0], x[1]))
+        front = []
+        for state in grown:
+            if not front or state[1] < front[-1][1]:
+                front.append(state)
+        if not front:
+            break
+    feasible = [st for st in front if st[0] <= budget]
+    if not feasible:
+        every = _choice(segments, {s.name for s in segments if s.checkpointable})
+        raise PlanError(f"activations need at least {every.peak_bytes:,} bytes per rank even with every block "
+                        f"recomputed, over the budget of {budget:,}. Raise the memory budget, use more "
+                        "tensor-parallel ranks, or a smaller batch.")
+    _, _, chosen = min(feasible, key=lambda st: (st[1], st[0]))
+    return _choice(segments, set(chosen))
+
+
+def plan_memory(profile: MemoryProfile, checkpoint: str | int, budget: int | None, *,
+                strict: bool = False) -> MemoryPlan:
+    """The MemoryPlan for ``checkpoint``: 'none', 'full', or 'auto' / bytes with the per-device ``budget``.
+
+    When nothing fits the budget, every block is recomputed and ``fits`` is False; with ``strict``
+    (an explicit budget at run time) that raises PlanError instead.
+    """
+    segments = profile.segments
+    blocks = tuple(s.name for s in segments if s.checkpointable)
+    fits = True
+    if checkpoint == "none":
+        choice = _choice(segments, set())
+    elif checkpoint == "full":
+        choice = _choice(segments, set(blocks))
+    else:
+        assert budget is not None
+        try:
+            room = budget - profile.static_bytes
+            if room <= 0:
+                raise PlanError(f"parameters, gradients and optimizer state need {profile.static_bytes:,} bytes "
+                                f"per rank, over the memory budget of {budget:,}. Use more tensor-parallel ranks "
+                                "or a larger budget.")
+            choice = choose_checkpoints(segments, room)
+        except PlanError:
+            if strict:
+                raise
+            choice, fits = _choice(segments, set(blocks)), False
+    forward = sum(s.flops for s in segments)
+    return MemoryPlan("budget" if isinstance(checkpoint, int) else checkpoint,
+                      budget if checkpoint not in ("none", "full") else None, choice.recompute, blocks,
+                      profile.param_bytes, profile.grad_bytes, profile.optimizer_bytes, choice.peak_bytes,
+                      activation_peak(segments, set()), choice.recompute_flops, 3 * forward, fits)

@@ -1,0 +1,212 @@
+"""estimate_memory: what one training step keeps in memory on one rank, block by block.
+
+The captured graph is run once on the meta device with autograd on, under saved-tensor hooks: every
+tensor autograd keeps for backward is recorded with the node that produced it (its storage, so views
+count once) and the node that saved it. Bytes are then made local with the layouts the plan gives:
+a tensor split over row or col keeps ``1/row`` or ``1/col`` of its bytes (the batch is already this
+rank's shard in the captured graph). A tensor a consumer re-lays out first (a gather before a
+LayerNorm) is saved in the consumer's layout.
+
+Segments are the chain the checkpoint solver works on: the graph's nodes in order, cut where the
+owning module moves to another block of a ModuleList (``model.layers.3``); nodes outside any block
+(embeddings, the head, the loss) form segments that are never recomputed.
+
+Per segment:
+- ``saved_bytes``: tensors it keeps for backward, each storage counted at its first saver;
+- ``input_bytes``: activations produced before it that it reads: what a checkpoint keeps;
+- ``peak_bytes``: the largest tensor it produces, twice (a gradient and its input's gradient are
+  live at once in its backward): transient memory on top of what is kept;
+- ``flops``: forward FLOPs of its matmuls on this rank (what recomputing it costs).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from autopar.config import Plan
+from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
+from passes.analysis.make_plan import layouts_for
+from passes.ir import InputKind, Sharding, input_info
+
+_SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentCost:
+    name: str
+    """The block's FQN (``model.layers.3``), or ``<outside>#k`` for the k-th run of nodes outside blocks."""
+    checkpointable: bool
+    saved_bytes: int
+    input_bytes: int
+    peak_bytes: int
+    flops: int
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryProfile:
+    segments: tuple[SegmentCost, ...]
+    param_bytes: int
+    """This rank's parameters (fp32)."""
+    grad_bytes: int
+    """Gradients of this rank's trainable parameters."""
+    optimizer_bytes: int
+    """Optimizer state: two fp32 tensors per trainable parameter (Adam's moments)."""
+    frozen: tuple[str, ...] = ()
+    """Parameters that need no gradient."""
+
+    @property
+    def static_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes
+
+
+def block_of(module: str) -> str | None:
+    """The repeated block a module belongs to (``model.layers.3.mlp`` -> ``model.layers.3``), if any."""
+    m = _BLOCK.match(module)
+    return m.group(1) if m else None
+
+
+def segment_names(gm: fx.GraphModule) -> dict[fx.Node, str]:
+    """Each computing node's segment. Nodes without module metadata (inserted by passes) join the
+    segment of the node before them."""
+    out: dict[fx.Node, str] = {}
+    block, current, outside = "", "", -1
+    for node in gm.graph.nodes:
+        if node.op in ("placeholder", "output", "get_attr"):
+            continue
+        if node.meta.get("nn_module_stack") or not current:
+            block = block_of(module_of(node)) or ""
+        if not current or (block or "<outside>") != (current if not current.startswith("<outside>")
+                                                      else "<outside>"):
+            if not block:
+                outside += 1
+            current = block or f"<outside>#{outside}"
+        out[node] = current
+    return out
+
+
+def _fraction(s: Sharding, sizes: dict[str, int]) -> Fraction:
+    return Fraction(1) if s.is_replicated else Fraction(1, sizes[s.axis])
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return StorageWeakRef(t.untyped_storage()).cdata
+
+
+def _meta_inputs(gm: fx.GraphModule) -> list[Any]:
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "placeholder":
+            continue
+        val = node.meta.get("val")
+        info = input_info(node)
+        if isinstance(val, torch.Tensor):
+            t = torch.empty_strided(val.shape, val.stride(), dtype=val.dtype, device="meta")
+            grad = info is not None and info.requires_grad and t.is_floating_point()
+            out.append(t.requires_grad_(grad))
+        else:
+            out.append(val)
+    return out
+
+
+class _Recorder(fx.Interpreter):
+    """Runs the graph on meta tensors; remembers which node produced each storage and who saved what."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.producer: dict[int, fx.Node] = {}
+        self.saved: list[tuple[fx.Node, int, int, torch.Tensor]] = []  # (saver, storage, bytes, tensor)
+        self.current: fx.Node | None = None
+        self._alive: list[torch.Tensor] = []  # keeps storages (and their keys) alive
+
+    def run_node(self, n: fx.Node) -> Any:
+        self.current = n
+        if n.target is _SDPA:
+            out = self._attention(n)
+        else:
+            out = super().run_node(n)
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.producer.setdefault(_storage_key(t), n)
+                self._alive.append(t)
+        return out
+
+    def _attention(self, n: fx.Node) -> Any:
+        """SDPA on meta takes the math path, which keeps the attention matrix; on CPU and GPU fused
+        kernels run and keep only q, k, v, the output and the row log-sum-exp. Run the CPU one."""
+        args, kwargs = self.fetch_args_kwargs_from_env(n)
+        params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
+        mask = params.get("attn_mask")
+        if params.get("enable_gqa") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
+            return super().run_node(n)  # the math path runs for these on CPU too
+        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            *args[:3], params.get("dropout_p", 0.0), params.get("is_causal", False),
+            attn_mask=params.get("attn_mask"), scale=params.get("scale"))
+        return out
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.current is not None and self.current.op == "call_function":
+            self.saved.append((self.current, _storage_key(t), t.untyped_storage().nbytes(), t))
+        return t
+
+
+def estimate_memory(gm: fx.GraphModule, plan: Plan) -> MemoryProfile:
+    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``."""
+    config = plan.config
+    sizes = {"row": config.row, "col": config.col}
+    res, by_node = layouts_for(gm, plan)
+    seg_of = segment_names(gm)
+    rec = _Recorder(gm)
+    with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+        rec.run(*_meta_inputs(gm))
+    params = {node for node in gm.graph.nodes if param_name(node) is not None}
+
+    order = list(dict.fromkeys(seg_of[n] for n in gm.graph.nodes if n in seg_of))
+    saved = dict.fromkeys(order, Fraction(0))
+    inputs = dict.fromkeys(order, Fraction(0))
+    counted: set[int] = set()
+    for saver, key, nbytes, _ in rec.saved:
+        producer = rec.producer.get(key)
+        if key in counted or producer in params or producer is None:
+            continue  # parameters are not activations; inputs of the graph are the caller's
+        if input_info(producer) is not None and input_info(producer).kind is not InputKind.USER:
+            continue
+        counted.add(key)
+        sharding = res.conversions.get((saver, producer), res.sharding(producer))
+        saved[seg_of.get(saver, order[0])] += nbytes * _fraction(sharding, sizes)
+
+    peak = dict.fromkeys(order, Fraction(0))
+    flops = dict.fromkeys(order, Fraction(0))
+    for node, seg in seg_of.items():
+        t = tensor_meta(node)
+        if t is not None:
+            local = t.numel() * t.element_size() * _fraction(res.sharding(node), sizes)
+            peak[seg] = max(peak[seg], 2 * local)
+        for arg in node.all_input_nodes:
+            if arg in seg_of and seg_of[arg] != seg and (val := tensor_meta(arg)) is not None:
+                inputs[seg] += val.numel() * val.element_size() * _fraction(res.sharding(arg), sizes)
+        m = by_node.get(node)
+        if m is not None:
+            o = plan.matmul(m.weight).orientation
+            flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features,
+                                   config.size(o.in_axis) * config.size(o.out_axis))
+
+    segments = tuple(SegmentCost(name, not name.startswith("<outside>"), int(saved[name]), int(inputs[name]),
+                                 int(peak[name]), int(flops[name])) for name in order)
+    frozen = tuple(name for node in params if (name := param_name(node)) and not res.requires_grad.get(node))
+    return static_memory(segments, plan, frozen)
+
+
+def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[str, ...]) -> MemoryProfile:
+    """The profile of ``segments`` with parameter, gradient and optimizer bytes from ``plan``."""
+    local = {p.name: p.local_numel(plan.config) * 4 for p in plan.params}  # fp32
+    trainable = sum(b for name, b in local.items() if name not in frozen)
+    return MemoryProfile(segments, sum(local.values()), trainable, 2 * trainable, frozen)
