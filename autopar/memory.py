@@ -78,8 +78,9 @@ class PeakMemory(TorchDispatchMode):
 class LiveBytes(TorchDispatchMode):
     """``with LiveBytes() as m: ...`` then ``m.peak_bytes()``: exact live bytes of tensors created inside.
 
-    Every ATen op's output storage is tracked until it is freed (a weak reference to the storage
-    expires), on any device, meta included; views share their base's storage and count once. Unlike
+    Every storage an ATen op allocates is tracked until it is freed (a weak reference to the storage
+    expires), on any device, meta included. An output sharing an input's storage (a view) allocates
+    nothing and is not counted, nor are storages made before the block (parameters and their views). Unlike
     ``PeakMemory`` it does not see the allocator, so it is exact and noise-free, and
     ``peak_bytes(exclude=...)`` can leave out storages that outlive the block on purpose
     (parameter gradients).
@@ -93,15 +94,17 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in pytree.tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
         for key, (ref, nbytes, _) in list(self._live.items()):
             if ref.expired():
                 del self._live[key]
                 self.events.append((key, -nbytes))
         for t in pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not isinstance(t, torch.nn.Parameter):
+            if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 ref = StorageWeakRef(storage)
-                if ref.cdata not in self._live:
+                if ref.cdata not in self._live and ref.cdata not in inputs:  # views allocate nothing
                     self._live[ref.cdata] = (ref, storage.nbytes(), len(self.events))
                     self.events.append((ref.cdata, storage.nbytes()))
         return out

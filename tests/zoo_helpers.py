@@ -45,21 +45,22 @@ def train(model: torch.nn.Module, data: list, grads_of=None) -> tuple[list[float
     return losses, grads
 
 
-def serial(name: str, data: list, seed: int = 0) -> tuple[list[float], dict[str, torch.Tensor]]:
+def serial(name: str, data: list, seed: int = 0, layers: int | None = None
+           ) -> tuple[list[float], dict[str, torch.Tensor]]:
     torch.manual_seed(seed)
-    model = zoo.build_model(name)
+    model = zoo.build_model(name, layers=layers)
     return train(model, data, lambda m: {n: p.grad.clone() for n, p in m.named_parameters() if p.grad is not None})
 
 
 def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: int | None = None,
-             seed: int = 0) -> dict[str, Any]:
+             seed: int = 0, layers: int | None = None, checkpoint: str | int = "auto") -> dict[str, Any]:
     """Runs on every rank (forked by run_distributed); returns losses, first-step grads and the plan."""
     import autopar
     from autopar.context import runtime_of
 
     torch.manual_seed(seed)
-    with autopar.auto_parallelize(tensor=tensor, data=data_degree):
-        model = zoo.build_model(name)
+    with autopar.auto_parallelize(tensor=tensor, data=data_degree, checkpoint=checkpoint):
+        model = zoo.build_model(name, layers=layers)
     losses, grads = train(model, data, lambda m: runtime_of(m).full_grads())
     plan = autopar.plan_of(model)
     return {"losses": losses, "grads": grads, "plan": plan}

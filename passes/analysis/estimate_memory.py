@@ -9,11 +9,16 @@ LayerNorm) is saved in the consumer's layout.
 
 Segments are the chain the checkpoint solver works on: the graph's nodes in order, cut where the
 owning module moves to another block of a ModuleList (``model.layers.3``); nodes outside any block
-(embeddings, the head, the loss) form segments that are never recomputed.
+(embeddings, the head, the loss) form segments that are never recomputed. Tensors saved by a segment
+but made two or more segments earlier (attention masks, rotary tables, T5's position bias, graph
+inputs) stay alive whatever is recomputed: they are counted once, in a first segment ``<shared>``.
+
+The model's outputs, which the caller holds through backward, are counted in ``<shared>``; a last
+segment ``<loss>`` is an allowance for the caller's loss.
 
 Per segment:
 - ``saved_bytes``: tensors it keeps for backward, each storage counted at its first saver;
-- ``input_bytes``: activations produced before it that it reads: what a checkpoint keeps;
+- ``input_bytes``: what the segment before it produced and it reads: what a checkpoint adds to keep;
 - ``peak_bytes``: the largest tensor it produces, twice (a gradient and its input's gradient are
   live at once in its backward): transient memory on top of what is kept;
 - ``flops``: forward FLOPs of its matmuls on this rank (what recomputing it costs).
@@ -21,6 +26,7 @@ Per segment:
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -147,9 +153,11 @@ class _Recorder(fx.Interpreter):
         mask = params.get("attn_mask")
         if params.get("enable_gqa") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
             return super().run_node(n)  # the math path runs for these on CPU too
+        if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            mask = mask.to(args[0].dtype)  # the kernel turns a boolean mask into an additive one, and keeps it
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *args[:3], params.get("dropout_p", 0.0), params.get("is_causal", False),
-            attn_mask=params.get("attn_mask"), scale=params.get("scale"))
+            attn_mask=mask, scale=params.get("scale"))
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -169,29 +177,39 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan) -> MemoryProfile:
         rec.run(*_meta_inputs(gm))
     params = {node for node in gm.graph.nodes if param_name(node) is not None}
 
-    order = list(dict.fromkeys(seg_of[n] for n in gm.graph.nodes if n in seg_of))
+    order = ["<shared>", *dict.fromkeys(seg_of[n] for n in gm.graph.nodes if n in seg_of)]
+    previous = dict(zip(order[1:], order))
     saved = dict.fromkeys(order, Fraction(0))
     inputs = dict.fromkeys(order, Fraction(0))
     counted: set[int] = set()
     for saver, key, nbytes, _ in rec.saved:
         producer = rec.producer.get(key)
-        if key in counted or producer in params or producer is None:
-            continue  # parameters are not activations; inputs of the graph are the caller's
-        if input_info(producer) is not None and input_info(producer).kind is not InputKind.USER:
-            continue
+        if key in counted or producer in params:
+            continue  # parameters are not activations
         counted.add(key)
-        sharding = res.conversions.get((saver, producer), res.sharding(producer))
-        saved[seg_of.get(saver, order[0])] += nbytes * _fraction(sharding, sizes)
+        if producer is None:  # made inside the op (SDPA's additive mask, its log-sum-exp)
+            sharding = res.sharding(saver)
+        else:
+            sharding = res.conversions.get((saver, producer), res.sharding(producer))
+        seg = seg_of.get(saver, order[1])
+        if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
+            seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
+        saved[seg] += nbytes * _fraction(sharding, sizes)
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
+    read: dict[str, set[fx.Node]] = {name: set() for name in order}
     for node, seg in seg_of.items():
         t = tensor_meta(node)
         if t is not None:
             local = t.numel() * t.element_size() * _fraction(res.sharding(node), sizes)
             peak[seg] = max(peak[seg], 2 * local)
         for arg in node.all_input_nodes:
-            if arg in seg_of and seg_of[arg] != seg and (val := tensor_meta(arg)) is not None:
+            # Inputs made further back (masks, rotary tables) are shared by every block; they are
+            # kept once, by their first saver, and not counted again here.
+            if (arg in seg_of and seg_of[arg] == previous.get(seg) and arg not in read[seg]
+                    and (val := tensor_meta(arg)) is not None):
+                read[seg].add(arg)
                 inputs[seg] += val.numel() * val.element_size() * _fraction(res.sharding(arg), sizes)
         m = by_node.get(node)
         if m is not None:
@@ -199,10 +217,31 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan) -> MemoryProfile:
             flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features,
                                    config.size(o.in_axis) * config.size(o.out_axis))
 
-    segments = tuple(SegmentCost(name, not name.startswith("<outside>"), int(saved[name]), int(inputs[name]),
+    segments = tuple(SegmentCost(name, not name.startswith("<"), int(saved[name]), int(inputs[name]),
                                  int(peak[name]), int(flops[name])) for name in order)
+    # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
+    # the largest output and to need two more in its backward, as cross-entropy on logits does.
+    outputs = _output_bytes(gm)
+    largest = max(outputs, default=0)
+    segments = (dataclasses.replace(segments[0], saved_bytes=segments[0].saved_bytes + sum(outputs)), *segments[1:],
+                SegmentCost("<loss>", False, largest, 0, 2 * largest, 0))
     frozen = tuple(name for node in params if (name := param_name(node)) and not res.requires_grad.get(node))
     return static_memory(segments, plan, frozen)
+
+
+def _output_bytes(gm: fx.GraphModule) -> list[int]:
+    """Bytes of each tensor output, full on every rank (gathered over features and the batch)."""
+    batch = gm.meta.get("autopar_batch")
+    sizes = []
+    for out in pytree.tree_leaves(gm.graph.output_node().args):
+        t = tensor_meta(out) if isinstance(out, fx.Node) else None
+        if t is None:
+            continue
+        nbytes = t.numel() * t.element_size()
+        if batch is not None and t.dim() and t.shape[0] == batch.local_sizes[batch.index]:
+            nbytes = nbytes * batch.global_size // batch.local_sizes[batch.index]
+        sizes.append(nbytes)
+    return sizes
 
 
 def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[str, ...]) -> MemoryProfile:

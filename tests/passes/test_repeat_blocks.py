@@ -76,3 +76,13 @@ def test_llama_70b_plans_with_copied_blocks_and_an_exact_parameter_count():
     assert any("blocks 3-79 planned as copies of block 2" in n for n in plan.notes)
     assert len(plan.matmuls) == 80 * 7 + 1 and report.matmul_flops_sharded == report.flops_per_step
     assert len(model.model.layers) == 80
+
+
+def test_copied_blocks_give_the_memory_plan_of_a_full_capture():
+    with torch.device("meta"):
+        model = zoo.build_model("llama", layers=6)
+    args = zoo.example_inputs("llama")
+    for checkpoint in ("none", "full", 10**6 + 2**17):
+        plan = plan_model(model, args, ParallelConfig(1, 2, 1, 1), checkpoint=checkpoint)[0]
+        full = plan_model(model, args, ParallelConfig(1, 2, 1, 1), checkpoint=checkpoint, repeat=False)[0]
+        assert plan.memory == full.memory and plan.memory is not None

@@ -1,0 +1,128 @@
+"""Activation checkpointing on gloo ranks: gradients unchanged under every policy, memory as predicted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import torch.utils.checkpoint
+
+from autopar.config import ParallelConfig
+from autopar.examples import zoo
+from autopar.trace import plan_model
+from tests import zoo_helpers as Z
+
+LAYERS = 4
+
+
+def _memory(name: str, tensor: tuple[int, int, int], data: int, batch: int, seq: int, layers: int):
+    """The plan's memory for 'none' and 'full' (what the budgets of the tests sit between)."""
+    with torch.device("meta"):
+        model = zoo.build_model(name, layers=layers)
+    config = ParallelConfig(data, *tensor)
+    args, kwargs = zoo.example_inputs(name, batch, seq), zoo.example_kwargs(name, batch, seq)
+    none = plan_model(model, args, config, kwargs=kwargs, checkpoint="none")[0].memory
+    full = plan_model(model, args, config, kwargs=kwargs, checkpoint="full")[0].memory
+    return none, full
+
+
+@pytest.mark.parametrize("name,tensor,data", [("llama", (2, 1, 1), 1), ("gpt2", (1, 2, 1), 2)])
+def test_gradients_with_checkpointing_equal_serial_for_every_policy(name, tensor, data, distributed):
+    batches = Z.batches(name)
+    losses, grads = Z.serial(name, batches, layers=LAYERS)
+    none, full = _memory(name, tensor, data, 4, 16, LAYERS)
+    middle = none.static_bytes + (none.activation_bytes + full.activation_bytes) // 2
+    world = tensor[0] * tensor[1] * tensor[2] * data
+    for policy, recomputed in (("none", 0), ("full", LAYERS), (middle, None)):
+        results = distributed(Z.parallel, world, name, batches, tensor, data, layers=LAYERS, checkpoint=policy)
+        chosen = results[0]["plan"].memory.recompute
+        if recomputed is None:
+            assert 0 < len(chosen) < LAYERS, chosen
+        else:
+            assert len(chosen) == recomputed
+        for r in results:
+            assert r["plan"] == results[0]["plan"]
+            for got, want in zip(r["losses"], losses, strict=True):
+                assert abs(got - want) <= 1e-5 * abs(want), (policy, r["losses"], losses)
+            for k, want in grads.items():
+                err = (r["grads"][k].double() - want.double()).norm().item()
+                assert err <= 1e-5 * (want.double().norm().item() + 1e-6), (policy, k, err)
+
+
+def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int, seq: int,
+             layers: int) -> list[tuple[int, int]]:
+    """Per budget: (measured activation peak, predicted) for one step on this rank."""
+    import autopar
+    from autopar.memory import LiveBytes
+
+    args = zoo.example_inputs(name, batch, seq)
+    target = torch.randint(0, zoo.VOCAB, (batch, seq), generator=torch.Generator().manual_seed(3))
+    out = []
+    for budget in budgets:
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(tensor=tensor, checkpoint=budget):
+            model = zoo.build_model(name, layers=layers)
+        model(*args)  # compiles and shards outside the measurement
+        with LiveBytes() as live:
+            logits = zoo.logits_of(model(*args))
+            F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        out.append((live.peak_bytes(exclude=grads), autopar.plan_of(model).memory))
+    return out
+
+
+@pytest.mark.slow
+def test_measured_activation_peak_matches_prediction_and_stays_in_budget(distributed):
+    name, tensor, batch, seq, layers = "llama", (2, 1, 1), 8, 64, 6
+    none, full = _memory(name, tensor, 1, batch, seq, layers)
+    fractions = (0.3, 0.5, 0.7, 0.85, 1.0)
+    budgets = [none.static_bytes + max(int(f * none.activation_bytes), full.activation_bytes) for f in fractions]
+    results = distributed(_measure, 2, name, tensor, budgets, batch, seq, layers)
+    counts = []
+    for per_rank in results:
+        for budget, (measured, memory) in zip(budgets, per_rank, strict=True):
+            predicted = memory.activation_bytes
+            assert abs(predicted - measured) <= 0.10 * measured, (budget, measured, predicted, memory.recompute)
+            assert measured <= budget - memory.static_bytes, (budget, measured, memory.static_bytes)
+            counts.append(len(memory.recompute))
+    assert counts[0] == layers and counts[len(fractions) - 1] == 0  # the sweep spans full to none
+
+
+class _SelfCheckpointed(nn.Module):
+    """Calls torch.utils.checkpoint itself, as the tutorial's --checkpoint-activations does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 16)) for _ in range(3))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = x + torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def _user_checkpoint_run(tensor: tuple[int, int, int]) -> tuple[float, dict]:
+    import autopar
+    from autopar.context import runtime_of
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=tensor, checkpoint="none"):
+        model = _SelfCheckpointed()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    loss = model(x).square().mean()
+    loss.backward()
+    return loss.item(), runtime_of(model).full_grads()
+
+
+def test_a_model_that_checkpoints_itself_still_matches_serial(distributed):
+    torch.manual_seed(0)
+    serial = _SelfCheckpointed()
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    loss = serial(x).square().mean()
+    loss.backward()
+    for got, grads in distributed(_user_checkpoint_run, 2, (2, 1, 1)):
+        assert abs(got - loss.item()) <= 1e-6 * abs(loss.item())
+        for n, p in serial.named_parameters():
+            assert torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5), n

@@ -1,0 +1,32 @@
+"""The trace CLI's memory lines and flags."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from autopar.examples import zoo
+from autopar.trace import _parse_bytes, main
+
+
+def test_sizes_parse_in_decimal_and_binary_units():
+    assert _parse_bytes("80GB") == 80 * 10**9
+    assert _parse_bytes("80GiB") == 80 * 2**30
+    assert _parse_bytes("2e9") == 2 * 10**9
+    with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
+        _parse_bytes("80 furlongs")
+
+
+def test_trace_shows_memory_and_the_recomputed_blocks(capsys):
+    assert main([f"{zoo.__file__}:llama", "--tensor", "2", "1", "1", "--checkpoint", "full"]) == 0
+    out = capsys.readouterr().out
+    assert "memory per rank (full)" in out and "recomputed in backward: 2/2 blocks" in out
+
+
+def test_llama_70b_on_8_ranks_does_not_fit_80gb_with_fp32_adam(capsys):
+    # 69e9 parameters / 8 ranks * 16 bytes (weights, gradients, two Adam moments) = 138 GB per rank.
+    assert main([f"{zoo.__file__}:llama-2-70b", "--tensor", "8", "1", "1", "--batch-size", "1",
+                 "--memory-per-device", "80GB"]) == 0
+    out = capsys.readouterr().out
+    assert "DOES NOT FIT" in out and "recomputed in backward: 80/80 blocks" in out
