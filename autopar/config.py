@@ -284,8 +284,20 @@ class MemoryConfig:
     """
 
     checkpoint: str | int = "auto"
+    precision: str = "fp32"
+    """Compute dtype: fp32, or bf16/fp16 under autocast with fp32 parameters (master weights),
+    gradients and optimizer state."""
+    reduce_dtype: str = "fp32"
+    """dtype of gradient reductions (weight-gradient reduce-scatters and gradient all-reduces): fp32,
+    or the compute dtype to halve their bytes. Activations and weight all-gathers always travel in
+    the compute dtype."""
 
     def __post_init__(self) -> None:
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ConfigError(f"precision={self.precision!r} is invalid. Use 'fp32', 'bf16' or 'fp16'.")
+        if self.reduce_dtype not in ("fp32", self.precision):
+            raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid with precision={self.precision!r}. "
+                              f"Use 'fp32' or {self.precision!r}.")
         c = self.checkpoint
         if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
             raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "

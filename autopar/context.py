@@ -70,7 +70,8 @@ class _ModuleRecorder:
 
 @contextmanager
 def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None,
-                     example_inputs: tuple | None = None, checkpoint: str | int = "auto") -> Iterator[ParallelConfig]:
+                     example_inputs: tuple | None = None, checkpoint: str | int = "auto",
+                     precision: str = "fp32", reduce_dtype: str = "fp32") -> Iterator[ParallelConfig]:
     """Parallelizes every model built inside the block over data x 3D tensor parallelism.
 
     Args:
@@ -84,6 +85,12 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             memory divided by the ranks on the machine); an int: that budget in bytes per device;
             "full": every block; "none": nothing. The budget covers parameters, gradients, Adam's
             two optimizer states and activations. See ``plan_of(model).memory``.
+        precision: "fp32", or "bf16"/"fp16": the model runs under ``torch.autocast`` in that dtype
+            while parameters, gradients and optimizer state stay fp32 (master weights); outputs
+            come back as fp32. With fp16 use ``torch.amp.GradScaler`` as usual: an overflow on any
+            rank makes every rank skip the step.
+        reduce_dtype: dtype of gradient reductions: "fp32" (default) or the compute dtype (half the
+            bytes, less exact). Activations and weight all-gathers travel in the compute dtype.
 
     Yields:
         The validated ParallelConfig.
@@ -98,7 +105,7 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             "auto_parallelize needs torch.distributed: launch with torchrun (or call "
             "torch.distributed.init_process_group()) before entering it.")
     config = ParallelConfig.from_user(tensor=tensor, data=data, world_size=dist.get_world_size())
-    memory = MemoryConfig(checkpoint)
+    memory = MemoryConfig(checkpoint, precision, reduce_dtype)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True

@@ -179,17 +179,26 @@ def scatter_batch(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.
 
 
 class _Matmul3D(torch.autograd.Function):
-    """``y = x @ W^T + b`` with W's (out, in) block on this (row, col) and 1/depth of it stored here."""
+    """``y = x @ W^T + b`` with W's (out, in) block on this (row, col) and 1/depth of it stored here.
+
+    Under autocast (precision bf16/fp16) x and the weight shard are cast to the compute dtype before
+    they travel, and the weight gradient is reduced in ``op.reduce_dtype`` (fp32 by default) and
+    returned in the shard's dtype: fp32 master weights get fp32 gradients.
+    """
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
                 op: MatmulOp) -> torch.Tensor:
-        ctx.op = op
-        w = op.gather_weight(w_shard)
-        y = torch.matmul(x, w if op.spec.weight_in_out else w.t())
-        y = op.all_reduce(y, op.spec.orientation.in_axis)
-        if bias is not None:
-            y = y + bias
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        ctx.op, ctx.dtype = op, dtype
+        x = x.to(dtype)
+        w = op.gather_weight(w_shard.to(dtype))
+        with torch.autocast(device, enabled=False):
+            y = torch.matmul(x, w if op.spec.weight_in_out else w.t())
+            y = op.all_reduce(y, op.spec.orientation.in_axis)
+            if bias is not None:
+                y = y + bias.to(dtype)
         ctx.save_for_backward(x, w_shard)
         return y
 
@@ -198,9 +207,10 @@ class _Matmul3D(torch.autograd.Function):
         op: MatmulOp = ctx.op
         x, w_shard = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dy = dy.to(ctx.dtype)
         dx = dw = db = None
         if need_x or need_w:
-            w = op.gather_weight(w_shard)
+            w = op.gather_weight(w_shard.to(ctx.dtype))
         if need_x:
             dx = torch.matmul(dy, w.t() if op.spec.weight_in_out else w)
             dx = op.all_reduce(dx, op.spec.orientation.out_axis)
@@ -208,7 +218,8 @@ class _Matmul3D(torch.autograd.Function):
         if need_w:
             x2 = x.reshape(-1, x.shape[-1])
             block = x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2
-            dw = C.reduce_scatter(block.reshape(-1), op.mesh.group("depth"), op.mesh.size("depth"))
+            block = block.reshape(-1).to(op.reduce_dtype or w_shard.dtype)
+            dw = C.reduce_scatter(block, op.mesh.group("depth"), op.mesh.size("depth")).to(w_shard.dtype)
         if need_b:
             db = dy2.sum(0)
         return dx, dw, db, None
@@ -217,8 +228,8 @@ class _Matmul3D(torch.autograd.Function):
 class MatmulOp:
     """A bound ``passes.ir.sharded_matmul``: the spec plus the groups it talks over."""
 
-    def __init__(self, spec: MatmulSpec, mesh: Mesh) -> None:
-        self.spec, self.mesh = spec, mesh
+    def __init__(self, spec: MatmulSpec, mesh: Mesh, reduce_dtype: torch.dtype | None = None) -> None:
+        self.spec, self.mesh, self.reduce_dtype = spec, mesh, reduce_dtype
         o = spec.orientation
         n_loc = spec.out_features // mesh.size(o.out_axis)
         k_loc = spec.in_features // mesh.size(o.in_axis)
@@ -237,7 +248,7 @@ class MatmulOp:
         # OUT_ROW/OUT_COL: the weight's output features are split over one axis, the input is whole.
         x = _CopyTo.apply(x, self.mesh, self.spec.orientation.out_axis)
         y = torch.matmul(x, w_shard) if self.spec.weight_in_out else torch.nn.functional.linear(x, w_shard)
-        return y + bias if bias is not None else y
+        return y + bias.to(y.dtype) if bias is not None else y  # under autocast y is bf16/fp16, as serial
 
 
 class EmbeddingOp:

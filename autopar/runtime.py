@@ -108,8 +108,41 @@ class ParallelRuntime:
                 flat.append(exe.constants[target])
             else:
                 flat.append(local[int(target)])
-        out = exe.gm(*flat)
+        dtype = _DTYPES[self.memory.precision]
+        if dtype is None:
+            out = exe.gm(*flat)
+        else:
+            with torch.autocast(self.mesh.device.type, dtype=dtype):
+                out = exe.gm(*flat)
+            # Outputs come back in float32, as the serial model's do (the loss then runs in fp32).
+            out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
+            if self.memory.precision == "fp16" and torch.is_grad_enabled():
+                self._agree_on_overflow_after_backward(out)
         return pytree.tree_unflatten(list(out), exe.out_spec), exe.output_specs, sizes
+
+    def _agree_on_overflow_after_backward(self, outputs: list[Any]) -> None:
+        """fp16: when any rank's gradients overflow, every rank's do, so torch.amp.GradScaler skips the
+        step (and lowers its scale) on all ranks alike. One small all-reduce at the end of backward."""
+        first = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is None:
+            return
+
+        def at_end() -> None:
+            grads = [p.grad for p in self._unique_params() if p.grad is not None]
+            bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
+            if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
+                with torch.no_grad():
+                    for g in grads:
+                        g.view(-1)[0] = float("inf")
+
+        def queue(grad: torch.Tensor) -> torch.Tensor:
+            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+            return grad
+
+        first.register_hook(queue)
+
+    def _unique_params(self) -> list[nn.Parameter]:
+        return list({id(p): p for p in self.params.values()}.values())
 
     # ---- fallback: no graph ---------------------------------------------------------------------
 
@@ -220,8 +253,9 @@ class ParallelRuntime:
     def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False) -> None:
         """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
         mesh, device = self.mesh, self.mesh.device
+        reduce = _DTYPES[self.memory.reduce_dtype]
         makers = {  # marker -> implementation, from the marker's last argument (its spec)
-            sharded_matmul: lambda spec: MatmulOp(spec, mesh).__call__,
+            sharded_matmul: lambda spec: MatmulOp(spec, mesh, reduce).__call__,
             convert_layout: lambda spec: ConvertOp(spec, mesh).__call__,
             gather_output: lambda spec: _identity if local_outputs else GatherOutputOp(spec, mesh, sizes).__call__,
             sharded_embedding: lambda spec: EmbeddingOp(spec, mesh).__call__,
@@ -257,7 +291,8 @@ class ParallelRuntime:
                     p.data = self.local_shard(p.data, pp).clone()
             axis, size = self.mesh.grad_group(pp.grad_axes)
             if p.requires_grad and size > 1:
-                self._hooks.append(p.register_hook(functools.partial(_sync_grad, self.mesh, axis)))
+                self._hooks.append(p.register_hook(functools.partial(_sync_grad, self.mesh, axis,
+                                                                     _DTYPES[self.memory.reduce_dtype])))
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())
@@ -345,6 +380,9 @@ class ParallelRuntime:
                     f"{pp.shape} (or this rank's shard {local_shape}). Load the serial model's state dict.")
 
 
+_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -353,9 +391,10 @@ def _sync_grad_world(world: int, grad: torch.Tensor) -> torch.Tensor:
     return C.all_reduce(grad.clone(), None, world)
 
 
-def _sync_grad(mesh: Mesh, axis: str, grad: torch.Tensor) -> torch.Tensor:
-    # Clone: autograd may hand the same buffer to other consumers.
-    return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
+def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:
+    if dtype is None or dtype == grad.dtype:  # clone: autograd may hand the same buffer to other consumers
+        return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
+    return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)
 
 
 def _signature(x: Any) -> Any:

@@ -77,3 +77,4 @@ def _timed(segments: list[SegmentCost], budget: int) -> float:
     start = time.perf_counter()
     choose_checkpoints(segments, budget)
     return time.perf_counter() - start
+

@@ -2,7 +2,7 @@ from fractions import Fraction
 
 import pytest
 
-from autopar.config import Layout, Orientation, ParallelConfig, collective_bytes
+from autopar.config import Layout, MemoryConfig, Orientation, ParallelConfig, collective_bytes
 from autopar.errors import AutoparError, ConfigError
 
 
@@ -57,3 +57,12 @@ def test_orientation_layouts_swap_row_and_col():
     assert (Orientation.NORMAL.in_layout, Orientation.NORMAL.out_layout) == (Layout.COL, Layout.ROW)
     assert (Orientation.TRANSPOSED.in_layout, Orientation.TRANSPOSED.out_layout) == (Layout.ROW, Layout.COL)
     assert repr(Layout.ROW) == "Layout.ROW"
+
+
+def test_memory_options_are_validated():
+    assert MemoryConfig(2**30, "bf16", "bf16").reduce_dtype == "bf16"
+    for bad, match in [(dict(checkpoint="some"), "checkpoint='some'"), (dict(checkpoint=0), "checkpoint=0"),
+                       (dict(precision="fp8"), "precision='fp8'"),
+                       (dict(precision="bf16", reduce_dtype="fp16"), "reduce_dtype='fp16'")]:
+        with pytest.raises(ConfigError, match=match):
+            MemoryConfig(**bad)
