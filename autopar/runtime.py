@@ -216,7 +216,8 @@ class ParallelRuntime:
     def _plan_memory(self, gm: fx.GraphModule, plan: Plan) -> MemoryPlan:
         checkpoint = self.memory.checkpoint
         budget = checkpoint if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
-        memory = plan_memory(estimate_memory(gm, plan), checkpoint, budget, strict=isinstance(checkpoint, int))
+        profile = estimate_memory(gm, plan, _DTYPES[self.memory.precision])
+        memory = plan_memory(profile, checkpoint, budget, strict=isinstance(checkpoint, int))
         if not memory.fits and self.mesh.rank == 0:
             log.warning("autopar: %s", memory.summary().replace("\n", "; "))
         return memory

@@ -36,7 +36,7 @@ log = logging.getLogger(__name__)
 
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
                kwargs: dict | None = None, repeat: bool = True, checkpoint: str | int = "auto",
-               budget: int | None = None) -> tuple[Plan, StepReport]:
+               budget: int | None = None, precision: str = "fp32") -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
 
     ``checkpoint`` is auto_parallelize's option; ``budget`` (bytes per device) replaces the device's
@@ -47,7 +47,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     plans in seconds instead of exporting 80 layers. If the cut model does not capture, or its two
     last blocks are not planned alike, the whole model is captured instead.
     """
-    MemoryConfig(checkpoint)  # validates
+    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[MemoryConfig(checkpoint, precision).precision]
     if isinstance(checkpoint, int):
         budget = checkpoint
     elif budget is None:
@@ -58,7 +58,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     if lists:
         try:
             with truncated_blocks(shadow, lists):
-                found = _plan_captured(shadow, inputs, kwargs, config, rank)
+                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
@@ -70,12 +70,12 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             report = repeat_report(report, full, repeats)
             profile = repeat_memory(profile, full, repeats)
             return dataclasses.replace(full, memory=plan_memory(profile, checkpoint, budget)), report
-    plan, report, profile = _plan_captured(shadow, inputs, kwargs, config, rank)
+    plan, report, profile = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
     return dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget)), report
 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
-                   rank: int) -> tuple[Plan, StepReport, MemoryProfile]:
+                   rank: int, dtype: torch.dtype | None = None) -> tuple[Plan, StepReport, MemoryProfile]:
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
     split, batch = split_batch_leaves(leaves, config.num_batch_shards)
     sizes = config.batch_sizes(batch) if split else ()
@@ -85,7 +85,7 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     index = config.batch_index(rank) if split else 0
     mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
                                                       requires_grad=requires_grad)
-    return plan, estimate_step(mine.gm, plan), estimate_memory(canonical.gm, plan)
+    return plan, estimate_step(mine.gm, plan), estimate_memory(canonical.gm, plan, dtype)
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -240,6 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--checkpoint", default="auto", choices=("auto", "none", "full"),
                         help="activation checkpointing policy, as auto_parallelize's checkpoint= (default auto)")
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="compute dtype, as auto_parallelize's precision= (activations in the memory plan)")
     parser.add_argument("--memory-per-device", type=_parse_bytes, default=None, metavar="SIZE",
                         help="memory budget per device for --checkpoint auto, e.g. 80GB, 80GiB or 2e9 "
                              "(default: this machine's memory shared by the ranks)")
@@ -257,7 +259,8 @@ def main(argv: list[str] | None = None) -> int:
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
         batch_size = leaves[0].shape[0] if leaves else 0
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
-                                  checkpoint=args.checkpoint, budget=args.memory_per_device)
+                                  checkpoint=args.checkpoint, budget=args.memory_per_device,
+                                  precision=args.precision)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -43,6 +43,10 @@ from passes.analysis.make_plan import layouts_for
 from passes.ir import InputKind, Sharding, input_info
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_LOWER_PRECISION = frozenset({
+    torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
+    torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, _SDPA,
+})
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -126,12 +130,38 @@ def _meta_inputs(gm: fx.GraphModule) -> list[Any]:
 class _Recorder(fx.Interpreter):
     """Runs the graph on meta tensors; remembers which node produced each storage and who saved what."""
 
-    def __init__(self, gm: fx.GraphModule) -> None:
+    def __init__(self, gm: fx.GraphModule, dtype: torch.dtype | None = None,
+                 shard_saving: frozenset[fx.Node] = frozenset()) -> None:
         super().__init__(gm)
+        self.dtype, self.shard_saving = dtype, shard_saving
         self.producer: dict[int, fx.Node] = {}
         self.saved: list[tuple[fx.Node, int, int, torch.Tensor]] = []  # (saver, storage, bytes, tensor)
         self.current: fx.Node | None = None
+        self.largest: dict[fx.Node, int] = {}
+        """Bytes of each node's largest output, in the dtype it ran in."""
         self._alive: list[torch.Tensor] = []  # keeps storages (and their keys) alive
+
+    def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
+        args, kwargs = super().fetch_args_kwargs_from_env(n)
+        if self.dtype is not None and n.target in _LOWER_PRECISION:
+            # What autocast does to matmuls and attention (CPU and CUDA alike): a cast copy goes in,
+            # and that copy is what backward keeps. Other ops follow type promotion, as under autocast.
+            # 3D-sharded matmuls keep the fp32 shard, not a cast copy: their copies count as the parameter.
+            params = {id(self.env[a]): a for a in n.all_input_nodes
+                      if n in self.shard_saving and param_name(a) is not None}
+
+            def cast(t: torch.Tensor) -> torch.Tensor:
+                if not t.is_floating_point():
+                    return t
+                out = t.to(self.dtype)
+                source = params.get(id(t), self.producer.get(_storage_key(t)))
+                if source is not None and (id(t) in params or param_name(source) is None):
+                    # A cast copy is laid out as its source. Weights of other matmuls are cast and kept
+                    # by autocast itself: left without a producer, they count in the matmul's layout.
+                    self.producer[_storage_key(out)] = source
+                return out
+            args, kwargs = pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+        return args, kwargs
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
@@ -143,6 +173,7 @@ class _Recorder(fx.Interpreter):
             if isinstance(t, torch.Tensor):
                 self.producer.setdefault(_storage_key(t), n)
                 self._alive.append(t)
+                self.largest[n] = max(self.largest.get(n, 0), t.numel() * t.element_size())
         return out
 
     def _attention(self, n: fx.Node) -> Any:
@@ -166,13 +197,17 @@ class _Recorder(fx.Interpreter):
         return t
 
 
-def estimate_memory(gm: fx.GraphModule, plan: Plan) -> MemoryProfile:
-    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``."""
+def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype | None = None) -> MemoryProfile:
+    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``.
+
+    ``compute_dtype`` (bf16/fp16 precision) casts the inputs of matmuls and attention, as autocast does.
+    """
     config = plan.config
     sizes = {"row": config.row, "col": config.col}
     res, by_node = layouts_for(gm, plan)
     seg_of = segment_names(gm)
-    rec = _Recorder(gm)
+    three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
+    rec = _Recorder(gm, compute_dtype, three_d)
     with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
         rec.run(*_meta_inputs(gm))
     params = {node for node in gm.graph.nodes if param_name(node) is not None}
@@ -200,10 +235,8 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan) -> MemoryProfile:
     flops = dict.fromkeys(order, Fraction(0))
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     for node, seg in seg_of.items():
-        t = tensor_meta(node)
-        if t is not None:
-            local = t.numel() * t.element_size() * _fraction(res.sharding(node), sizes)
-            peak[seg] = max(peak[seg], 2 * local)
+        if node in rec.largest:
+            peak[seg] = max(peak[seg], 2 * rec.largest[node] * _fraction(res.sharding(node), sizes))
         for arg in node.all_input_nodes:
             # Inputs made further back (masks, rotary tables) are shared by every block; they are
             # kept once, by their first saver, and not counted again here.

@@ -16,14 +16,15 @@ from tests import zoo_helpers as Z
 LAYERS = 4
 
 
-def _memory(name: str, tensor: tuple[int, int, int], data: int, batch: int, seq: int, layers: int):
+def _memory(name: str, tensor: tuple[int, int, int], data: int, batch: int, seq: int, layers: int,
+            precision: str = "fp32"):
     """The plan's memory for 'none' and 'full' (what the budgets of the tests sit between)."""
     with torch.device("meta"):
         model = zoo.build_model(name, layers=layers)
     config = ParallelConfig(data, *tensor)
     args, kwargs = zoo.example_inputs(name, batch, seq), zoo.example_kwargs(name, batch, seq)
-    none = plan_model(model, args, config, kwargs=kwargs, checkpoint="none")[0].memory
-    full = plan_model(model, args, config, kwargs=kwargs, checkpoint="full")[0].memory
+    none = plan_model(model, args, config, kwargs=kwargs, checkpoint="none", precision=precision)[0].memory
+    full = plan_model(model, args, config, kwargs=kwargs, checkpoint="full", precision=precision)[0].memory
     return none, full
 
 
@@ -51,7 +52,7 @@ def test_gradients_with_checkpointing_equal_serial_for_every_policy(name, tensor
 
 
 def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int, seq: int,
-             layers: int) -> list[tuple[int, int]]:
+             layers: int, precision: str = "fp32") -> list[tuple[int, int]]:
     """Per budget: (measured activation peak, predicted) for one step on this rank."""
     import autopar
     from autopar.memory import LiveBytes
@@ -61,7 +62,7 @@ def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int,
     out = []
     for budget in budgets:
         torch.manual_seed(0)
-        with autopar.auto_parallelize(tensor=tensor, checkpoint=budget):
+        with autopar.auto_parallelize(tensor=tensor, checkpoint=budget, precision=precision):
             model = zoo.build_model(name, layers=layers)
         model(*args)  # compiles and shards outside the measurement
         with LiveBytes() as live:
@@ -73,12 +74,13 @@ def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int,
 
 
 @pytest.mark.slow
-def test_measured_activation_peak_matches_prediction_and_stays_in_budget(distributed):
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_measured_activation_peak_matches_prediction_and_stays_in_budget(precision, distributed):
     name, tensor, batch, seq, layers = "llama", (2, 1, 1), 8, 64, 6
-    none, full = _memory(name, tensor, 1, batch, seq, layers)
+    none, full = _memory(name, tensor, 1, batch, seq, layers, precision)
     fractions = (0.3, 0.5, 0.7, 0.85, 1.0)
     budgets = [none.static_bytes + max(int(f * none.activation_bytes), full.activation_bytes) for f in fractions]
-    results = distributed(_measure, 2, name, tensor, budgets, batch, seq, layers)
+    results = distributed(_measure, 2, name, tensor, budgets, batch, seq, layers, precision)
     counts = []
     for per_rank in results:
         for budget, (measured, memory) in zip(budgets, per_rank, strict=True):

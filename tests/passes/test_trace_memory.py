@@ -30,3 +30,18 @@ def test_llama_70b_on_8_ranks_does_not_fit_80gb_with_fp32_adam(capsys):
                  "--memory-per-device", "80GB"]) == 0
     out = capsys.readouterr().out
     assert "DOES NOT FIT" in out and "recomputed in backward: 80/80 blocks" in out
+
+
+def test_bf16_halves_what_matmuls_and_attention_keep():
+    import torch
+
+    from autopar.config import ParallelConfig
+    from autopar.trace import plan_model
+
+    with torch.device("meta"):
+        model = zoo.build_model("llama", layers=4)
+    args = zoo.example_inputs("llama", batch=8, seq=64)
+    fp32, bf16 = (plan_model(model, args, ParallelConfig(1, 2, 1, 1), checkpoint="none", precision=p)[0].memory
+                  for p in ("fp32", "bf16"))
+    assert 0.5 * fp32.activation_bytes < bf16.activation_bytes < 0.8 * fp32.activation_bytes
+    assert bf16.static_bytes == fp32.static_bytes  # fp32 master weights, gradients and Adam moments
