@@ -328,6 +328,8 @@ class MemoryPlan:
     """Forward + backward matmul FLOPs of one step without recomputation, this rank."""
     fits: bool = True
     """False when even recomputing every block exceeds the budget (then every block is recomputed)."""
+    headroom_bytes: int = 0
+    """Kept free under a budget: one largest tensor, for transients the prediction does not see."""
 
     @property
     def static_bytes(self) -> int:

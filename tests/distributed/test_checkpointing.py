@@ -79,7 +79,8 @@ def test_measured_activation_peak_matches_prediction_and_stays_in_budget(precisi
     name, tensor, batch, seq, layers = "llama", (2, 1, 1), 8, 64, 6
     none, full = _memory(name, tensor, 1, batch, seq, layers, precision)
     fractions = (0.3, 0.5, 0.7, 0.85, 1.0)
-    budgets = [none.static_bytes + max(int(f * none.activation_bytes), full.activation_bytes) for f in fractions]
+    lowest = full.activation_bytes + full.headroom_bytes
+    budgets = [none.static_bytes + max(int(f * none.activation_bytes), lowest) for f in fractions]
     results = distributed(_measure, 2, name, tensor, budgets, batch, seq, layers, precision)
     counts = []
     for per_rank in results:
@@ -88,7 +89,9 @@ def test_measured_activation_peak_matches_prediction_and_stays_in_budget(precisi
             assert abs(predicted - measured) <= 0.10 * measured, (budget, measured, predicted, memory.recompute)
             assert measured <= budget - memory.static_bytes, (budget, measured, memory.static_bytes)
             counts.append(len(memory.recompute))
-    assert counts[0] == layers and counts[len(fractions) - 1] == 0  # the sweep spans full to none
+    per_rank = counts[:len(fractions)]
+    assert per_rank[0] == layers and per_rank[-1] <= 1  # the sweep spans full to (almost) none
+    assert per_rank == sorted(per_rank, reverse=True)
 
 
 class _SelfCheckpointed(nn.Module):
