@@ -135,7 +135,11 @@ class _Recorder(fx.Interpreter):
         super().__init__(gm)
         self.dtype, self.shard_saving = dtype, shard_saving
         self.producer: dict[int, fx.Node] = {}
-        self.saved: list[tuple[fx.Node, int, int, torch.Tensor]] = []  # (saver, storage, bytes, tensor)
+        self.saved: list[tuple[fx.Node, int, int, fx.Node | None]] = []
+        """(saver, storage, bytes, the saver's input node holding that storage, if any)."""
+        self._read: dict[int, fx.Node] = {}  # storages of the current node's inputs -> input node
+        self.layout_source: dict[int, fx.Node] = {}
+        """Copies an op makes of an input (autocast casts, SDPA's additive mask): laid out as that input."""
         self.current: fx.Node | None = None
         self.largest: dict[fx.Node, int] = {}
         """Bytes of each node's largest output, in the dtype it ran in."""
@@ -154,17 +158,24 @@ class _Recorder(fx.Interpreter):
                 if not t.is_floating_point():
                     return t
                 out = t.to(self.dtype)
-                source = params.get(id(t), self.producer.get(_storage_key(t)))
-                if source is not None and (id(t) in params or param_name(source) is None):
+                self._alive.append(out)  # its storage key must not be reused by a later tensor
+                if id(t) in params:
+                    self.producer[_storage_key(out)] = params[id(t)]
+                elif (source := self._read.get(_storage_key(t))) is not None and param_name(source) is None:
                     # A cast copy is laid out as its source. Weights of other matmuls are cast and kept
-                    # by autocast itself: left without a producer, they count in the matmul's layout.
-                    self.producer[_storage_key(out)] = source
+                    # by autocast itself: they count in the matmul's layout.
+                    self.layout_source[_storage_key(out)] = source
                 return out
             args, kwargs = pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
         return args, kwargs
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
+        self._read = {}
+        for a in n.all_input_nodes:
+            for t in pytree.tree_leaves(self.env.get(a)):
+                if isinstance(t, torch.Tensor):
+                    self._read.setdefault(_storage_key(t), a)
         if n.target is _SDPA:
             out = self._attention(n)
         else:
@@ -185,7 +196,11 @@ class _Recorder(fx.Interpreter):
         if params.get("enable_gqa") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
             return super().run_node(n)  # the math path runs for these on CPU too
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
+            source = self._read.get(_storage_key(mask))
             mask = mask.to(args[0].dtype)  # the kernel turns a boolean mask into an additive one, and keeps it
+            self._alive.append(mask)
+            if source is not None:  # laid out as the mask (not split by heads)
+                self.layout_source[_storage_key(mask)] = source
         out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *args[:3], params.get("dropout_p", 0.0), params.get("is_causal", False),
             attn_mask=mask, scale=params.get("scale"))
@@ -193,7 +208,8 @@ class _Recorder(fx.Interpreter):
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         if self.current is not None and self.current.op == "call_function":
-            self.saved.append((self.current, _storage_key(t), t.untyped_storage().nbytes(), t))
+            key = _storage_key(t)
+            self.saved.append((self.current, key, t.untyped_storage().nbytes(), self._read.get(key)))
         return t
 
 
@@ -217,15 +233,18 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     saved = dict.fromkeys(order, Fraction(0))
     inputs = dict.fromkeys(order, Fraction(0))
     counted: set[int] = set()
-    for saver, key, nbytes, _ in rec.saved:
+    for saver, key, nbytes, via in rec.saved:
         producer = rec.producer.get(key)
         if key in counted or producer in params:
             continue  # parameters are not activations
         counted.add(key)
-        if producer is None:  # made inside the op (SDPA's additive mask, its log-sum-exp)
-            sharding = res.sharding(saver)
-        else:
-            sharding = res.conversions.get((saver, producer), res.sharding(producer))
+        if producer is None:  # made inside the op: a copy of an input, or new (SDPA's log-sum-exp)
+            source = rec.layout_source.get(key)
+            sharding = (res.conversions.get((saver, source), res.sharding(source)) if source is not None
+                        else res.sharding(saver))
+        else:  # a conversion before the saver keeps the tensor in the saver's layout
+            read = via if via is not None else producer
+            sharding = res.conversions.get((saver, read), res.sharding(read))
         seg = seg_of.get(saver, order[1])
         if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
             seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
@@ -244,6 +263,12 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                     and (val := tensor_meta(arg)) is not None):
                 read[seg].add(arg)
                 inputs[seg] += val.numel() * val.element_size() * _fraction(res.sharding(arg), sizes)
+        for arg in node.all_input_nodes:
+            dst = res.conversions.get((node, arg))
+            if dst is not None and not res.sharding(arg).is_replicated and arg in rec.largest:
+                # A gather before this op builds the whole tensor (and its gradient in backward).
+                peak[seg] = max(peak[seg], 2 * rec.largest[arg] * _fraction(dst, sizes)
+                                + rec.largest[arg] * _fraction(res.sharding(arg), sizes))
         m = by_node.get(node)
         if m is not None:
             o = plan.matmul(m.weight).orientation

@@ -75,8 +75,9 @@ def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_measured_activation_peak_matches_prediction_and_stays_in_budget(precision, distributed):
-    name, tensor, batch, seq, layers = "llama", (2, 1, 1), 8, 64, 6
+@pytest.mark.parametrize("name,tensor", [("llama", (2, 1, 1)), ("gpt2", (1, 2, 1))])
+def test_measured_activation_peak_matches_prediction_and_stays_in_budget(name, tensor, precision, distributed):
+    batch, seq, layers = 8, 64, 6
     none, full = _memory(name, tensor, 1, batch, seq, layers, precision)
     fractions = (0.3, 0.5, 0.7, 0.85, 1.0)
     lowest = full.activation_bytes + full.headroom_bytes

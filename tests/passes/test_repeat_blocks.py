@@ -78,11 +78,13 @@ def test_llama_70b_plans_with_copied_blocks_and_an_exact_parameter_count():
     assert len(model.model.layers) == 80
 
 
-def test_copied_blocks_give_the_memory_plan_of_a_full_capture():
+@pytest.mark.parametrize("name,precision", [("llama", "fp32"), ("gpt2", "bf16")])
+def test_copied_blocks_give_the_memory_plan_of_a_full_capture(name, precision):
     with torch.device("meta"):
-        model = zoo.build_model("llama", layers=6)
-    args = zoo.example_inputs("llama")
-    for checkpoint in ("none", "full", 10**6 + 2**17):
-        plan = plan_model(model, args, ParallelConfig(1, 2, 1, 1), checkpoint=checkpoint)[0]
-        full = plan_model(model, args, ParallelConfig(1, 2, 1, 1), checkpoint=checkpoint, repeat=False)[0]
+        model = zoo.build_model(name, layers=6)
+    args = zoo.example_inputs(name, batch=8, seq=64)
+    for checkpoint in ("none", "full", 3 * 2**20):
+        kw = dict(checkpoint=checkpoint, precision=precision)
+        plan = plan_model(model, args, ParallelConfig(1, 1, 2, 1), **kw)[0]
+        full = plan_model(model, args, ParallelConfig(1, 1, 2, 1), repeat=False, **kw)[0]
         assert plan.memory == full.memory and plan.memory is not None
