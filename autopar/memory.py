@@ -129,3 +129,8 @@ def device_budget(device: torch.device, ranks: int) -> int:
         return torch.cuda.get_device_properties(device).total_memory
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(local, 1)
+
+
+def half_dtype(precision: str) -> torch.dtype | None:
+    """The autocast dtype of a MemoryConfig precision: None for fp32."""
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]

@@ -22,7 +22,7 @@ from autopar import collectives as C
 from autopar.capture import Captured, cache_outputs, capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CaptureError, PlanError, StateDictError
-from autopar.memory import device_budget
+from autopar.memory import device_budget, half_dtype
 from autopar.mesh import Mesh
 from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
                          join_pieces, scatter_batch, take_pieces)
@@ -108,7 +108,7 @@ class ParallelRuntime:
                 flat.append(exe.constants[target])
             else:
                 flat.append(local[int(target)])
-        dtype = _DTYPES[self.memory.precision]
+        dtype = half_dtype(self.memory.precision)
         if dtype is None:
             out = exe.gm(*flat)
         else:
@@ -216,7 +216,7 @@ class ParallelRuntime:
     def _plan_memory(self, gm: fx.GraphModule, plan: Plan) -> MemoryPlan:
         checkpoint = self.memory.checkpoint
         budget = checkpoint if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
-        profile = estimate_memory(gm, plan, _DTYPES[self.memory.precision])
+        profile = estimate_memory(gm, plan, half_dtype(self.memory.precision))
         memory = plan_memory(profile, checkpoint, budget, strict=isinstance(checkpoint, int))
         if not memory.fits and self.mesh.rank == 0:
             log.warning("autopar: %s", memory.summary().replace("\n", "; "))
@@ -254,7 +254,7 @@ class ParallelRuntime:
     def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False) -> None:
         """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
         mesh, device = self.mesh, self.mesh.device
-        reduce = _DTYPES[self.memory.reduce_dtype]
+        reduce = half_dtype(self.memory.reduce_dtype)
         makers = {  # marker -> implementation, from the marker's last argument (its spec)
             sharded_matmul: lambda spec: MatmulOp(spec, mesh, reduce).__call__,
             convert_layout: lambda spec: ConvertOp(spec, mesh).__call__,
@@ -293,7 +293,7 @@ class ParallelRuntime:
             axis, size = self.mesh.grad_group(pp.grad_axes)
             if p.requires_grad and size > 1:
                 self._hooks.append(p.register_hook(functools.partial(_sync_grad, self.mesh, axis,
-                                                                     _DTYPES[self.memory.reduce_dtype])))
+                                                                     half_dtype(self.memory.reduce_dtype))))
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())
@@ -379,9 +379,6 @@ class ParallelRuntime:
                 raise StateDictError(
                     f"state dict entry {key!r} has shape {tuple(t.shape)}; expected the serial shape "
                     f"{pp.shape} (or this rank's shard {local_shape}). Load the serial model's state dict.")
-
-
-_DTYPES = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:

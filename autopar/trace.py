@@ -23,7 +23,7 @@ from torch import nn
 
 from autopar.capture import capture_shard, meta_shadow, repeated_blocks, split_batch_leaves, truncated_blocks
 from autopar.config import MemoryConfig, ParallelConfig, Plan
-from autopar.memory import device_budget
+from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
 from passes.analysis.choose_checkpoints import plan_memory
@@ -47,7 +47,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     plans in seconds instead of exporting 80 layers. If the cut model does not capture, or its two
     last blocks are not planned alike, the whole model is captured instead.
     """
-    dtype = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[MemoryConfig(checkpoint, precision).precision]
+    dtype = half_dtype(MemoryConfig(checkpoint, precision).precision)
     if isinstance(checkpoint, int):
         budget = checkpoint
     elif budget is None:
