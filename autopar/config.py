@@ -357,6 +357,10 @@ class MemoryPlan:
         return "\n".join(lines)
 
 
+def _seconds(x: float) -> str:
+    return f"{x * 1e3:.3f} ms" if x >= 1e-3 else f"{x * 1e6:.3f} us"
+
+
 def _ranges(names: tuple[str, ...]) -> str:
     """``a.0, a.1, a.2, a.5`` -> ``a.0-2, a.5``."""
     out: list[list] = []
@@ -366,7 +370,39 @@ def _ranges(names: tuple[str, ...]) -> str:
             out[-1][2] = int(index)
         else:
             out.append([head, int(index) if index.isdigit() else index, int(index) if index.isdigit() else index])
-    return ", ".join(f"{h}.{a}" + (f"-{b}" if b != a else "") for h, a, b in out)
+    return ", ".join((f"{h}.{a}" if h else f"{a}") + (f"-{b}" if b != a else "") for h, a, b in out)
+
+
+@dataclass(frozen=True, slots=True)
+class StagePlan:
+    segments: tuple[str, ...]
+    """Blocks (module FQNs) and ``<outside>#k`` runs, in order."""
+    seconds: float
+    """Predicted time of one micro-batch's forward + backward on this stage."""
+    param_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PipelinePlan:
+    """Pipeline stages chosen by cost (passes/analysis/choose_stages.py); planned, not yet run."""
+
+    stages: tuple[StagePlan, ...]
+    bottleneck_seconds: float
+    lower_bound_seconds: float
+    """No partition can beat this (average stage, or the largest block)."""
+    num_microbatches: int
+    bubble_fraction: float
+
+    def summary(self) -> str:
+        mib = 2.0 ** 20
+        lines = [f"pipeline: {len(self.stages)} stages, {self.num_microbatches} micro-batches; bottleneck "
+                 f"{_seconds(self.bottleneck_seconds)} per micro-batch "
+                 f"({self.bottleneck_seconds / self.lower_bound_seconds:.3f}x the lower bound), predicted "
+                 f"bubble {self.bubble_fraction:.1%} (1F1B)"]
+        for k, st in enumerate(self.stages):
+            lines.append(f"  stage {k}: {_ranges(st.segments)}  {_seconds(st.seconds)}, "
+                         f"parameters {st.param_bytes / mib:,.1f} MiB")
+        return "\n".join(lines)
 
 
 @dataclass(frozen=True, slots=True)
@@ -379,6 +415,7 @@ class Plan:
     notes: tuple[str, ...] = ()
     embeddings: tuple[EmbeddingPlan, ...] = ()
     memory: MemoryPlan | None = None
+    pipeline: PipelinePlan | None = None
     _by_weight: dict[str, MatmulPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_param: dict[str, ParamPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_table: dict[str, EmbeddingPlan] = field(default_factory=dict, compare=False, repr=False)

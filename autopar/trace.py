@@ -27,8 +27,10 @@ from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
 from passes.analysis.choose_checkpoints import plan_memory
+from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import MemoryProfile, estimate_memory
-from passes.analysis.repeat_blocks import Repeat, repeat_memory, repeat_plan, repeat_report, template_holds
+from passes.analysis.repeat_blocks import (Repeat, repeat_chain, repeat_memory, repeat_plan, repeat_report,
+                                          template_holds)
 from passes.analysis.report import StepReport, estimate_step
 
 log = logging.getLogger(__name__)
@@ -36,10 +38,13 @@ log = logging.getLogger(__name__)
 
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
                kwargs: dict | None = None, repeat: bool = True, checkpoint: str | int = "auto",
-               budget: int | None = None, precision: str = "fp32") -> tuple[Plan, StepReport]:
+               budget: int | None = None, precision: str = "fp32", pipeline: int = 1,
+               microbatches: int = 1) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
 
-    ``checkpoint`` is auto_parallelize's option; ``budget`` (bytes per device) replaces the device's
+    ``pipeline`` > 1 adds the stages a pipeline of that many ranks would use, for ``microbatches``
+    micro-batches of this batch (the runtime does not run pipelines yet). ``checkpoint`` is
+    auto_parallelize's option; ``budget`` (bytes per device) replaces the device's
     memory for "auto" (default: this machine's memory shared by the ranks, as on CPU).
 
     With ``repeat``, a ModuleList of alike blocks (a transformer's layers) is captured with three of
@@ -63,19 +68,29 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
     if found is not None:
-        plan, report, profile = found
+        plan, report, profile, chain = found
         repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
-        if all(template_holds(plan, report, r, profile) for r in repeats):
+        if all(template_holds(plan, report, r, profile, chain) for r in repeats):
             full = repeat_plan(plan, repeats)
-            report = repeat_report(report, full, repeats)
-            profile = repeat_memory(profile, full, repeats)
-            return dataclasses.replace(full, memory=plan_memory(profile, checkpoint, budget)), report
-    plan, report, profile = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
-    return dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget)), report
+            return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
+                           repeat_chain(chain, repeats), checkpoint, budget, pipeline, microbatches)
+    plan, report, profile, chain = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
+    return _finish(plan, report, profile, chain, checkpoint, budget, pipeline, microbatches)
+
+
+def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
+            checkpoint: str | int, budget: int | None, pipeline: int, microbatches: int) -> tuple[Plan, StepReport]:
+    plan = dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget))
+    if pipeline > 1:  # times scale with rows: one micro-batch is 1/microbatches of the captured batch
+        per_micro = [dataclasses.replace(s, seconds=s.seconds / microbatches, cut_seconds=s.cut_seconds / microbatches)
+                     for s in chain]
+        plan = dataclasses.replace(plan, pipeline=plan_pipeline(per_micro, pipeline, microbatches))
+    return plan, report
 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
-                   rank: int, dtype: torch.dtype | None = None) -> tuple[Plan, StepReport, MemoryProfile]:
+                   rank: int, dtype: torch.dtype | None = None
+                   ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...]]:
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
     split, batch = split_batch_leaves(leaves, config.num_batch_shards)
     sizes = config.batch_sizes(batch) if split else ()
@@ -85,7 +100,9 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     index = config.batch_index(rank) if split else 0
     mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
                                                       requires_grad=requires_grad)
-    return plan, estimate_step(mine.gm, plan), estimate_memory(canonical.gm, plan, dtype)
+    report = estimate_step(mine.gm, plan)
+    chain = pipeline_chain(mine.gm, plan, report.collectives)
+    return plan, report, estimate_memory(canonical.gm, plan, dtype), chain
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -179,6 +196,8 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
         lines.append(f"not sharded: {flops / report.flops_per_step:.1%} of matmul FLOPs: {reason}")
     if plan.memory is not None:
         lines += plan.memory.summary().splitlines()
+    if plan.pipeline is not None:
+        lines += plan.pipeline.summary().splitlines()
     lines += [f"note: {n}" for n in plan.notes]
     return "\n".join(lines)
 
@@ -238,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: example_inputs')")
     parser.add_argument("--rank", type=int, default=0, help="the rank whose bytes and shapes are shown")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
+    parser.add_argument("--pipeline", type=int, default=1, metavar="P",
+                        help="also plan P pipeline stages by cost (planning only; the runtime does not run "
+                             "pipelines yet)")
+    parser.add_argument("--microbatches", type=int, default=None, metavar="M",
+                        help="micro-batches per step for --pipeline (default: 4 x P)")
     parser.add_argument("--checkpoint", default="auto", choices=("auto", "none", "full"),
                         help="activation checkpointing policy, as auto_parallelize's checkpoint= (default auto)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
@@ -260,7 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         batch_size = leaves[0].shape[0] if leaves else 0
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
                                   checkpoint=args.checkpoint, budget=args.memory_per_device,
-                                  precision=args.precision)
+                                  precision=args.precision, pipeline=args.pipeline,
+                                  microbatches=args.microbatches or 4 * args.pipeline)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

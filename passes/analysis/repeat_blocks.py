@@ -19,6 +19,7 @@ from typing import Sequence, TypeVar
 
 from autopar.config import Plan
 from passes.analysis.make_plan import replicated_notes
+from passes.analysis.choose_stages import ChainSegment
 from passes.analysis.estimate_memory import MemoryProfile, static_memory
 from passes.analysis.report import StepReport, summarize
 
@@ -59,6 +60,7 @@ _NAME_FIELDS: dict[str, tuple[str, ...]] = {
     "LayerRow": ("weight", "module", "bias"),
     "Collective": ("where",),
     "SegmentCost": ("name",),
+    "ChainSegment": ("name",),
 }
 
 
@@ -95,11 +97,13 @@ def _extend(records: Sequence[T], repeat: Repeat) -> tuple[T, ...]:
     return tuple(out)
 
 
-def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: MemoryProfile | None = None) -> bool:
+def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: MemoryProfile | None = None,
+                   chain: Sequence[ChainSegment] = ()) -> bool:
     """Whether the block before the template, renamed, matches the template in every decision and cost."""
     prev, tmpl = repeat.template - 1, repeat.template
     segments = profile.segments if profile is not None else ()
-    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives, segments):
+    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives, segments,
+                    tuple(chain)):
         if not records:
             continue
         before = [_renamed(r, repeat, prev, tmpl) for r in _block(records, repeat, prev)]
@@ -128,6 +132,13 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
     return summarize(rows, colls, num_parameters, full_plan)
+
+
+def repeat_chain(chain: Sequence[ChainSegment], repeats: Sequence[Repeat]) -> tuple[ChainSegment, ...]:
+    out = tuple(chain)
+    for r in repeats:
+        out = _extend(out, r)
+    return out
 
 
 def repeat_memory(profile: MemoryProfile, full_plan: Plan, repeats: Sequence[Repeat]) -> MemoryProfile:

@@ -1,0 +1,175 @@
+"""choose_stages: cut the chain of segments into pipeline stages with the smallest bottleneck, exactly.
+
+The chain is estimate_memory's segments (blocks of a ModuleList and the runs of nodes between them).
+A stage is a contiguous run ``[i, j)``; its time is its segments' compute and tensor-parallel
+communication plus the transfers at its two cuts (activations forward, their gradients backward):
+
+    time(i, j) = S[j] - S[i] + cut[i - 1] + cut[j - 1]        (cut[-1] = cut[n - 1] = 0)
+
+Minimizing the largest stage time over P stages is a dynamic program over (stages used, segments
+covered); ``time`` separates into a term of ``i`` and a term of ``j``, so each step is one vectorized
+min-max over an ``n x n`` table: 1,000 segments and 8 stages take milliseconds.
+
+``Hardware`` holds the rates that turn FLOPs and bytes into seconds. Only their ratios matter to the
+choice; the defaults are one H100-class GPU per rank (documented on the fields).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+from torch import fx
+
+from autopar.config import PipelinePlan, Plan, StagePlan
+from autopar.errors import PlanError
+from passes.analysis.estimate_costs import Collective
+from passes.analysis.estimate_memory import _fraction, segment_names
+from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
+from passes.analysis.make_plan import layouts_for
+
+
+@dataclass(frozen=True, slots=True)
+class Hardware:
+    flops_per_second: float = 400e12
+    """Sustained matmul rate per rank (about 40% of an H100's dense bf16 peak)."""
+    tensor_bytes_per_second: float = 200e9
+    """Per-rank bandwidth of tensor-parallel collectives (NVLink within a node)."""
+    pipeline_bytes_per_second: float = 25e9
+    """Point-to-point bandwidth between pipeline stages (a 200 Gb/s inter-node link)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Stage:
+    first: int
+    """Index of the stage's first segment."""
+    stop: int
+    """One past its last segment."""
+    seconds: float
+
+
+def stage_seconds(costs: Sequence[float], cuts: Sequence[float], first: int, stop: int) -> float:
+    """time(first, stop) of the module docstring."""
+    inside = sum(costs[first:stop])
+    return inside + (cuts[first - 1] if first > 0 else 0.0) + (cuts[stop - 1] if stop < len(costs) else 0.0)
+
+
+def choose_stages(costs: Sequence[float], cuts: Sequence[float], num_stages: int) -> tuple[Stage, ...]:
+    """The partition of the chain into ``num_stages`` non-empty contiguous stages with the smallest
+    largest stage time (ties: the first found).
+
+    Args:
+        costs: seconds of each segment (forward + backward compute and tensor-parallel communication).
+        cuts: ``cuts[k]`` is the transfer time of a cut after segment k (len n - 1, or n with a 0 last).
+    """
+    n = len(costs)
+    if not 1 <= num_stages <= n:
+        raise PlanError(f"cannot cut {n} segments into {num_stages} pipeline stages. Use between 1 and {n} "
+                        "stages (a model with more layers can use more).")
+    cut = torch.zeros(n + 1, dtype=torch.float64)  # cut[k + 1]: after segment k; cut[0] = cut[n] = 0
+    cut[1:n] = torch.tensor([float(c) for c in list(cuts)[:n - 1]], dtype=torch.float64)
+    prefix = torch.zeros(n + 1, dtype=torch.float64)
+    prefix[1:] = torch.cumsum(torch.tensor([float(c) for c in costs], dtype=torch.float64), 0)
+    # time(i, j) = left[i] + right[j] for 0 <= i < j <= n
+    left = -prefix + cut  # cut before segment i is cut[i]
+    right = prefix + cut  # cut after segment j - 1 is cut[j]
+    table = left[:, None] + right[None, :]
+    table = table.masked_fill(~torch.ones(n + 1, n + 1, dtype=torch.bool).triu(1), float("inf"))
+    best = table[0].clone()  # best[j]: smallest bottleneck covering segments [0, j) with p stages
+    choice = []
+    for _ in range(num_stages - 1):
+        candidates = torch.maximum(best[:, None], table)  # (i, j): stages so far end at i, the next is [i, j)
+        best, arg = candidates.min(0)
+        choice.append(arg)
+    stops, j = [n], n
+    for arg in reversed(choice):
+        j = int(arg[j])
+        stops.append(j)
+    bounds = [0, *reversed(stops)]
+    return tuple(Stage(a, b, stage_seconds(costs, cuts, a, b)) for a, b in zip(bounds, bounds[1:]))
+
+
+def lower_bound(costs: Sequence[float], num_stages: int) -> float:
+    """No partition beats this: the average stage (without transfers), or the largest segment."""
+    return max(sum(costs) / num_stages, max(costs, default=0.0))
+
+
+def bubble_fraction(num_stages: int, num_microbatches: int, chunks_per_rank: int = 1) -> float:
+    """Idle share of a 1F1B or GPipe step, (p - 1) / (v m + p - 1) with v chunks per rank (interleaved)."""
+    p, m, v = num_stages, num_microbatches, chunks_per_rank
+    return (p - 1) / (v * m + p - 1)
+
+
+@dataclass(frozen=True, slots=True)
+class ChainSegment:
+    """One link of the chain a pipeline is cut from, with what a stage holding it pays."""
+
+    name: str
+    """Block FQN (``model.layers.3``) or ``<outside>#k``."""
+    seconds: float
+    """Forward + backward compute and tensor-parallel communication of one step, this rank."""
+    cut_seconds: float
+    """Sending the tensors that cross a cut after this segment (forward) and their gradients (backward)."""
+    param_bytes: int
+    """This rank's fp32 parameters used first by this segment."""
+
+
+def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collective],
+                   hardware: Hardware = Hardware()) -> tuple[ChainSegment, ...]:
+    """The chain of ``gm`` (captured for one micro-batch on this rank) with times under ``hardware``."""
+    config = plan.config
+    sizes = {"row": config.row, "col": config.col}
+    res, by_node = layouts_for(gm, plan)
+    seg_of = segment_names(gm)
+    order = list(dict.fromkeys(seg_of.values()))
+    index = {name: k for k, name in enumerate(order)}
+    flops = dict.fromkeys(order, 0.0)
+    of_module: dict[str, str] = {}
+    of_param: dict[str, str] = {}
+    for node, seg in seg_of.items():
+        of_module.setdefault(module_of(node), seg)
+        for a in node.all_input_nodes:
+            if (name := param_name(a)) is not None:
+                of_param.setdefault(name, seg)
+        m = by_node.get(node)
+        if m is not None:
+            o = plan.matmul(m.weight).orientation
+            flops[seg] += 3.0 * 2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features / (
+                config.size(o.in_axis) * config.size(o.out_axis))
+    comm = dict.fromkeys(order, 0.0)
+    for c in collectives:
+        if c.phase == "step":  # gradient sync runs once, after the last micro-batch
+            continue
+        seg = of_param.get(c.where) or of_module.get(c.where)
+        if seg is None:
+            seg = order[0] if c.where == "<input>" else order[-1]
+        comm[seg] += float(c.bytes)
+    crossing = [0.0] * len(order)  # bytes live across a cut after segment k
+    for node, seg in seg_of.items():
+        t = tensor_meta(node)
+        users = [index[seg_of[u]] for u in node.users if u in seg_of]
+        if t is None or not users:
+            continue
+        nbytes = t.numel() * t.element_size() * float(_fraction(res.sharding(node), sizes))
+        for k in range(index[seg], max(users)):
+            crossing[k] += nbytes
+    params = {p.name: p.local_numel(config) * 4 for p in plan.params}
+    held = dict.fromkeys(order, 0)
+    for name, nbytes in params.items():
+        held[of_param.get(name, order[0])] += nbytes
+    return tuple(ChainSegment(name, flops[name] / hardware.flops_per_second
+                              + comm[name] / hardware.tensor_bytes_per_second,
+                              2 * crossing[k] / hardware.pipeline_bytes_per_second, held[name])
+                 for k, name in enumerate(order))
+
+
+def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatches: int) -> PipelinePlan:
+    """Stages for ``chain`` (per-micro-batch times) and what the pipeline is predicted to cost."""
+    costs = [s.seconds for s in chain]
+    cuts = [s.cut_seconds for s in chain[:-1]]
+    stages = choose_stages(costs, cuts, num_stages)
+    plans = tuple(StagePlan(tuple(s.name for s in chain[st.first:st.stop]), st.seconds,
+                            sum(s.param_bytes for s in chain[st.first:st.stop])) for st in stages)
+    return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, num_stages), num_microbatches,
+                        bubble_fraction(num_stages, num_microbatches))

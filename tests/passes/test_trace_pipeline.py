@@ -1,0 +1,52 @@
+"""Pipeline stages planned by cost in the trace (planning only: the runtime does not run pipelines yet)."""
+
+from __future__ import annotations
+
+import torch
+
+from autopar.config import ParallelConfig
+from autopar.examples import zoo
+from autopar.trace import main, plan_model
+
+
+def _plan(name: str, pipeline: int, repeat: bool = True, layers: int = 8):
+    with torch.device("meta"):
+        model = zoo.build_model(name, layers=layers)
+    return plan_model(model, zoo.example_inputs(name, batch=8, seq=64), ParallelConfig(1, 2, 1, 1),
+                      pipeline=pipeline, microbatches=8, repeat=repeat)[0]
+
+
+def test_equal_blocks_split_evenly_and_every_segment_is_placed_once():
+    with torch.device("meta"):
+        model = zoo.build_model("llama-2-7b")
+    plan = plan_model(model, zoo.example_inputs("llama-2-7b", batch=8, seq=512), ParallelConfig(1, 2, 1, 1),
+                      pipeline=4, microbatches=8)[0]
+    stages = plan.pipeline.stages
+    names = [n for s in stages for n in s.segments]
+    assert names == list(dict.fromkeys(names)) and sum(n.startswith("model.layers.") for n in names) == 32
+    assert [sum(n.startswith("model.layers.") for n in s.segments) for s in stages] == [8, 8, 8, 8]
+    # The lower bound ignores transfers and the head: 1.09 here.
+    assert 1.0 <= plan.pipeline.bottleneck_seconds / plan.pipeline.lower_bound_seconds < 1.15
+    assert plan.pipeline.bubble_fraction == 3 / 11
+    total = sum(s.param_bytes for s in stages)
+    assert total == sum(p.local_numel(plan.config) * 4 for p in plan.params)
+
+
+def test_tiny_blocks_are_cut_where_transfers_are_cheapest():
+    # Tiny layers compute in nanoseconds; moving a hidden state takes microseconds. Interior stages pay
+    # two transfers, so they get the fewest blocks.
+    blocks = [sum(n.startswith("model.layers.") for n in s.segments) for s in _plan("llama", 4).pipeline.stages]
+    assert sum(blocks) == 8 and blocks[0] + blocks[-1] > blocks[1] + blocks[2]
+
+
+def test_copied_blocks_give_the_stages_of_a_full_capture():
+    a, b = _plan("gpt2", 3), _plan("gpt2", 3, repeat=False)
+    assert [s.segments for s in a.pipeline.stages] == [s.segments for s in b.pipeline.stages]
+    for x, y in zip(a.pipeline.stages, b.pipeline.stages):
+        assert abs(x.seconds - y.seconds) <= 1e-12 * y.seconds and x.param_bytes == y.param_bytes
+
+
+def test_trace_prints_the_stages(capsys):
+    assert main([f"{zoo.__file__}:llama", "--tensor", "2", "1", "1", "--pipeline", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "pipeline: 2 stages, 8 micro-batches" in out and "stage 1: model.layers.1, <outside>#1" in out
