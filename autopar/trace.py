@@ -70,7 +70,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     if found is not None:
         plan, report, profile, chain = found
         repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
-        if all(template_holds(plan, report, r, profile, chain) for r in repeats):
+        if all(template_holds(plan, report, r, profile) for r in repeats):
             full = repeat_plan(plan, repeats)
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
                            repeat_chain(chain, repeats), checkpoint, budget, pipeline, microbatches)

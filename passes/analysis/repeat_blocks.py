@@ -97,13 +97,11 @@ def _extend(records: Sequence[T], repeat: Repeat) -> tuple[T, ...]:
     return tuple(out)
 
 
-def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: MemoryProfile | None = None,
-                   chain: Sequence[ChainSegment] = ()) -> bool:
+def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: MemoryProfile | None = None) -> bool:
     """Whether the block before the template, renamed, matches the template in every decision and cost."""
     prev, tmpl = repeat.template - 1, repeat.template
     segments = profile.segments if profile is not None else ()
-    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives, segments,
-                    tuple(chain)):
+    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives, segments):
         if not records:
             continue
         before = [_renamed(r, repeat, prev, tmpl) for r in _block(records, repeat, prev)]
@@ -135,10 +133,19 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
 
 
 def repeat_chain(chain: Sequence[ChainSegment], repeats: Sequence[Repeat]) -> tuple[ChainSegment, ...]:
-    out = tuple(chain)
+    """The pipeline chain of the whole model. The cut after the last captured block is the cut after
+    the last real one (fewer tensors cross it: masks and rotary tables stay behind); the blocks in
+    between copy the block before it."""
+    out = list(chain)
     for r in repeats:
-        out = _extend(out, r)
-    return out
+        names = [x.name for x in out]
+        last = next(i for i, x in enumerate(out) if r.index_of(x.name) == r.template)
+        middle = out[names.index(next(n for n in names if r.index_of(n) == r.template - 1))]
+        copies = [dataclasses.replace(middle, name=r.rename(middle.name, r.template - 1, dst))
+                  for dst in range(r.template, r.count - 1)]
+        final = dataclasses.replace(out[last], name=r.rename(out[last].name, r.template, r.count - 1))
+        out[last:last + 1] = [*copies, final]
+    return tuple(out)
 
 
 def repeat_memory(profile: MemoryProfile, full_plan: Plan, repeats: Sequence[Repeat]) -> MemoryProfile:
