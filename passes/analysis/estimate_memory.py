@@ -20,7 +20,8 @@ Per segment:
 - ``saved_bytes``: tensors it keeps for backward, each storage counted at its first saver;
 - ``input_bytes``: what the segment before it produced and it reads: what a checkpoint adds to keep;
 - ``peak_bytes``: the largest tensor it produces, twice (a gradient and its input's gradient are
-  live at once in its backward): transient memory on top of what is kept;
+  live at once in its backward), or what a gather before one of its ops builds: transient memory
+  on top of what is kept;
 - ``flops``: forward FLOPs of its matmuls on this rank (what recomputing it costs).
 """
 
@@ -40,7 +41,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autopar.config import Plan
 from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
-from passes.ir import InputKind, Sharding, input_info
+from passes.ir import Sharding, input_info
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _LOWER_PRECISION = frozenset({
@@ -263,7 +264,6 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                     and (val := tensor_meta(arg)) is not None):
                 read[seg].add(arg)
                 inputs[seg] += val.numel() * val.element_size() * _fraction(res.sharding(arg), sizes)
-        for arg in node.all_input_nodes:
             dst = res.conversions.get((node, arg))
             if dst is not None and not res.sharding(arg).is_replicated and arg in rec.largest:
                 # A gather before this op builds the whole tensor (and its gradient in backward).
