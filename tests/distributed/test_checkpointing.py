@@ -132,3 +132,18 @@ def test_a_model_that_checkpoints_itself_still_matches_serial(distributed):
         assert abs(got - loss.item()) <= 1e-6 * abs(loss.item())
         for n, p in serial.named_parameters():
             assert torch.allclose(grads[n], p.grad, atol=1e-6, rtol=1e-5), n
+
+
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_every_zoo_model_matches_serial_with_every_block_recomputed(name, distributed):
+    batches = Z.batches(name)
+    losses, grads = Z.serial(name, batches)
+    scale = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
+    for r in distributed(Z.parallel, 2, name, batches, (2, 1, 1), 1, checkpoint="full"):
+        memory = r["plan"].memory
+        assert memory.recompute == memory.blocks and memory.blocks
+        for got, want in zip(r["losses"], losses, strict=True):
+            assert abs(got - want) <= 1e-5 * abs(want), (name, r["losses"], losses)
+        for k, want in grads.items():  # zero-in-exact-arithmetic gradients: see test_zoo.py
+            err = (r["grads"][k].double() - want.double()).norm().item()
+            assert err <= 1e-5 * (want.double().norm().item() + 1e-2 * scale), (name, k, err)
