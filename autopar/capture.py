@@ -93,6 +93,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
                            "autopar does not yet support in-place buffer updates (e.g. BatchNorm running stats); "
                            "use a model without them or put it in eval mode.")
     gm = ep.graph_module
+    _drop_export_asserts(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     user_leaves: list[int] = []
     for node, spec in zip(placeholders, sig.input_specs, strict=True):
@@ -113,6 +114,22 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         node.meta["autopar"] = info
     gm.meta["autopar_batch"] = batch
     return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants))
+
+
+def _drop_export_asserts(gm: fx.GraphModule) -> None:
+    """Removes export's dtype/device assertions (``x.to(torch.float32)`` in a model records one).
+
+    They check the capture's own metadata; under autocast (precision bf16/fp16) an input that was
+    float32 at capture is bf16 at run time, and the assertion would fail on a correct program.
+    """
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        dead = [n for n in sub.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
+        for n in dead:
+            sub.graph.erase_node(n)
+        if dead:
+            sub.recompile()
 
 
 @contextlib.contextmanager

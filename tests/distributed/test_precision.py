@@ -76,3 +76,14 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(distributed):
     results = distributed(_overflow_on_rank_0, 2)
     assert all(r["unchanged"] for r in results), results
     assert {r["scale"] for r in results} == {2.0**9}  # both halved their scale
+
+
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_every_zoo_model_trains_in_bf16(name, distributed):
+    # GPT-Neo casts q/k to float32 itself; export records a dtype assertion that autocast would trip.
+    data = Z.batches(name, steps=3)
+    want, _ = Z.serial(name, data)
+    for r in distributed(_train, 2, name, data, (2, 1, 1), "bf16"):
+        assert r["rounded"]
+        for got, ref in zip(r["losses"], want, strict=True):
+            assert abs(got - ref) <= LOSS_RTOL * abs(ref), (name, r["losses"], want)
