@@ -91,9 +91,12 @@ class LiveBytes(TorchDispatchMode):
         self._live: dict[int, tuple[StorageWeakRef, int, int]] = {}  # cdata -> (ref, bytes, event index)
         self.events: list[tuple[int, int]] = []
         """(storage cdata, +bytes at allocation / -bytes when found freed), in order."""
+        self.ops: set[Any] = set()
+        """Every ATen op that ran (which kernels a model took, e.g. fused or math attention)."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
+        self.ops.add(func)
         inputs = {StorageWeakRef(t.untyped_storage()).cdata for t in pytree.tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor)}
         for key, (ref, nbytes, _) in list(self._live.items()):

@@ -65,11 +65,19 @@ def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int,
         with autopar.auto_parallelize(tensor=tensor, checkpoint=budget, precision=precision):
             model = zoo.build_model(name, layers=layers)
         model(*args)  # compiles and shards outside the measurement
-        with LiveBytes() as live:
-            logits = zoo.logits_of(model(*args))
-            F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        out.append((live.peak_bytes(exclude=grads), autopar.plan_of(model).memory))
+        # gloo's worker threads drop their references to a collective's tensors a moment after the
+        # call returns, so a step now and then measures a buffer or three longer than the program
+        # holds it; the least of three identical steps is the program's own peak.
+        peaks, kernels = [], set()
+        for _ in range(3):
+            model.zero_grad(set_to_none=True)
+            with LiveBytes() as live:
+                logits = zoo.logits_of(model(*args))
+                F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            peaks.append(live.peak_bytes(exclude=grads))
+            kernels |= {str(f) for f in live.ops if "attention" in str(f) or "softmax" in str(f)}
+        out.append((min(peaks), autopar.plan_of(model).memory, (sorted(kernels), peaks)))
     return out
 
 
@@ -85,10 +93,10 @@ def test_measured_activation_peak_matches_prediction_and_stays_in_budget(name, t
     results = distributed(_measure, 2, name, tensor, budgets, batch, seq, layers, precision)
     counts = []
     for per_rank in results:
-        for budget, (measured, memory) in zip(budgets, per_rank, strict=True):
+        for budget, (measured, memory, kernels) in zip(budgets, per_rank, strict=True):
             predicted = memory.activation_bytes
-            assert abs(predicted - measured) <= 0.10 * measured, (budget, measured, predicted, memory.recompute)
-            assert measured <= budget - memory.static_bytes, (budget, measured, memory.static_bytes)
+            assert abs(predicted - measured) <= 0.10 * measured, (budget, measured, predicted, memory.recompute, kernels)
+            assert measured <= budget - memory.static_bytes, (budget, measured, memory.static_bytes, kernels)
             counts.append(len(memory.recompute))
     per_rank = counts[:len(fractions)]
     assert per_rank[0] == layers and per_rank[-1] <= 1  # the sweep spans full to (almost) none
