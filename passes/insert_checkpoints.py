@@ -18,34 +18,13 @@ Before -> After::
 
 from __future__ import annotations
 
-import operator
-
 import torch
 from torch import fx
 
 from autopar.config import Plan
 from passes.analysis.estimate_memory import segment_names
+from passes.outline import outline
 from passes.runner import PassResult
-
-
-def _segment_module(gm: fx.GraphModule, nodes: list[fx.Node]) -> tuple[fx.GraphModule, list[fx.Node], list[fx.Node]]:
-    """A GraphModule computing ``nodes``; its inputs (nodes read from outside) and outputs (read outside)."""
-    inside = set(nodes)
-    inputs: list[fx.Node] = []
-    for n in nodes:
-        for a in n.all_input_nodes:
-            if a not in inside and a not in inputs:
-                inputs.append(a)
-    outputs = [n for n in nodes if any(u not in inside for u in n.users)]
-    graph = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    for a in inputs:
-        env[a] = graph.placeholder(a.name)
-        env[a].meta = dict(a.meta)
-    for n in nodes:
-        env[n] = graph.node_copy(n, lambda x: env[x])
-    graph.output(tuple(env[o] for o in outputs))
-    return fx.GraphModule(gm, graph), inputs, outputs
 
 
 def insert_checkpoints(gm: fx.GraphModule, plan: Plan) -> PassResult:
@@ -56,24 +35,8 @@ def insert_checkpoints(gm: fx.GraphModule, plan: Plan) -> PassResult:
     for node, name in segment_names(gm).items():
         if name in chosen:
             runs.setdefault(name, []).append(node)
-    for i, (name, nodes) in enumerate(runs.items()):
-        sub, inputs, outputs = _segment_module(gm, nodes)
-        attr = f"checkpoint_{i}"
-        gm.add_submodule(attr, sub)
-        last = nodes[-1]
-        with gm.graph.inserting_after(last):
-            fn = gm.graph.get_attr(attr)
-        with gm.graph.inserting_after(fn):
-            call = gm.graph.call_function(torch.utils.checkpoint.checkpoint, (fn, *inputs),
-                                          {"use_reentrant": False})
-        anchor = call
-        for j, out in enumerate(outputs):
-            with gm.graph.inserting_after(anchor):
-                got = gm.graph.call_function(operator.getitem, (call, j))
-            got.meta = dict(out.meta)
-            out.replace_all_uses_with(got, delete_user_cb=lambda user: user not in set(nodes))
-            anchor = got
-        for n in reversed(nodes):
-            gm.graph.erase_node(n)
+    for i, nodes in enumerate(runs.values()):
+        outline(gm, nodes, f"checkpoint_{i}", lambda graph, fn, inputs: graph.call_function(
+            torch.utils.checkpoint.checkpoint, (fn, *inputs), {"use_reentrant": False}))
     notes = (f"recomputed in backward: {', '.join(runs)}",)
     return PassResult(gm, True, notes)
