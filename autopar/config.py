@@ -380,6 +380,7 @@ class StagePlan:
     seconds: float
     """Predicted time of one micro-batch's forward + backward on this stage."""
     param_bytes: int
+    """This rank's fp32 parameters the stage reads (a weight shared with another stage counts in both)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -392,6 +393,9 @@ class PipelinePlan:
     """No partition can beat this (average stage, or the largest block)."""
     num_microbatches: int
     bubble_fraction: float
+    shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
+    """Parameters read by more than one stage (tied embeddings): (name, the stages holding a copy);
+    their gradients are summed over those stages."""
 
     def summary(self) -> str:
         mib = 2.0 ** 20
@@ -402,6 +406,8 @@ class PipelinePlan:
         for k, st in enumerate(self.stages):
             lines.append(f"  stage {k}: {_ranges(st.segments)}  {_seconds(st.seconds)}, "
                          f"parameters {st.param_bytes / mib:,.1f} MiB")
+        for name, stages in self.shared:
+            lines.append(f"  shared by stages {', '.join(map(str, stages))} (gradients summed): {name}")
         return "\n".join(lines)
 
 

@@ -111,8 +111,8 @@ class ChainSegment:
     """Forward + backward compute and tensor-parallel communication of one step, this rank."""
     cut_seconds: float
     """Sending the tensors that cross a cut after this segment (forward) and their gradients (backward)."""
-    param_bytes: int
-    """This rank's fp32 parameters used first by this segment."""
+    params: tuple[tuple[str, int], ...]
+    """Parameters the segment reads, with this rank's fp32 bytes of each (a tied weight is read by two)."""
 
 
 def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collective],
@@ -155,12 +155,14 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         for k in range(index[seg], max(users)):
             crossing[k] += nbytes
     params = {p.name: p.local_numel(config) * 4 for p in plan.params}
-    held = dict.fromkeys(order, 0)
-    for name, nbytes in params.items():
-        held[of_param.get(name, order[0])] += nbytes
+    held: dict[str, dict[str, int]] = {name: {} for name in order}
+    for node, seg in seg_of.items():
+        for a in node.all_input_nodes:
+            if (name := param_name(a)) in params:
+                held[seg][name] = params[name]
     return tuple(ChainSegment(name, flops[name] / hardware.flops_per_second
                               + comm[name] / hardware.tensor_bytes_per_second,
-                              2 * crossing[k] / hardware.pipeline_bytes_per_second, held[name])
+                              2 * crossing[k] / hardware.pipeline_bytes_per_second, tuple(held[name].items()))
                  for k, name in enumerate(order))
 
 
@@ -169,7 +171,13 @@ def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatch
     costs = [s.seconds for s in chain]
     cuts = [s.cut_seconds for s in chain[:-1]]
     stages = choose_stages(costs, cuts, num_stages)
-    plans = tuple(StagePlan(tuple(s.name for s in chain[st.first:st.stop]), st.seconds,
-                            sum(s.param_bytes for s in chain[st.first:st.stop])) for st in stages)
+    held = [dict(p for s in chain[st.first:st.stop] for p in s.params) for st in stages]
+    plans = tuple(StagePlan(tuple(s.name for s in chain[st.first:st.stop]), st.seconds, sum(h.values()))
+                  for st, h in zip(stages, held))
+    holders: dict[str, list[int]] = {}
+    for k, h in enumerate(held):
+        for name in h:
+            holders.setdefault(name, []).append(k)
+    shared = tuple((name, tuple(ks)) for name, ks in holders.items() if len(ks) > 1)
     return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, num_stages), num_microbatches,
-                        bubble_fraction(num_stages, num_microbatches))
+                        bubble_fraction(num_stages, num_microbatches), shared)

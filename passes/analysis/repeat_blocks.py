@@ -132,6 +132,11 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
     return summarize(rows, colls, num_parameters, full_plan)
 
 
+def _renamed_segment(s: ChainSegment, r: Repeat, src: int, dst: int) -> ChainSegment:
+    return dataclasses.replace(s, name=r.rename(s.name, src, dst),
+                               params=tuple((r.rename(n, src, dst), b) for n, b in s.params))
+
+
 def repeat_chain(chain: Sequence[ChainSegment], repeats: Sequence[Repeat]) -> tuple[ChainSegment, ...]:
     """The pipeline chain of the whole model. The cut after the last captured block is the cut after
     the last real one (fewer tensors cross it: masks and rotary tables stay behind); the blocks in
@@ -141,9 +146,8 @@ def repeat_chain(chain: Sequence[ChainSegment], repeats: Sequence[Repeat]) -> tu
         names = [x.name for x in out]
         last = next(i for i, x in enumerate(out) if r.index_of(x.name) == r.template)
         middle = out[names.index(next(n for n in names if r.index_of(n) == r.template - 1))]
-        copies = [dataclasses.replace(middle, name=r.rename(middle.name, r.template - 1, dst))
-                  for dst in range(r.template, r.count - 1)]
-        final = dataclasses.replace(out[last], name=r.rename(out[last].name, r.template, r.count - 1))
+        copies = [_renamed_segment(middle, r, r.template - 1, dst) for dst in range(r.template, r.count - 1)]
+        final = _renamed_segment(out[last], r, r.template, r.count - 1)
         out[last:last + 1] = [*copies, final]
     return tuple(out)
 

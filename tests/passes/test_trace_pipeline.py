@@ -50,3 +50,10 @@ def test_trace_prints_the_stages(capsys):
     assert main([f"{zoo.__file__}:llama", "--tensor", "2", "1", "1", "--pipeline", "2"]) == 0
     out = capsys.readouterr().out
     assert "pipeline: 2 stages, 8 micro-batches" in out and "stage 1: model.layers.1, <outside>#1" in out
+
+
+def test_a_tied_embedding_is_shared_by_the_first_and_last_stage():
+    for name in ("nanogpt", "gpt2"):
+        plan = _plan(name, 3)
+        assert [(n, s) for n, s in plan.pipeline.shared] == [("lm_head.weight", (0, 2))], name
+    assert _plan("llama", 3).pipeline.shared == ()  # untied head
