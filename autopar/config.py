@@ -396,15 +396,22 @@ class PipelinePlan:
     shared: tuple[tuple[str, tuple[int, ...]], ...] = ()
     """Parameters read by more than one stage (tied embeddings): (name, the stages holding a copy);
     their gradients are summed over those stages."""
+    chunks_per_rank: int = 1
+    """Stages per rank (interleaved schedules): stage k runs on rank k mod (number of ranks)."""
 
     def summary(self) -> str:
         mib = 2.0 ** 20
-        lines = [f"pipeline: {len(self.stages)} stages, {self.num_microbatches} micro-batches; bottleneck "
+        ranks = len(self.stages) // self.chunks_per_rank
+        shape = (f"{len(self.stages)} stages" if self.chunks_per_rank == 1 else
+                 f"{ranks} ranks x {self.chunks_per_rank} interleaved stages")
+        schedule = "1F1B" if self.chunks_per_rank == 1 else "interleaved 1F1B"
+        lines = [f"pipeline: {shape}, {self.num_microbatches} micro-batches; bottleneck "
                  f"{_seconds(self.bottleneck_seconds)} per micro-batch "
                  f"({self.bottleneck_seconds / self.lower_bound_seconds:.3f}x the lower bound), predicted "
-                 f"bubble {self.bubble_fraction:.1%} (1F1B)"]
+                 f"bubble {self.bubble_fraction:.1%} ({schedule})"]
         for k, st in enumerate(self.stages):
-            lines.append(f"  stage {k}: {_ranges(st.segments)}  {_seconds(st.seconds)}, "
+            where = f" (rank {k % ranks})" if self.chunks_per_rank > 1 else ""
+            lines.append(f"  stage {k}{where}: {_ranges(st.segments)}  {_seconds(st.seconds)}, "
                          f"parameters {st.param_bytes / mib:,.1f} MiB")
         for name, stages in self.shared:
             lines.append(f"  shared by stages {', '.join(map(str, stages))} (gradients summed): {name}")

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
                kwargs: dict | None = None, repeat: bool = True, checkpoint: str | int = "auto",
                budget: int | None = None, precision: str = "fp32", pipeline: int = 1,
-               microbatches: int = 1) -> tuple[Plan, StepReport]:
+               microbatches: int = 1, chunks: int = 1) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
 
     ``pipeline`` > 1 adds the stages a pipeline of that many ranks would use, for ``microbatches``
@@ -73,18 +73,19 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
         if all(template_holds(plan, report, r, profile) for r in repeats):
             full = repeat_plan(plan, repeats)
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
-                           repeat_chain(chain, repeats), checkpoint, budget, pipeline, microbatches)
+                           repeat_chain(chain, repeats), checkpoint, budget, pipeline, microbatches, chunks)
     plan, report, profile, chain = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
-    return _finish(plan, report, profile, chain, checkpoint, budget, pipeline, microbatches)
+    return _finish(plan, report, profile, chain, checkpoint, budget, pipeline, microbatches, chunks)
 
 
 def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
-            checkpoint: str | int, budget: int | None, pipeline: int, microbatches: int) -> tuple[Plan, StepReport]:
+            checkpoint: str | int, budget: int | None, pipeline: int, microbatches: int,
+            chunks: int = 1) -> tuple[Plan, StepReport]:
     plan = dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget))
     if pipeline > 1:  # times scale with rows: one micro-batch is 1/microbatches of the captured batch
         per_micro = [dataclasses.replace(s, seconds=s.seconds / microbatches, cut_seconds=s.cut_seconds / microbatches)
                      for s in chain]
-        plan = dataclasses.replace(plan, pipeline=plan_pipeline(per_micro, pipeline, microbatches))
+        plan = dataclasses.replace(plan, pipeline=plan_pipeline(per_micro, pipeline, microbatches, chunks))
     return plan, report
 
 
@@ -260,6 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pipeline", type=int, default=1, metavar="P",
                         help="also plan P pipeline stages by cost (planning only; the runtime does not run "
                              "pipelines yet)")
+    parser.add_argument("--chunks", type=int, default=1, metavar="V",
+                        help="stages per pipeline rank for an interleaved schedule (default 1)")
     parser.add_argument("--microbatches", type=int, default=None, metavar="M",
                         help="micro-batches per step for --pipeline (default: 4 x P)")
     parser.add_argument("--checkpoint", default="auto", choices=("auto", "none", "full"),
@@ -285,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
                                   checkpoint=args.checkpoint, budget=args.memory_per_device,
                                   precision=args.precision, pipeline=args.pipeline,
-                                  microbatches=args.microbatches or 4 * args.pipeline)
+                                  microbatches=args.microbatches or 4 * args.pipeline, chunks=args.chunks)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

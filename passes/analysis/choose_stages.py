@@ -166,11 +166,17 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
                  for k, name in enumerate(order))
 
 
-def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatches: int) -> PipelinePlan:
-    """Stages for ``chain`` (per-micro-batch times) and what the pipeline is predicted to cost."""
+def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatches: int,
+                  chunks_per_rank: int = 1) -> PipelinePlan:
+    """Stages for ``chain`` (per-micro-batch times) and what the pipeline is predicted to cost.
+
+    With ``chunks_per_rank`` v > 1 (interleaved schedules) the chain is cut into P x v stages, the
+    largest of which is minimized, and stage k runs on rank k mod P.
+    """
     costs = [s.seconds for s in chain]
     cuts = [s.cut_seconds for s in chain[:-1]]
-    stages = choose_stages(costs, cuts, num_stages)
+    total = num_stages * chunks_per_rank
+    stages = choose_stages(costs, cuts, total)
     held = [dict(p for s in chain[st.first:st.stop] for p in s.params) for st in stages]
     plans = tuple(StagePlan(tuple(s.name for s in chain[st.first:st.stop]), st.seconds, sum(h.values()))
                   for st, h in zip(stages, held))
@@ -179,5 +185,5 @@ def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatch
         for name in h:
             holders.setdefault(name, []).append(k)
     shared = tuple((name, tuple(ks)) for name, ks in holders.items() if len(ks) > 1)
-    return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, num_stages), num_microbatches,
-                        bubble_fraction(num_stages, num_microbatches), shared)
+    return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, total), num_microbatches,
+                        bubble_fraction(num_stages, num_microbatches, chunks_per_rank), shared, chunks_per_rank)

@@ -31,6 +31,12 @@ def test_equal_blocks_split_evenly_and_every_segment_is_placed_once():
     total = sum(s.param_bytes for s in stages)
     assert total == sum(p.local_numel(plan.config) * 4 for p in plan.params)
 
+    # Interleaved: 2 ranks x 2 stages each, the same four cuts; stage k runs on rank k mod 2.
+    inter = plan_model(model, zoo.example_inputs("llama-2-7b", batch=8, seq=512), ParallelConfig(1, 2, 1, 1),
+                       pipeline=2, microbatches=8, chunks=2)[0].pipeline
+    assert [s.segments for s in inter.stages] == [s.segments for s in stages]
+    assert inter.bubble_fraction == 1 / 17 and "stage 3 (rank 1)" in inter.summary()
+
 
 def test_tiny_blocks_are_cut_where_transfers_are_cheapest():
     # Tiny layers compute in nanoseconds; moving a hidden state takes microseconds. Interior stages pay
