@@ -63,7 +63,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     if lists:
         try:
             with truncated_blocks(shadow, lists):
-                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
+                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, pipeline > 1)
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
@@ -74,7 +74,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             full = repeat_plan(plan, repeats)
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
                            repeat_chain(chain, repeats), checkpoint, budget, pipeline, microbatches, chunks)
-    plan, report, profile, chain = _plan_captured(shadow, inputs, kwargs, config, rank, dtype)
+    plan, report, profile, chain = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, pipeline > 1)
     return _finish(plan, report, profile, chain, checkpoint, budget, pipeline, microbatches, chunks)
 
 
@@ -90,7 +90,7 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
-                   rank: int, dtype: torch.dtype | None = None
+                   rank: int, dtype: torch.dtype | None = None, stages: bool = False
                    ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...]]:
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
     split, batch = split_batch_leaves(leaves, config.num_batch_shards)
@@ -102,7 +102,7 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
                                                       requires_grad=requires_grad)
     report = estimate_step(mine.gm, plan)
-    chain = pipeline_chain(mine.gm, plan, report.collectives)
+    chain = pipeline_chain(mine.gm, plan, report.collectives) if stages else ()
     return plan, report, estimate_memory(canonical.gm, plan, dtype), chain
 
 

@@ -142,7 +142,7 @@ def repeat_chain(chain: Sequence[ChainSegment], repeats: Sequence[Repeat]) -> tu
     the last real one (fewer tensors cross it: masks and rotary tables stay behind); the blocks in
     between copy the block before it."""
     out = list(chain)
-    for r in repeats:
+    for r in repeats if out else ():
         names = [x.name for x in out]
         last = next(i for i, x in enumerate(out) if r.index_of(x.name) == r.template)
         middle = out[names.index(next(n for n in names if r.index_of(n) == r.template - 1))]
