@@ -96,3 +96,21 @@ def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, size: 
     _stats.record("broadcast", size, _nbytes(t))
     dist.broadcast(t, src=src, group=group)
     return t
+
+
+def send(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
+    """Sends ``t`` to global rank ``dst`` (pipeline stages: activations forward, gradients back)."""
+    t = t.contiguous()
+    _stats.record("send", 2, _nbytes(t))
+    dist.send(t, dst=dst, group=group)
+
+
+def recv(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
+    """Receives into ``t`` from global rank ``src`` (the sender counts the bytes)."""
+    dist.recv(t, src=src, group=group)
+    return t
+
+
+def count_send(t: torch.Tensor) -> None:
+    """Counts a send that torch.distributed.pipelining issues on autopar's behalf."""
+    _stats.record("send", 2, _nbytes(t))

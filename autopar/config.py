@@ -16,15 +16,19 @@ from typing import Any
 from autopar.errors import ConfigError
 
 #: Mesh axes, outermost first. ``col`` varies fastest between consecutive ranks, so it is placed on
-#: the fastest links (as AxoNN does); ``data`` is outermost.
-MESH_AXES: tuple[str, ...] = ("data", "depth", "row", "col")
+#: the fastest links (as AxoNN does); ``data`` is outermost, then ``pipeline`` (stages exchange one
+#: activation per micro-batch, less than tensor parallelism moves).
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "depth", "row", "col")
+
+#: Pipeline schedules of torch.distributed.pipelining that autopar drives (runtime.schedule_class).
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs")
 
 
 @dataclass(frozen=True, slots=True)
 class ParallelConfig:
     """The parallel degrees the user asked for.
 
-    Rank placement is row-major over ``MESH_AXES`` = (data, depth, row, col).
+    Rank placement is row-major over ``MESH_AXES`` = (data, pipeline, depth, row, col).
     """
 
     data: int = 1
@@ -35,6 +39,8 @@ class ParallelConfig:
     """Tensor-parallel ranks splitting a normal layer's input features (the paper's G_c)."""
     depth: int = 1
     """Tensor-parallel ranks splitting each weight block and the batch (the paper's G_d)."""
+    pipeline: int = 1
+    """Pipeline stages: each rank holds the layers of one stage (or several, interleaved)."""
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
@@ -44,34 +50,36 @@ class ParallelConfig:
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
-                  world_size: int | None = None) -> ParallelConfig:
-        """Validates the user's ``tensor=(row, col, depth)`` and ``data`` against the world size.
+                  world_size: int | None = None, pipeline: int = 1) -> ParallelConfig:
+        """Validates the user's ``tensor=(row, col, depth)``, ``pipeline`` and ``data`` against the world size.
 
-        ``data=None`` means "every rank not used by tensor parallelism" (pure data parallelism when
-        ``tensor`` is left at its default).
+        ``data=None`` means "every rank not used by tensor or pipeline parallelism" (pure data
+        parallelism when ``tensor`` and ``pipeline`` are left at their defaults).
         """
         try:
             row, col, depth = tuple(tensor)
         except (TypeError, ValueError):
             raise ConfigError(f"tensor={tensor!r} is invalid. Pass tensor=(row, col, depth), "
                               "three integers >= 1.") from None
-        probe = cls(1, row, col, depth)  # validates the tensor degrees
-        num_tensor = probe.num_tensor
+        probe = cls(1, row, col, depth, pipeline)  # validates the tensor and pipeline degrees
+        used = probe.num_tensor * pipeline
         if data is None:
             if world_size is None:
                 data = 1
-            elif world_size % num_tensor:
-                raise ConfigError(
-                    f"world size {world_size} is not divisible by row*col*depth = {row}*{col}*{depth} = "
-                    f"{num_tensor}. Launch a multiple of {num_tensor} processes or change tensor=.")
+            elif world_size % used:
+                what = (f"pipeline*row*col*depth = {pipeline}*{row}*{col}*{depth}" if pipeline > 1
+                        else f"row*col*depth = {row}*{col}*{depth}")
+                raise ConfigError(f"world size {world_size} is not divisible by {what} = {used}. Launch a "
+                                  f"multiple of {used} processes or change tensor=/pipeline=.")
             else:
-                data = world_size // num_tensor
-        config = cls(data, row, col, depth)
+                data = world_size // used
+        config = cls(data, row, col, depth, pipeline)
         if world_size is not None and config.world_size != world_size:
             raise ConfigError(
-                f"world size {world_size} does not match data*row*col*depth = "
-                f"{config.data}*{row}*{col}*{depth} = {config.world_size}. Launch {config.world_size} "
-                f"processes (torchrun --nproc-per-node {config.world_size}) or change data=/tensor=.")
+                f"world size {world_size} does not match data*pipeline*row*col*depth = "
+                f"{config.data}*{pipeline}*{row}*{col}*{depth} = {config.world_size}. Launch "
+                f"{config.world_size} processes (torchrun --nproc-per-node {config.world_size}) or change "
+                "data=/pipeline=/tensor=.")
         return config
 
     @property
@@ -89,7 +97,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.num_tensor
+        return self.data * self.pipeline * self.num_tensor
 
     def size(self, axis: str) -> int:
         """Ranks along ``axis``; the empty axis '' (nothing split) has one."""
@@ -109,6 +117,13 @@ class ParallelConfig:
             rank //= self.size(axis)
         return {a: out[a] for a in MESH_AXES}
 
+    def rank_of(self, coords: dict[str, int]) -> int:
+        """The global rank at ``coords`` (the inverse of ``coords``)."""
+        rank = 0
+        for axis in MESH_AXES:
+            rank = rank * self.size(axis) + coords[axis]
+        return rank
+
     def batch_index(self, rank: int) -> int:
         """Which of the ``num_batch_shards`` slices of the global batch this rank computes."""
         c = self.coords(rank)
@@ -120,7 +135,8 @@ class ParallelConfig:
         return tuple(global_batch // n + (1 if i < global_batch % n else 0) for i in range(n))
 
     def __str__(self) -> str:
-        return f"data={self.data} tensor=(row={self.row}, col={self.col}, depth={self.depth})"
+        stages = f" pipeline={self.pipeline}" if self.pipeline > 1 else ""
+        return f"data={self.data}{stages} tensor=(row={self.row}, col={self.col}, depth={self.depth})"
 
 
 class _CodeEnum(StrEnum):
@@ -305,6 +321,53 @@ class MemoryConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class PipelineConfig:
+    """What the user asked for the pipeline: how many micro-batches, which torch schedule.
+
+    Only read when ``ParallelConfig.pipeline`` > 1. ``chunks`` is the number of stages per rank
+    (interleaved and looped-BFS schedules; default 2 for them, 1 for gpipe and 1f1b).
+    """
+
+    microbatches: int | None = None
+    """Micro-batches per ``train_step`` (default: the number of stages). Each batch shard's rows must
+    divide evenly."""
+    schedule: str = "1f1b"
+    """One of ``SCHEDULES``: gpipe, 1f1b, interleaved (Interleaved1F1B) or looped-bfs."""
+    chunks: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(f"schedule={self.schedule!r} is invalid. Use one of {', '.join(SCHEDULES)}.")
+        m, v = self.microbatches, self.chunks
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ConfigError(f"microbatches={m!r} is invalid. Use an integer >= 1.")
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise ConfigError(f"chunks={v!r} is invalid. Use an integer >= 1 (stages per pipeline rank).")
+        if v is not None and v > 1 and self.schedule in ("gpipe", "1f1b"):
+            raise ConfigError(f"chunks={v} needs a multi-stage schedule; {self.schedule!r} runs one stage per "
+                              "rank. Use schedule='interleaved' or 'looped-bfs', or chunks=1.")
+
+    @property
+    def stages_per_rank(self) -> int:
+        if self.chunks is not None:
+            return self.chunks
+        return 1 if self.schedule in ("gpipe", "1f1b") else 2
+
+    def num_microbatches(self, num_ranks: int) -> int:
+        """The micro-batch count for a pipeline of ``num_ranks`` ranks, checked against the schedule."""
+        m = self.microbatches if self.microbatches is not None else num_ranks
+        if self.schedule == "1f1b" and m < num_ranks:
+            raise ConfigError(f"schedule '1f1b' needs at least as many micro-batches as pipeline ranks "
+                              f"(microbatches={m}, pipeline={num_ranks}). Raise microbatches= or use 'gpipe'.")
+        rounds = max(1, m // num_ranks)
+        if self.schedule == "interleaved" and m % rounds:
+            raise ConfigError(f"schedule 'interleaved' needs microbatches divisible by "
+                              f"max(1, microbatches // pipeline) = {rounds} (microbatches={m}, "
+                              f"pipeline={num_ranks}). Use a multiple of {num_ranks}.")
+        return m
+
+
+@dataclass(frozen=True, slots=True)
 class MemoryPlan:
     """Predicted memory per rank for one training step, and which blocks are recomputed."""
 
@@ -398,13 +461,15 @@ class PipelinePlan:
     their gradients are summed over those stages."""
     chunks_per_rank: int = 1
     """Stages per rank (interleaved schedules): stage k runs on rank k mod (number of ranks)."""
+    schedule: str = ""
+    """The torch schedule that runs the stages ('' when only planned: the trace)."""
 
     def summary(self) -> str:
         mib = 2.0 ** 20
         ranks = len(self.stages) // self.chunks_per_rank
         shape = (f"{len(self.stages)} stages" if self.chunks_per_rank == 1 else
                  f"{ranks} ranks x {self.chunks_per_rank} interleaved stages")
-        schedule = "1F1B" if self.chunks_per_rank == 1 else "interleaved 1F1B"
+        schedule = self.schedule or ("1F1B" if self.chunks_per_rank == 1 else "interleaved 1F1B")
         lines = [f"pipeline: {shape}, {self.num_microbatches} micro-batches; bottleneck "
                  f"{_seconds(self.bottleneck_seconds)} per micro-batch "
                  f"({self.bottleneck_seconds / self.lower_bound_seconds:.3f}x the lower bound), predicted "

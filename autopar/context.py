@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from autopar import collectives as C
-from autopar.config import MemoryConfig, ParallelConfig
+from autopar.config import MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError, NotInitializedError
 from autopar.mesh import Mesh
 from autopar.runtime import ParallelRuntime
@@ -69,15 +69,25 @@ class _ModuleRecorder:
 
 
 @contextmanager
-def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None,
+def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None, pipeline: int = 1,
+                     microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32") -> Iterator[ParallelConfig]:
-    """Parallelizes every model built inside the block over data x 3D tensor parallelism.
+    """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
         tensor: ``(row, col, depth)`` degrees of 3D tensor parallelism (AxoNN). Default (1, 1, 1).
-        data: data-parallel degree. Default: every rank not used by ``tensor``, so with no arguments
-            the model is purely data parallel.
+        data: data-parallel degree. Default: every rank not used by ``tensor`` and ``pipeline``, so
+            with no arguments the model is purely data parallel.
+        pipeline: pipeline ranks. The model's blocks are cut into stages by predicted cost
+            (``plan_of(model).pipeline``); each rank holds only its stages' parameters.
+            ``autopar.train_step`` runs torch.distributed.pipelining's ``schedule`` over
+            ``microbatches``; a plain ``model(x)`` runs the stages one after another and returns the
+            full output on every rank.
+        microbatches: micro-batches per ``train_step`` (default: ``pipeline``). Every data x depth
+            shard of the batch must divide into them.
+        schedule: "1f1b" (default), "gpipe", "interleaved" (Interleaved1F1B) or "looped-bfs".
+        chunks: stages per pipeline rank for "interleaved" and "looped-bfs" (default 2).
         example_inputs: optional positional inputs of one global batch; when given, the model is
             captured, planned and sharded at the end of the block instead of at its first call.
         checkpoint: which blocks recompute their activations in backward. "auto" (default): the
@@ -104,8 +114,12 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
         raise NotInitializedError(
             "auto_parallelize needs torch.distributed: launch with torchrun (or call "
             "torch.distributed.init_process_group()) before entering it.")
-    config = ParallelConfig.from_user(tensor=tensor, data=data, world_size=dist.get_world_size())
+    config = ParallelConfig.from_user(tensor=tensor, data=data, world_size=dist.get_world_size(),
+                                      pipeline=pipeline)
     memory = MemoryConfig(checkpoint, precision, reduce_dtype)
+    pipe = PipelineConfig(microbatches, schedule, chunks)
+    if pipeline > 1:
+        pipe.num_microbatches(pipeline)  # validates microbatches against the schedule before the block
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -119,17 +133,17 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
     for model in roots:
-        parallelize(model, config, example_inputs=example_inputs, memory=memory)
+        parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe)
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
-                memory: MemoryConfig | None = None) -> nn.Module:
+                memory: MemoryConfig | None = None, pipe: PipelineConfig | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end)."""
     if model in _runtimes:
         raise ContextError(f"{type(model).__name__} is already parallelized.")
     mesh = Mesh(config)
     _agree_on_parameters(model, mesh)
-    runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig())
+    runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig())
     _runtimes[model] = runtime
     original = model.forward
 

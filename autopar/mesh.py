@@ -1,4 +1,4 @@
-"""The only place that creates process groups: one DeviceMesh over (data, depth, row, col)."""
+"""The only place that creates process groups: one DeviceMesh over (data, pipeline, depth, row, col)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,22 @@ class Mesh:
         self._mesh = init_device_mesh(self.device.type, config.mesh_shape, mesh_dim_names=MESH_AXES)
         self._groups = {axis: self._mesh.get_group(axis) for axis in MESH_AXES}
         self._groups["batch"] = self._mesh["data", "depth"]._flatten("batch").get_group()
+        self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+
+    def stage_group(self, stages: tuple[int, ...]) -> dist.ProcessGroup:
+        """The ranks at pipeline coordinates ``stages`` that share this rank's other coordinates.
+
+        Sums the gradients of a weight read by several pipeline stages (tied embeddings). Only the
+        member ranks call this (local synchronization), in the same order on each.
+        """
+        if stages not in self._stage_groups:
+            ranks = [self.config.rank_of({**self.coords, "pipeline": s}) for s in stages]
+            self._stage_groups[stages] = dist.new_group(ranks, use_local_synchronization=True)
+        return self._stage_groups[stages]
+
+    def peer(self, pipeline_index: int) -> int:
+        """The global rank at pipeline coordinate ``pipeline_index`` with this rank's other coordinates."""
+        return self.config.rank_of({**self.coords, "pipeline": pipeline_index})
 
     def group(self, axis: str) -> dist.ProcessGroup | None:
         return self._groups[axis] if axis else None

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import operator
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -20,24 +21,30 @@ from torch import fx, nn
 
 from autopar import collectives as C
 from autopar.capture import Captured, cache_outputs, capture_shard, meta_shadow, split_batch_leaves
-from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, Plan
-from autopar.errors import CaptureError, PlanError, StateDictError
+from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, PipelineConfig, Plan
+from autopar.errors import CaptureError, InputError, PlanError, StateDictError
 from autopar.memory import device_budget, half_dtype
 from autopar.mesh import Mesh
+from autopar.pipeline import Program, owner
 from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
                          join_pieces, scatter_batch, take_pieces)
 from passes.analysis.choose_checkpoints import plan_memory
+from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import estimate_memory
 from passes.analysis.make_plan import make_plan
+from passes.analysis.report import estimate_step
 from passes.ir import (InputKind, convert_layout, gather_output, input_info, reduce_partial, sharded_embedding,
                        sharded_matmul, sum_grad)
 from passes.runner import PassRecord, run_passes
 from passes.insert_checkpoints import insert_checkpoints
 from passes.shard_linears import shard_linears
+from passes.split_stages import split_stages
 
 log = logging.getLogger(__name__)
 
 PASSES = (shard_linears, insert_checkpoints)
+#: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
+PIPELINE_PASSES = (shard_linears, split_stages, insert_checkpoints)
 
 
 @dataclass
@@ -51,12 +58,19 @@ class Executable:
     records: tuple[PassRecord, ...]
     output_specs: list[Any]
     """Per output leaf: its GatherOutputSpec (how the rank's value is laid out), or None if whole."""
+    program: Program | None = None
+    """pipeline > 1: this rank's stages."""
+    split: frozenset[int] = frozenset()
+    """Input leaves split by batch rows."""
 
 
 class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
-                 memory: MemoryConfig = MemoryConfig()) -> None:
-        self.config, self.mesh, self.memory = config, mesh, memory
+                 memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig()) -> None:
+        self.config, self.mesh, self.memory, self.pipe = config, mesh, memory, pipe
+        self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
+        self._held: set[int] | None = None  # pipeline > 1: ids of the parameters this rank's stages read
+        self._readers: dict[str, tuple[int, ...]] = {}
         self.shadow = meta_shadow(model)
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.buffers = dict(model.named_buffers(remove_duplicate=False))
@@ -93,7 +107,7 @@ class ParallelRuntime:
             try:
                 exe = self.executables[key] = self._compile(leaves, spec, split, sizes, local_outputs)
             except CaptureError as e:
-                if self.plan is not None:
+                if self.plan is not None or self.config.pipeline > 1:
                     raise
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
@@ -109,6 +123,10 @@ class ParallelRuntime:
             else:
                 flat.append(local[int(target)])
         dtype = half_dtype(self.memory.precision)
+        if exe.program is not None:
+            values = dict(zip(_placeholders(exe.gm), flat))
+            out = exe.program.run_sequential(values)
+            return pytree.tree_unflatten(list(out), exe.out_spec), exe.output_specs, sizes
         if dtype is None:
             out = exe.gm(*flat)
         else:
@@ -196,10 +214,12 @@ class ParallelRuntime:
             canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0)
             plan = make_plan(canonical.gm, self.config)
             plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
+            if self.config.pipeline > 1:
+                plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
             self._adopt(plan)
-        gm, records = run_passes(captured.gm, self.plan, PASSES)
-        output_specs = [a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
-                        for a in gm.graph.output_node().args[0]]
+        pipelined = self.config.pipeline > 1
+        gm, records = run_passes(captured.gm, self.plan, PIPELINE_PASSES if pipelined else PASSES)
+        output_specs = [_gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
         self._bind(gm, sizes, local_outputs)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
@@ -211,7 +231,107 @@ class ParallelRuntime:
                 raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
                                    "capture; autopar cannot recover its data. Register it as a buffer.")
             constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
-        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs)
+        program = None
+        if pipelined:
+            program = Program(gm, lambda n: _travels(n, split), self.mesh, half_dtype(self.memory.precision),
+                              self._finish_grads)
+            if self._held is None:
+                self._hold_own_stages(program)
+        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split)
+
+    def _plan_pipeline(self, gm: fx.GraphModule, plan: Plan):
+        report = estimate_step(gm, plan)
+        chain = pipeline_chain(gm, plan, report.collectives)
+        m = self.num_microbatches
+        per_micro = [dataclasses.replace(s, seconds=s.seconds / m, cut_seconds=s.cut_seconds / m) for s in chain]
+        num_stages = self.config.pipeline * self.pipe.stages_per_rank
+        if len(chain) < num_stages:
+            raise PlanError(f"the model has {len(chain)} blocks to cut into pipeline stages, fewer than "
+                            f"pipeline={self.config.pipeline} x {self.pipe.stages_per_rank} stages per rank = "
+                            f"{num_stages}. Lower pipeline= (or chunks=).")
+        planned = plan_pipeline(per_micro, self.config.pipeline, m, self.pipe.stages_per_rank)
+        return dataclasses.replace(planned, schedule=self.pipe.schedule)
+
+    def _hold_own_stages(self, program: Program) -> None:
+        """Frees the parameters no stage of this rank reads (they keep their Parameter objects, now
+        empty, so optimizers built over model.parameters() still work: they never get a gradient)."""
+        self._readers = program.readers()
+        me = self.mesh.index("pipeline")
+        held = {id(self.params[name]) for name, holders in self._readers.items() if me in holders}
+        unread = {id(p) for name, p in self.params.items() if name not in self._readers}
+        self._held = held | unread  # a parameter no stage reads stays everywhere
+        for p in self._unique_params():
+            if id(p) not in self._held:
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+                p.grad = None
+
+    def _finish_grads(self) -> None:
+        """pipeline > 1, after backward (or after the schedule's last micro-batch): gradients summed
+        over data (x depth), then tied weights' gradients summed over the stages holding them, then
+        the fp16 overflow agreement. Every rank calls this once per step."""
+        plan = self.plan
+        reduce = half_dtype(self.memory.reduce_dtype)
+        done: set[int] = set()
+        for pp in plan.params:
+            p = self.params[pp.name]
+            if id(p) in done or id(p) not in self._held or p.grad is None:
+                continue
+            done.add(id(p))
+            axis, size = self.mesh.grad_group(pp.grad_axes)
+            if size > 1:
+                p.grad = _sync_grad(self.mesh, axis, reduce, p.grad)
+        for name, stages in plan.pipeline.shared:
+            ranks = tuple(sorted({owner(s, self.config.pipeline) for s in stages}))
+            p = self.params[name]
+            if len(ranks) < 2 or self.mesh.index("pipeline") not in ranks or p.grad is None:
+                continue
+            p.grad = C.all_reduce(p.grad.contiguous(), self.mesh.stage_group(ranks), len(ranks))
+        if self.memory.precision == "fp16":
+            grads = [p.grad for p in self._unique_params() if p.grad is not None]
+            bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
+            if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
+                with torch.no_grad():
+                    for g in grads:
+                        g.view(-1)[0] = float("inf")
+
+    # ---- pipeline: what train_step needs ----------------------------------------------------------
+
+    def pipeline_inputs(self, args: tuple, kwargs: dict) -> tuple[Executable, dict[fx.Node, Any], int, tuple[int, ...]]:
+        """Compiles the graph of one micro-batch and binds this step's inputs to its placeholders.
+
+        Returns (executable, values, global batch, batch shard sizes); batch-split values hold this
+        rank's whole shard (torch's schedule cuts it into micro-batches).
+        """
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        split, global_batch = _batch_leaves(leaves)
+        m, shards = self.num_microbatches, self.config.num_batch_shards
+        if not split:
+            raise InputError("train_step with pipeline > 1 needs a batch: a tensor input whose dim 0 is the "
+                             "batch (it is cut into micro-batches).")
+        sizes = self.config.batch_sizes(global_batch)
+        if any(s % m for s in sizes) or min(sizes) == 0:
+            raise InputError(f"the global batch of {global_batch} rows gives batch shards of {sizes} rows "
+                             f"(data x depth = {shards}), which do not divide into microbatches={m}. Use a "
+                             f"global batch that is a multiple of {shards * m}.")
+        micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
+        micro_sizes = tuple(s // m for s in sizes)
+        key = ("pipeline", spec, self._training(), global_batch // m, tuple(_signature(x) for x in micro))
+        exe = self.executables.get(key)
+        if exe is None:
+            exe = self.executables[key] = self._compile(micro, spec, split, micro_sizes, True)
+        local = [scatter_batch(x, self.mesh, sizes) if i in split and shards > 1 else x
+                 for i, x in enumerate(leaves)]
+        values = {}
+        for node, (kind, target) in zip(_placeholders(exe.gm), exe.inputs):
+            if kind is InputKind.PARAMETER:
+                values[node] = self.params[target]
+            elif kind is InputKind.BUFFER:
+                values[node] = self.buffers[target]
+            elif kind is InputKind.CONSTANT:
+                values[node] = exe.constants[target]
+            else:
+                values[node] = local[int(target)]
+        return exe, values, global_batch, sizes
 
     def _plan_memory(self, gm: fx.GraphModule, plan: Plan) -> MemoryPlan:
         checkpoint = self.memory.checkpoint
@@ -291,7 +411,7 @@ class ParallelRuntime:
                 with torch.no_grad():
                     p.data = self.local_shard(p.data, pp).clone()
             axis, size = self.mesh.grad_group(pp.grad_axes)
-            if p.requires_grad and size > 1:
+            if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else _finish_grads
                 self._hooks.append(p.register_hook(functools.partial(_sync_grad, self.mesh, axis,
                                                                      half_dtype(self.memory.reduce_dtype))))
         self.plan = plan
@@ -346,17 +466,31 @@ class ParallelRuntime:
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if self.plan is None:
             return state
-        by_id = {id(self.params[pp.name]): pp for pp in self.plan.params if pp.kind is not ParamKind.REPLICATED}
+        by_id = {id(self.params[pp.name]): pp for pp in self.plan.params}
         named = {name: id(p) for name, p in self.params.items()}
-        return {k: (self.full_tensor(v, by_id[named[k]]) if named.get(k) in by_id else v) for k, v in state.items()}
+        return {k: (self._full(v, by_id[named[k]]) if named.get(k) in by_id else v) for k, v in state.items()}
+
+    def _full(self, local: torch.Tensor | None, pp: ParamPlan) -> torch.Tensor | None:
+        """The full tensor of parameter ``pp`` (or of its gradient) on every rank; with pipeline > 1 the
+        first pipeline rank holding it gathers it and broadcasts it over the pipeline (collective)."""
+        if self.config.pipeline == 1 or pp.name not in self._readers:
+            return None if local is None else self.full_tensor(local, pp)
+        src = self._readers[pp.name][0]
+        mine = self.mesh.index("pipeline") == src
+        flag = torch.tensor([1.0 if mine and local is not None else 0.0], device=self.mesh.device)
+        C.broadcast(flag, self.mesh.peer(src), self.mesh.group("pipeline"), self.config.pipeline)
+        if flag.item() == 0:  # no gradient on the holder
+            return None
+        full = self.full_tensor(local, pp) if mine else torch.empty(pp.shape, dtype=self.params[pp.name].dtype,
+                                                                       device=self.mesh.device)
+        return C.broadcast(full.contiguous(), self.mesh.peer(src), self.mesh.group("pipeline"), self.config.pipeline)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         """Every parameter's full gradient under each of its names (collective; for tests and debugging)."""
         out: dict[str, torch.Tensor | None] = {}
         by_id = {id(self.params[pp.name]): pp for pp in (self.plan.params if self.plan else ())}
         for pp in (self.plan.params if self.plan else ()):
-            g = self.params[pp.name].grad
-            out[pp.name] = None if g is None else self.full_tensor(g, pp)
+            out[pp.name] = self._full(self.params[pp.name].grad, pp)
         for name, p in self.params.items():  # tied weights: the same tensor under another name
             if name not in out and id(p) in by_id:
                 out[name] = out[by_id[id(p)].name]
@@ -369,6 +503,9 @@ class ParallelRuntime:
         for name, p in self.params.items():  # every name, so tied aliases are sharded too
             pp = by_id.get(id(p))
             key = prefix + name
+            if key in state_dict and self._held is not None and id(p) not in self._held:
+                state_dict[key] = p.data  # another pipeline rank's stage holds it
+                continue
             if pp is None or key not in state_dict:
                 continue
             t = state_dict[key]
@@ -383,6 +520,35 @@ class ParallelRuntime:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
+    return [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def _gather_spec(gm: fx.GraphModule, a: Any) -> Any:
+    """The GatherOutputSpec of one output of ``gm`` (looking inside a pipeline stage), or None."""
+    if isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem \
+            and a.args[0].op == "call_module":
+        stage = gm.get_submodule(str(a.args[0].target))
+        a = stage.graph.output_node().args[0][a.args[1]]
+    return a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
+
+
+def _travels(node: fx.Node, split: frozenset[int]) -> bool:
+    """Pipeline: batch-split inputs are sent from stage to stage; everything else is bound locally."""
+    info = input_info(node)
+    return info is not None and info.kind is InputKind.USER and int(info.target) in split
+
+
+def _batch_leaves(leaves: list[Any]) -> tuple[frozenset[int], int]:
+    """The batch (dim 0 of the first tensor input) and every tensor input sharing it, as
+    split_batch_leaves finds them, also for a single batch shard (micro-batches cut them)."""
+    tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    if not tensors:
+        return frozenset(), 0
+    batch = tensors[0][1].shape[0]
+    return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
 
 
 def _sync_grad_world(world: int, grad: torch.Tensor) -> torch.Tensor:

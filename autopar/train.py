@@ -21,6 +21,7 @@ applied exactly as written above.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -31,7 +32,8 @@ import torch.utils._pytree as pytree
 from autopar import collectives as C
 from autopar.context import runtime_of
 from autopar.errors import InputError
-from autopar.ops import _ReduceFrom
+from autopar.ops import GatherOutputOp, _ReduceFrom
+from autopar.pipeline import build_schedule
 
 
 def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
@@ -45,8 +47,10 @@ def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: An
     """
     args, kwargs = _split_inputs(inputs)
     ce = _cross_entropy_options(loss_fn)
+    runtime = runtime_of(model)
+    if runtime.config.pipeline > 1:
+        return _pipelined_step(runtime, args, kwargs, targets, loss_fn, ce)
     if ce is not None:
-        runtime = runtime_of(model)
         out, specs, sizes = runtime.run(args, kwargs, local_outputs=True)
         logits, spec = _logits_and_spec(out, specs)
         if logits.dim() - 1 == targets.dim() and (spec is None or _splits_last_only(spec, logits)):
@@ -106,13 +110,25 @@ def _splits_last_only(spec: Any, logits: torch.Tensor) -> bool:
 def _vocab_parallel_step(runtime: Any, logits: torch.Tensor, spec: Any, targets: torch.Tensor,
                          sizes: tuple[int, ...], ignore_index: int, reduction: str) -> torch.Tensor:
     mesh = runtime.mesh
-    sharding = spec.sharding if spec is not None else None
-    axis = "" if sharding is None or sharding.is_replicated else sharding.axis
-    n, i = mesh.size(axis), mesh.index(axis)
     batch_split = spec is not None and spec.batch_split
     if batch_split:
         start = sum(sizes[:mesh.index("batch")])
         targets = targets[start:start + sizes[mesh.index("batch")]]
+    local_sum, count = _vocab_parallel_sum(mesh, logits, spec, targets, ignore_index)
+    batch_n = mesh.size("batch") if batch_split else 1
+    totals = torch.stack([local_sum.detach(), count])
+    totals = C.all_reduce(totals, mesh.group("batch"), batch_n) if batch_n > 1 else totals
+    denominator = totals[1].clamp(min=1) if reduction == "mean" else torch.ones((), device=logits.device)
+    (local_sum / denominator).backward()
+    return totals[0] / denominator
+
+
+def _vocab_parallel_sum(mesh: Any, logits: torch.Tensor, spec: Any, targets: torch.Tensor,
+                        ignore_index: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of this rank's tokens' losses, differentiable; its count of valid tokens)."""
+    sharding = spec.sharding if spec is not None else None
+    axis = "" if sharding is None or sharding.is_replicated else sharding.axis
+    n, i = mesh.size(axis), mesh.index(axis)
     targets = targets.to(logits.device)
     x = logits.float()  # (..., V/n): this rank's rows and piece of the vocabulary
     local_vocab = x.shape[-1]
@@ -128,11 +144,72 @@ def _vocab_parallel_step(runtime: Any, logits: torch.Tensor, spec: Any, targets:
         sum_exp = _ReduceFrom.apply(sum_exp, mesh, axis, 1.0)
         picked = _ReduceFrom.apply(picked, mesh, axis, 1.0)
     per_token = (sum_exp.log() - picked) * valid
-    local_sum = per_token.sum()
-    count = valid.sum().to(torch.float32)
-    batch_n = mesh.size("batch") if batch_split else 1
-    totals = torch.stack([local_sum.detach(), count])
-    totals = C.all_reduce(totals, mesh.group("batch"), batch_n) if batch_n > 1 else totals
-    denominator = totals[1].clamp(min=1) if reduction == "mean" else torch.ones((), device=x.device)
-    (local_sum / denominator).backward()
-    return totals[0] / denominator
+    return per_token.sum(), valid.sum().to(torch.float32)
+
+
+def _pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tensor, loss_fn: Any,
+                    ce: tuple[int, str] | None) -> torch.Tensor:
+    """pipeline > 1: torch's schedule runs the micro-batches; the loss of micro-batch j is its share of
+    the serial loss, so the summed gradients are the serial step's.
+
+    Cross-entropy: each micro-batch's token losses divided by the valid tokens of the whole global
+    batch (exact, with any ignore_index). Another loss is taken as a mean over samples: micro-batch
+    j's loss (on its rows, full features) is weighted by its rows / the global batch (reduction
+    "sum": weight 1).
+    """
+    mesh, m = runtime.mesh, runtime.num_microbatches
+    exe, values, global_batch, sizes = runtime.pipeline_inputs(args, kwargs)
+    program = exe.program
+    shards = runtime.config.num_batch_shards
+    if ce is not None:  # every rank has the global targets: the serial denominator is known up front
+        ignore_index, reduction = ce
+        total = float(max(int((targets != ignore_index).sum()), 1)) if reduction == "mean" else 1.0
+    else:
+        total = float(global_batch) if getattr(loss_fn, "reduction", "mean") != "sum" else 1.0
+    if shards > 1:
+        start = sum(sizes[:mesh.index("batch")])
+        targets = targets[start:start + sizes[mesh.index("batch")]]
+
+    def micro_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+        out = pytree.tree_unflatten(list(output), exe.out_spec)
+        logits, spec = _logits_and_spec(out, exe.output_specs)
+        tokens = logits.dim() - 1 == target.dim()
+        if ce is not None and tokens and (spec is None or _splits_last_only(spec, logits)):
+            return _vocab_parallel_sum(mesh, logits, spec, target, ce[0])[0] / total
+        if spec is not None and not spec.sharding.is_replicated:  # full features, this rank's rows
+            logits = GatherOutputOp(dataclasses.replace(spec, batch_split=False), mesh, ())(logits)
+        if ce is not None:
+            flat = (logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) if tokens else (logits, target)
+            return F.cross_entropy(*flat, ignore_index=ce[0], reduction="sum") / total
+        if tokens:
+            loss = loss_fn(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+        else:
+            loss = loss_fn(logits, target)
+        return loss * (target.shape[0] / total) if total != 1.0 else loss
+
+    state = program.schedules.get("state")
+    if state is None:
+        state = program.schedules["state"] = {"loss": None}
+        record: dict[int, Any] = {}
+        first = {n: (v[:sizes[mesh.index("batch")] // m] if n in program.specs[0].received else v)
+                 for n, v in values.items()}
+        program.run_sequential(first, record)  # shapes and requires_grad of every boundary, once
+        program.schedules["schedule"] = build_schedule(program, runtime.pipe, m,
+                                                       lambda out, tgt: state["loss"](out, tgt), record)
+    state["loss"] = micro_loss
+    schedule = program.schedules["schedule"]
+    program.bind(values)
+    losses: list[torch.Tensor] = []
+    batch = tuple(values[n] for n in program.specs[0].received)
+    is_first = 0 in program.adapters
+    schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
+    runtime._finish_grads()
+    last = program.num_stages - 1
+    result = torch.zeros(1, device=mesh.device)
+    if last in program.adapters:
+        result = torch.stack([x.detach().float() for x in losses]).sum().reshape(1)
+        if shards > 1:
+            result = C.all_reduce(result, mesh.group("batch"), shards)
+    C.broadcast(result, program.final.src, mesh.group("pipeline"), mesh.size("pipeline"))
+    return result[0]
+

@@ -1,7 +1,8 @@
 """insert_checkpoints: the plan's recomputed segments become checkpointed submodules.
 
 Requires: ``plan.memory.recompute`` names segments of ``gm`` (estimate_memory.segment_names); each
-  segment's nodes are consecutive in the graph.
+  segment's nodes are consecutive in the graph. After split_stages, segments are looked for inside
+  each ``stage_<k>`` submodule (a stage cut falls between blocks, so no block spans two stages).
 Ensures: each such segment is a GraphModule attribute ``checkpoint_<i>`` called through
   ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: its activations are dropped after
   forward and recomputed in backward. The markers inside it are bound like any others, so the
@@ -31,12 +32,20 @@ def insert_checkpoints(gm: fx.GraphModule, plan: Plan) -> PassResult:
     chosen = set(plan.memory.recompute) if plan.memory is not None else set()
     if not chosen:
         return PassResult(gm, False)
-    runs: dict[str, list[fx.Node]] = {}
-    for node, name in segment_names(gm).items():
-        if name in chosen:
-            runs.setdefault(name, []).append(node)
-    for i, nodes in enumerate(runs.values()):
-        outline(gm, nodes, f"checkpoint_{i}", lambda graph, fn, inputs: graph.call_function(
-            torch.utils.checkpoint.checkpoint, (fn, *inputs), {"use_reentrant": False}))
-    notes = (f"recomputed in backward: {', '.join(runs)}",)
+    # After split_stages the blocks live inside the stage submodules: checkpoint them there.
+    stages = [m for name, m in gm.named_children() if name.startswith("stage_") and isinstance(m, fx.GraphModule)]
+    done: list[str] = []
+    for target in stages or [gm]:
+        runs: dict[str, list[fx.Node]] = {}
+        for node, name in segment_names(target).items():
+            if name in chosen:
+                runs.setdefault(name, []).append(node)
+        for i, nodes in enumerate(runs.values()):
+            outline(target, nodes, f"checkpoint_{i}", lambda graph, fn, inputs: graph.call_function(
+                torch.utils.checkpoint.checkpoint, (fn, *inputs), {"use_reentrant": False}))
+        if target is not gm and runs:
+            target.graph.lint()
+            target.recompile()
+        done.extend(runs)
+    notes = (f"recomputed in backward: {', '.join(done)}",)
     return PassResult(gm, True, notes)

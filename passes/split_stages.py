@@ -16,11 +16,13 @@ Before -> After::
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from autopar.config import Plan
 from autopar.errors import PlanError
-from passes.analysis.estimate_memory import segment_names
+from passes.analysis.estimate_memory import block_of, segment_names
+from passes.analysis.graph_facts import module_of
 from passes.outline import outline
 from passes.runner import PassResult
 
@@ -28,6 +30,7 @@ from passes.runner import PassResult
 def split_stages(gm: fx.GraphModule, plan: Plan) -> PassResult:
     if plan.pipeline is None or len(plan.pipeline.stages) < 2:
         return PassResult(gm, False)
+    _sink_prologue(gm)
     stage_of = {seg: k for k, st in enumerate(plan.pipeline.stages) for seg in st.segments}
     runs: list[list[fx.Node]] = [[] for _ in plan.pipeline.stages]
     seg_of = segment_names(gm)
@@ -45,3 +48,33 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> PassResult:
         outline(gm, nodes, f"stage_{k}")
     sizes = ", ".join(str(len(n)) for n in runs)
     return PassResult(gm, True, (f"split into {len(runs)} pipeline stages of {sizes} nodes",))
+
+
+def _sink_prologue(gm: fx.GraphModule) -> None:
+    """Moves each node of a block computed from graph inputs alone (shard_linears' weight conversions,
+    which it puts at the top of the graph) to just before its first user in the same block, so the
+    block's nodes are consecutive again. Random ops stay where they are: moving them would change
+    which numbers they draw."""
+    nodes = list(gm.graph.nodes)
+    position = {n: float(i) for i, n in enumerate(nodes)}
+    prologue: list[fx.Node] = []
+    inputs_only: set[fx.Node] = set()
+    for n in nodes:
+        if n.op in ("placeholder", "get_attr"):
+            inputs_only.add(n)
+        elif n.op != "output" and all(a in inputs_only for a in n.all_input_nodes) and not _is_random(n):
+            inputs_only.add(n)
+            prologue.append(n)
+    for n in reversed(prologue):
+        block = block_of(module_of(n))
+        if not n.users or not block:
+            continue
+        first = min(n.users, key=position.__getitem__)
+        if block_of(module_of(first)) != block:
+            continue
+        first.prepend(n)
+        position[n] = (position[n.prev] + position[first]) / 2  # between its new neighbours
+
+
+def _is_random(node: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())

@@ -30,13 +30,18 @@ def loss_of(model: torch.nn.Module, args: tuple, kwargs: dict, target: torch.Ten
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
 
 
-def train(model: torch.nn.Module, data: list, grads_of=None) -> tuple[list[float], Any]:
-    """Losses of a few AdamW steps; ``grads_of(model)`` is called after the first backward."""
+def train(model: torch.nn.Module, data: list, grads_of=None, step_fn=None) -> tuple[list[float], Any]:
+    """Losses of a few AdamW steps; ``grads_of(model)`` is called after the first backward.
+
+    ``step_fn(model, args, kwargs, target)`` replaces forward + loss + backward (autopar.train_step)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses, grads = [], None
     for step, (args, kwargs, target) in enumerate(data):
-        loss = loss_of(model, args, kwargs, target)
-        loss.backward()
+        if step_fn is None:
+            loss = loss_of(model, args, kwargs, target)
+            loss.backward()
+        else:
+            loss = step_fn(model, args, kwargs, target)
         if step == 0 and grads_of is not None:
             grads = grads_of(model)
         opt.step()
@@ -53,14 +58,25 @@ def serial(name: str, data: list, seed: int = 0, layers: int | None = None
 
 
 def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: int | None = None,
-             seed: int = 0, layers: int | None = None, checkpoint: str | int = "auto") -> dict[str, Any]:
-    """Runs on every rank (forked by run_distributed); returns losses, first-step grads and the plan."""
+             seed: int = 0, layers: int | None = None, checkpoint: str | int = "auto",
+             pipeline: dict[str, Any] | None = None, use_train_step: bool = False) -> dict[str, Any]:
+    """Runs on every rank (forked by run_distributed); returns losses, first-step grads and the plan.
+
+    ``pipeline``: auto_parallelize's pipeline keywords (pipeline=, microbatches=, schedule=, chunks=)."""
     import autopar
     from autopar.context import runtime_of
 
     torch.manual_seed(seed)
-    with autopar.auto_parallelize(tensor=tensor, data=data_degree, checkpoint=checkpoint):
+    with autopar.auto_parallelize(tensor=tensor, data=data_degree, checkpoint=checkpoint, **(pipeline or {})):
         model = zoo.build_model(name, layers=layers)
-    losses, grads = train(model, data, lambda m: runtime_of(m).full_grads())
+    step_fn = None
+    if use_train_step:
+        def step_fn(m, args, kwargs, target):
+            inputs = kwargs if not args else (args if not kwargs else None)
+            assert inputs is not None, "train_step takes positional or keyword inputs, not both"
+            return autopar.train_step(m, inputs, target, F.cross_entropy)
+    losses, grads = train(model, data, lambda m: runtime_of(m).full_grads(), step_fn)
     plan = autopar.plan_of(model)
-    return {"losses": losses, "grads": grads, "plan": plan}
+    held = sum(p.numel() for p in model.parameters())
+    return {"losses": losses, "grads": grads, "plan": plan, "held": held,
+            "state": {k: v for k, v in autopar.full_state_dict(model).items()}}

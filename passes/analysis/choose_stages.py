@@ -90,9 +90,12 @@ def choose_stages(costs: Sequence[float], cuts: Sequence[float], num_stages: int
     return tuple(Stage(a, b, stage_seconds(costs, cuts, a, b)) for a, b in zip(bounds, bounds[1:]))
 
 
-def lower_bound(costs: Sequence[float], num_stages: int) -> float:
-    """No partition beats this: the average stage (without transfers), or the largest segment."""
-    return max(sum(costs) / num_stages, max(costs, default=0.0))
+def lower_bound(costs: Sequence[float], num_stages: int, cuts: Sequence[float] = ()) -> float:
+    """No partition beats this: the largest segment, or the average stage. Stage times sum to the
+    segments' total plus each chosen cut twice (both stages beside it pay its transfer), so the
+    average counts the ``num_stages - 1`` cheapest cuts twice."""
+    cheapest = sorted(cuts)[:max(num_stages - 1, 0)]
+    return max((sum(costs) + 2 * sum(cheapest)) / num_stages, max(costs, default=0.0))
 
 
 def bubble_fraction(num_stages: int, num_microbatches: int, chunks_per_rank: int = 1) -> float:
@@ -185,5 +188,5 @@ def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatch
         for name in h:
             holders.setdefault(name, []).append(k)
     shared = tuple((name, tuple(ks)) for name, ks in holders.items() if len(ks) > 1)
-    return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, total), num_microbatches,
+    return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, total, cuts), num_microbatches,
                         bubble_fraction(num_stages, num_microbatches, chunks_per_rank), shared, chunks_per_rank)

@@ -72,4 +72,7 @@ def test_stages_called_in_order_give_the_outputs_and_gradients_of_the_graph():
     assert torch.equal(got, want)
     assert want_grads.keys() == got_grads.keys()
     for name, g in want_grads.items():
-        assert torch.equal(got_grads[name], g), name
+        # split_stages sinks weight conversions next to their users, which reorders autograd nodes;
+        # the embedding's gradient then sums the same contributions in another order (~1e-7).
+        err = ((got_grads[name] - g).norm() / g.norm()).item()
+        assert err < 1e-6, (name, err)

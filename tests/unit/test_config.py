@@ -26,14 +26,19 @@ def test_config_from_user_infers_data_and_checks_world_size():
 
 def test_config_coords_are_row_major_with_col_fastest():
     c = ParallelConfig(data=2, row=2, col=2, depth=1)
-    assert c.coords(0) == dict(data=0, depth=0, row=0, col=0)
-    assert c.coords(1) == dict(data=0, depth=0, row=0, col=1)
-    assert c.coords(2) == dict(data=0, depth=0, row=1, col=0)
-    assert c.coords(7) == dict(data=1, depth=0, row=1, col=1)
+    assert c.coords(0) == dict(data=0, pipeline=0, depth=0, row=0, col=0)
+    assert c.coords(1) == dict(data=0, pipeline=0, depth=0, row=0, col=1)
+    assert c.coords(2) == dict(data=0, pipeline=0, depth=0, row=1, col=0)
+    assert c.coords(7) == dict(data=1, pipeline=0, depth=0, row=1, col=1)
     d = ParallelConfig(data=2, row=1, col=1, depth=2)
     assert [d.batch_index(r) for r in range(4)] == [0, 1, 2, 3]
     with pytest.raises(ConfigError):
         c.coords(8)
+    # pipeline sits between data and depth; ranks of one stage share the batch shards
+    p = ParallelConfig(data=2, depth=2, pipeline=2)
+    assert p.coords(2) == dict(data=0, pipeline=1, depth=0, row=0, col=0)
+    assert [p.batch_index(r) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
+    assert all(p.rank_of(p.coords(r)) == r for r in range(8))
 
 
 def test_config_batch_sizes_uneven_first_shards_larger():
