@@ -43,7 +43,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
 
     ``pipeline`` > 1 adds the stages a pipeline of that many ranks would use, for ``microbatches``
-    micro-batches of this batch (the runtime does not run pipelines yet). ``checkpoint`` is
+    micro-batches of this batch (as ``auto_parallelize(pipeline=...)`` places them). ``checkpoint`` is
     auto_parallelize's option; ``budget`` (bytes per device) replaces the device's
     memory for "auto" (default: this machine's memory shared by the ranks, as on CPU).
 
@@ -259,8 +259,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rank", type=int, default=0, help="the rank whose bytes and shapes are shown")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
     parser.add_argument("--pipeline", type=int, default=1, metavar="P",
-                        help="also plan P pipeline stages by cost (planning only; the runtime does not run "
-                             "pipelines yet)")
+                        help="pipeline ranks: the blocks are cut into P stages by cost, as "
+                             "auto_parallelize(pipeline=P) runs them (world size data x P x tensor)")
     parser.add_argument("--chunks", type=int, default=1, metavar="V",
                         help="stages per pipeline rank for an interleaved schedule (default 1)")
     parser.add_argument("--microbatches", type=int, default=None, metavar="M",
@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
                              "whenever the shortcut applies)")
     args = parser.parse_args(argv)
     try:
-        config = ParallelConfig(args.data, *args.tensor)
+        config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1))
         module = _load(args.model)
         with torch.device("meta"):
             model = module.build_model()
