@@ -51,27 +51,30 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> PassResult:
 
 
 def _sink_prologue(gm: fx.GraphModule) -> None:
-    """Moves each node of a block computed from graph inputs alone (shard_linears' weight conversions,
-    which it puts at the top of the graph) to just before its first user in the same block, so the
-    block's nodes are consecutive again. Random ops stay where they are: moving them would change
-    which numbers they draw."""
-    nodes = list(gm.graph.nodes)
+    """Moves each block node stranded among other segments (shard_linears puts weight conversions at
+    the top of the graph and input conversions right after their producer) to just before its first
+    user in the same block, so every block's nodes are consecutive again; a conversion of a weight
+    outside the blocks (the final norm) moves next to its user too, so the weight does not travel.
+    Random ops stay where they are: moving them would change which numbers they draw."""
+    nodes = [n for n in gm.graph.nodes]
     position = {n: float(i) for i, n in enumerate(nodes)}
-    prologue: list[fx.Node] = []
-    inputs_only: set[fx.Node] = set()
-    for n in nodes:
-        if n.op in ("placeholder", "get_attr"):
-            inputs_only.add(n)
-        elif n.op != "output" and all(a in inputs_only for a in n.all_input_nodes) and not _is_random(n):
-            inputs_only.add(n)
-            prologue.append(n)
-    for n in reversed(prologue):
+    segment = segment_names(gm)
+    for n in reversed(nodes):
+        if n.op in ("placeholder", "get_attr", "output") or not n.users or _is_random(n):
+            continue
         block = block_of(module_of(n))
-        if not n.users or not block:
-            continue
+        after = n.next
         first = min(n.users, key=position.__getitem__)
-        if block_of(module_of(first)) != block:
+        if not block:  # outside every block: move only conversions of weights read far below
+            if all(a.op in ("placeholder", "get_attr") for a in n.all_input_nodes) \
+                    and segment.get(first) != segment.get(n) and first is not after:
+                first.prepend(n)
+                position[n] = (position[n.prev] + position[first]) / 2
             continue
+        stranded = after.op == "placeholder" or (after.meta.get("nn_module_stack") is not None
+                                                  and block_of(module_of(after)) != block)
+        if not stranded or segment.get(first) != block or first is after:
+            continue  # the next node is in the same block (or carries no module)
         first.prepend(n)
         position[n] = (position[n.prev] + position[first]) / 2  # between its new neighbours
 

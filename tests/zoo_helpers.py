@@ -69,13 +69,13 @@ def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: i
     torch.manual_seed(seed)
     with autopar.auto_parallelize(tensor=tensor, data=data_degree, checkpoint=checkpoint, **(pipeline or {})):
         model = zoo.build_model(name, layers=layers)
-    step_fn = None
-    if use_train_step:
-        def step_fn(m, args, kwargs, target):
-            inputs = kwargs if not args else (args if not kwargs else None)
-            assert inputs is not None, "train_step takes positional or keyword inputs, not both"
-            return autopar.train_step(m, inputs, target, F.cross_entropy)
-    losses, grads = train(model, data, lambda m: runtime_of(m).full_grads(), step_fn)
+    def with_train_step(m, args, kwargs, target):
+        inputs = kwargs if not args else (args if not kwargs else None)
+        assert inputs is not None, "train_step takes positional or keyword inputs, not both"
+        return autopar.train_step(m, inputs, target, F.cross_entropy)
+
+    losses, grads = train(model, data, lambda m: runtime_of(m).full_grads(),
+                          with_train_step if use_train_step else None)
     plan = autopar.plan_of(model)
     held = sum(p.numel() for p in model.parameters())
     return {"losses": losses, "grads": grads, "plan": plan, "held": held,

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.context import runtime_of
 from autopar.errors import InputError, PlanError
+from autopar.examples import zoo
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
 from tests import zoo_helpers as Z
 from tests.helpers import SMALL, rel_err
@@ -165,3 +166,23 @@ def test_pipeline_bad_inputs_raise_clear_errors(distributed):
         assert len(seen) == 2
         assert "do not divide into microbatches=3" in seen[0]
         assert "fewer than pipeline=2" in seen[1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", zoo.NAMES)
+def test_every_zoo_model_runs_two_pipeline_stages(name, distributed):
+    """Every model of the zoo, cut into two stages: train_step where the inputs are one tuple or one
+    dict, the plain call otherwise (encoder-decoders take ids and decoder ids)."""
+    batches = Z.batches(name, batch=4)
+    losses, grads = Z.serial(name, batches)
+    use_train_step = not (batches[0][0] and batches[0][1])
+    results = distributed(Z.parallel, 2, name, batches, (1, 1, 1), 1, 0, None, "auto", {"pipeline": 2},
+                          use_train_step, timeout=300)
+    scale = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
+    for r in results:
+        for got, want in zip(r["losses"], losses, strict=True):
+            assert abs(got - want) <= TOL * abs(want), (name, r["losses"], losses)
+        for k, want in grads.items():
+            err = (r["grads"][k].double() - want.double()).norm().item()
+            assert err <= TOL * (want.double().norm().item() + 1e-2 * scale), (name, k, err)
+        assert len(r["plan"].pipeline.stages) == 2
