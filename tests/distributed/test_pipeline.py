@@ -186,3 +186,28 @@ def test_every_zoo_model_runs_two_pipeline_stages(name, distributed):
             err = (r["grads"][k].double() - want.double()).norm().item()
             assert err <= TOL * (want.double().norm().item() + 1e-2 * scale), (name, k, err)
         assert len(r["plan"].pipeline.stages) == 2
+
+
+def _precision_worker(precision: str) -> list[list[float]]:
+    out = []
+    for pipeline in (1, 2):  # the same 2 ranks as data parallelism, then as two stages
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(pipeline=pipeline, data=2 // pipeline, precision=precision):
+            model = FC_Net(**dict(SMALL, num_layers=4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses = []
+        for x, y in synthetic_mnist(3, 16, SMALL["image_size"], 0):
+            losses.append(autopar.train_step(model, x, y, F.cross_entropy).item())
+            opt.step()
+            opt.zero_grad()
+        out.append(losses)
+    return out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_pipeline_stages_run_under_autocast_like_data_parallel(precision, distributed):
+    # Each stage runs its ops under autocast as the whole model does: the same roundings, so the
+    # losses equal data parallelism's in the same precision to float32 summation noise.
+    for data_parallel, pipelined in distributed(_precision_worker, 2, precision):
+        for a, b in zip(pipelined, data_parallel, strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (pipelined, data_parallel)
