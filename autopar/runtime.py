@@ -146,18 +146,22 @@ class ParallelRuntime:
             return
 
         def at_end() -> None:
-            grads = [p.grad for p in self._unique_params() if p.grad is not None]
-            bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
-            if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
-                with torch.no_grad():
-                    for g in grads:
-                        g.view(-1)[0] = float("inf")
+            self._agree_on_overflow()
 
         def queue(grad: torch.Tensor) -> torch.Tensor:
             torch.autograd.Variable._execution_engine.queue_callback(at_end)
             return grad
 
         first.register_hook(queue)
+
+    def _agree_on_overflow(self) -> None:
+        """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value)."""
+        grads = [p.grad for p in self._unique_params() if p.grad is not None]
+        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
+        if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
+            with torch.no_grad():
+                for g in grads:
+                    g.view(-1)[0] = float("inf")
 
     def _unique_params(self) -> list[nn.Parameter]:
         return list({id(p): p for p in self.params.values()}.values())
@@ -287,12 +291,7 @@ class ParallelRuntime:
                 continue
             p.grad = C.all_reduce(p.grad.contiguous(), self.mesh.stage_group(ranks), len(ranks))
         if self.memory.precision == "fp16":
-            grads = [p.grad for p in self._unique_params() if p.grad is not None]
-            bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
-            if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
-                with torch.no_grad():
-                    for g in grads:
-                        g.view(-1)[0] = float("inf")
+            self._agree_on_overflow()
 
     # ---- pipeline: what train_step needs ----------------------------------------------------------
 

@@ -80,3 +80,16 @@ def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: i
     held = sum(p.numel() for p in model.parameters())
     return {"losses": losses, "grads": grads, "plan": plan, "held": held,
             "state": {k: v for k, v in autopar.full_state_dict(model).items()}}
+
+
+def assert_matches_serial(results: list[dict], losses: list[float], grads: dict[str, torch.Tensor],
+                          tol: float, name: str = "") -> None:
+    """Every rank's losses within ``tol`` relative, and each gradient within ``tol`` of its norm plus 1% of
+    the model's whole gradient norm (some gradients are zero in exact arithmetic: rounding noise)."""
+    scale = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
+    for r in results:
+        for got, want in zip(r["losses"], losses, strict=True):
+            assert abs(got - want) <= tol * abs(want), (name, r["losses"], losses)
+        for k, want in grads.items():
+            err = (r["grads"][k].double() - want.double()).norm().item()
+            assert err <= tol * (want.double().norm().item() + 1e-2 * scale), (name, k, err)

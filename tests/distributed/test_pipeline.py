@@ -128,13 +128,7 @@ def test_zoo_pipeline_matches_serial(name, world, tensor, data, pipe, use_train_
     losses, grads = Z.serial(name, batches, layers=6)
     results = distributed(Z.parallel, world, name, batches, tensor, data, 0, 6, "auto", pipe, use_train_step,
                           timeout=400)
-    scale = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
-    for r in results:
-        for got, want in zip(r["losses"], losses, strict=True):
-            assert abs(got - want) <= TOL * abs(want), (name, r["losses"], losses)
-        for k, want in grads.items():
-            err = (r["grads"][k].double() - want.double()).norm().item()
-            assert err <= TOL * (want.double().norm().item() + 1e-2 * scale), (name, k, err)
+    Z.assert_matches_serial(results, losses, grads, TOL, name)
     plan = results[0]["plan"]
     assert len(plan.pipeline.stages) == pipe["pipeline"]
     if name == "gpt2":  # the tied weight is read by the first and the last stage: gradients summed
@@ -178,13 +172,8 @@ def test_every_zoo_model_runs_two_pipeline_stages(name, distributed):
     use_train_step = not (batches[0][0] and batches[0][1])
     results = distributed(Z.parallel, 2, name, batches, (1, 1, 1), 1, 0, None, "auto", {"pipeline": 2},
                           use_train_step, timeout=300)
-    scale = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
+    Z.assert_matches_serial(results, losses, grads, TOL, name)
     for r in results:
-        for got, want in zip(r["losses"], losses, strict=True):
-            assert abs(got - want) <= TOL * abs(want), (name, r["losses"], losses)
-        for k, want in grads.items():
-            err = (r["grads"][k].double() - want.double()).norm().item()
-            assert err <= TOL * (want.double().norm().item() + 1e-2 * scale), (name, k, err)
         assert len(r["plan"].pipeline.stages) == 2
 
 

@@ -23,13 +23,8 @@ def _check(name: str, tensor: tuple[int, int, int], data: int, distributed) -> N
     losses, grads = Z.serial(name, batches)
     world = tensor[0] * tensor[1] * tensor[2] * data
     results = distributed(Z.parallel, world, name, batches, tensor, data)
-    scale = torch.sqrt(sum(g.double().square().sum() for g in grads.values())).item()
-    for r in results:
-        for got, want in zip(r["losses"], losses, strict=True):
-            assert abs(got - want) <= LOSS_TOL * abs(want), (name, r["losses"], losses)
-        for k, want in grads.items():
-            err = (r["grads"][k].double() - want.double()).norm().item()
-            assert err <= GRAD_TOL * (want.double().norm().item() + 1e-2 * scale), (name, k, err)
+    assert LOSS_TOL == GRAD_TOL
+    Z.assert_matches_serial(results, losses, grads, LOSS_TOL, name)
     assert all(r["plan"] == results[0]["plan"] for r in results)
 
 
