@@ -174,21 +174,29 @@ def _register_hf_caches(model: nn.Module) -> None:
     register_cache_pytrees_for_model(model)
 
 
-def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[int], int]:
-    """Which input leaves are split as the global batch, and its size.
-
-    The batch is dim 0 of the first tensor input; every tensor input with that dim 0 is split.
-    Nothing is split when ``num_shards`` is 1.
-    """
+def batch_leaves(leaves: list[Any]) -> tuple[frozenset[int], int]:
+    """The input leaves that hold the batch, and its size: dim 0 of the first tensor input, and every
+    tensor input with that dim 0."""
     tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if num_shards == 1 or not tensors:
+    if not tensors:
         return frozenset(), 0
     batch = tensors[0][1].shape[0]
+    return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
+
+
+def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[int], int]:
+    """Which input leaves are split as the global batch (``batch_leaves``), and its size.
+
+    Nothing is split when ``num_shards`` is 1.
+    """
+    split, batch = batch_leaves(leaves)
+    if num_shards == 1 or not split:
+        return frozenset(), 0
     if batch < num_shards:
         raise InputError(f"global batch of {batch} rows is smaller than data*depth = {num_shards}: every "
                          f"data and depth rank needs at least one row. Use a batch of at least "
                          f"{num_shards} rows or lower data/depth.")
-    return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
+    return split, batch
 
 
 def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],

@@ -176,13 +176,13 @@ class Link:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=self.src, group=self.group, device=self.device)
             self.metas[key] = box[0]
-        values = []
-        for m in self.metas[key]:
-            if isinstance(m, _Meta):
-                values.append(C.recv(torch.empty(m.shape, dtype=m.dtype, device=self.device), self.src, self.group))
-            else:
-                values.append(m[1])
-        return values, self.metas[key]
+        return _materialize(self.metas[key], self.device, lambda t: C.recv(t, self.src, self.group)), self.metas[key]
+
+
+def _materialize(metas: list[Any], device: torch.device, fill: Callable[[torch.Tensor], torch.Tensor]) -> list[Any]:
+    """The values ``metas`` describe: tensors filled by ``fill`` (a recv or broadcast), other values as sent."""
+    return [fill(torch.empty(m.shape, dtype=m.dtype, device=device)) if isinstance(m, _Meta) else m[1]
+            for m in metas]
 
 
 class _Send(torch.autograd.Function):
@@ -293,13 +293,8 @@ class _FinalLink:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
             self.metas[key] = box[0]
-        values = []
-        for m in self.metas[key]:
-            if isinstance(m, _Meta):
-                values.append(C.broadcast(torch.empty(m.shape, dtype=m.dtype, device=self.device), self.src,
-                                          self.group, self.size))
-            else:
-                values.append(m[1])
+        values = _materialize(self.metas[key], self.device,
+                              lambda t: C.broadcast(t, self.src, self.group, self.size))
         return values, self.metas[key]
 
     def at_end_of_backward(self) -> None:
@@ -331,7 +326,10 @@ class Program:
                            mesh.device) for k in range(num - 1)]
         self.final = _FinalLink(mesh.peer(owner(num - 1, self.num_ranks)), group, self.num_ranks, mesh.device,
                                 at_end_of_backward)
-        self.schedules: dict[Any, Any] = {}
+        self.schedule: Any = None
+        """train_step's torch schedule over this rank's stages, built at its first step."""
+        self.micro_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
+        """The current step's loss of one micro-batch (its denominator depends on the batch)."""
 
     @property
     def num_stages(self) -> int:

@@ -20,7 +20,8 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from autopar import collectives as C
-from autopar.capture import Captured, cache_outputs, capture_shard, meta_shadow, split_batch_leaves
+from autopar.capture import (Captured, batch_leaves, cache_outputs, capture_shard, meta_shadow,
+                             split_batch_leaves)
 from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError, StateDictError
 from autopar.memory import device_budget, half_dtype
@@ -112,16 +113,7 @@ class ParallelRuntime:
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
         local = [scatter_batch(x, self.mesh, sizes) if i in split else x for i, x in enumerate(leaves)]
-        flat = []
-        for kind, target in exe.inputs:
-            if kind is InputKind.PARAMETER:
-                flat.append(self.params[target])
-            elif kind is InputKind.BUFFER:
-                flat.append(self.buffers[target])
-            elif kind is InputKind.CONSTANT:
-                flat.append(exe.constants[target])
-            else:
-                flat.append(local[int(target)])
+        flat = self._graph_inputs(exe, local)
         dtype = half_dtype(self.memory.precision)
         if exe.program is not None:
             values = dict(zip(_placeholders(exe.gm), flat))
@@ -302,7 +294,7 @@ class ParallelRuntime:
         rank's whole shard (torch's schedule cuts it into micro-batches).
         """
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        split, global_batch = _batch_leaves(leaves)
+        split, global_batch = batch_leaves(leaves)  # cut into micro-batches even with one batch shard
         m, shards = self.num_microbatches, self.config.num_batch_shards
         if not split:
             raise InputError("train_step with pipeline > 1 needs a batch: a tensor input whose dim 0 is the "
@@ -320,17 +312,22 @@ class ParallelRuntime:
             exe = self.executables[key] = self._compile(micro, spec, split, micro_sizes, True)
         local = [scatter_batch(x, self.mesh, sizes) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
-        values = {}
-        for node, (kind, target) in zip(_placeholders(exe.gm), exe.inputs):
-            if kind is InputKind.PARAMETER:
-                values[node] = self.params[target]
-            elif kind is InputKind.BUFFER:
-                values[node] = self.buffers[target]
-            elif kind is InputKind.CONSTANT:
-                values[node] = exe.constants[target]
-            else:
-                values[node] = local[int(target)]
+        values = dict(zip(_placeholders(exe.gm), self._graph_inputs(exe, local)))
         return exe, values, global_batch, sizes
+
+    def _graph_inputs(self, exe: Executable, local: list[Any]) -> list[Any]:
+        """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
+        flat = []
+        for kind, target in exe.inputs:
+            if kind is InputKind.PARAMETER:
+                flat.append(self.params[target])
+            elif kind is InputKind.BUFFER:
+                flat.append(self.buffers[target])
+            elif kind is InputKind.CONSTANT:
+                flat.append(exe.constants[target])
+            else:
+                flat.append(local[int(target)])
+        return flat
 
     def _plan_memory(self, gm: fx.GraphModule, plan: Plan) -> MemoryPlan:
         checkpoint = self.memory.checkpoint
@@ -539,15 +536,6 @@ def _travels(node: fx.Node, split: frozenset[int]) -> bool:
     info = input_info(node)
     return info is not None and info.kind is InputKind.USER and int(info.target) in split
 
-
-def _batch_leaves(leaves: list[Any]) -> tuple[frozenset[int], int]:
-    """The batch (dim 0 of the first tensor input) and every tensor input sharing it, as
-    split_batch_leaves finds them, also for a single batch shard (micro-batches cut them)."""
-    tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not tensors:
-        return frozenset(), 0
-    batch = tensors[0][1].shape[0]
-    return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
 
 
 def _sync_grad_world(world: int, grad: torch.Tensor) -> torch.Tensor:

@@ -187,22 +187,19 @@ def _pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tens
             loss = loss_fn(logits, target)
         return loss * (target.shape[0] / total) if total != 1.0 else loss
 
-    state = program.schedules.get("state")
-    if state is None:
-        state = program.schedules["state"] = {"loss": None}
+    if program.schedule is None:
         record: dict[int, Any] = {}
         first = {n: (v[:sizes[mesh.index("batch")] // m] if n in program.specs[0].received else v)
                  for n, v in values.items()}
         program.run_sequential(first, record)  # shapes and requires_grad of every boundary, once
-        program.schedules["schedule"] = build_schedule(program, runtime.pipe, m,
-                                                       lambda out, tgt: state["loss"](out, tgt), record)
-    state["loss"] = micro_loss
-    schedule = program.schedules["schedule"]
+        program.schedule = build_schedule(program, runtime.pipe, m,
+                                          lambda out, tgt: program.micro_loss(out, tgt), record)
+    program.micro_loss = micro_loss
     program.bind(values)
     losses: list[torch.Tensor] = []
     batch = tuple(values[n] for n in program.specs[0].received)
     is_first = 0 in program.adapters
-    schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
+    program.schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
     runtime._finish_grads()
     last = program.num_stages - 1
     result = torch.zeros(1, device=mesh.device)
