@@ -1,0 +1,183 @@
+"""What the harness measures on one rank: communicated bytes, peak memory, step times.
+
+``Instrument`` is one dispatch mode for one (untimed) training step of any system. It sees every
+collective that DDP's reducer, FSDP2, DTensor, torch pipelining and autopar issue, because they all end
+in the dispatcher's ``c10d`` ops (process-group collectives) or ``_c10d_functional`` ops (DTensor's
+functional collectives), and it counts each under the ring formulas of
+``autopar.config.collective_bytes``: the same accounting as ``autopar.comm_stats()``, applied to the
+peers' own calls. (torch's ``CommDebugMode`` sees the same ops but reports only how many.) On CPU it
+also samples the allocator's bytes in use after every op: glibc's ``mallinfo2`` counts every live
+allocation of the process (tensors of any system, DDP's C++ buckets and gloo's buffers included)
+without the RSS's retained pages; on CUDA the caching allocator's peak is read instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import time
+from collections.abc import Callable
+from fractions import Fraction
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.config import collective_bytes
+
+# c10d op -> (kind, how its message size is read). Message = output for all-gather, input for
+# reduce-scatter, the tensor otherwise (autopar.config.collective_bytes).
+_C10D = {
+    "allreduce_": ("all_reduce", "tensors"),
+    "allreduce_coalesced_": ("all_reduce", "tensors"),
+    "broadcast_": ("broadcast", "tensors"),
+    "_allgather_base_": ("all_gather", "output_tensor"),
+    "allgather_": ("all_gather", "output_tensors"),
+    "allgather_coalesced_": ("all_gather", "output_lists"),
+    "allgather_into_tensor_coalesced_": ("all_gather", "outputs"),
+    "_reduce_scatter_base_": ("reduce_scatter", "input_tensor"),
+    "reduce_scatter_": ("reduce_scatter", "input_tensors"),
+    "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
+    "send": ("send", "tensors"),
+}
+_FUNCTIONAL = {
+    "all_reduce": ("all_reduce", "input"),
+    "all_reduce_": ("all_reduce", "input"),
+    "all_reduce_coalesced": ("all_reduce", "inputs"),
+    "all_reduce_coalesced_": ("all_reduce", "inputs"),
+    "all_gather_into_tensor": ("all_gather", "input"),  # output = input x group size
+    "all_gather_into_tensor_out": ("all_gather", "input"),
+    "all_gather_into_tensor_coalesced": ("all_gather", "inputs"),
+    "reduce_scatter_tensor": ("reduce_scatter", "input"),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter", "inputs"),
+    "broadcast": ("broadcast", "input"),
+    "broadcast_": ("broadcast", "input"),
+}
+_SILENT = {"recv_", "recv_any_source_", "barrier", "monitored_barrier_", "wait_tensor", "_wrap_tensor_autograd"}
+"""Ops that send nothing themselves (the sender of a recv counts its bytes; waits and wrappers)."""
+
+
+def _nbytes(value: Any) -> int:
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    if isinstance(value, (list, tuple)):
+        return sum(_nbytes(v) for v in value)
+    return 0
+
+
+def _group_size(named: dict[str, Any]) -> int:
+    if "group_size" in named:
+        return int(named["group_size"])
+    if "group_name" in named:
+        return dist.distributed_c10d._resolve_process_group(named["group_name"]).size()
+    pg = named["process_group"]
+    return (pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)).size()
+
+
+class _Heap:
+    """Bytes in use by the process's allocator (glibc), or None where it cannot be read."""
+
+    def __init__(self) -> None:
+        try:
+            libc = ctypes.CDLL("libc.so.6")
+            fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+            class MallInfo2(ctypes.Structure):
+                _fields_ = [(n, ctypes.c_size_t) for n in fields.split()]
+
+            libc.mallinfo2.restype = MallInfo2
+            self._mallinfo = libc.mallinfo2
+        except (OSError, AttributeError):  # not glibc >= 2.33
+            self._mallinfo = None
+
+    def __call__(self) -> int | None:
+        if self._mallinfo is None:
+            return None
+        m = self._mallinfo()
+        return m.uordblks + m.hblkhd  # small blocks in arenas + mmapped large blocks
+
+
+heap_in_use = _Heap()
+
+
+def memory_in_use(device: torch.device) -> int | None:
+    """Bytes this process holds now: the CUDA allocator's on GPU, the C heap's on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    return heap_in_use()
+
+
+class Instrument(TorchDispatchMode):
+    """``with Instrument(device) as m: step()``, then ``m.bytes`` (per collective kind), ``m.calls``,
+    ``m.peak`` (most bytes in use at once, or None) and ``m.unknown`` (collective ops not counted)."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.bytes: dict[str, Fraction] = {}
+        self.calls: dict[str, int] = {}
+        self.unknown: set[str] = set()
+        self.peak: int | None = None
+
+    def __enter__(self) -> Instrument:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        self.peak = memory_in_use(self.device)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = torch.cuda.max_memory_allocated(self.device)
+
+    @property
+    def total(self) -> Fraction:
+        return sum(self.bytes.values(), Fraction(0))
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        if ns in ("c10d", "_c10d_functional") and name not in _SILENT:
+            self._record(func, ns, name, args, kwargs or {})
+        if self.device.type != "cuda" and self.peak is not None:
+            self.peak = max(self.peak, heap_in_use() or 0)
+        return out
+
+    def _record(self, func: Any, ns: str, name: str, args: tuple, kwargs: dict) -> None:
+        table = _C10D if ns == "c10d" else _FUNCTIONAL
+        if name not in table:
+            self.unknown.add(f"{ns}.{name}")
+            return
+        kind, field = table[name]
+        named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        size = _group_size(named)
+        message = _nbytes(named[field])
+        if field == "input" and kind == "all_gather":
+            message *= size
+        elif field == "output_tensors":  # list (one per input tensor) of lists (one per rank)
+            message = sum(_nbytes(outs) for outs in named[field])
+        self.bytes[kind] = self.bytes.get(kind, Fraction(0)) + collective_bytes(kind, size, message)
+        self.calls[kind] = self.calls.get(kind, 0) + 1
+
+
+def timed(step: Callable[[], Any], device: torch.device) -> tuple[float, Any]:
+    """(seconds, result) of ``step()``, started together on every rank (a barrier first)."""
+    dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    out = step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start, out
+
+
+def slowest_median(times: list[float], device: torch.device) -> float:
+    """The median over steps of the slowest rank's time per step (a step ends when its last rank does)."""
+    t = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return statistics.median(t.tolist())
