@@ -21,7 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.measure import Instrument, memory_in_use, slowest_median, timed
+import autopar  # noqa: F401  before passes.*: their autopar.config import would start autopar's own cycle
+from passes.analysis.choose_stages import Hardware
+from passes.analysis.report import estimate_step_seconds
+
+from benchmarks.measure import Instrument, calibrate, memory_in_use, slowest_median, timed
 from benchmarks.models import SIZES, BenchModel, NotApplicable, bench_model
 from benchmarks.systems import Context, build, param_bytes, parse_grid
 
@@ -38,18 +42,22 @@ def _global_losses(shares: list[torch.Tensor], device: torch.device) -> list[flo
     return t.tolist()
 
 
-def _predicted_bytes(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor) -> float | None:
-    """What ``python -m autopar.trace`` predicts this rank sends per step (pipelines: not modelled yet)."""
+def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardware: Hardware
+               ) -> dict[str, float | None]:
+    """What ``python -m autopar.trace`` predicts for this rank: bytes sent per step, and the step time
+    under this machine's calibrated rates (pipelines: not modelled yet)."""
     import autopar
     from autopar.trace import plan_model
 
     grid = parse_grid(system.split(":", 1)[1], ctx.world)
     if grid.pipeline > 1:
-        return None
+        return {"predicted_bytes": None, "predicted_seconds": None}
     with torch.device("meta"):
         shadow = bm.build()
     config = autopar.ParallelConfig(grid.data, *grid.tensor)
-    return float(plan_model(shadow, (x,), config, rank=ctx.rank)[1].comm_bytes_per_step)
+    plan, report = plan_model(shadow, (x,), config, rank=ctx.rank)
+    return {"predicted_bytes": float(report.comm_bytes_per_step),
+            "predicted_seconds": estimate_step_seconds(report, plan, hardware)}
 
 
 def _preload(bm: BenchModel, device: torch.device) -> None:
@@ -65,7 +73,8 @@ def _preload(bm: BenchModel, device: torch.device) -> None:
     dist.all_reduce(torch.zeros(1, device=device))
 
 
-def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup: int) -> dict[str, Any]:
+def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup: int,
+               hardware: Hardware) -> dict[str, Any]:
     gc.collect()
     base = memory_in_use(ctx.device)
     try:
@@ -95,7 +104,7 @@ def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup:
             "uncounted_ops": sorted(inst.unknown)}
     if model is not None:
         rank["autopar_comm_stats"] = autopar.comm_stats()["total"]
-        rank["predicted_bytes"] = _predicted_bytes(bm, system, ctx, batches[0][0])
+        rank.update(_predicted(bm, system, ctx, batches[0][0], hardware))
         rank["plan"] = autopar.plan_of(model).summary() if ctx.rank == 0 else None
     result["ranks"] = _gathered(rank)
     del runner, model
@@ -124,15 +133,18 @@ def main(argv: list[str] | None = None) -> None:
     ctx = Context(world, rank, device, args.microbatches or 2 * world, args.schedule)
     bm = bench_model(args.model, args.size)
     _preload(bm, device)
+    rates = calibrate(device)
+    hardware = Hardware(rates["flops_per_second"], rates["bytes_per_second"], rates["bytes_per_second"],
+                        rates["collective_seconds"])
     batches = [(x.to(device), y.to(device)) for x, y in bm.make_batches(args.warmup + args.steps + 1,
                                                                          args.batch or bm.batch)]
     report: dict[str, Any] = {"model": bm.name, "size": bm.size, "world": world, "batch": args.batch or bm.batch,
                               "steps": args.steps, "warmup": args.warmup, "microbatches": ctx.microbatches,
                               "schedule": ctx.schedule, "device": str(device.type),
-                              "backend": dist.get_backend(), "threads": torch.get_num_threads(), "systems": []}
+                              "backend": dist.get_backend(), "threads": torch.get_num_threads(), "calibration": rates, "systems": []}
     for system in args.systems:
         try:
-            result = run_system(system, bm, ctx, batches, args.warmup)
+            result = run_system(system, bm, ctx, batches, args.warmup, hardware)
         except Exception:
             # Another rank may be inside a collective: stop the job (torchrun ends the others).
             print(f"@@failed {system}\n{traceback.format_exc()}", flush=True)

@@ -181,3 +181,27 @@ def slowest_median(times: list[float], device: torch.device) -> float:
     t = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return statistics.median(t.tolist())
+
+
+def calibrate(device: torch.device, repeats: int = 10) -> dict[str, float]:
+    """This machine's rates as each rank sees them while every rank runs at once (shared cores
+    included): a GEMM's FLOP rate, and an all-reduce's fixed cost and bandwidth over all ranks (the
+    bytes of ``collective_bytes``). The cost model's ``Hardware`` for predicting step times here."""
+    world = dist.get_world_size()
+    a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
+    small, big = torch.zeros(1, device=device), torch.zeros(1 << 20, device=device)  # 4 B, 4 MiB
+
+    def seconds(fn: Callable[[], Any], n: int) -> float:
+        fn()
+        took, _ = timed(lambda: [fn() for _ in range(n)], device)
+        return took / n
+
+    gemm = seconds(lambda: a @ b, repeats)
+    latency = seconds(lambda: dist.all_reduce(small), 4 * repeats)
+    transfer = seconds(lambda: dist.all_reduce(big), repeats)
+    rates = torch.tensor([2 * 256 * 1024 * 1024 / gemm, latency,
+                          float(collective_bytes("all_reduce", world, big.numel() * 4)) / max(transfer - latency, 1e-9)],
+                         dtype=torch.float64, device=device)
+    dist.all_reduce(rates)  # the ranks' mean
+    flops, latency, bandwidth = (rates / world).tolist()
+    return {"flops_per_second": flops, "collective_seconds": latency, "bytes_per_second": bandwidth}

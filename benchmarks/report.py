@@ -82,14 +82,14 @@ def job_table(job: dict[str, Any]) -> str:
              + (f", pipelines: {job['schedule']} with {job['microbatches']} micro-batches" if any(
                  'p' in s['system'].split(':')[-1] or s['system'] == 'pipe' for s in job['systems']) else ""),
              "",
-             "| system | step (ms) | speedup over serial | vs the same plan's peer | peak memory / rank (MiB) | "
-             "parameters / rank (MiB) | sent / rank / step (MiB) | predicted sent (MiB) | "
-             f"loss after {job['warmup'] + job['steps']} steps |",
-             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| system | step (ms) | predicted step (ms, share of measured) | speedup over serial | vs the same plan's peer | "
+             "peak memory / rank (MiB) | parameters / rank (MiB) | sent / rank / step (MiB) | "
+             f"predicted sent (MiB) | loss after {job['warmup'] + job['steps']} steps |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---:|"]
     for s in job["systems"]:
         name = label(s["system"])
         if s["status"] != "ok":
-            lines.append(f"| {name} | {s['status']}: {s['reason']} | | | | | | | |")
+            lines.append(f"| {name} | {s['status']}: {s['reason']} | | | | | | | | |")
             continue
         t = s["step_seconds"]
         vs_serial = f"{serial['step_seconds'] / t:.2f}x" if serial and s is not serial else ""
@@ -103,9 +103,13 @@ def job_table(job: dict[str, Any]) -> str:
             err = loss_error(s, serial)
             loss += f" ({'=' if err <= LOSS_RTOL else 'DIFFERS:'} {err:.0e})"
         predicted = _max(s, "predicted_bytes")
-        lines.append(f"| {name} | {t * 1e3:,.1f} | {vs_serial} | {vs_peer} | {_mib(_max(s, 'peak_bytes'))} | "
+        ours = s["system"].startswith("autopar")
+        seconds = _max(s, "predicted_seconds")
+        predicted_time = (f"{seconds * 1e3:,.1f} ({seconds / t:.0%})" if seconds is not None
+                          else ("n/a" if ours else ""))
+        lines.append(f"| {name} | {t * 1e3:,.1f} | {predicted_time} | {vs_serial} | {vs_peer} | {_mib(_max(s, 'peak_bytes'))} | "
                      f"{_mib(_max(s, 'param_bytes'))} | {_mib(_max(s, 'comm_bytes'))} | "
-                     f"{_mib(predicted) if predicted is not None else ('n/a' if s['system'].startswith('autopar') else '')} "
+                     f"{_mib(predicted) if predicted is not None else ('n/a' if ours else '')} "
                      f"| {loss} |")
     return "\n".join(lines)
 

@@ -24,7 +24,7 @@ from torch import fx
 
 from autopar.config import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
-from passes.analysis.estimate_costs import Collective
+from passes.analysis.estimate_costs import Collective, matmul_split
 from passes.analysis.estimate_memory import _fraction, segment_names
 from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
@@ -38,6 +38,9 @@ class Hardware:
     """Per-rank bandwidth of tensor-parallel collectives (NVLink within a node)."""
     pipeline_bytes_per_second: float = 25e9
     """Point-to-point bandwidth between pipeline stages (a 200 Gb/s inter-node link)."""
+    collective_seconds: float = 0.0
+    """Fixed cost of one collective (latency). The planner's default leaves it out: at the sizes it
+    plans for, bytes dominate; ``estimate_step_seconds`` uses it for a machine it was measured on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +141,8 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         m = by_node.get(node)
         if m is not None:
             o = plan.matmul(m.weight).orientation
-            flops[seg] += 3.0 * 2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features / (
-                config.size(o.in_axis) * config.size(o.out_axis))
+            flops[seg] += 3.0 * 2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features / matmul_split(
+                config, o)
     comm = dict.fromkeys(order, 0.0)
     for c in collectives:
         if c.phase == "step":  # gradient sync runs once, after the last micro-batch

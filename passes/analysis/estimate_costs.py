@@ -214,6 +214,13 @@ def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, Fraction]:
     return out
 
 
+def matmul_split(config: ParallelConfig, orientation: Orientation) -> int:
+    """Ranks of one batch shard that split a matmul's work: its weight's pieces (1 when replicated)."""
+    if not orientation.is_sharded:
+        return 1
+    return config.size(orientation.in_axis) * config.size(orientation.out_axis)
+
+
 def matmul_flops(m: MatmulMatch, x_requires_grad: bool, w_requires_grad: bool,
                  global_rows: int | None = None) -> int:
     """Forward + backward FLOPs of one matmul over ``global_rows`` rows (default: the captured rows)."""

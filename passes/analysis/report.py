@@ -14,11 +14,13 @@ from typing import Sequence
 from torch import fx
 
 from autopar.config import Orientation, Plan
+from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
     Collective,
     bytes_by_kind,
     list_collectives,
     matmul_flops,
+    matmul_split,
     total_bytes,
 )
 from passes.analysis.graph_facts import param_name, rows_of, tensor_meta
@@ -119,6 +121,23 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
     return StepReport(tuple(rows), tuple(other.items()), num_parameters, sum(r.flops for r in rows),
                       sum(r.flops for r in rows if r.is_sharded), param_bytes, total_bytes(colls),
                       bytes_by_kind(colls), tuple(colls))
+
+def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) -> float:
+    """One rank's training step (pipeline = 1) under ``hardware``: its share of the matmul FLOPs at the
+    sustained rate, plus every collective it joins (its bytes at the tensor-parallel bandwidth, plus the
+    fixed cost per call).
+
+    What is left out (elementwise ops and norms, attention's score and value matmuls, the optimizer,
+    overlap of compute with communication) is what a measured step has on top: ``python -m benchmarks``
+    reports the ratio.
+    """
+    config = plan.config
+    compute = sum(r.flops / (config.num_batch_shards * matmul_split(config, plan.matmul(r.weight).orientation))
+                  for r in report.layers)
+    comm = sum(float(c.bytes) / hardware.tensor_bytes_per_second + hardware.collective_seconds
+               for c in report.collectives if c.group_size > 1)
+    return compute / hardware.flops_per_second + comm
+
 
 def _numel(shape: tuple[int, ...]) -> int:
     n = 1
