@@ -12,7 +12,9 @@ communicated bytes and the peak memory. Rank 0 rewrites the JSON file after each
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import importlib
 import json
 import os
 import traceback
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import autopar  # noqa: F401  before passes.*: their autopar.config import would start autopar's own cycle
+import autopar  # before passes.*: their autopar.config import would start autopar's own import cycle
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.report import estimate_step_seconds
 
@@ -46,7 +48,6 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
                ) -> dict[str, float | None]:
     """What ``python -m autopar.trace`` predicts for this rank: bytes sent per step, and the step time
     under this machine's calibrated rates (pipelines: not modelled yet)."""
-    import autopar
     from autopar.trace import plan_model
 
     grid = parse_grid(system.split(":", 1)[1], ctx.world)
@@ -62,12 +63,9 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
 
 def _preload(bm: BenchModel, device: torch.device) -> None:
     """Imports and the first collective's setup, before any memory baseline: no system pays for them."""
-    import torch.distributed.fsdp  # noqa: F401
-    import torch.distributed.pipelining  # noqa: F401
-    import torch.distributed.tensor.parallel  # noqa: F401
-
-    import autopar.trace  # noqa: F401
-
+    for name in ("torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
+                 "autopar.trace"):
+        importlib.import_module(name)
     with torch.device("meta"):
         bm.build()  # imports the model's modules (transformers)
     dist.all_reduce(torch.zeros(1, device=device))
@@ -83,17 +81,14 @@ def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup:
         return {"system": system, "status": "n/a", "reason": str(e)}
     times, shares = [], []
     for x, y in batches[:-1]:
-        seconds, share = timed(lambda: runner.train(x, y), ctx.device)
+        seconds, share = timed(functools.partial(runner.train, x, y), ctx.device)
         times.append(seconds)
         shares.append(share)
     result: dict[str, Any] = {"system": system, "status": "ok",
                               "step_seconds": slowest_median(times[warmup:], ctx.device),
                               "losses": _global_losses(shares, ctx.device)}
     model = runner.info.get("model")
-    if model is not None:
-        import autopar
-
-        autopar.reset_comm_stats()
+    autopar.reset_comm_stats()
     with Instrument(ctx.device) as inst:
         runner.train(*batches[-1])
     rank = {"peak_bytes": None if inst.peak is None or base is None else inst.peak - base,
@@ -107,7 +102,6 @@ def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup:
         rank.update(_predicted(bm, system, ctx, batches[0][0], hardware))
         rank["plan"] = autopar.plan_of(model).summary() if ctx.rank == 0 else None
     result["ranks"] = _gathered(rank)
-    del runner, model
     return result
 
 

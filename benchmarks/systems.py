@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -64,7 +63,7 @@ def parse_grid(text: str, world: int) -> Grid:
     tensor = tuple(int(v) for v in re.findall(r"\d+", found.get("t", "t1x1x1")))
     pipeline = int(found.get("p", "p1")[1:])
     inner = tensor[0] * tensor[1] * tensor[2] * pipeline
-    data = int(found["d"][1:]) if "d" in found else world // inner
+    data = int(found["d"][1:]) if "d" in found else max(world // inner, 1)
     if data * inner != world or min(*tensor, pipeline, data) < 1:
         raise ValueError(f"autopar grid {text!r} needs {data * inner} ranks (tensor {tensor}, data {data}, "
                          f"pipeline {pipeline}), not {world}. Make the product of the degrees {world}.")

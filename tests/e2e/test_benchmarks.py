@@ -1,0 +1,69 @@
+"""End to end: ``python -m benchmarks`` on a small configuration (run as a command: tests never import
+benchmarks/)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _bench(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "benchmarks", *args], cwd=ROOT, capture_output=True, text=True,
+                          env=ENV, timeout=timeout)
+
+
+@pytest.mark.slow
+def test_benchmark_run_measures_every_system_and_its_checks_hold(tmp_path):
+    done = _bench("--models", "fc_net", "--world-sizes", "2", "--peers", "ddp", "tp", "pipe",
+                  "--grids", "d2", "t2x1x1", "p2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())
+    job, = results["jobs"]
+    systems = {s["system"]: s for s in job["systems"]}
+    assert list(systems) == ["serial", "ddp", "tp", "pipe", "autopar:d2", "autopar:t2x1x1", "autopar:p2"]
+    assert all(s["status"] == "ok" for s in systems.values())
+    serial = systems["serial"]["losses"]
+    assert len(serial) == 2
+    for s in systems.values():  # every system trains to serial's losses (fp32 reassociation only)
+        assert s["losses"] == pytest.approx(serial, rel=1e-5)
+        assert s["step_seconds"] > 0
+        assert all(r["uncounted_ops"] == [] for r in s["ranks"])
+
+    # DDP all-reduces every gradient once: 2(p-1)/p x the parameter bytes, counted from its own calls.
+    ddp = systems["ddp"]["ranks"]
+    assert [r["comm_bytes"] for r in ddp] == [r["param_bytes"] for r in ddp]  # p = 2
+    # autopar's data parallelism sends the same gradient bytes, plus the output gather that gives every
+    # rank the full (64, 10) logits of the unchanged script.
+    for r in systems["autopar:d2"]["ranks"]:
+        assert r["comm_by_kind"] == {"all_reduce": ddp[0]["comm_bytes"], "all_gather": 64 * 10 * 4 / 2}
+    for name in ("autopar:d2", "autopar:t2x1x1", "autopar:p2"):
+        for r in systems[name]["ranks"]:
+            assert r["comm_bytes"] == r["autopar_comm_stats"] > 0
+            if name != "autopar:p2":
+                assert r["comm_bytes"] == r["predicted_bytes"]
+                assert 0 < r["predicted_seconds"]
+    # Tensor parallelism holds half the parameters; a pipeline stage holds one part of the model.
+    whole = systems["serial"]["ranks"][0]["param_bytes"]
+    assert all(r["param_bytes"] < 0.6 * whole for r in systems["autopar:t2x1x1"]["ranks"])
+    assert sum(r["param_bytes"] for r in systems["pipe"]["ranks"]) == whole
+    assert all(r["peak_bytes"] > r["param_bytes"] for s in systems.values() for r in s["ranks"][:1])
+
+    table = (tmp_path / "table.md").read_text()
+    assert "| autopar t2x1x1 |" in table and "DTensor TP's time" in table and "Checks" in table
+    assert table in done.stdout
+
+
+def test_benchmark_rejects_a_grid_that_does_not_fill_the_world(tmp_path):
+    done = _bench("--models", "fc_net", "--world-sizes", "4", "--grids", "t2x2x2", "--out", str(tmp_path))
+    assert done.returncode == 2
+    assert "autopar grid 't2x2x2' needs 8 ranks" in done.stderr
+    done = _bench("--world-sizes", "2", "--grids", "x2", "--out", str(tmp_path))
+    assert done.returncode == 2 and "bad autopar grid 'x2'" in done.stderr
