@@ -12,7 +12,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
 
     python -m benchmarks
     python -m benchmarks --models llama --world-sizes 2 4 --grids t2x1x1 p2 --steps 10
-    python -m benchmarks --size small --models gpt2     # GPT-2 124M: minutes per step on CPU
+    python -m benchmarks --size small --models gpt2     # GPT-2 124M (heavy on CPU: meant for GPUs)
     python -m benchmarks --readme                        # also rewrites README.md's results section
 """
 
