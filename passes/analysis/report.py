@@ -122,6 +122,7 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
                       sum(r.flops for r in rows if r.is_sharded), param_bytes, total_bytes(colls),
                       bytes_by_kind(colls), tuple(colls))
 
+
 def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) -> float:
     """One rank's training step (pipeline = 1) under ``hardware``: its share of the matmul FLOPs at the
     sustained rate, plus every collective it joins (its bytes at the tensor-parallel bandwidth, plus the

@@ -49,3 +49,27 @@ def test_single_linear_matches_design_notes_formula(R, C, D, G):
     # A lone Linear is an output head: split over its outputs unless 3D sends fewer bytes.
     if R * C > 1:
         assert mp.orientation.is_sharded
+
+
+def test_estimate_step_seconds_splits_matmul_work_and_charges_each_collective():
+    from autopar.examples.fc_net import FC_Net
+    from passes.analysis.choose_stages import Hardware
+    from passes.analysis.report import estimate_step_seconds
+
+    with torch.device("meta"):
+        model = FC_Net(num_layers=2, hidden=32, image_size=8, num_classes=16)  # every size divides by 4
+    x = torch.randn(16, 1, 8, 8)
+    compute_only = Hardware(flops_per_second=1e9, tensor_bytes_per_second=float("inf"))
+    per_call = Hardware(flops_per_second=float("inf"), tensor_bytes_per_second=float("inf"), collective_seconds=1.0)
+
+    def estimate(config: ParallelConfig, hardware: Hardware) -> tuple[float, int]:
+        plan, report = plan_model(model, (x,), config, checkpoint="none")
+        return estimate_step_seconds(report, plan, hardware), sum(c.group_size > 1 for c in report.collectives)
+
+    serial, _ = estimate(ParallelConfig(1, 1, 1, 1), compute_only)
+    _, calls = estimate(ParallelConfig(1, 2, 2, 1), per_call)
+    assert serial > 0 and calls > 0
+    for config in (ParallelConfig(4, 1, 1, 1), ParallelConfig(1, 4, 1, 1), ParallelConfig(1, 2, 2, 1),
+                   ParallelConfig(1, 1, 1, 4)):  # each of 4 ranks does a quarter of every matmul
+        assert estimate(config, compute_only)[0] == pytest.approx(serial / 4)
+    assert estimate(ParallelConfig(1, 2, 2, 1), per_call)[0] == calls  # one fixed cost per collective
