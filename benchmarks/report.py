@@ -14,9 +14,12 @@ log = logging.getLogger(__name__)
 
 MIB = 2.0**20
 PEER_NAMES = {"serial": "serial", "ddp": "DDP", "fsdp2": "FSDP2", "tp": "DTensor TP", "pipe": "torch pipelining"}
-LOSS_RTOL = 1e-5
-"""fp32: every system's loss at every step within this relative distance of serial's (lr 1e-4 keeps
-AdamW out of the regime where rounding differences grow step by step)."""
+LOSS_RTOL = 1e-4
+"""fp32: every system's loss at every step within this relative distance of serial's. The first step
+starts from identical parameters, so only the order of sums differs (about 1e-7); AdamW then carries
+such roundoff from step to step (autopar t4x1x1 on FC_Net: first-step gradients within 5e-7 of
+serial's, losses 1.1e-5 apart after 13 steps). lr 1e-4 keeps AdamW out of the regime where the
+differences grow quickly; a missing or doubled gradient sum moves the losses by far more."""
 
 
 def label(system: str) -> str:
