@@ -154,12 +154,13 @@ class Instrument(TorchDispatchMode):
             return
         kind, field = table[name]
         named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        if field not in named:  # a schema this table does not describe: say so rather than guess
+            self.unknown.add(f"{ns}.{name}")
+            return
         size = _group_size(named)
-        message = _nbytes(named[field])
+        message = _nbytes(named[field])  # lists (of lists) of tensors: their sum
         if field == "input" and kind == "all_gather":
             message *= size
-        elif field == "output_tensors":  # list (one per input tensor) of lists (one per rank)
-            message = sum(_nbytes(outs) for outs in named[field])
         self.bytes[kind] = self.bytes.get(kind, Fraction(0)) + collective_bytes(kind, size, message)
         self.calls[kind] = self.calls.get(kind, 0) + 1
 
