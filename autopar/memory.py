@@ -34,6 +34,17 @@ def _heap_reader() -> Any:
     return read
 
 
+def bytes_in_use(device: torch.device) -> int:
+    """What PeakMemory reads: the CUDA allocator's bytes in use, or glibc's heap in use on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.memory_allocated(device)
+    read = _heap_reader()
+    if read is None:
+        raise RuntimeError("reading memory on CPU needs glibc's mallinfo2 (glibc >= 2.33).")
+    return read()
+
+
 class PeakMemory(TorchDispatchMode):
     """``with PeakMemory() as m: ...`` then ``m.peak_bytes``: the most bytes in use above the start.
 

@@ -27,7 +27,8 @@ import autopar  # before passes.*: their autopar.config import would start autop
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.report import estimate_step_seconds
 
-from benchmarks.measure import Instrument, calibrate, memory_in_use, slowest_median, timed
+from autopar.memory import bytes_in_use
+from benchmarks.measure import Instrument, calibrate, slowest_median, timed
 from benchmarks.models import SIZES, BenchModel, NotApplicable, bench_model
 from benchmarks.systems import Context, build, param_bytes, parse_grid
 
@@ -74,7 +75,7 @@ def _preload(bm: BenchModel, device: torch.device) -> None:
 def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup: int,
                hardware: Hardware) -> dict[str, Any]:
     gc.collect()
-    base = memory_in_use(ctx.device)
+    base = bytes_in_use(ctx.device)
     try:
         runner = build(system, bm, ctx)
     except NotApplicable as e:  # raised on every rank alike, before any collective
@@ -91,7 +92,7 @@ def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup:
     autopar.reset_comm_stats()
     with Instrument(ctx.device) as inst:
         runner.train(*batches[-1])
-    rank = {"peak_bytes": None if inst.peak is None or base is None else inst.peak - base,
+    rank = {"peak_bytes": inst.peak - base,
             "param_bytes": param_bytes(runner.modules),
             "comm_bytes": float(inst.total),
             "comm_by_kind": {k: float(v) for k, v in inst.bytes.items()},

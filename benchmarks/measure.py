@@ -5,15 +5,14 @@ collective that DDP's reducer, FSDP2, DTensor, torch pipelining and autopar issu
 in the dispatcher's ``c10d`` ops (process-group collectives) or ``_c10d_functional`` ops (DTensor's
 functional collectives), and it counts each under the ring formulas of
 ``autopar.config.collective_bytes``: the same accounting as ``autopar.comm_stats()``, applied to the
-peers' own calls. (torch's ``CommDebugMode`` sees the same ops but reports only how many.) On CPU it
-also samples the allocator's bytes in use after every op: glibc's ``mallinfo2`` counts every live
+peers' own calls. (torch's ``CommDebugMode`` sees the same ops but reports only how many.) It is also
+autopar's ``PeakMemory``: on CPU glibc's ``mallinfo2`` after every op, which counts every live
 allocation of the process (tensors of any system, DDP's C++ buckets and gloo's buffers included)
-without the RSS's retained pages; on CUDA the caching allocator's peak is read instead.
+without the RSS's retained pages; on CUDA the caching allocator's peak.
 """
 
 from __future__ import annotations
 
-import ctypes
 import statistics
 import time
 from collections.abc import Callable
@@ -22,9 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-
 from autopar.config import collective_bytes
+from autopar.memory import PeakMemory
 
 # c10d op -> (kind, how its message size is read). Message = output for all-gather, input for
 # reduce-scatter, the tensor otherwise (autopar.config.collective_bytes).
@@ -75,76 +73,26 @@ def _group_size(named: dict[str, Any]) -> int:
     return (pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)).size()
 
 
-class _Heap:
-    """Bytes in use by the process's allocator (glibc), or None where it cannot be read."""
-
-    def __init__(self) -> None:
-        try:
-            libc = ctypes.CDLL("libc.so.6")
-            fields = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-
-            class MallInfo2(ctypes.Structure):
-                _fields_ = [(n, ctypes.c_size_t) for n in fields.split()]
-
-            libc.mallinfo2.restype = MallInfo2
-            self._mallinfo = libc.mallinfo2
-        except (OSError, AttributeError):  # not glibc >= 2.33
-            self._mallinfo = None
-
-    def __call__(self) -> int | None:
-        if self._mallinfo is None:
-            return None
-        m = self._mallinfo()
-        return m.uordblks + m.hblkhd  # small blocks in arenas + mmapped large blocks
-
-
-heap_in_use = _Heap()
-
-
-def memory_in_use(device: torch.device) -> int | None:
-    """Bytes this process holds now: the CUDA allocator's on GPU, the C heap's on CPU."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return torch.cuda.memory_allocated(device)
-    return heap_in_use()
-
-
-class Instrument(TorchDispatchMode):
+class Instrument(PeakMemory):
     """``with Instrument(device) as m: step()``, then ``m.bytes`` (per collective kind), ``m.calls``,
-    ``m.peak`` (most bytes in use at once, or None) and ``m.unknown`` (collective ops not counted)."""
+    ``m.unknown`` (collective ops not counted) and, from ``autopar.memory.PeakMemory``, ``m.peak``
+    (the most bytes in use at once, counted from zero, as ``bytes_in_use`` reads them)."""
 
     def __init__(self, device: torch.device) -> None:
-        super().__init__()
-        self.device = device
+        super().__init__(device)
         self.bytes: dict[str, Fraction] = {}
         self.calls: dict[str, int] = {}
         self.unknown: set[str] = set()
-        self.peak: int | None = None
-
-    def __enter__(self) -> Instrument:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        self.peak = memory_in_use(self.device)
-        return super().__enter__()
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = torch.cuda.max_memory_allocated(self.device)
 
     @property
     def total(self) -> Fraction:
         return sum(self.bytes.values(), Fraction(0))
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        out = func(*args, **(kwargs or {}))
+        out = super().__torch_dispatch__(func, types, args, kwargs)
         ns, name = func.namespace, func._schema.name.split("::")[-1]
         if ns in ("c10d", "_c10d_functional") and name not in _SILENT:
             self._record(func, ns, name, args, kwargs or {})
-        if self.device.type != "cuda" and self.peak is not None:
-            self.peak = max(self.peak, heap_in_use() or 0)
         return out
 
     def _record(self, func: Any, ns: str, name: str, args: tuple, kwargs: dict) -> None:
