@@ -237,15 +237,13 @@ class ParallelRuntime:
 
     def _plan_pipeline(self, gm: fx.GraphModule, plan: Plan):
         report = estimate_step(gm, plan)
-        chain = pipeline_chain(gm, plan, report.collectives)
-        m = self.num_microbatches
-        per_micro = [dataclasses.replace(s, seconds=s.seconds / m, cut_seconds=s.cut_seconds / m) for s in chain]
+        chain = pipeline_chain(gm, plan, report.collectives)  # gm is one micro-batch's graph
         num_stages = self.config.pipeline * self.pipe.stages_per_rank
         if len(chain) < num_stages:
             raise PlanError(f"the model has {len(chain)} blocks to cut into pipeline stages, fewer than "
                             f"pipeline={self.config.pipeline} x {self.pipe.stages_per_rank} stages per rank = "
                             f"{num_stages}. Lower pipeline= (or chunks=).")
-        planned = plan_pipeline(per_micro, self.config.pipeline, m, self.pipe.stages_per_rank)
+        planned = plan_pipeline(chain, self.config.pipeline, self.num_microbatches, self.pipe.stages_per_rank)
         return dataclasses.replace(planned, schedule=self.pipe.schedule)
 
     def _hold_own_stages(self, program: Program) -> None:

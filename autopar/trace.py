@@ -21,17 +21,21 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.capture import capture_shard, meta_shadow, repeated_blocks, split_batch_leaves, truncated_blocks
+from autopar.capture import (batch_leaves, capture_shard, meta_shadow, repeated_blocks, split_batch_leaves,
+                             truncated_blocks)
 from autopar.config import MemoryConfig, ParallelConfig, Plan
 from autopar.memory import device_budget, half_dtype
-from autopar.errors import AutoparError, ConfigError
+from autopar.errors import AutoparError, ConfigError, InputError
 from passes.analysis.make_plan import make_plan
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
+from passes.analysis.estimate_costs import Collective, loss_collectives
+from passes.analysis.make_plan import layouts_for
+from passes.analysis.pipeline_comm import pipeline_collectives, pipeline_flops
 from passes.analysis.estimate_memory import MemoryProfile, estimate_memory
 from passes.analysis.repeat_blocks import (Repeat, repeat_chain, repeat_memory, repeat_plan, repeat_report,
                                           template_holds)
-from passes.analysis.report import StepReport, estimate_step
+from passes.analysis.report import StepReport, estimate_step, summarize
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +47,10 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch.
 
     ``pipeline`` > 1 adds the stages a pipeline of that many ranks would use, for ``microbatches``
-    micro-batches of this batch (as ``auto_parallelize(pipeline=...)`` places them). ``checkpoint`` is
+    micro-batches of this batch (as ``auto_parallelize(pipeline=...)`` places them). Like the runtime, it
+    then plans from one micro-batch: the table shows a micro-batch's shapes (FLOPs are still the whole
+    step's), and the bytes are what ``rank`` sends in one ``train_step`` with cross-entropy
+    (passes/analysis/pipeline_comm.py): its stages, sends, gradient sync and loss. ``checkpoint`` is
     auto_parallelize's option; ``budget`` (bytes per device) replaces the device's
     memory for "auto" (default: this machine's memory shared by the ranks, as on CPU).
 
@@ -52,6 +59,9 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     plans in seconds instead of exporting 80 layers. If the cut model does not capture, or its two
     last blocks are not planned alike, the whole model is captured instead.
     """
+    pipeline = max(pipeline, config.pipeline)
+    if config.pipeline != pipeline:  # the plan's config says where each rank sits, pipeline included
+        config = dataclasses.replace(config, pipeline=pipeline)
     dtype = half_dtype(MemoryConfig(checkpoint, precision).precision)
     if isinstance(checkpoint, int):
         budget = checkpoint
@@ -59,42 +69,53 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
         budget = device_budget(torch.device("cpu"), config.world_size)
     shadow = model if _is_meta(model) else meta_shadow(model)
     lists = repeated_blocks(shadow) if repeat else []
+    micro = microbatches if pipeline > 1 else 0
     found = None
     if lists:
         try:
             with truncated_blocks(shadow, lists):
-                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, pipeline > 1)
+                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro)
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
     if found is not None:
-        plan, report, profile, chain = found
+        plan, report, profile, chain, loss = found
         repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
         if all(template_holds(plan, report, r, profile) for r in repeats):
             full = repeat_plan(plan, repeats)
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
-                           repeat_chain(chain, repeats), checkpoint, budget, pipeline, microbatches, chunks)
-    plan, report, profile, chain = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, pipeline > 1)
-    return _finish(plan, report, profile, chain, checkpoint, budget, pipeline, microbatches, chunks)
+                           repeat_chain(chain, repeats), loss, checkpoint, budget, pipeline, microbatches,
+                           chunks, rank)
+    plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro)
+    return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank)
 
 
 def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
-            checkpoint: str | int, budget: int | None, pipeline: int, microbatches: int,
-            chunks: int = 1) -> tuple[Plan, StepReport]:
+            loss: tuple[Collective, ...], checkpoint: str | int, budget: int | None, pipeline: int,
+            microbatches: int, chunks: int, rank: int) -> tuple[Plan, StepReport]:
     plan = dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget))
-    if pipeline > 1:  # times scale with rows: one micro-batch is 1/microbatches of the captured batch
-        per_micro = [dataclasses.replace(s, seconds=s.seconds / microbatches, cut_seconds=s.cut_seconds / microbatches)
-                     for s in chain]
-        plan = dataclasses.replace(plan, pipeline=plan_pipeline(per_micro, pipeline, microbatches, chunks))
+    if pipeline > 1:  # everything was captured for one micro-batch, as the runtime compiles it
+        plan = dataclasses.replace(plan, pipeline=plan_pipeline(chain, pipeline, microbatches, chunks))
+        step = [c for c in report.collectives if c.phase == "step"]
+        me = plan.config.coords(rank)["pipeline"]
+        colls = pipeline_collectives(chain, plan, step, loss, me, microbatches)
+        rows = [dataclasses.replace(r, flops=r.flops * microbatches) for r in report.layers]
+        report = dataclasses.replace(summarize(rows, colls, report.num_parameters, plan),
+                                     rank_flops=pipeline_flops(chain, plan, me, microbatches))
     return plan, report
 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
-                   rank: int, dtype: torch.dtype | None = None, stages: bool = False
-                   ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...]]:
+                   rank: int, dtype: torch.dtype | None = None, microbatches: int = 0
+                   ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...], tuple[Collective, ...]]:
+    """Captures and plans; with ``microbatches`` (pipelines) one micro-batch of this batch, as the
+    runtime does, and also the pipeline chain and the loss's collectives."""
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
-    split, batch = split_batch_leaves(leaves, config.num_batch_shards)
-    sizes = config.batch_sizes(batch) if split else ()
+    if microbatches:
+        split, sizes = _micro_sizes(leaves, config, microbatches)
+    else:
+        split, batch = split_batch_leaves(leaves, config.num_batch_shards)
+        sizes = config.batch_sizes(batch) if split else ()
     requires_grad = {n: p.requires_grad for n, p in shadow.named_parameters(remove_duplicate=False)}
     canonical = capture_shard(shadow, leaves, spec, split, sizes, 0, requires_grad=requires_grad)
     plan = make_plan(canonical.gm, config)
@@ -102,8 +123,25 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
                                                       requires_grad=requires_grad)
     report = estimate_step(mine.gm, plan)
-    chain = pipeline_chain(mine.gm, plan, report.collectives) if stages else ()
-    return plan, report, estimate_memory(canonical.gm, plan, dtype), chain
+    chain, loss = (), ()
+    if microbatches:
+        chain = pipeline_chain(mine.gm, plan, report.collectives)
+        loss = tuple(loss_collectives(mine.gm, layouts_for(mine.gm, plan)[0], config))
+    return plan, report, estimate_memory(canonical.gm, plan, dtype), chain, loss
+
+
+def _micro_sizes(leaves: list[Any], config: ParallelConfig, microbatches: int) -> tuple[frozenset[int], tuple[int, ...]]:
+    """The batch leaves and one micro-batch's rows per batch shard (``Runtime.pipeline_inputs``'s rule)."""
+    split, batch = batch_leaves(leaves)
+    if not split:
+        raise InputError("a pipeline needs a batch: a tensor input whose dim 0 is the batch (it is cut into "
+                         "micro-batches).")
+    sizes = config.batch_sizes(batch)
+    if any(s % microbatches for s in sizes) or min(sizes) == 0:
+        raise InputError(f"the global batch of {batch} rows gives batch shards of {sizes} rows (data x depth = "
+                         f"{config.num_batch_shards}), which do not divide into microbatches={microbatches}. "
+                         f"Use a global batch that is a multiple of {config.num_batch_shards * microbatches}.")
+    return split, tuple(s // microbatches for s in sizes)
 
 
 def _is_meta(model: nn.Module) -> bool:
@@ -264,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--chunks", type=int, default=1, metavar="V",
                         help="stages per pipeline rank for an interleaved schedule (default 1)")
     parser.add_argument("--microbatches", type=int, default=None, metavar="M",
-                        help="micro-batches per step for --pipeline (default: 4 x P)")
+                        help="micro-batches per step for --pipeline (default: P, as auto_parallelize's); each "
+                             "batch shard's rows must divide by it")
     parser.add_argument("--checkpoint", default="auto", choices=("auto", "none", "full"),
                         help="activation checkpointing policy, as auto_parallelize's checkpoint= (default auto)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
@@ -288,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
                                   checkpoint=args.checkpoint, budget=args.memory_per_device,
                                   precision=args.precision, pipeline=args.pipeline,
-                                  microbatches=args.microbatches or 4 * args.pipeline, chunks=args.chunks)
+                                  microbatches=args.microbatches or args.pipeline, chunks=args.chunks)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

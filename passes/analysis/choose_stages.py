@@ -28,6 +28,7 @@ from passes.analysis.estimate_costs import Collective, matmul_split
 from passes.analysis.estimate_memory import _fraction, segment_names
 from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
+from passes.ir import input_info
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +120,13 @@ class ChainSegment:
     """Sending the tensors that cross a cut after this segment (forward) and their gradients (backward)."""
     params: tuple[tuple[str, int], ...]
     """Parameters the segment reads, with this rank's fp32 bytes of each (a tied weight is read by two)."""
+    collectives: tuple[Collective, ...] = ()
+    """The tensor-parallel collectives its forward and backward issue (one step of the captured batch)."""
+    flops: float = 0.0
+    """This rank's matmul FLOPs of its forward and backward (one step of the captured batch)."""
+    crossing: tuple[tuple[int, bool], ...] = ()
+    """Each tensor a cut after this segment would send: (this rank's bytes, whether its gradient is
+    sent back)."""
 
 
 def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collective],
@@ -144,22 +152,31 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
             flops[seg] += 3.0 * 2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features / matmul_split(
                 config, o)
     comm = dict.fromkeys(order, 0.0)
+    issued: dict[str, list[Collective]] = {name: [] for name in order}
+    by_name = {n.name: seg for n, seg in seg_of.items()}
     for c in collectives:
-        if c.phase == "step":  # gradient sync runs once, after the last micro-batch
-            continue
-        seg = of_param.get(c.where) or of_module.get(c.where)
-        if seg is None:
-            seg = order[0] if c.where == "<input>" else order[-1]
+        if c.phase == "step" or c.where in ("<input>", "<output>"):
+            continue  # once per step (gradient sync), or not run by a pipeline (train_step's loss instead)
+        seg = by_name.get(c.node) or of_param.get(c.where) or of_module.get(c.where) or order[-1]
         comm[seg] += float(c.bytes)
-    crossing = [0.0] * len(order)  # bytes live across a cut after segment k
-    for node, seg in seg_of.items():
+        issued[seg].append(c)
+    crossing: list[list[tuple[int, bool]]] = [[] for _ in order]  # tensors live across a cut after segment k
+    last = len(order) - 1
+    for node in gm.graph.nodes:
+        info = input_info(node) if node.op == "placeholder" else None
+        if node in seg_of:
+            born = index[seg_of[node]]
+        elif info is not None and info.batch_split:  # a batch input travels from stage 0 to its last reader
+            born = 0
+        else:
+            continue  # parameters, buffers and constants are bound on every rank
         t = tensor_meta(node)
-        users = [index[seg_of[u]] for u in node.users if u in seg_of]
+        users = [last if u.op == "output" else index[seg_of[u]] for u in node.users if u in seg_of or u.op == "output"]
         if t is None or not users:
             continue
-        nbytes = t.numel() * t.element_size() * float(_fraction(res.sharding(node), sizes))
-        for k in range(index[seg], max(users)):
-            crossing[k] += nbytes
+        nbytes = int(t.numel() * t.element_size() * _fraction(res.sharding(node), sizes))
+        for k in range(born, max(users)):
+            crossing[k].append((nbytes, bool(res.requires_grad.get(node, False))))
     params = {p.name: p.local_numel(config) * 4 for p in plan.params}
     held: dict[str, dict[str, int]] = {name: {} for name in order}
     for node, seg in seg_of.items():
@@ -168,7 +185,8 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
                 held[seg][name] = params[name]
     return tuple(ChainSegment(name, flops[name] / hardware.flops_per_second
                               + comm[name] / hardware.tensor_bytes_per_second,
-                              2 * crossing[k] / hardware.pipeline_bytes_per_second, tuple(held[name].items()))
+                              sum(b * (1 + g) for b, g in crossing[k]) / hardware.pipeline_bytes_per_second,
+                              tuple(held[name].items()), tuple(issued[name]), flops[name], tuple(crossing[k]))
                  for k, name in enumerate(order))
 
 

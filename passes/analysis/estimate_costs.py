@@ -18,7 +18,7 @@ accounting per op mirrors the implementations in autopar.ops one to one:
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
 
 from torch import fx
@@ -52,6 +52,9 @@ class Collective:
     """forward, backward, or step (gradient synchronization after backward)."""
     where: str
     """Module FQN or parameter name, for the plan table."""
+    node: str = field(default="", compare=False)
+    """Name of the graph node whose op issues it (its pipeline stage); '' for the gradient sync and the
+    model's inputs and outputs."""
 
     @property
     def bytes(self) -> Fraction:
@@ -78,7 +81,7 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     where = m.module or m.weight
 
     def c(kind: str, axis: str, nbytes: int, phase: str) -> Collective:
-        return Collective(kind, axis, axis_size(config, axis), nbytes, phase, where)
+        return Collective(kind, axis, axis_size(config, axis), nbytes, phase, where, m.node.name)
 
     if not orientation.is_3d:
         if not x_requires_grad:
@@ -97,20 +100,21 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
 
 
 def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requires_grad: bool,
-                           config: ParallelConfig, where: str) -> list[Collective]:
+                           config: ParallelConfig, where: str, at: str = "") -> list[Collective]:
     t = tensor_meta(producer)
     nbytes = t.numel() * t.element_size()
     out = []
     if not src.is_replicated:
-        out.append(Collective("all_gather", src.axis, config.size(src.axis), nbytes, "forward", where))
+        out.append(Collective("all_gather", src.axis, config.size(src.axis), nbytes, "forward", where, at))
     if not dst.is_replicated and requires_grad:
-        out.append(Collective("all_gather", dst.axis, config.size(dst.axis), nbytes, "backward", where))
+        out.append(Collective("all_gather", dst.axis, config.size(dst.axis), nbytes, "backward", where, at))
     return [c for c in out if c.group_size > 1]
 
 
 def _all_reduce_of(node: fx.Node, axis: str, config: ParallelConfig, where: str) -> list[Collective]:
     t = tensor_meta(node)
-    out = [Collective("all_reduce", axis, config.size(axis), t.numel() * t.element_size(), "forward", where)]
+    out = [Collective("all_reduce", axis, config.size(axis), t.numel() * t.element_size(), "forward", where,
+                      node.name)]
     return [c for c in out if c.group_size > 1]
 
 
@@ -137,6 +141,28 @@ def input_collectives(node: fx.Node, batch: BatchInfo | None, config: ParallelCo
     row_bytes = t.numel() // max(t.shape[0], 1) * t.element_size()
     padded = max(batch.local_sizes) * len(batch.local_sizes) * row_bytes
     out = [Collective("all_gather", "batch", config.num_batch_shards, padded, "backward", "<input>")]
+    return [c for c in out if c.group_size > 1]
+
+
+def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConfig) -> list[Collective]:
+    """What ``train_step``'s cross-entropy on the first output (the logits) issues for one (micro-)batch
+    under pipelining, where the outputs are not gathered: logits split along the vocabulary only take
+    the vocabulary-parallel path (the max, the sum of exponentials and the picked logit: one
+    all-reduce each of one fp32 value per token, forward); logits split another way are gathered."""
+    outs = output_node(gm).args[0]  # export's flat outputs; the logits come first (a tensor, a tuple, HF output)
+    leaves = list(outs) if isinstance(outs, (tuple, list)) else [outs]
+    logits = next((a for a in leaves if isinstance(a, fx.Node) and tensor_meta(a) is not None), None)
+    if logits is None:
+        return []
+    t, sharding = tensor_meta(logits), res.sharding(logits)
+    if sharding.is_replicated:
+        return []
+    size = config.size(sharding.axis)
+    if sharding.dim == t.dim() - 1 and len(sharding.parts) == 1:
+        tokens = t.numel() // t.shape[-1]
+        out = [Collective("all_reduce", sharding.axis, size, tokens * 4, "forward", "<loss>") for _ in range(3)]
+    else:
+        out = [Collective("all_gather", sharding.axis, size, t.numel() * t.element_size(), "forward", "<loss>")]
     return [c for c in out if c.group_size > 1]
 
 
@@ -172,7 +198,7 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             continue
         done.add((producer, dst))
         out += conversion_collectives(producer, res.sharding(producer), dst, res.requires_grad.get(producer, False),
-                                      config, module_of(consumer) or str(consumer.target))
+                                      config, module_of(consumer) or str(consumer.target), consumer.name)
     summed: set[tuple[fx.Node, Sharding | None, str]] = set()
     for (consumer, producer), axis in res.grad_sums.items():
         key = (producer, res.conversions.get((consumer, producer)), axis)
@@ -180,7 +206,7 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             summed.add(key)
             t = tensor_meta(producer)
             c = Collective("all_reduce", axis, config.size(axis), t.numel() * t.element_size(), "backward",
-                           module_of(consumer) or str(consumer.target))
+                           module_of(consumer) or str(consumer.target), producer.name)  # sum_grad follows the producer
             out += [c] if c.group_size > 1 else []
     for node, spec in res.reductions.items():
         out += _all_reduce_of(node, spec.axis, config, module_of(node) or str(node.target))

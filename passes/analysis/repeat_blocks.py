@@ -134,7 +134,8 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
 
 def _renamed_segment(s: ChainSegment, r: Repeat, src: int, dst: int) -> ChainSegment:
     return dataclasses.replace(s, name=r.rename(s.name, src, dst),
-                               params=tuple((r.rename(n, src, dst), b) for n, b in s.params))
+                               params=tuple((r.rename(n, src, dst), b) for n, b in s.params),
+                               collectives=tuple(_renamed(c, r, src, dst) for c in s.collectives))
 
 
 def repeat_chain(chain: Sequence[ChainSegment], repeats: Sequence[Repeat]) -> tuple[ChainSegment, ...]:

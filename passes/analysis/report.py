@@ -7,6 +7,7 @@ captured for that rank's batch shard and the Plan; communicated bytes use the sa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Sequence
@@ -60,6 +61,9 @@ class StepReport:
     comm_bytes_per_step: Fraction
     comm_bytes_by_kind: dict[str, Fraction] = field(default_factory=dict)
     collectives: tuple[Collective, ...] = ()
+    rank_flops: float | None = None
+    """Matmul FLOPs this rank computes per step when it runs part of the model only (its pipeline
+    stages); None: its share of every row."""
 
 
 def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
@@ -82,39 +86,44 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
             if node.users:  # an unused placeholder is export's alias of a tied weight, counted once
                 num_parameters += _numel(shapes[name])
 
-    by_where: dict[str, Fraction] = {}
-    for c in colls:
-        by_where[c.where] = by_where.get(c.where, Fraction(0)) + c.bytes
-    rows, attributed = [], set()
+    rows = []
     for m in matches:
         mp = plan.matmul(m.weight)
         global_rows = int(rows_of(tensor_meta(m.x)) * scale)
         flops = matmul_flops(m, res.requires_grad[m.x], grad_of[m.weight], global_rows)
-        where = m.module or m.weight
-        comm = by_where.get(where, Fraction(0)) if where not in attributed else Fraction(0)
-        for p in (m.weight, m.bias):
-            if p is not None:
-                comm += by_where.get(p, Fraction(0))
-                attributed.add(p)
-        attributed.add(where)
         nparams = _numel(shapes[m.weight]) + (_numel(shapes[m.bias]) if m.bias else 0)
         sharding = (f"replicated: {mp.reason}" if mp.orientation is Orientation.REPLICATED
                     else mp.orientation.value)
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
-                             tuple(tensor_meta(m.node).shape), nparams, flops, sharding, comm))
+                             tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
     return summarize(rows, colls, num_parameters, plan)
 
 
 def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,
               plan: Plan) -> StepReport:
-    """Totals over the per-matmul rows and every collective; the rest of the bytes by where they occur."""
-    attributed = {n for r in rows for n in (r.module or r.weight, r.weight, r.bias) if n}
+    """Totals over the per-matmul rows and every collective; each row's bytes are its module's and its
+    weight's and bias's collectives (each counted at its first row), the rest listed by where they occur."""
+    by_where: dict[str, Fraction] = {}
+    for c in colls:
+        by_where[c.where] = by_where.get(c.where, Fraction(0)) + c.bytes
+    counted: set[str] = set()
+    with_comm = []
+    for r in rows:
+        names = [n for n in dict.fromkeys((r.module or r.weight, r.weight, r.bias)) if n and n not in counted]
+        counted.update(names)
+        with_comm.append(dataclasses.replace(r, comm_bytes=sum((by_where.get(n, Fraction(0)) for n in names),
+                                                               Fraction(0))))
+    rows = with_comm
     other: dict[str, Fraction] = {}
     for c in colls:
-        if c.where in attributed:
+        if c.where in counted:
             continue
-        label = {"<output>": "output gather", "<input>": "input gradient gather"}.get(c.where)
-        if label is None:
+        label = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(c.where)
+        if label is None and c.kind == "send":
+            label = f"pipeline sends ({c.phase})"
+        elif label is None and c.where in shared_names(plan):
+            label = "tied weight gradients over the pipeline"
+        elif label is None:
             label = "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
         other[label] = other.get(label, Fraction(0)) + c.bytes
     param_bytes = sum(p.local_numel(plan.config) * 4 for p in plan.params)  # fp32 parameters
@@ -124,20 +133,35 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
 
 
 def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) -> float:
-    """One rank's training step (pipeline = 1) under ``hardware``: its share of the matmul FLOPs at the
-    sustained rate, plus every collective it joins (its bytes at the tensor-parallel bandwidth, plus the
-    fixed cost per call).
+    """One rank's training step under ``hardware``: its share of the matmul FLOPs at the sustained rate,
+    plus every collective it joins (its bytes at the tensor-parallel bandwidth, sends at the pipeline
+    one, plus the fixed cost per call). In a pipeline the work of the micro-batches is stretched by the
+    plan's bubble (busy / (1 - bubble)); the gradient sync after them is not.
 
     What is left out (elementwise ops and norms, attention's score and value matmuls, the optimizer,
     overlap of compute with communication) is what a measured step has on top: ``python -m benchmarks``
     reports the ratio.
     """
     config = plan.config
-    compute = sum(r.flops / (config.num_batch_shards * matmul_split(config, plan.matmul(r.weight).orientation))
-                  for r in report.layers)
-    comm = sum(float(c.bytes) / hardware.tensor_bytes_per_second + hardware.collective_seconds
-               for c in report.collectives if c.group_size > 1)
-    return compute / hardware.flops_per_second + comm
+    compute = report.rank_flops
+    if compute is None:
+        compute = sum(r.flops / (config.num_batch_shards * matmul_split(config, plan.matmul(r.weight).orientation))
+                      for r in report.layers)
+
+    def seconds(c: Collective) -> float:
+        rate = hardware.pipeline_bytes_per_second if c.kind == "send" else hardware.tensor_bytes_per_second
+        return float(c.bytes) / rate + hardware.collective_seconds
+
+    busy = compute / hardware.flops_per_second + sum(seconds(c) for c in report.collectives
+                                                     if c.group_size > 1 and c.phase != "step")
+    if plan.pipeline is not None:
+        busy /= 1 - plan.pipeline.bubble_fraction
+    return busy + sum(seconds(c) for c in report.collectives if c.group_size > 1 and c.phase == "step")
+
+
+def shared_names(plan: Plan) -> set[str]:
+    """Parameters read by several pipeline stages (tied weights)."""
+    return {name for name, _ in plan.pipeline.shared} if plan.pipeline is not None else set()
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -200,3 +200,48 @@ def test_pipeline_stages_run_under_autocast_like_data_parallel(precision, distri
     for data_parallel, pipelined in distributed(_precision_worker, 2, precision):
         for a, b in zip(pipelined, data_parallel, strict=True):
             assert abs(a - b) <= 1e-5 * abs(b), (pipelined, data_parallel)
+
+
+def _pipeline_bytes_worker(cases: list[tuple]) -> list[tuple[str, dict, dict]]:
+    """Per case: (case, bytes by kind this rank sent in its second train_step, what the trace predicts)."""
+    from autopar.trace import plan_model
+
+    out = []
+    for name, tensor, data, pipe in cases:
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(tensor=tensor, data=data, **pipe):
+            model = zoo.build_model(name, layers=6)
+        (args, kwargs, target), = Z.batches(name, steps=1, batch=8)
+        inputs = (args[0],) if not kwargs else {"input_ids": args[0], **kwargs}
+        autopar.train_step(model, inputs, target, F.cross_entropy)  # compiles; records each boundary once
+        model.zero_grad()
+        autopar.reset_comm_stats()
+        autopar.train_step(model, inputs, target, F.cross_entropy)
+        measured = {k: v for k, v in autopar.comm_stats().items() if v}
+        runtime = runtime_of(model)
+        with torch.device("meta"):
+            meta = zoo.build_model(name, layers=6)
+        _, report = plan_model(meta, args, runtime.config, rank=dist.get_rank(), kwargs=kwargs,
+                               pipeline=runtime.config.pipeline, microbatches=runtime.num_microbatches,
+                               chunks=runtime.pipe.stages_per_rank)
+        predicted = {k: float(v) for k, v in report.comm_bytes_by_kind.items() if v}
+        predicted["total"] = float(report.comm_bytes_per_step)
+        out.append((f"{name} p{pipe} t{tensor} d{data}", measured, predicted))
+    return out
+
+
+PIPELINE_BYTES_CASES = [  # 4 ranks: every kind of collective a pipeline rank issues
+    ("gpt2", (2, 1, 1), 1, {"pipeline": 2}),  # tied weight over the pipeline, vocabulary-parallel loss
+    ("llama", (1, 2, 1), 1, {"pipeline": 2, "microbatches": 4}),
+    ("llama", (1, 1, 2), 1, {"pipeline": 2, "microbatches": 4}),  # weight gathers once per micro-batch
+    ("gpt2", (1, 1, 1), 2, {"pipeline": 2, "schedule": "gpipe"}),  # gradient sync and loss over data
+    ("llama", (1, 1, 1), 1, {"pipeline": 4}),  # rotary tables pass through every stage
+    ("llama", (1, 1, 1), 2, {"pipeline": 2, "schedule": "interleaved", "microbatches": 4}),
+]
+
+
+@pytest.mark.slow
+def test_trace_predicts_every_byte_a_pipeline_rank_sends(distributed):
+    for rank, per_rank in enumerate(distributed(_pipeline_bytes_worker, 4, PIPELINE_BYTES_CASES, timeout=600)):
+        for case, measured, predicted in per_rank:
+            assert measured == predicted and predicted["total"] > 0, (rank, case, measured, predicted)
