@@ -48,16 +48,15 @@ def _global_losses(shares: list[torch.Tensor], device: torch.device) -> list[flo
 def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardware: Hardware
                ) -> dict[str, float | None]:
     """What ``python -m autopar.trace`` predicts for this rank: bytes sent per step, and the step time
-    under this machine's calibrated rates (pipelines: not modelled yet)."""
+    under this machine's calibrated rates."""
     from autopar.trace import plan_model
 
     grid = parse_grid(system.split(":", 1)[1], ctx.world)
-    if grid.pipeline > 1:
-        return {"predicted_bytes": None, "predicted_seconds": None}
     with torch.device("meta"):
         shadow = bm.build()
-    config = autopar.ParallelConfig(grid.data, *grid.tensor)
-    plan, report = plan_model(shadow, (x,), config, rank=ctx.rank)
+    config = autopar.ParallelConfig(grid.data, *grid.tensor, pipeline=grid.pipeline)
+    plan, report = plan_model(shadow, (x,), config, rank=ctx.rank, pipeline=grid.pipeline,
+                              microbatches=ctx.microbatches if grid.pipeline > 1 else 1)
     return {"predicted_bytes": float(report.comm_bytes_per_step),
             "predicted_seconds": estimate_step_seconds(report, plan, hardware)}
 

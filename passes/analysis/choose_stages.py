@@ -24,9 +24,9 @@ from torch import fx
 
 from autopar.config import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
-from passes.analysis.estimate_costs import Collective, matmul_split
+from passes.analysis.estimate_costs import Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import _fraction, segment_names
-from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
+from passes.analysis.graph_facts import module_of, param_name, tensor_meta
 from passes.analysis.make_plan import layouts_for
 from passes.ir import input_info
 
@@ -148,9 +148,9 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
                 of_param.setdefault(name, seg)
         m = by_node.get(node)
         if m is not None:
-            o = plan.matmul(m.weight).orientation
-            flops[seg] += 3.0 * 2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features / matmul_split(
-                config, o)
+            w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
+            flops[seg] += matmul_flops(m, res.requires_grad[m.x], res.requires_grad[w]) / matmul_split(
+                config, plan.matmul(m.weight).orientation)
     comm = dict.fromkeys(order, 0.0)
     issued: dict[str, list[Collective]] = {name: [] for name in order}
     by_name = {n.name: seg for n, seg in seg_of.items()}

@@ -73,3 +73,28 @@ def test_estimate_step_seconds_splits_matmul_work_and_charges_each_collective():
                    ParallelConfig(1, 1, 1, 4)):  # each of 4 ranks does a quarter of every matmul
         assert estimate(config, compute_only)[0] == pytest.approx(serial / 4)
     assert estimate(ParallelConfig(1, 2, 2, 1), per_call)[0] == calls  # one fixed cost per collective
+
+
+def test_pipeline_ranks_split_the_matmul_work_and_wait_out_the_bubble():
+    from autopar.examples.fc_net import FC_Net
+    from passes.analysis.choose_stages import Hardware
+    from passes.analysis.report import estimate_step_seconds
+
+    with torch.device("meta"):
+        model = FC_Net(num_layers=4, hidden=32, image_size=8, num_classes=16)
+    x = torch.randn(16, 1, 8, 8)
+    compute_only = Hardware(flops_per_second=1e9, tensor_bytes_per_second=float("inf"),
+                            pipeline_bytes_per_second=float("inf"))
+    _, whole = plan_model(model, (x,), ParallelConfig(1, 1, 1, 1), checkpoint="none")
+    config = ParallelConfig(1, 1, 1, 1, pipeline=2)
+    shares = []
+    for rank in (0, 1):
+        plan, report = plan_model(model, (x,), config, rank=rank, checkpoint="none", pipeline=2, microbatches=4)
+        assert 0 < report.rank_flops < whole.flops_per_step
+        assert report.flops_per_step == whole.flops_per_step  # the table still shows the whole step
+        bubble = plan.pipeline.bubble_fraction
+        assert bubble == 1 / 5
+        assert estimate_step_seconds(report, plan, compute_only) == pytest.approx(
+            report.rank_flops / 1e9 / (1 - bubble))
+        shares.append(report.rank_flops)
+    assert sum(shares) == pytest.approx(whole.flops_per_step)  # every stage's work is on one rank
