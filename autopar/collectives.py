@@ -8,6 +8,7 @@ reduce-scatter with all-reduce) and NCCL. Groups of one are skipped and count no
 from __future__ import annotations
 
 from fractions import Fraction
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,15 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int, op: str = "
     _stats.record("all_reduce", size, _nbytes(t))
     dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
     return t
+
+
+def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> Any:
+    """Starts summing contiguous ``t`` over the group in place; returns the work to ``wait()`` on (None
+    for a group of one)."""
+    if size == 1:
+        return None
+    _stats.record("all_reduce", size, _nbytes(t))
+    return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
 
 
 def all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:

@@ -8,7 +8,6 @@ signatures (a smaller last batch, eval mode) are captured again and compiled wit
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import operator
 import weakref
@@ -24,6 +23,7 @@ from autopar.capture import (Captured, batch_leaves, cache_outputs, capture_shar
                              split_batch_leaves)
 from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError, StateDictError
+from autopar.grad_sync import GradSync
 from autopar.memory import device_budget, half_dtype
 from autopar.mesh import Mesh
 from autopar.pipeline import Program, owner
@@ -77,7 +77,8 @@ class ParallelRuntime:
         self.buffers = dict(model.named_buffers(remove_duplicate=False))
         self.plan: Plan | None = None
         self.executables: dict[Any, Executable] = {}
-        self._hooks: list[Any] = []
+        self._syncs: list[GradSync] = []
+        """Gradient sync of the parameters (pipeline = 1): one per process group."""
         self._model = weakref.ref(model)
         self.fallback = False
         self.original_forward = model.forward
@@ -148,6 +149,8 @@ class ParallelRuntime:
 
     def _agree_on_overflow(self) -> None:
         """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value)."""
+        for sync in self._syncs:  # queued before the syncs' own end callbacks: the sums first
+            sync.finish()
         grads = [p.grad for p in self._unique_params() if p.grad is not None]
         bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
         if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
@@ -167,11 +170,9 @@ class ParallelRuntime:
         if self.mesh.rank == 0:
             log.warning("autopar: %s; falling back to data parallelism over all %d ranks (no tensor "
                         "parallelism for this model).", str(error).split(". autopar needs")[0], world)
-        seen: set[int] = set()
-        for p in self.params.values():
-            if p.requires_grad and id(p) not in seen and world > 1:
-                seen.add(id(p))
-                self._hooks.append(p.register_hook(functools.partial(_sync_grad_world, world)))
+        params = {id(p): p for p in self.params.values() if p.requires_grad}
+        if world > 1 and params:
+            self._syncs.append(GradSync(list(params.values()), None, world))
 
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
         world = self.config.world_size
@@ -399,6 +400,7 @@ class ParallelRuntime:
                 raise PlanError(f"parameter {pp.name!r} has shape {None if p is None else tuple(p.shape)}, "
                                 f"but the captured graph has {pp.shape}. Do not resize parameters after "
                                 "building the model inside auto_parallelize.")
+        synced: dict[str, dict[int, nn.Parameter]] = {}
         for pp in plan.params:
             p = self.params[pp.name]
             if pp.kind is not ParamKind.REPLICATED:
@@ -406,8 +408,10 @@ class ParallelRuntime:
                     p.data = self.local_shard(p.data, pp).clone()
             axis, size = self.mesh.grad_group(pp.grad_axes)
             if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else _finish_grads
-                self._hooks.append(p.register_hook(functools.partial(_sync_grad, self.mesh, axis,
-                                                                     half_dtype(self.memory.reduce_dtype))))
+                synced.setdefault(axis, {})[id(p)] = p
+        for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
+            self._syncs.append(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
+                                        half_dtype(self.memory.reduce_dtype)))
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())
@@ -534,10 +538,6 @@ def _travels(node: fx.Node, split: frozenset[int]) -> bool:
     info = input_info(node)
     return info is not None and info.kind is InputKind.USER and int(info.target) in split
 
-
-
-def _sync_grad_world(world: int, grad: torch.Tensor) -> torch.Tensor:
-    return C.all_reduce(grad.clone(), None, world)
 
 
 def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:

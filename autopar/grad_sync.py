@@ -1,0 +1,152 @@
+"""Gradient sync in buckets, overlapped with backward (what DDP's reducer does, for autopar's groups).
+
+One all-reduce per parameter pays a collective's fixed cost per parameter (28 calls for FC_Net where
+DDP makes 3). ``GradSync`` instead packs the gradients of one group into buckets of about
+``BUCKET_BYTES``, in the order backward produces them (the reverse of the parameters' order), and
+launches a bucket's all-reduce asynchronously as soon as its last gradient arrives, while backward
+goes on. At the end of backward (an autograd engine callback) it waits for every bucket and adds
+each parameter's reduced gradient in place of its local one.
+
+Every rank launches the same buckets in the same order: bucket k is launched only after bucket
+k - 1, and a bucket whose parameters got no gradient this backward is launched at the end with zeros
+there. The hook copies the local gradient into its bucket and passes it on to autograd unchanged;
+the end callback overwrites ``p.grad`` with the sum, or, when autograd added the gradient to an
+existing ``p.grad`` (accumulation), adds (sum - local). Bucket buffers live from a bucket's first
+gradient to the end of backward, as DDP's would, but are not held between steps.
+
+Like DDP, only ``backward()`` synchronizes: ``torch.autograd.grad`` on the parameters returns this
+rank's local gradients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar import collectives as C
+
+BUCKET_BYTES = 25 * 2**20
+"""DDP's default bucket cap."""
+
+
+class _Bucket:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+        self.params, self.dtype = params, dtype
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += p.numel()
+        self.numel = n
+        self.reset()
+
+    def reset(self) -> None:
+        self.buffer: torch.Tensor | None = None
+        self.got = [False] * len(self.params)
+        self.local: list[torch.Tensor | None] = [None] * len(self.params)
+        """A gradient added to an existing ``p.grad`` (accumulation): what to take back out at the end."""
+        self.work: Any = None
+        self.launched = False
+
+    def slot(self, i: int) -> torch.Tensor:
+        if self.buffer is None:  # allocated per backward: no memory held between steps
+            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.params[0].device)
+        return self.buffer[self.offsets[i]:self.offsets[i] + self.params[i].numel()]
+
+
+class GradSync:
+    """Sums the gradients of ``params`` over ``group`` (``size`` ranks) once per backward."""
+
+    def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int,
+                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
+        self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
+        self.buckets: list[_Bucket] = []
+        self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
+        current: list[nn.Parameter] = []
+        nbytes = 0
+        for p in reversed(list(params)):  # backward produces the last parameters' gradients first
+            dtype = reduce_dtype or p.dtype
+            if current and (nbytes + p.numel() * dtype.itemsize > bucket_bytes
+                            or (reduce_dtype or current[0].dtype) != dtype):
+                self._add(current)
+                current, nbytes = [], 0
+            current.append(p)
+            nbytes += p.numel() * dtype.itemsize
+        if current:
+            self._add(current)
+        self.handles = [p.register_hook(self._hook(p)) for p in params]
+        self._pending = False
+
+    def _add(self, params: list[nn.Parameter]) -> None:
+        k = len(self.buckets)
+        for i, p in enumerate(params):
+            self.where[id(p)] = (k, i)
+        self.buckets.append(_Bucket(params, self.reduce_dtype or params[0].dtype))
+
+    def _hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
+        k, i = self.where[id(p)]
+
+        def hook(grad: torch.Tensor) -> torch.Tensor:
+            bucket = self.buckets[k]
+            if bucket.launched or bucket.got[i]:
+                raise RuntimeError(f"autopar: a second gradient of a parameter of shape {tuple(p.shape)} arrived "
+                                   "in one backward, after its bucket was reduced; this is an autopar bug: please "
+                                   "report it with the model.")
+            if not self._pending:
+                self._pending = True
+                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+            bucket.slot(i).copy_(grad.reshape(-1))
+            bucket.got[i] = True
+            if p.grad is not None:  # autograd adds grad to it: the end callback swaps it for the sum
+                bucket.local[i] = grad
+            if all(bucket.got):
+                self._launch_ready()
+            return grad
+
+        return hook
+
+    def _launch_ready(self) -> None:
+        """Launches complete buckets, in order, up to the first incomplete one."""
+        for bucket in self.buckets:
+            if bucket.launched:
+                continue
+            if not all(bucket.got):
+                return
+            self._launch(bucket)
+
+    def _launch(self, bucket: _Bucket) -> None:
+        for i, got in enumerate(bucket.got):
+            if not got:  # no gradient this backward: zeros keep every rank's buckets alike
+                bucket.slot(i).zero_()
+        bucket.slot(0)  # allocates the buffer if no gradient came
+        bucket.work = C.all_reduce_async(bucket.buffer, self.group, self.size)
+        bucket.launched = True
+
+    def finish(self) -> None:
+        """Waits for every bucket and puts each reduced gradient in ``p.grad`` (idempotent)."""
+        if not self._pending:
+            return
+        self._pending = False
+        for bucket in self.buckets:
+            if not bucket.launched:
+                self._launch(bucket)
+        for bucket in self.buckets:
+            if bucket.work is not None:
+                bucket.work.wait()
+            for i, p in enumerate(bucket.params):
+                if not bucket.got[i] or p.grad is None:  # no gradient, or torch.autograd.grad
+                    continue
+                reduced = bucket.slot(i).view_as(p)
+                with torch.no_grad():
+                    if bucket.local[i] is None:
+                        p.grad.copy_(reduced)
+                    else:
+                        p.grad.add_(reduced.to(p.grad.dtype) - bucket.local[i])
+            bucket.reset()
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
