@@ -199,6 +199,22 @@ def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[in
     return split, batch
 
 
+def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int
+                      ) -> tuple[frozenset[int], int, tuple[int, ...]]:
+    """A pipeline's batch: (batch leaves, global batch, rows of each batch shard), checked to divide
+    into ``microbatches`` (cut even with one batch shard)."""
+    split, batch = batch_leaves(leaves)
+    if not split:
+        raise InputError("a pipeline needs a batch: a tensor input whose dim 0 is the batch (it is cut into "
+                         "micro-batches).")
+    sizes = config.batch_sizes(batch)
+    if any(s % microbatches for s in sizes) or min(sizes) == 0:
+        raise InputError(f"the global batch of {batch} rows gives batch shards of {sizes} rows (data x depth = "
+                         f"{config.num_batch_shards}), which do not divide into microbatches={microbatches}. "
+                         f"Use a global batch that is a multiple of {config.num_batch_shards * microbatches}.")
+    return split, batch, sizes
+
+
 def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
                   sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool]) -> Captured:
     """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows."""

@@ -19,10 +19,10 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 
 from autopar import collectives as C
-from autopar.capture import (Captured, batch_leaves, cache_outputs, capture_shard, meta_shadow,
+from autopar.capture import (Captured, cache_outputs, capture_shard, meta_shadow, microbatch_leaves,
                              split_batch_leaves)
 from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, PipelineConfig, Plan
-from autopar.errors import CaptureError, InputError, PlanError, StateDictError
+from autopar.errors import CaptureError, PlanError, StateDictError
 from autopar.grad_sync import GradSync
 from autopar.memory import device_budget, half_dtype
 from autopar.mesh import Mesh
@@ -293,16 +293,8 @@ class ParallelRuntime:
         rank's whole shard (torch's schedule cuts it into micro-batches).
         """
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        split, global_batch = batch_leaves(leaves)  # cut into micro-batches even with one batch shard
         m, shards = self.num_microbatches, self.config.num_batch_shards
-        if not split:
-            raise InputError("train_step with pipeline > 1 needs a batch: a tensor input whose dim 0 is the "
-                             "batch (it is cut into micro-batches).")
-        sizes = self.config.batch_sizes(global_batch)
-        if any(s % m for s in sizes) or min(sizes) == 0:
-            raise InputError(f"the global batch of {global_batch} rows gives batch shards of {sizes} rows "
-                             f"(data x depth = {shards}), which do not divide into microbatches={m}. Use a "
-                             f"global batch that is a multiple of {shards * m}.")
+        split, global_batch, sizes = microbatch_leaves(leaves, self.config, m)
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._training(), global_batch // m, tuple(_signature(x) for x in micro))

@@ -21,11 +21,11 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.capture import (batch_leaves, capture_shard, meta_shadow, repeated_blocks, split_batch_leaves,
+from autopar.capture import (capture_shard, meta_shadow, microbatch_leaves, repeated_blocks, split_batch_leaves,
                              truncated_blocks)
 from autopar.config import MemoryConfig, ParallelConfig, Plan
 from autopar.memory import device_budget, half_dtype
-from autopar.errors import AutoparError, ConfigError, InputError
+from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
@@ -111,8 +111,9 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     """Captures and plans; with ``microbatches`` (pipelines) one micro-batch of this batch, as the
     runtime does, and also the pipeline chain and the loss's collectives."""
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
-    if microbatches:
-        split, sizes = _micro_sizes(leaves, config, microbatches)
+    if microbatches:  # Runtime.pipeline_inputs's rule
+        split, _, sizes = microbatch_leaves(leaves, config, microbatches)
+        sizes = tuple(s // microbatches for s in sizes)
     else:
         split, batch = split_batch_leaves(leaves, config.num_batch_shards)
         sizes = config.batch_sizes(batch) if split else ()
@@ -128,20 +129,6 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
         chain = pipeline_chain(mine.gm, plan, report.collectives)
         loss = tuple(loss_collectives(mine.gm, layouts_for(mine.gm, plan)[0], config))
     return plan, report, estimate_memory(canonical.gm, plan, dtype), chain, loss
-
-
-def _micro_sizes(leaves: list[Any], config: ParallelConfig, microbatches: int) -> tuple[frozenset[int], tuple[int, ...]]:
-    """The batch leaves and one micro-batch's rows per batch shard (``Runtime.pipeline_inputs``'s rule)."""
-    split, batch = batch_leaves(leaves)
-    if not split:
-        raise InputError("a pipeline needs a batch: a tensor input whose dim 0 is the batch (it is cut into "
-                         "micro-batches).")
-    sizes = config.batch_sizes(batch)
-    if any(s % microbatches for s in sizes) or min(sizes) == 0:
-        raise InputError(f"the global batch of {batch} rows gives batch shards of {sizes} rows (data x depth = "
-                         f"{config.num_batch_shards}), which do not divide into microbatches={microbatches}. "
-                         f"Use a global batch that is a multiple of {config.num_batch_shards * microbatches}.")
-    return split, tuple(s // microbatches for s in sizes)
 
 
 def _is_meta(model: nn.Module) -> bool:

@@ -1,4 +1,4 @@
-"""Pipeline stages planned by cost in the trace (planning only: the runtime does not run pipelines yet)."""
+"""Pipeline stages planned by cost in the trace (single process: the plan, not a run)."""
 
 from __future__ import annotations
 
