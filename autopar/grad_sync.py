@@ -46,6 +46,8 @@ class _Bucket:
     def reset(self) -> None:
         self.buffer: torch.Tensor | None = None
         self.got = [False] * len(self.params)
+        self.missing = len(self.params)
+        """Parameters still without a gradient this backward (a counter: checked at every hook)."""
         self.local: list[torch.Tensor | None] = [None] * len(self.params)
         """A gradient added to an existing ``p.grad`` (accumulation): what to take back out at the end."""
         self.work: Any = None
@@ -100,9 +102,10 @@ class GradSync:
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
             bucket.slot(i).copy_(grad.reshape(-1))
             bucket.got[i] = True
+            bucket.missing -= 1
             if p.grad is not None:  # autograd adds grad to it: the end callback swaps it for the sum
                 bucket.local[i] = grad
-            if all(bucket.got):
+            if bucket.missing == 0:
                 self._launch_ready()
             return grad
 
@@ -113,7 +116,7 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.launched:
                 continue
-            if not all(bucket.got):
+            if bucket.missing:
                 return
             self._launch(bucket)
 

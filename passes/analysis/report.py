@@ -115,13 +115,14 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
                                                                Fraction(0))))
     rows = with_comm
     other: dict[str, Fraction] = {}
+    shared = shared_names(plan)
     for c in colls:
         if c.where in counted:
             continue
         label = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(c.where)
         if label is None and c.kind == "send":
             label = f"pipeline sends ({c.phase})"
-        elif label is None and c.where in shared_names(plan):
+        elif label is None and c.where in shared:
             label = "tied weight gradients over the pipeline"
         elif label is None:
             label = "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
