@@ -4,7 +4,7 @@
         model = MyModel()
 """
 
-from autopar.collectives import comm_stats, reset_comm_stats
+from autopar.runtime.collectives import comm_stats, reset_comm_stats
 from autopar.config import ParallelConfig, Plan
 from autopar.context import auto_parallelize, full_state_dict, plan_of
 from autopar.errors import AutoparError

@@ -20,11 +20,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from autopar import collectives as C
+from autopar.runtime import collectives as C
 from autopar.config import MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError, NotInitializedError
-from autopar.mesh import Mesh
-from autopar.runtime import ParallelRuntime
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.runtime import ParallelRuntime
 
 log = logging.getLogger(__name__)
 

@@ -263,7 +263,7 @@ _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 
 
-def _parse_bytes(text: str) -> int:
+def parse_bytes(text: str) -> int:
     """'80GB' -> 80e9, '80GiB' -> 80 * 2**30, '2e9' -> 2e9."""
     m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", text)
     unit = m.group(2).upper() if m else ""
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="activation checkpointing policy, as auto_parallelize's checkpoint= (default auto)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="compute dtype, as auto_parallelize's precision= (activations in the memory plan)")
-    parser.add_argument("--memory-per-device", type=_parse_bytes, default=None, metavar="SIZE",
+    parser.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="SIZE",
                         help="memory budget per device for --checkpoint auto, e.g. 80GB, 80GiB or 2e9 "
                              "(default: this machine's memory shared by the ranks)")
     parser.add_argument("--capture-all-blocks", action="store_true",

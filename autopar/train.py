@@ -29,11 +29,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
 
-from autopar import collectives as C
+from autopar.runtime import collectives as C
 from autopar.context import runtime_of
 from autopar.errors import InputError
-from autopar.ops import GatherOutputOp, _ReduceFrom
-from autopar.pipeline import build_schedule
+from autopar.runtime.ops import GatherOutputOp, ReduceFrom
+from autopar.runtime.pipeline import build_schedule
 
 
 def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:
@@ -141,8 +141,8 @@ def _vocab_parallel_sum(mesh: Any, logits: torch.Tensor, spec: Any, targets: tor
     mine = valid & (local_t >= 0) & (local_t < local_vocab)
     picked = shifted.gather(-1, local_t.masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1) * mine
     if n > 1:
-        sum_exp = _ReduceFrom.apply(sum_exp, mesh, axis, 1.0)
-        picked = _ReduceFrom.apply(picked, mesh, axis, 1.0)
+        sum_exp = ReduceFrom.apply(sum_exp, mesh, axis, 1.0)
+        picked = ReduceFrom.apply(picked, mesh, axis, 1.0)
     per_token = (sum_exp.log() - picked) * valid
     return per_token.sum(), valid.sum().to(torch.float32)
 

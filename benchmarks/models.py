@@ -116,10 +116,10 @@ def _hf(config_cls: str, model_cls: str, kwargs: dict[str, Any]) -> Callable[[],
     def build() -> nn.Module:
         import transformers
 
-        from autopar.examples.zoo import _no_dropout
+        from autopar.examples.zoo import no_dropout
 
         config = getattr(transformers, config_cls)(**kwargs)
-        _no_dropout(config)  # parallel and serial runs compare number for number
+        no_dropout(config)  # parallel and serial runs compare number for number
         return getattr(transformers, model_cls)(config)
 
     return build

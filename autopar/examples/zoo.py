@@ -83,7 +83,7 @@ ENCODERS = ("bert", "roberta", "distilbert")
 NAMES = ("nanogpt", *_HF)
 
 
-def _no_dropout(config: Any) -> None:
+def no_dropout(config: Any) -> None:
     for key, value in list(vars(config).items()):
         if ("drop" in key or key.endswith("_pdrop")) and isinstance(value, float):
             setattr(config, key, 0.0)
@@ -109,7 +109,7 @@ def build_model(name: str = "llama", *, dropout: bool = False, layers: int | Non
             kwargs["attention_types"] = [[["global", "local"], layers // 2]] + [[["global"], layers % 2]] * (layers % 2)
     config = getattr(transformers, config_cls)(**kwargs)
     if not dropout:
-        _no_dropout(config)
+        no_dropout(config)
     return getattr(transformers, model_cls)(config)
 
 

@@ -25,7 +25,7 @@ from torch import fx
 from autopar.config import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import Collective, matmul_flops, matmul_split
-from passes.analysis.estimate_memory import _fraction, segment_names
+from passes.analysis.estimate_memory import shard_fraction, segment_names
 from passes.analysis.graph_facts import module_of, param_name, tensor_meta
 from passes.analysis.make_plan import layouts_for
 from passes.ir import input_info
@@ -174,7 +174,7 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         users = [last if u.op == "output" else index[seg_of[u]] for u in node.users if u in seg_of or u.op == "output"]
         if t is None or not users:
             continue
-        nbytes = int(t.numel() * t.element_size() * _fraction(res.sharding(node), sizes))
+        nbytes = int(t.numel() * t.element_size() * shard_fraction(res.sharding(node), sizes))
         for k in range(born, max(users)):
             crossing[k].append((nbytes, bool(res.requires_grad.get(node, False))))
     params = {p.name: p.local_numel(config) * 4 for p in plan.params}

@@ -1,7 +1,7 @@
 """Predicts, for one rank, every collective a training step issues and the matmul FLOPs.
 
-The runtime counts the bytes it really sends (autopar.collectives); tests hold the two equal. The
-accounting per op mirrors the implementations in autopar.ops one to one:
+The runtime counts the bytes it really sends (autopar.runtime.collectives); tests hold the two equal. The
+accounting per op mirrors the implementations in autopar.runtime.ops one to one:
 
 - sharded matmul (3D): forward all-gather of the weight block over depth, all-reduce of the output
   over the axis splitting the input features; backward all-gather of the block again, all-reduce of

@@ -104,7 +104,7 @@ def segment_names(gm: fx.GraphModule) -> dict[fx.Node, str]:
     return out
 
 
-def _fraction(s: Sharding, sizes: dict[str, int]) -> Fraction:
+def shard_fraction(s: Sharding, sizes: dict[str, int]) -> Fraction:
     return Fraction(1) if s.is_replicated else Fraction(1, sizes[s.axis])
 
 
@@ -249,26 +249,26 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         seg = seg_of.get(saver, order[1])
         if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
             seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
-        saved[seg] += nbytes * _fraction(sharding, sizes)
+        saved[seg] += nbytes * shard_fraction(sharding, sizes)
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     for node, seg in seg_of.items():
         if node in rec.largest:
-            peak[seg] = max(peak[seg], 2 * rec.largest[node] * _fraction(res.sharding(node), sizes))
+            peak[seg] = max(peak[seg], 2 * rec.largest[node] * shard_fraction(res.sharding(node), sizes))
         for arg in node.all_input_nodes:
             # Inputs made further back (masks, rotary tables) are shared by every block; they are
             # kept once, by their first saver, and not counted again here.
             if (arg in seg_of and seg_of[arg] == previous.get(seg) and arg not in read[seg]
                     and (val := tensor_meta(arg)) is not None):
                 read[seg].add(arg)
-                inputs[seg] += val.numel() * val.element_size() * _fraction(res.sharding(arg), sizes)
+                inputs[seg] += val.numel() * val.element_size() * shard_fraction(res.sharding(arg), sizes)
             dst = res.conversions.get((node, arg))
             if dst is not None and not res.sharding(arg).is_replicated and arg in rec.largest:
                 # A gather before this op builds the whole tensor (and its gradient in backward).
-                peak[seg] = max(peak[seg], 2 * rec.largest[arg] * _fraction(dst, sizes)
-                                + rec.largest[arg] * _fraction(res.sharding(arg), sizes))
+                peak[seg] = max(peak[seg], 2 * rec.largest[arg] * shard_fraction(dst, sizes)
+                                + rec.largest[arg] * shard_fraction(res.sharding(arg), sizes))
         m = by_node.get(node)
         if m is not None:
             o = plan.matmul(m.weight).orientation

@@ -1,6 +1,6 @@
 """pipeline_collectives: what one pipeline rank communicates in a ``train_step`` (pipeline > 1).
 
-The runtime (autopar.pipeline, autopar.train) runs M micro-batches through the rank's stages; this
+The runtime (autopar.runtime.pipeline, autopar.train) runs M micro-batches through the rank's stages; this
 lists the same communication, one Collective per call, so ``comm_stats()`` after a step equals the
 sum of their bytes (tests hold the two equal). Per micro-batch:
 

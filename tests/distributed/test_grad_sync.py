@@ -11,8 +11,8 @@ import torch.nn.functional as F
 import autopar
 from autopar.context import runtime_of
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
-from autopar.collectives import comm_calls
-from autopar.grad_sync import GradSync
+from autopar.runtime.collectives import comm_calls
+from autopar.runtime.grad_sync import GradSync
 from tests.helpers import SMALL, rel_err
 
 

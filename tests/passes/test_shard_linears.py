@@ -8,7 +8,7 @@ import torch.utils._pytree as pytree
 
 from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import Layout, Orientation, ParallelConfig
-from autopar.ops import ConvertOp, GatherOutputOp, MatmulOp
+from autopar.runtime.ops import ConvertOp, GatherOutputOp, MatmulOp
 from autopar.examples.fc_net import FC_Net
 from passes.analysis.make_plan import make_plan
 from passes.ir import REPLICATED, ConvertSpec, Sharding, convert_layout, gather_output, sharded_matmul

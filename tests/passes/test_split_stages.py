@@ -11,7 +11,7 @@ from torch import fx
 from autopar.capture import capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.runtime import _retarget
+from autopar.runtime.runtime import retarget_device
 from autopar.trace import plan_model
 from passes.ir import InputKind, input_info
 from passes.split_stages import split_stages
@@ -21,8 +21,8 @@ def _on_cpu(gm: fx.GraphModule) -> fx.GraphModule:
     for sub in gm.modules():
         if isinstance(sub, fx.GraphModule):
             for node in sub.graph.nodes:
-                node.args = _retarget(node.args, torch.device("cpu"))
-                node.kwargs = _retarget(node.kwargs, torch.device("cpu"))
+                node.args = retarget_device(node.args, torch.device("cpu"))
+                node.kwargs = retarget_device(node.kwargs, torch.device("cpu"))
             sub.recompile()
     return gm
 

@@ -7,15 +7,15 @@ import argparse
 import pytest
 
 from autopar.examples import zoo
-from autopar.trace import _parse_bytes, main
+from autopar.trace import parse_bytes, main
 
 
 def test_sizes_parse_in_decimal_and_binary_units():
-    assert _parse_bytes("80GB") == 80 * 10**9
-    assert _parse_bytes("80GiB") == 80 * 2**30
-    assert _parse_bytes("2e9") == 2 * 10**9
+    assert parse_bytes("80GB") == 80 * 10**9
+    assert parse_bytes("80GiB") == 80 * 2**30
+    assert parse_bytes("2e9") == 2 * 10**9
     with pytest.raises(argparse.ArgumentTypeError, match="not a size"):
-        _parse_bytes("80 furlongs")
+        parse_bytes("80 furlongs")
 
 
 def test_trace_shows_memory_and_the_recomputed_blocks(capsys):

@@ -32,3 +32,15 @@ def test_leaves_import_nothing_from_the_project_but_leaves():
     for leaf in ("config.py", "errors.py"):
         names = _imports(ROOT / "autopar" / leaf)
         assert {n for n in names if n.startswith(("autopar", "passes"))} <= ALLOWED_AUTOPAR
+
+
+def test_no_private_names_are_imported_across_files():
+    bad = []
+    for top in ("autopar", "passes", "tests", "benchmarks"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] in (
+                        "autopar", "passes", "tests", "benchmarks"):
+                    bad += [f"{path.relative_to(ROOT)}: {node.module}.{a.name}" for a in node.names
+                            if a.name.startswith("_")]
+    assert not bad, "private names imported across files:\n" + "\n".join(bad)

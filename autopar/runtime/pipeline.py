@@ -27,10 +27,10 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
-from autopar import collectives as C
+from autopar.runtime import collectives as C
 from autopar.config import PipelineConfig
 from autopar.errors import PlanError
-from autopar.mesh import Mesh
+from autopar.runtime.mesh import Mesh
 from passes.ir import InputKind, input_info
 
 

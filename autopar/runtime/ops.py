@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from autopar import collectives as C
+from autopar.runtime import collectives as C
 from autopar.config import EmbeddingMode, split_chunks
-from autopar.mesh import Mesh
+from autopar.runtime.mesh import Mesh
 from passes.ir import (
     ConvertSpec,
     EmbeddingSpec,
@@ -82,7 +82,7 @@ class _Slice(torch.autograd.Function):
         return gather_sharded(dy, ctx.s, ctx.mesh), None, None
 
 
-class _ReduceFrom(torch.autograd.Function):
+class ReduceFrom(torch.autograd.Function):
     """Sums partial results over an axis (times ``scale``); the gradient is already replicated."""
 
     @staticmethod
@@ -268,7 +268,7 @@ class EmbeddingOp:
         local_ids = (ids - start).masked_fill(~mine, 0)
         local_pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
         out = aten.embedding.default(weight, local_ids, local_pad) * mine.unsqueeze(-1).to(weight.dtype)
-        return _ReduceFrom.apply(out, self.mesh, self.spec.axis, 1.0)
+        return ReduceFrom.apply(out, self.mesh, self.spec.axis, 1.0)
 
 
 class ReduceOp:
@@ -277,7 +277,7 @@ class ReduceOp:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = self.mesh.size(self.spec.axis)
-        return _ReduceFrom.apply(x, self.mesh, self.spec.axis, 1.0 / n if self.spec.mean else 1.0)
+        return ReduceFrom.apply(x, self.mesh, self.spec.axis, 1.0 / n if self.spec.mean else 1.0)
 
 
 class SumGradOp:

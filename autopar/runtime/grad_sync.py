@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar import collectives as C
+from autopar.runtime import collectives as C
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket cap."""

@@ -18,16 +18,16 @@ import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
 
-from autopar import collectives as C
+from autopar.runtime import collectives as C
 from autopar.capture import (Captured, cache_outputs, capture_shard, meta_shadow, microbatch_leaves,
                              split_batch_leaves)
 from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, PipelineConfig, Plan
 from autopar.errors import CaptureError, PlanError, StateDictError
-from autopar.grad_sync import GradSync
+from autopar.runtime.grad_sync import GradSync
 from autopar.memory import device_budget, half_dtype
-from autopar.mesh import Mesh
-from autopar.pipeline import Program, owner
-from autopar.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.pipeline import Program, owner
+from autopar.runtime.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
                          join_pieces, scatter_batch, take_pieces)
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
@@ -378,8 +378,8 @@ class ParallelRuntime:
                 if make is not None:
                     node.target, node.args = make(node.args[-1]), node.args[:-1]
                 elif node.op == "call_function":
-                    node.args = _retarget(node.args, device)
-                    node.kwargs = _retarget(node.kwargs, device)
+                    node.args = retarget_device(node.args, device)
+                    node.kwargs = retarget_device(node.kwargs, device)
             sub.recompile()
 
     # ---- parameters -------------------------------------------------------------------------------
@@ -548,13 +548,13 @@ def _signature(x: Any) -> Any:
     return ("value", type(x), x)
 
 
-def _retarget(value: Any, device: torch.device) -> Any:
+def retarget_device(value: Any, device: torch.device) -> Any:
     if isinstance(value, torch.device) and value.type == "meta":
         return device
     if isinstance(value, (tuple, list)):
-        return type(value)(_retarget(v, device) for v in value)
+        return type(value)(retarget_device(v, device) for v in value)
     if isinstance(value, dict):
-        return {k: _retarget(v, device) for k, v in value.items()}
+        return {k: retarget_device(v, device) for k, v in value.items()}
     return value
 
 
