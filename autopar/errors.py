@@ -34,6 +34,14 @@ class InputError(AutoparError, ValueError):
     """A call's inputs do not fit the parallel model (batch too small, mismatched batch dims)."""
 
 
+class CheckpointError(AutoparError, RuntimeError):
+    """A checkpoint would lose or mix up shards (e.g. one rank pickling its shards)."""
+
+
+class ParameterError(AutoparError, RuntimeError):
+    """A sharded parameter was used in a way this rank cannot serve (e.g. another pipeline stage's)."""
+
+
 class StateDictError(AutoparError, KeyError):
     """A state dict does not match the model (missing or unexpected keys, wrong shapes)."""
 

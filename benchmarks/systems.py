@@ -234,9 +234,13 @@ def param_bytes(modules: list[nn.Module]) -> int:
     """Bytes of the parameters this rank holds (its shards; a tied weight once)."""
     from torch.distributed.tensor import DTensor
 
+    from autopar.runtime.parameters import held_numel
+
     seen: dict[int, int] = {}
     for m in modules:
         for p in m.parameters():
+            if not held_numel(p):  # another pipeline stage's parameter (autopar), or empty
+                continue
             t = p.to_local() if isinstance(p, DTensor) else p
             s = t.untyped_storage()
             seen[s.data_ptr()] = max(seen.get(s.data_ptr(), 0), s.nbytes())

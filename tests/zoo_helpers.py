@@ -65,6 +65,7 @@ def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: i
     ``pipeline``: auto_parallelize's pipeline keywords (pipeline=, microbatches=, schedule=, chunks=)."""
     import autopar
     from autopar.context import runtime_of
+    from autopar.runtime.parameters import held_numel
 
     torch.manual_seed(seed)
     with autopar.auto_parallelize(tensor=tensor, data=data_degree, checkpoint=checkpoint, **(pipeline or {})):
@@ -77,7 +78,7 @@ def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: i
     losses, grads = train(model, data, lambda m: runtime_of(m).full_grads(),
                           with_train_step if use_train_step else None)
     plan = autopar.plan_of(model)
-    held = sum(p.numel() for p in model.parameters())
+    held = sum(held_numel(p) for p in model.parameters())
     return {"losses": losses, "grads": grads, "plan": plan, "held": held,
             "state": {k: v for k, v in autopar.full_state_dict(model).items()}}
 

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.runtime import collectives as C
+from autopar.runtime.parameters import local_of
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket cap."""
@@ -36,10 +37,11 @@ BUCKET_BYTES = 25 * 2**20
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
         self.params, self.dtype = params, dtype
-        self.offsets, n = [], 0
+        self.offsets, self.sizes, n = [], [], 0
         for p in params:
             self.offsets.append(n)
-            n += p.numel()
+            self.sizes.append(local_of(p).numel())
+            n += self.sizes[-1]
         self.numel = n
         self.reset()
 
@@ -55,8 +57,8 @@ class _Bucket:
 
     def slot(self, i: int) -> torch.Tensor:
         if self.buffer is None:  # allocated per backward: no memory held between steps
-            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=self.params[0].device)
-        return self.buffer[self.offsets[i]:self.offsets[i] + self.params[i].numel()]
+            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=local_of(self.params[0]).device)
+        return self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]]
 
 
 class GradSync:
@@ -71,12 +73,13 @@ class GradSync:
         nbytes = 0
         for p in reversed(list(params)):  # backward produces the last parameters' gradients first
             dtype = reduce_dtype or p.dtype
-            if current and (nbytes + p.numel() * dtype.itemsize > bucket_bytes
+            numel = local_of(p).numel()
+            if current and (nbytes + numel * dtype.itemsize > bucket_bytes
                             or (reduce_dtype or current[0].dtype) != dtype):
                 self._add(current)
                 current, nbytes = [], 0
             current.append(p)
-            nbytes += p.numel() * dtype.itemsize
+            nbytes += numel * dtype.itemsize
         if current:
             self._add(current)
         self.handles = [p.register_hook(self._hook(p)) for p in params]
@@ -100,11 +103,11 @@ class GradSync:
             if not self._pending:
                 self._pending = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            bucket.slot(i).copy_(grad.reshape(-1))
+            bucket.slot(i).copy_(local_of(grad).reshape(-1))
             bucket.got[i] = True
             bucket.missing -= 1
             if p.grad is not None:  # autograd adds grad to it: the end callback swaps it for the sum
-                bucket.local[i] = grad
+                bucket.local[i] = local_of(grad)
             if bucket.missing == 0:
                 self._launch_ready()
             return grad
@@ -142,12 +145,13 @@ class GradSync:
             for i, p in enumerate(bucket.params):
                 if not bucket.got[i] or p.grad is None:  # no gradient, or torch.autograd.grad
                     continue
-                reduced = bucket.slot(i).view_as(p)
+                grad = local_of(p.grad)  # a DTensor parameter's gradient is one too: its local part
+                reduced = bucket.slot(i).view_as(grad)
                 with torch.no_grad():
                     if bucket.local[i] is None:
-                        p.grad.copy_(reduced)
+                        grad.copy_(reduced)
                     else:
-                        p.grad.add_(reduced.to(p.grad.dtype) - bucket.local[i])
+                        grad.add_(reduced.to(grad.dtype) - bucket.local[i])
             bucket.reset()
 
     def remove(self) -> None:

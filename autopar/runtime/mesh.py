@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from autopar.config import MESH_AXES, ParallelConfig
-from autopar.errors import ConfigError, NotInitializedError
+from autopar.errors import CheckpointError, ConfigError, NotInitializedError
 
 
 def device_for_backend() -> torch.device:
@@ -41,6 +41,25 @@ class Mesh:
         self._groups = {axis: self._mesh.get_group(axis) for axis in MESH_AXES}
         self._groups["batch"] = self._mesh["data", "depth"]._flatten("batch").get_group()
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        self._param_meshes: dict[tuple[int, ...], DeviceMesh] = {}
+
+    def param_mesh(self, holders: tuple[int, ...] = ()) -> DeviceMesh:
+        """The DeviceMesh a parameter's DTensor lives on (one object per holder set, made once).
+
+        ``()``: (data, depth, row, col) at this rank's pipeline coordinate. ``holders``: the pipeline
+        coordinates holding a weight several stages read (tied embeddings), this rank among them:
+        (data, pipeline, depth, row, col) over those coordinates, built from ``stage_group`` (only the
+        holders call this, in the same order). Built from the existing groups: no new process group
+        is created for the axes, and the mesh refuses to be pickled (``ShardMesh``).
+        """
+        if holders not in self._param_meshes:
+            ranks = self._mesh.mesh[:, list(holders)] if holders else self._mesh.mesh[:, self.coords["pipeline"]]
+            axes = ("data", "pipeline", "depth", "row", "col") if holders else ("data", "depth", "row", "col")
+            groups = [self.stage_group(holders) if a == "pipeline" else self._groups[a] for a in axes]
+            mesh = DeviceMesh.from_group(groups, self.device.type, mesh=ranks, mesh_dim_names=axes)
+            mesh.__class__ = ShardMesh
+            self._param_meshes[holders] = mesh
+        return self._param_meshes[holders]
 
     def stage_group(self, stages: tuple[int, ...]) -> dist.ProcessGroup:
         """The ranks at pipeline coordinates ``stages`` that share this rank's other coordinates.
@@ -77,3 +96,24 @@ class Mesh:
         if axes == ("data",):
             return "data", self.size("data")
         raise ConfigError(f"no process group for gradient axes {axes}.")
+
+
+class ShardMesh(DeviceMesh):
+    """The DeviceMesh of autopar's sharded parameters, gradients and optimizer state.
+
+    A DTensor on it holds one rank's piece. Pickling one (``torch.save`` of ``model.state_dict()`` or
+    ``optimizer.state_dict()``, as single-file scripts do from rank 0) would keep that piece only, so
+    it raises ``CheckpointError`` at once, naming the ways that keep every piece.
+    """
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise CheckpointError(
+            "torch.save (or pickle) of a tensor that holds this rank's shard of an autopar model's parameters, "
+            "gradients or optimizer state: saved from one rank, the other ranks' pieces would be lost. Save a "
+            "sharded checkpoint with torch.distributed.checkpoint on every rank (dcp.save(model.state_dict()) or "
+            "dcp.save(get_state_dict(model, optimizer)); it loads at any grid), or one file in the serial format "
+            "with sd = autopar.full_state_dict(model) and osd = autopar.full_optimizer_state_dict(model, optimizer) "
+            "on every rank, then torch.save on rank 0.")
+
+    def __deepcopy__(self, memo: dict) -> ShardMesh:
+        return self  # one mesh per process: copies of a model's tensors share it

@@ -179,7 +179,7 @@ def scatter_batch(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.
 
 
 class _Matmul3D(torch.autograd.Function):
-    """``y = x @ W^T + b`` with W's (out, in) block on this (row, col) and 1/depth of it stored here.
+    """``y = x @ W^T + b`` with W's (out, in) block on this (row, col) and 1/depth of its rows stored here.
 
     Under autocast (precision bf16/fp16) x and the weight shard are cast to the compute dtype before
     they travel, and the weight gradient is reduced in ``op.reduce_dtype`` (fp32 by default) and
@@ -215,10 +215,10 @@ class _Matmul3D(torch.autograd.Function):
             dx = torch.matmul(dy, w.t() if op.spec.weight_in_out else w)
             dx = op.all_reduce(dx, op.spec.orientation.out_axis)
         dy2 = dy.reshape(-1, dy.shape[-1])
-        if need_w:
+        if need_w:  # the block's rows are split over depth: reduce-scatter them
             x2 = x.reshape(-1, x.shape[-1])
             block = x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2
-            block = block.reshape(-1).to(op.reduce_dtype or w_shard.dtype)
+            block = block.to(op.reduce_dtype or w_shard.dtype)
             dw = C.reduce_scatter(block, op.mesh.group("depth"), op.mesh.size("depth")).to(w_shard.dtype)
         if need_b:
             db = dy2.sum(0)
@@ -236,6 +236,7 @@ class MatmulOp:
         self.block_shape = (k_loc, n_loc) if spec.weight_in_out else (n_loc, k_loc)
 
     def gather_weight(self, w_shard: torch.Tensor) -> torch.Tensor:
+        """The (row, col) block from every depth rank's rows of it."""
         m = self.mesh
         return C.all_gather(w_shard, m.group("depth"), m.size("depth")).view(self.block_shape)
 

@@ -17,18 +17,21 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, cache_outputs, capture_shard, meta_shadow, microbatch_leaves,
                              split_batch_leaves)
-from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, ParamKind, ParamPlan, PipelineConfig, Plan
-from autopar.errors import CaptureError, PlanError, StateDictError
+from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
+from autopar.errors import CaptureError, PlanError
+from autopar.runtime import norms
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.parameters import ParamStore, local_of, local_view, plain_parameters, replace_local
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
-from autopar.runtime.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp, gather_rows_world,
-                         join_pieces, scatter_batch, take_pieces)
+from autopar.runtime.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp,
+                                 gather_rows_world, scatter_batch)
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import estimate_memory
@@ -70,10 +73,11 @@ class ParallelRuntime:
                  memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig()) -> None:
         self.config, self.mesh, self.memory, self.pipe = config, mesh, memory, pipe
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
-        self._held: set[int] | None = None  # pipeline > 1: ids of the parameters this rank's stages read
-        self._readers: dict[str, tuple[int, ...]] = {}
-        self.shadow = meta_shadow(model)
-        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.shadow = meta_shadow(model)  # before the parameters become DTensors
+        self.store = ParamStore(model, config, mesh)
+        self.params = self.store.params
+        if self.store.dtensors:
+            norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
         self.buffers = dict(model.named_buffers(remove_duplicate=False))
         self.plan: Plan | None = None
         self.executables: dict[Any, Executable] = {}
@@ -84,7 +88,6 @@ class ParallelRuntime:
         self.original_forward = model.forward
         self._constants: dict[str, Any] = {}
         self._training = lambda: model.training
-        model.register_load_state_dict_pre_hook(self._shard_state_dict)
 
     # ---- calling ----------------------------------------------------------------------------------
 
@@ -151,15 +154,12 @@ class ParallelRuntime:
         """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value)."""
         for sync in self._syncs:  # queued before the syncs' own end callbacks: the sums first
             sync.finish()
-        grads = [p.grad for p in self._unique_params() if p.grad is not None]
+        grads = [local_of(p.grad) for p in self.store.unique() if p.grad is not None]
         bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
         if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
             with torch.no_grad():
                 for g in grads:
                     g.view(-1)[0] = float("inf")
-
-    def _unique_params(self) -> list[nn.Parameter]:
-        return list({id(p): p for p in self.params.values()}.values())
 
     # ---- fallback: no graph ---------------------------------------------------------------------
 
@@ -179,16 +179,29 @@ class ParallelRuntime:
         leaves, spec = pytree.tree_flatten((args, kwargs))
         split, batch = split_batch_leaves(leaves, world)
         if not split:
-            return self.original_forward(*args, **kwargs)
+            return self._forward_whole(args, kwargs)
         flat = ParallelConfig(data=world)
         sizes = flat.batch_sizes(batch)
         start = sum(sizes[:self.mesh.rank])
         local = [x[start:start + sizes[self.mesh.rank]] if i in split else x for i, x in enumerate(leaves)]
         local_args, local_kwargs = pytree.tree_unflatten(local, spec)
-        out = self.original_forward(*local_args, **local_kwargs)
+        out = self._forward_whole(local_args, local_kwargs)
         rows = sizes[self.mesh.rank]
         return pytree.tree_map(lambda t: gather_rows_world(t, sizes) if isinstance(t, torch.Tensor) and t.dim()
                                and t.shape[0] == rows else t, out)
+
+    def _forward_whole(self, args: tuple, kwargs: dict) -> Any:
+        """The user's forward on this rank's whole copy of the model (parameters still replicated)."""
+        if not self.store.dtensors:
+            return self.original_forward(*args, **kwargs)
+        model = self._model()
+        views = {name: local_view(p) for name, p in self.params.items()}
+        wrapper = model.__dict__.pop("forward", None)  # call the user's forward, not ours
+        try:
+            return torch.func.functional_call(model, views, args, kwargs, tie_weights=False)
+        finally:
+            if wrapper is not None:
+                model.forward = wrapper
 
     # ---- compiling --------------------------------------------------------------------------------
 
@@ -232,8 +245,8 @@ class ParallelRuntime:
         if pipelined:
             program = Program(gm, lambda n: _travels(n, split), self.mesh, half_dtype(self.memory.precision),
                               self._finish_grads)
-            if self._held is None:
-                self._hold_own_stages(program)
+            if self.store.held is None:
+                self.store.hold(program.readers())
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split)
 
     def _plan_pipeline(self, gm: fx.GraphModule, plan: Plan):
@@ -247,19 +260,6 @@ class ParallelRuntime:
         planned = plan_pipeline(chain, self.config.pipeline, self.num_microbatches, self.pipe.stages_per_rank)
         return dataclasses.replace(planned, schedule=self.pipe.schedule)
 
-    def _hold_own_stages(self, program: Program) -> None:
-        """Frees the parameters no stage of this rank reads (they keep their Parameter objects, now
-        empty, so optimizers built over model.parameters() still work: they never get a gradient)."""
-        self._readers = program.readers()
-        me = self.mesh.index("pipeline")
-        held = {id(self.params[name]) for name, holders in self._readers.items() if me in holders}
-        unread = {id(p) for name, p in self.params.items() if name not in self._readers}
-        self._held = held | unread  # a parameter no stage reads stays everywhere
-        for p in self._unique_params():
-            if id(p) not in self._held:
-                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-                p.grad = None
-
     def _finish_grads(self) -> None:
         """pipeline > 1, after backward (or after the schedule's last micro-batch): gradients summed
         over data (x depth), then tied weights' gradients summed over the stages holding them, then
@@ -269,18 +269,18 @@ class ParallelRuntime:
         done: set[int] = set()
         for pp in plan.params:
             p = self.params[pp.name]
-            if id(p) in done or id(p) not in self._held or p.grad is None:
+            if id(p) in done or id(p) not in self.store.held or p.grad is None:
                 continue
             done.add(id(p))
             axis, size = self.mesh.grad_group(pp.grad_axes)
             if size > 1:
-                p.grad = _sync_grad(self.mesh, axis, reduce, p.grad)
+                _set_grad(p, _sync_grad(self.mesh, axis, reduce, local_of(p.grad)))
         for name, stages in plan.pipeline.shared:
             ranks = tuple(sorted({owner(s, self.config.pipeline) for s in stages}))
             p = self.params[name]
             if len(ranks) < 2 or self.mesh.index("pipeline") not in ranks or p.grad is None:
                 continue
-            p.grad = C.all_reduce(p.grad.contiguous(), self.mesh.stage_group(ranks), len(ranks))
+            _set_grad(p, C.all_reduce(local_of(p.grad).contiguous(), self.mesh.stage_group(ranks), len(ranks)))
         if self.memory.precision == "fp16":
             self._agree_on_overflow()
 
@@ -311,7 +311,7 @@ class ParallelRuntime:
         flat = []
         for kind, target in exe.inputs:
             if kind is InputKind.PARAMETER:
-                flat.append(self.params[target])
+                flat.append(local_view(self.params[target]))
             elif kind is InputKind.BUFFER:
                 flat.append(self.buffers[target])
             elif kind is InputKind.CONSTANT:
@@ -342,7 +342,7 @@ class ParallelRuntime:
         args, kwargs = pytree.tree_unflatten(local, spec)
         wrapper = model.__dict__.pop("forward", None)  # export the user's forward, not ours
         try:
-            with cache_outputs(model, "use_cache" in kwargs):
+            with cache_outputs(model, "use_cache" in kwargs), plain_parameters(model):
                 ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
         except Exception:
             return {}
@@ -386,18 +386,10 @@ class ParallelRuntime:
 
     def _adopt(self, plan: Plan) -> None:
         """Makes ``plan`` this model's plan: shards parameters in place and installs gradient sync."""
-        for pp in plan.params:
-            p = self.params.get(pp.name)
-            if p is None or tuple(p.shape) != pp.shape:
-                raise PlanError(f"parameter {pp.name!r} has shape {None if p is None else tuple(p.shape)}, "
-                                f"but the captured graph has {pp.shape}. Do not resize parameters after "
-                                "building the model inside auto_parallelize.")
+        self.store.adopt(plan)
         synced: dict[str, dict[int, nn.Parameter]] = {}
         for pp in plan.params:
             p = self.params[pp.name]
-            if pp.kind is not ParamKind.REPLICATED:
-                with torch.no_grad():
-                    p.data = self.local_shard(p.data, pp).clone()
             axis, size = self.mesh.grad_group(pp.grad_axes)
             if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else _finish_grads
                 synced.setdefault(axis, {})[id(p)] = p
@@ -411,101 +403,11 @@ class ParallelRuntime:
                 for note in plan.notes:  # one line per region that is not tensor-parallel
                     log.warning("autopar: %s", note)
 
-    def local_shard(self, full: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
-        """This rank's part of a full (serial) parameter tensor."""
-        m, o = self.mesh, pp.orientation
-        if pp.kind is ParamKind.REPLICATED:
-            return full
-        if pp.kind is ParamKind.SPLIT:
-            axis = pp.split_axis
-            return take_pieces(full, pp.split_dim, pp.parts, m.size(axis), m.index(axis))
-        if pp.kind is ParamKind.BIAS:
-            return take_pieces(full, 0, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
-        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
-        block = take_pieces(full, out_dim, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
-        block = take_pieces(block, in_dim, (), m.size(o.in_axis), m.index(o.in_axis)).reshape(-1)
-        chunk = block.numel() // m.size("depth")
-        return block[m.index("depth") * chunk:(m.index("depth") + 1) * chunk]
-
-    def full_tensor(self, local: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
-        """The full (serial) tensor from every rank's ``local`` part of parameter ``pp`` (collective)."""
-        if pp.kind is ParamKind.REPLICATED:
-            return local
-        m, o = self.mesh, pp.orientation
-        local = local.detach()
-
-        def gather(t: torch.Tensor, axis: str, dim: int, parts: tuple[int, ...]) -> torch.Tensor:
-            n = m.size(axis)
-            if n == 1:
-                return t
-            stacked = C.all_gather(t.contiguous().unsqueeze(0), m.group(axis), n)
-            return join_pieces(list(stacked.unbind(0)), dim, parts)
-
-        if pp.kind is ParamKind.SPLIT:
-            return gather(local, pp.split_axis, pp.split_dim, pp.parts).contiguous()
-        if pp.kind is ParamKind.BIAS:
-            return gather(local, o.out_axis, 0, pp.parts).contiguous()
-        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
-        shape = list(pp.shape)
-        shape[out_dim] //= m.size(o.out_axis)
-        shape[in_dim] //= m.size(o.in_axis)
-        block = C.all_gather(local, m.group("depth"), m.size("depth")).view(shape)
-        block = gather(block, o.in_axis, in_dim, ())
-        return gather(block, o.out_axis, out_dim, pp.parts).contiguous()
-
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        if self.plan is None:
-            return state
-        by_id = {id(self.params[pp.name]): pp for pp in self.plan.params}
-        named = {name: id(p) for name, p in self.params.items()}
-        return {k: (self._full(v, by_id[named[k]]) if named.get(k) in by_id else v) for k, v in state.items()}
-
-    def _full(self, local: torch.Tensor | None, pp: ParamPlan) -> torch.Tensor | None:
-        """The full tensor of parameter ``pp`` (or of its gradient) on every rank; with pipeline > 1 the
-        first pipeline rank holding it gathers it and broadcasts it over the pipeline (collective)."""
-        if self.config.pipeline == 1 or pp.name not in self._readers:
-            return None if local is None else self.full_tensor(local, pp)
-        src = self._readers[pp.name][0]
-        mine = self.mesh.index("pipeline") == src
-        flag = torch.tensor([1.0 if mine and local is not None else 0.0], device=self.mesh.device)
-        C.broadcast(flag, self.mesh.peer(src), self.mesh.group("pipeline"), self.config.pipeline)
-        if flag.item() == 0:  # no gradient on the holder
-            return None
-        full = self.full_tensor(local, pp) if mine else torch.empty(pp.shape, dtype=self.params[pp.name].dtype,
-                                                                       device=self.mesh.device)
-        return C.broadcast(full.contiguous(), self.mesh.peer(src), self.mesh.group("pipeline"), self.config.pipeline)
+        return self.store.full_state_dict(state)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
-        """Every parameter's full gradient under each of its names (collective; for tests and debugging)."""
-        out: dict[str, torch.Tensor | None] = {}
-        by_id = {id(self.params[pp.name]): pp for pp in (self.plan.params if self.plan else ())}
-        for pp in (self.plan.params if self.plan else ()):
-            out[pp.name] = self._full(self.params[pp.name].grad, pp)
-        for name, p in self.params.items():  # tied weights: the same tensor under another name
-            if name not in out and id(p) in by_id:
-                out[name] = out[by_id[id(p)].name]
-        return out
-
-    def _shard_state_dict(self, module: nn.Module, state_dict: dict, prefix: str, *_: Any) -> None:
-        if self.plan is None:
-            return
-        by_id = {id(self.params[pp.name]): pp for pp in self.plan.params if pp.kind is not ParamKind.REPLICATED}
-        for name, p in self.params.items():  # every name, so tied aliases are sharded too
-            pp = by_id.get(id(p))
-            key = prefix + name
-            if key in state_dict and self._held is not None and id(p) not in self._held:
-                state_dict[key] = p.data  # another pipeline rank's stage holds it
-                continue
-            if pp is None or key not in state_dict:
-                continue
-            t = state_dict[key]
-            local_shape = tuple(p.shape)
-            if tuple(t.shape) == pp.shape:
-                state_dict[key] = self.local_shard(t, pp)
-            elif tuple(t.shape) != local_shape:
-                raise StateDictError(
-                    f"state dict entry {key!r} has shape {tuple(t.shape)}; expected the serial shape "
-                    f"{pp.shape} (or this rank's shard {local_shape}). Load the serial model's state dict.")
+        return self.store.full_grads()
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
@@ -530,6 +432,14 @@ def _travels(node: fx.Node, split: frozenset[int]) -> bool:
     info = input_info(node)
     return info is not None and info.kind is InputKind.USER and int(info.target) in split
 
+
+
+def _set_grad(p: nn.Parameter, local: torch.Tensor) -> None:
+    """Puts the reduced ``local`` gradient in ``p.grad`` (inside its DTensor when ``p`` is one)."""
+    if isinstance(p.grad, DTensor):
+        replace_local(p.grad, local)
+    else:
+        p.grad = local
 
 
 def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:

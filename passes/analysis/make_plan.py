@@ -93,9 +93,18 @@ def _divides(m: MatmulMatch, o: Orientation, parts: tuple[int, ...], config: Par
             return f"{o.value}: {what} not divisible by {o.out_axis}={out_split}"
     if m.in_features % in_split:
         return f"{o.value}: in_features {m.in_features} not divisible by {o.in_axis}={in_split}"
-    if o in _3D and (m.out_features // out_split * m.in_features // in_split) % config.depth:
-        return (f"{o.value}: weight block of {m.out_features // out_split}x{m.in_features // in_split} "
-                f"not divisible by depth={config.depth}")
+    # Parameters are DTensors (autopar.runtime.parameters): every rank's piece must be a DTensor layout.
+    if out_split > 1 and len(set(parts)) > 1:
+        return (f"{o.value}: fused output pieces of unequal sizes ({'+'.join(map(str, parts))}) split over "
+                f"{o.out_axis}={out_split} are not a DTensor layout")
+    if o in _3D and config.depth > 1:
+        rows = m.in_features // in_split if m.weight_in_out else m.out_features // out_split
+        if rows % config.depth:
+            return (f"{o.value}: weight block of {m.out_features // out_split}x{m.in_features // in_split} "
+                    f"has {rows} rows, not divisible by depth={config.depth}")
+        if len(parts) > 1 and out_split > 1 and not m.weight_in_out:
+            return (f"{o.value}: fused output pieces ({'+'.join(map(str, parts))}) split over {o.out_axis} and "
+                    f"again over depth={config.depth} are not a DTensor layout")
     return ""
 
 

@@ -11,6 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from autopar.runtime.parameters import local_of
 from autopar.context import runtime_of
 from autopar.errors import ConfigError, ContextError, InputError, NotInitializedError, StateDictError
 from autopar.examples.fc_net import FC_Net
@@ -93,7 +94,8 @@ def state_worker() -> dict:
     # Sharded at the end of the block (example_inputs), equal to serial exactly.
     full = autopar.full_state_dict(model)
     out["init_exact"] = all(torch.equal(full[k], serial_sd[k]) for k in serial_sd)
-    out["sharded"] = sum(p.numel() for p in model.parameters()) < sum(v.numel() for v in serial_sd.values())
+    out["sharded"] = sum(local_of(p).numel() for p in model.parameters()) < sum(v.numel() for v in serial_sd.values())
+    out["serial_count"] = sum(p.numel() for p in model.parameters()) == sum(v.numel() for v in serial_sd.values())
     # Load a different serial state dict (e.g. a checkpoint) and get it back exactly.
     torch.manual_seed(1)
     other = FC_Net(**SMALL).state_dict()
@@ -113,7 +115,7 @@ def state_worker() -> dict:
 
 def test_state_dicts_round_trip_serial_format(distributed):
     r = distributed(state_worker, 4)[0]
-    assert r["init_exact"] and r["sharded"]
+    assert r["init_exact"] and r["sharded"] and r["serial_count"]
     assert r["load_roundtrip"] and r["same_output_after_load"]
     assert "layers.0.fc1.weight" in r["bad_shape"] and "(64, 16)" in r["bad_shape"]
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.config import ParallelConfig
 from autopar.context import runtime_of
+from autopar.runtime.parameters import local_of
 from autopar.examples.fc_net import FC_Net
 from autopar.trace import plan_model
 from tests.helpers import SMALL, batches, rel_err, serial_run
@@ -66,7 +67,7 @@ def parity_worker(grid_list: list[tuple[int, int, int, int]]) -> list[dict]:
             measured=measured,
             predicted=float(report.comm_bytes_per_step),
             same_plan=plan == autopar.plan_of(model),
-            local_numel=sum(p.numel() for p in model.parameters()),
+            local_numel=sum(local_of(p).numel() for p in model.parameters()),
             predicted_numel=sum(p.local_numel(config) for p in plan.params),
             optimizer_holds_shards=all(id(p) in opt_params for p in model.parameters()),
         ))

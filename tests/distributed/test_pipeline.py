@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
+from autopar.runtime.parameters import held_numel
 from autopar.context import runtime_of
 from autopar.errors import InputError, PlanError
 from autopar.examples import zoo
@@ -78,7 +79,7 @@ def _fc_worker(grids: list[tuple]) -> list[dict]:
             grad_err=max(rel_err(grads[k], s_grads[k]) for k in s_grads),
             param_err=max(rel_err(final[k], s_state[k]) for k in s_state),
             reload_err=rel_err(reloaded, s_out),
-            held=sum(p.numel() for p in model.parameters()),
+            held=sum(held_numel(p) for p in model.parameters()),
             stage_params=sum(p.local_numel(plan.config) for p in plan.params),
             num_stages=len(plan.pipeline.stages),
         ))

@@ -1,0 +1,108 @@
+"""torch.optim steps over sharded parameters at plain-tensor speed.
+
+An optimizer over DTensor parameters runs every update op through DTensor's dispatch: on CPU, where
+torch's optimizers default to one op per parameter, that measured 2-3x the plain step (AdamW on the
+benchmark's GPT-2: 31 ms against 11 ms). For optimizers whose update is elementwise (the torch.optim
+classes in ``ELEMENTWISE``) the DTensor layout does not matter: each rank updates its piece as the
+serial step would. So a global step pre-hook hands such an optimizer, for the length of its step,
+a plain ``nn.Parameter`` sharing storage with each sharded parameter's local piece (its "twin"), with
+the local gradient and state; the post-hook puts the parameters back and wraps new state in DTensors
+with the parameter's placements (so ``optimizer.state_dict()``, DCP and ``get_optimizer_state_dict``
+see DTensors, as they would under FSDP2). The arithmetic is the plain optimizer's, bit for bit.
+
+Any other optimizer (LBFGS, Adafactor, a subclass, a third-party class) runs on the DTensors as
+given: correct wherever DTensor supports its ops, at DTensor's speed.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+from torch.utils.weak import WeakIdKeyDictionary
+
+from autopar.runtime.checkpoint import checkpointable
+from autopar.runtime.mesh import ShardMesh
+from autopar.runtime.parameters import Absent
+
+ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
+                         torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
+                         torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD})
+"""Optimizers whose update of a parameter reads only that parameter's own elements."""
+
+SCALAR_STATE = frozenset({"step", "eta", "mu"})
+"""State entries that are scalars whatever the parameter's shape (never wrapped as DTensors)."""
+
+_twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_swapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""optimizer -> [(group index, position, parameter, twin, state before the step)] during its step."""
+_installed = False
+
+
+def _ours(p: Any) -> bool:
+    return isinstance(p, DTensor) and isinstance(p.device_mesh, ShardMesh) and not isinstance(p._local_tensor, Absent)
+
+
+def _twin(p: DTensor) -> nn.Parameter:
+    local = p._local_tensor
+    twin = _twins.get(p)
+    if twin is None or twin.data_ptr() != local.data_ptr() or twin.shape != local.shape:
+        twin = _twins[p] = nn.Parameter(local, requires_grad=p.requires_grad)
+    return twin
+
+
+def _local(value: Any) -> Any:
+    return value._local_tensor if isinstance(value, DTensor) else value
+
+
+def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if type(optimizer) not in ELEMENTWISE:
+        return
+    swapped = []
+    for g, group in enumerate(optimizer.param_groups):
+        params = group["params"]
+        for i, p in enumerate(params):
+            if not _ours(p):
+                continue
+            twin = _twin(p)
+            twin.grad = None if p.grad is None else p.grad._local_tensor
+            before = optimizer.state.pop(p, None)
+            if before:
+                optimizer.state[twin] = {k: _local(v) for k, v in before.items()}
+            params[i] = twin
+            swapped.append((g, i, p, twin, before or {}))
+    if swapped:
+        _swapped[optimizer] = swapped
+
+
+def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    swapped = _swapped.pop(optimizer, None)
+    for g, i, p, twin, before in swapped or ():
+        optimizer.param_groups[g]["params"][i] = p
+        state = optimizer.state.pop(twin, None)
+        twin.grad = None
+        if state:
+            optimizer.state[p] = {k: _wrap(k, v, p, before.get(k)) for k, v in state.items()}
+
+
+def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:
+    """State ``value`` of parameter ``p`` as it is kept between steps: a DTensor laid out like ``p`` when it
+    is laid out like ``p``'s local piece (the DTensor of the last step when its local tensor is the same)."""
+    local = p._local_tensor
+    if not isinstance(value, torch.Tensor) or value.shape != local.shape or key in SCALAR_STATE:
+        return value
+    if isinstance(before, DTensor) and before._local_tensor is value:
+        return before
+    return checkpointable(DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                             stride=p.stride()))
+
+
+def install() -> None:
+    """Registers the global step hooks (once per process)."""
+    global _installed
+    if not _installed:
+        torch.optim.optimizer.register_optimizer_step_pre_hook(_pre_step)
+        torch.optim.optimizer.register_optimizer_step_post_hook(_post_step)
+        _installed = True

@@ -1,0 +1,471 @@
+"""Parameters as DTensors: the serial (global) shape outside, this rank's shard inside.
+
+Whenever the grid splits parameters (tensor or pipeline parallelism), every parameter of the model
+becomes an ``nn.Parameter`` wrapping a ``torch.distributed.tensor.DTensor`` whose placements say
+exactly which piece of the serial tensor this rank stores. So ``p.shape``, ``p.dim()``,
+``p.numel()``, ``p.full_tensor()`` and parameter counts equal the serial model's; gradients and
+optimizer state are DTensors with the same placements; ``torch.distributed.checkpoint`` and the
+``state_dict`` helpers of ``torch.distributed.checkpoint.state_dict`` reshard them. The compute
+never runs DTensor ops: the emitted graph reads ``p.to_local()`` (see ``local_view``).
+
+Layouts (see ``passes.analysis.make_plan``; mesh dims (data, depth, row, col), placements left to
+right):
+
+==============  ==========================================================================
+kind            placements
+==============  ==========================================================================
+REPLICATED      Replicate everywhere
+SPLIT           ``Shard(split_dim)`` on its axis (``_StridedShard(split_dim, sf=#pieces)`` when a
+                fused dim has pieces (q/k/v) each split on its own)
+BIAS            as SPLIT on dim 0 over the axis splitting the matmul's output
+WEIGHT_3D       out dim and in dim sharded over (row, col) by orientation; the block's rows (dim 0
+                of the stored tensor) split again over depth, inside the other axis's blocks:
+                ``_StridedShard(0, sf=size of that axis)`` on depth
+==============  ==========================================================================
+
+Pipelines: a parameter lives on the pipeline ranks whose stages read it. A weight several stages
+read (a tied embedding) lives on a mesh with a pipeline dim over those ranks (Replicate there). On
+every other rank the same ``Parameter`` object keeps its global shape but its local tensor is an
+``Absent`` placeholder: no storage, checkpoint-neutral (DCP writes and reads nothing for it), and
+any computation on it raises ``ParameterError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
+from autopar.errors import ParameterError, PlanError, StateDictError
+from autopar.runtime import collectives as C
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.ops import join_pieces, take_pieces
+
+aten = torch.ops.aten
+
+
+def splits_parameters(config: ParallelConfig) -> bool:
+    """Whether parameters become DTensors under ``config`` (tensor or pipeline parallelism).
+
+    Pure data parallelism keeps plain tensors, as DDP does: every rank holds the whole model.
+    """
+    return config.num_tensor > 1 or config.pipeline > 1
+
+
+def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tuple[Placement, ...]:
+    """The DTensor placements of parameter ``pp`` on a mesh with dims ``dims`` (names of mesh axes)."""
+    out: dict[str, Placement] = {d: Replicate() for d in dims}
+
+    def shard(axis: str, dim: int, parts: tuple[int, ...] = ()) -> None:
+        if axis and config.size(axis) > 1:
+            out[axis] = _StridedShard(dim, split_factor=len(parts)) if len(parts) > 1 else Shard(dim)
+
+    o = pp.orientation
+    if pp.kind is ParamKind.SPLIT:
+        shard(pp.split_axis, pp.split_dim, pp.parts)
+    elif pp.kind is ParamKind.BIAS:
+        shard(o.out_axis, 0, pp.parts)
+    elif pp.kind is ParamKind.WEIGHT_3D:
+        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
+        shard(o.out_axis, out_dim, pp.parts)
+        shard(o.in_axis, in_dim)
+        if config.depth > 1:  # depth splits the block's rows, inside the blocks of the axis splitting dim 0
+            outer = config.size(o.in_axis if pp.weight_in_out else o.out_axis)
+            out["depth"] = _StridedShard(0, split_factor=outer) if outer > 1 else Shard(0)
+    return tuple(out[d] for d in dims)
+
+
+def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: Sequence[int],
+                  layout: Sequence[Placement]) -> list[list[int]]:
+    """For each tensor dim, the global indices this coordinate's local tensor holds, in local order.
+
+    DTensor layouts are separable by dim; applying each mesh dim's placement in turn to an arange of
+    every dim gives the local index sets (exact for ``_StridedShard`` too). Used to check a layout
+    against autopar's own slicing, and by checkpoints to describe non-contiguous shards.
+    """
+    index = [torch.arange(n) for n in shape]
+    for mesh_dim, p in enumerate(layout):
+        if not isinstance(p, Shard | _StridedShard):
+            continue
+        one = _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
+        index[p.dim] = one._select_split_tensor(index[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim],
+                                                with_padding=False, clone=False)
+    return [i.tolist() for i in index]
+
+
+def runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive indices: (global start, local start, length)."""
+    out: list[tuple[int, int, int]] = []
+    for local, g in enumerate(indices):
+        if out and out[-1][0] + out[-1][2] == g:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((g, local, 1))
+    return out
+
+
+def global_spec(p: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement]) -> DTensorSpec:
+    stride = torch.empty(p.shape, device="meta").stride()
+    return DTensorSpec(mesh, tuple(layout), tensor_meta=TensorMeta(torch.Size(p.shape), stride, p.dtype))
+
+
+def to_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``t`` (whole, on every rank) as a DTensor replicated over ``mesh``, sharing its storage."""
+    return DTensor.from_local(t.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False, shape=t.shape,
+                              stride=t.stride())
+
+
+def distribute_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
+    """Replaces every parameter of ``model`` by a Parameter wrapping a replicated DTensor (same storage).
+
+    Tied parameters (one Parameter under several names) stay one. Called at the end of the
+    ``auto_parallelize`` block, before the script builds its optimizer, so the optimizer holds the
+    objects that later change layout in place (``set_layout``).
+    """
+    made: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, p in list(module._parameters.items()):
+            if p is None or isinstance(p, DTensor):
+                continue
+            q = made.get(id(p))
+            if q is None:
+                q = made[id(p)] = nn.Parameter(to_dtensor(p, mesh), requires_grad=p.requires_grad)
+            setattr(module, name, q)
+
+
+@contextlib.contextmanager
+def plain_parameters(model: nn.Module) -> Iterator[None]:
+    """Within the block, ``model``'s DTensor parameters are plain Parameters over their local tensors
+    (no gradient reaches the DTensors); the exact previous objects are put back on the way out."""
+    saved = []
+    try:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if isinstance(p, DTensor):
+                    saved.append((module, name, p))
+                    module._parameters[name] = nn.Parameter(local_of(p), requires_grad=False)
+        yield
+    finally:
+        for module, name, p in saved:
+            module._parameters[name] = p
+
+
+def set_layout(p: DTensor, local: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement]) -> None:
+    """Gives DTensor ``p`` (a Parameter the optimizer may hold) a new local tensor and placements, in place.
+
+    The global shape does not change. This is what FSDP2 does to its sharded parameters
+    (``_local_tensor`` and ``_spec`` are the DTensor's whole state).
+    """
+    p._local_tensor = local
+    p._spec = global_spec(p, mesh, layout)
+
+
+def local_view(p: torch.Tensor) -> torch.Tensor:
+    """What the emitted graph reads for parameter ``p``: its local tensor, differentiably (the gradient
+    comes back as a DTensor with ``p``'s placements)."""
+    if isinstance(p, DTensor):
+        if isinstance(p._local_tensor, Absent):  # bound but never read: another pipeline rank's stage
+            return p._local_tensor
+        return p.to_local(grad_placements=p.placements)
+    return p
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """The local tensor of a DTensor (a parameter, its gradient, optimizer state); ``t`` otherwise."""
+    if isinstance(t, DTensor):
+        if isinstance(t._local_tensor, Absent):
+            return t._local_tensor
+        with torch.no_grad():
+            return t.to_local()
+    return t
+
+
+def held_numel(p: torch.Tensor) -> int:
+    """Elements of ``p`` this rank stores (0 for another pipeline stage's parameter)."""
+    local = local_of(p)
+    return 0 if isinstance(local, Absent) else local.numel()
+
+
+def replace_local(t: DTensor, local: torch.Tensor) -> None:
+    """Replaces the local tensor of DTensor ``t`` (a gradient) by ``local`` of the same shape."""
+    if tuple(local.shape) != tuple(t._local_tensor.shape):
+        raise AssertionError(f"local shape {tuple(local.shape)} != {tuple(t._local_tensor.shape)}")
+    t._local_tensor = local
+
+
+class Absent(torch.Tensor):
+    """The local tensor of a parameter that other pipeline ranks hold: no storage.
+
+    Shapes and dtype are the holder's, so the DTensor around it is well formed. Checkpoints skip it
+    (DCP writes and reads nothing for it); any computation raises ``ParameterError``.
+    """
+
+    @staticmethod
+    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, device: torch.device, name: str,
+                holders: tuple[int, ...]) -> Absent:
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        r.param_name, r.holders = name, holders
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func in (aten.detach.default, aten.alias.default):
+            return args[0]
+        if func in (aten.view.default, aten._unsafe_view.default):  # DTensor.to_local's view_as
+            a = args[0]
+            return Absent(func(torch.empty(a.shape, device="meta"), *args[1:]).shape, a.dtype, a.device,
+                          a.param_name, a.holders)
+        if func is aten.copy_.default and isinstance(args[1], Absent):
+            return args[0]
+        what = next(a for a in args if isinstance(a, Absent))
+        raise ParameterError(
+            f"parameter {what.param_name!r} lives on pipeline rank(s) {', '.join(map(str, what.holders))}, not on this "
+            f"rank, so {func.__name__} cannot run on it here. Under pipeline parallelism each rank holds only its "
+            "stages' parameters: use autopar.full_state_dict(model) (on every rank) for the whole model, or "
+            "torch.distributed.checkpoint, which reads and writes each stage's parameters on the rank holding them.")
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Absent({self.param_name!r}, held by pipeline rank(s) {self.holders})"
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        raise ParameterError(f"cannot pickle parameter {self.param_name!r}: pipeline rank(s) {self.holders} hold it, not "
+                             "this rank. Use autopar.full_state_dict(model) or torch.distributed.checkpoint.")
+
+    # torch.distributed.checkpoint's _Checkpointable protocol: this rank writes and reads nothing.
+    def __create_write_items__(self, fqn: str, obj: Any) -> list:
+        return []
+
+    def __create_chunk_list__(self) -> list:
+        return []
+
+    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
+        raise ParameterError(f"this rank holds no piece of {self.param_name!r} (pipeline rank(s) {self.holders} do).")
+
+
+#: Dims of a parameter's mesh (``Mesh.param_mesh``); a weight several pipeline stages hold adds "pipeline".
+DIMS = ("data", "depth", "row", "col")
+TIED_DIMS = ("data", "pipeline", "depth", "row", "col")
+
+
+class ParamStore:
+    """The parameters of one parallel model on this rank: their layout, full (serial) values and loading.
+
+    ``params`` maps every parameter name (tied aliases included) to the model's Parameter objects, which
+    never change identity after ``auto_parallelize``'s block: optimizers built over
+    ``model.parameters()`` keep working when the plan shards them in place (``adopt``).
+    """
+
+    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh) -> None:
+        self.config, self.mesh = config, mesh
+        self.dtensors = splits_parameters(config)
+        if self.dtensors:
+            distribute_parameters(model, mesh.param_mesh())
+        self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        self.plan: Plan | None = None
+        self.readers: dict[str, tuple[int, ...]] = {}
+        """pipeline > 1: parameter name -> the pipeline coordinates whose stages read it."""
+        self.held: set[int] | None = None
+        """pipeline > 1: ids of the parameters this rank holds (its stages read them, or no stage does)."""
+        for module in model.modules():  # after the model's own hooks: they see (and may merge) serial keys
+            direct = [n for n, p in module.named_parameters(recurse=False)]
+            if direct:
+                module.register_load_state_dict_pre_hook(functools.partial(self._load_hook, names=direct))
+
+    def unique(self) -> list[nn.Parameter]:
+        return list({id(p): p for p in self.params.values()}.values())
+
+    def by_param(self) -> dict[int, ParamPlan]:
+        """id(parameter) -> its ParamPlan (tied aliases share one)."""
+        return {id(self.params[pp.name]): pp for pp in (self.plan.params if self.plan else ())}
+
+    # ---- layout ----------------------------------------------------------------------------------
+
+    def adopt(self, plan: Plan) -> None:
+        """Stores this rank's piece of every parameter under ``plan`` (in place: same Parameter objects)."""
+        for pp in plan.params:
+            p = self.params.get(pp.name)
+            if p is None or tuple(p.shape) != pp.shape:
+                raise PlanError(f"parameter {pp.name!r} has shape {None if p is None else tuple(p.shape)}, "
+                                f"but the captured graph has {pp.shape}. Do not resize parameters after "
+                                "building the model inside auto_parallelize.")
+        self.plan = plan
+        if not self.dtensors:
+            return
+        with torch.no_grad():
+            for pp in plan.params:
+                p = self.params[pp.name]
+                if pp.kind is not ParamKind.REPLICATED:
+                    local = self.local_shard(local_of(p), pp).clone()
+                    set_layout(p, local, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
+
+    def hold(self, readers: dict[str, tuple[int, ...]]) -> None:
+        """pipeline > 1: keeps the parameters this rank's stages read. A weight several stages read moves to a
+        mesh over those stages; one read by other stages only keeps its global shape around an ``Absent``
+        local tensor (its Parameter object stays: an optimizer over ``model.parameters()`` never gets a
+        gradient for it)."""
+        self.readers = readers
+        me = self.mesh.index("pipeline")
+        self.held = set()
+        plans = self.by_param()
+        for name, p in self.params.items():
+            if id(p) in self.held or (name not in readers and any(n in readers for n in self._names(p))):
+                continue
+            holders = readers.get(name)
+            pp = plans.get(id(p))
+            if holders is None or me in holders:
+                self.held.add(id(p))
+                if holders is not None and len(holders) > 1 and pp is not None:
+                    set_layout(p, local_of(p), self.mesh.param_mesh(holders), placements(pp, TIED_DIMS, self.config))
+                continue
+            local = local_of(p)
+            absent = Absent(local.shape, local.dtype, local.device, name, holders)
+            set_layout(p, absent, self.mesh.param_mesh(), p.placements)
+            p.grad = None
+
+    def _names(self, p: nn.Parameter) -> list[str]:
+        return [n for n, q in self.params.items() if q is p]
+
+    def local_shard(self, full: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
+        """This rank's part of a full (serial) parameter tensor (a view where possible)."""
+        m, o = self.mesh, pp.orientation
+        if pp.kind is ParamKind.REPLICATED:
+            return full
+        if pp.kind is ParamKind.SPLIT:
+            axis = pp.split_axis
+            return take_pieces(full, pp.split_dim, pp.parts, m.size(axis), m.index(axis))
+        if pp.kind is ParamKind.BIAS:
+            return take_pieces(full, 0, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
+        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
+        block = take_pieces(full, out_dim, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
+        block = take_pieces(block, in_dim, (), m.size(o.in_axis), m.index(o.in_axis))
+        rows = block.shape[0] // m.size("depth")  # the plan keeps the block's rows divisible by depth
+        return block.narrow(0, m.index("depth") * rows, rows)
+
+    # ---- full (serial) values --------------------------------------------------------------------
+
+    def full_tensor(self, local: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
+        """The full (serial) tensor from every rank's ``local`` part of parameter ``pp`` (collective over the
+        tensor axes)."""
+        if pp.kind is ParamKind.REPLICATED:
+            return local
+        m, o = self.mesh, pp.orientation
+        local = local.detach()
+
+        def gather(t: torch.Tensor, axis: str, dim: int, parts: tuple[int, ...]) -> torch.Tensor:
+            n = m.size(axis)
+            if n == 1:
+                return t
+            stacked = C.all_gather(t.contiguous().unsqueeze(0), m.group(axis), n)
+            return join_pieces(list(stacked.unbind(0)), dim, parts)
+
+        if pp.kind is ParamKind.SPLIT:
+            return gather(local, pp.split_axis, pp.split_dim, pp.parts).contiguous()
+        if pp.kind is ParamKind.BIAS:
+            return gather(local, o.out_axis, 0, pp.parts).contiguous()
+        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
+        block = C.all_gather(local, m.group("depth"), m.size("depth"))
+        block = gather(block, o.in_axis, in_dim, ())
+        return gather(block, o.out_axis, out_dim, pp.parts).contiguous()
+
+    def full(self, local: torch.Tensor | None, pp: ParamPlan) -> torch.Tensor | None:
+        """The full tensor of parameter ``pp`` (or of its gradient, or of optimizer state laid out like it) on
+        every rank; with pipeline > 1 the first pipeline rank holding it gathers it and broadcasts it over
+        the pipeline (collective). None when the holder's ``local`` is None."""
+        if self.config.pipeline == 1 or pp.name not in self.readers:
+            return None if local is None else self.full_tensor(local, pp)
+        src = self.readers[pp.name][0]
+        mine = self.mesh.index("pipeline") == src
+        flag = torch.tensor([1.0 if mine and local is not None else 0.0], device=self.mesh.device)
+        C.broadcast(flag, self.mesh.peer(src), self.mesh.group("pipeline"), self.config.pipeline)
+        if flag.item() == 0:
+            return None
+        full = self.full_tensor(local, pp) if mine else torch.empty(pp.shape, dtype=self.params[pp.name].dtype,
+                                                                       device=self.mesh.device)
+        return C.broadcast(full.contiguous(), self.mesh.peer(src), self.mesh.group("pipeline"), self.config.pipeline)
+
+    def full_state_dict(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``model.state_dict()`` with every sharded entry gathered to the serial tensor (collective)."""
+        plans = self.by_param()
+        out = {}
+        for key, value in state.items():
+            p = self.params.get(key)
+            if p is not None and id(p) in plans:
+                value = self.full(local_of(value), plans[id(p)])
+            elif isinstance(value, DTensor):  # made by the model's own state_dict hooks from parameters
+                value = value.full_tensor()
+            out[key] = value
+        return out
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        """Every parameter's full gradient under each of its names (collective; for tests and debugging)."""
+        out: dict[str, torch.Tensor | None] = {}
+        plans = self.by_param()
+        for pp in (self.plan.params if self.plan else ()):
+            grad = self.params[pp.name].grad
+            out[pp.name] = self.full(None if grad is None else local_of(grad), pp)
+        for name, p in self.params.items():  # tied weights: the same tensor under another name
+            if name not in out and id(p) in plans:
+                out[name] = out[plans[id(p)].name]
+        return out
+
+    # ---- loading ---------------------------------------------------------------------------------
+
+    def _load_hook(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: dict, strict: bool,
+                   missing_keys: list, unexpected_keys: list, error_msgs: list, *, names: list[str]) -> None:
+        """Turns the entries of ``module``'s own parameters into what they load into on this rank: the
+        serial tensor (or a replicated DTensor) becomes this rank's piece; a DTensor in this parameter's
+        layout is taken as it is. Anything else is an error naming the key and both layouts."""
+        if local_metadata.get("assign_to_params_buffers", False) and self.dtensors:
+            raise StateDictError("load_state_dict(..., assign=True) would replace autopar's sharded parameters "
+                                 "by the given tensors. Load without assign=True: values are copied into "
+                                 "this rank's shards.")
+        for name in names:
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            p = module._parameters[name]
+            value = state_dict[key]
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise StateDictError(f"state dict entry {key!r} is on the meta device: loading it would leave "
+                                     f"parameter {key!r} unchanged. Load real tensors.")
+            if not self.dtensors:
+                continue
+            state_dict[key] = self._loadable(key, p, value)
+
+    def _loadable(self, key: str, p: nn.Parameter, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor):
+            return value
+        if isinstance(p._local_tensor, Absent):
+            return p  # another pipeline rank holds it: loading it here is a no-op
+        if isinstance(value, DTensor):
+            if value.device_mesh == p.device_mesh and tuple(value.placements) == tuple(p.placements):
+                return value
+            if all(isinstance(x, Replicate) for x in value.placements):
+                value = local_of(value)  # whole on every rank: cut below, no communication
+            else:
+                raise StateDictError(
+                    f"state dict entry {key!r} is a DTensor with placements {tuple(value.placements)} on mesh "
+                    f"{value.device_mesh}; this model stores it as {tuple(p.placements)} on {p.device_mesh}. Load "
+                    "the serial tensor, a torch.distributed.checkpoint loaded into this model's own "
+                    "model.state_dict(), or autopar.full_state_dict output.")
+        if tuple(value.shape) != tuple(p.shape):
+            raise StateDictError(
+                f"state dict entry {key!r} has shape {tuple(value.shape)}; the serial parameter has shape "
+                f"{tuple(p.shape)} (this rank stores a {tuple(p._local_tensor.shape)} piece of it). A checkpoint "
+                "holding one rank's pieces cannot be loaded: save with torch.distributed.checkpoint or "
+                "autopar.full_state_dict(model).")
+        pp = self.by_param().get(id(p))
+        local = value if pp is None else self.local_shard(value, pp)
+        return DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, run_check=False,
+                                  shape=p.shape, stride=p.stride())
