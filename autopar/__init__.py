@@ -6,7 +6,8 @@
 
 from autopar.runtime.collectives import comm_stats, reset_comm_stats
 from autopar.config import ParallelConfig, Plan
-from autopar.context import auto_parallelize, full_state_dict, plan_of
+from autopar.context import (auto_parallelize, full_optimizer_state_dict, full_state_dict,
+                             load_full_optimizer_state_dict, plan_of)
 from autopar.errors import AutoparError
 from autopar.train import train_step
 
@@ -16,7 +17,9 @@ __all__ = [
     "Plan",
     "auto_parallelize",
     "comm_stats",
+    "full_optimizer_state_dict",
     "full_state_dict",
+    "load_full_optimizer_state_dict",
     "plan_of",
     "reset_comm_stats",
     "train_step",

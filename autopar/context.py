@@ -23,6 +23,7 @@ from torch.nn.modules import module as module_hooks
 from autopar.runtime import collectives as C
 from autopar.config import MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError, NotInitializedError
+from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.runtime import ParallelRuntime
 
@@ -188,6 +189,25 @@ def runtime_of(model: nn.Module) -> ParallelRuntime:
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The serial model's state dict (full tensors, serial names) on every rank. Collective."""
     return runtime_of(model).full_state_dict(model.state_dict())
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state in the serial format, on every rank (collective).
+
+    The format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer,
+    options=StateDictOptions(full_state_dict=True))``: ``{"state": {parameter name: {"step": ...,
+    "exp_avg": full tensor, ...}}, "param_groups": [{..., "params": [names]}]}``, which a serial model's
+    optimizer state converts to and from by name. Unlike torch's helper it also gathers the state that
+    other pipeline stages hold. Load it at any grid with ``load_full_optimizer_state_dict``.
+    """
+    return full_optimizer_state(runtime_of(model).store, optimizer)
+
+
+def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    """Loads a serial-format optimizer state (``full_optimizer_state_dict``'s, or torch's with
+    ``full_state_dict=True``) into ``optimizer`` at this grid: each rank keeps its pieces of every state
+    tensor. Build the optimizer over ``model.parameters()`` with the saved run's parameter groups."""
+    load_full_optimizer_state(runtime_of(model).store, optimizer, osd)
 
 
 def plan_of(model: nn.Module):

@@ -16,13 +16,18 @@ import itertools
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.errors import CheckpointError
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent, local_indices, runs
+from autopar.runtime.parameters import Absent, local_indices, local_of, runs
+
+SCALAR_STATE = frozenset({"step", "eta", "mu"})
+"""Optimizer state entries that are scalars whatever the parameter's shape (torch.optim's ``step``, ASGD's)."""
 
 
 class Boxes(torch.Tensor):
@@ -89,3 +94,117 @@ def state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: 
     """``model.state_dict()``: DTensors whose pieces are several boxes become DCP-checkpointable."""
     for key, value in state_dict.items():
         state_dict[key] = checkpointable(value)
+
+
+# ---- the optimizer's state in the serial format ------------------------------------------------------
+
+
+def _names(store: Any) -> dict[int, str]:
+    """id(parameter) -> its first name (the one torch's state-dict helpers key it by)."""
+    out: dict[int, str] = {}
+    for name, p in store.params.items():
+        out.setdefault(id(p), name)
+    return out
+
+
+def full_optimizer_state(store: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """``optimizer``'s state as torch's ``get_optimizer_state_dict(..., full_state_dict=True)`` formats
+    it, keyed by parameter names, with full (serial) tensors, on every rank; pipeline ranks receive the
+    state of parameters other stages hold. Collective: every rank calls it."""
+    names, plans = _names(store), store.by_param()
+    mesh, config = store.mesh, store.config
+    state: dict[str, dict[str, Any]] = {}
+    groups = []
+    for group in optimizer.param_groups:
+        groups.append({**{k: v for k, v in group.items() if k != "params"},
+                       "params": [names.get(id(p), "") for p in group["params"]]})
+        for p in group["params"]:
+            if id(p) not in names:
+                raise CheckpointError("the optimizer holds a tensor that is not a parameter of this model; "
+                                      "autopar.full_optimizer_state_dict needs an optimizer over model.parameters().")
+            pp = plans.get(id(p))
+            mine = optimizer.state.get(p, {})
+            held = not isinstance(getattr(p, "_local_tensor", None), Absent)
+            keys = {k: ("layout" if _laid_out_like(v, p) else v) for k, v in mine.items()} if held else None
+            if config.pipeline > 1 and pp is not None and pp.name in store.readers:
+                box = [keys]
+                src = mesh.peer(store.readers[pp.name][0])
+                dist.broadcast_object_list(box, src=src, group=mesh.group("pipeline"), device=mesh.device)
+                keys = box[0]
+            if not keys:
+                continue
+            entry = {}
+            for k, v in keys.items():
+                if isinstance(v, str) and v == "layout":
+                    local = local_of(mine[k]) if held and k in mine else None
+                    entry[k] = local.clone() if pp is None else store.full(local, pp)
+                else:
+                    entry[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            state[names[id(p)]] = entry
+    return {"state": state, "param_groups": groups}
+
+
+def load_full_optimizer_state(store: Any, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
+    """Loads a serial-format optimizer state (``full_optimizer_state``'s, or torch's full one) into
+    ``optimizer``: every rank keeps its pieces. No communication."""
+    if not isinstance(osd, dict) or "state" not in osd or "param_groups" not in osd:
+        raise CheckpointError("expected a serial-format optimizer state: {'state': {name: {...}}, 'param_groups': "
+                              "[...]} (autopar.full_optimizer_state_dict or torch's get_optimizer_state_dict with "
+                              "full_state_dict=True).")
+    names, plans = _names(store), store.by_param()
+    if len(osd["param_groups"]) != len(optimizer.param_groups):
+        raise CheckpointError(f"the saved optimizer state has {len(osd['param_groups'])} parameter groups; this "
+                              f"optimizer has {len(optimizer.param_groups)}. Build the optimizer as the saved run did.")
+    state: dict[int, dict[str, Any]] = {}
+    groups = []
+    index = 0
+    for saved, group in zip(osd["param_groups"], optimizer.param_groups):
+        ids = []
+        for p in group["params"]:
+            name = names.get(id(p))
+            entry = osd["state"].get(name)
+            if entry is not None:
+                state[index] = {k: _local_state(store, name, k, v, p, plans.get(id(p))) for k, v in entry.items()}
+            ids.append(index)
+            index += 1
+        if len(saved["params"]) != len(ids):
+            raise CheckpointError(f"a saved parameter group holds {len(saved['params'])} parameters; this "
+                                  f"optimizer's holds {len(ids)}. Build the optimizer as the saved run did.")
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": state, "param_groups": groups})
+
+
+def relayout_state(store: Any, optimizer: torch.optim.Optimizer, p: DTensor) -> None:
+    """Optimizer state of ``p`` that is still whole (loaded or created before the first call sharded ``p``)
+    becomes this rank's piece, laid out like ``p``. No communication."""
+    state = optimizer.state.get(p)
+    if not state:
+        return
+    local = p._local_tensor
+    for key, value in state.items():
+        if (isinstance(value, DTensor) and value.dim() > 0 and tuple(value.shape) == tuple(p.shape)
+                and (value.device_mesh is not p.device_mesh or value._local_tensor.shape != local.shape)
+                and all(isinstance(x, Replicate) for x in value.placements)):
+            name = _names(store)[id(p)]
+            state[key] = _local_state(store, name, key, value._local_tensor, p, store.by_param().get(id(p)))
+
+
+def _laid_out_like(value: Any, p: torch.Tensor) -> bool:
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and tuple(value.shape) == tuple(p.shape)
+
+
+def _local_state(store: Any, name: str, key: str, value: Any, p: torch.Tensor, pp: Any) -> Any:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key in SCALAR_STATE:
+        return value
+    if tuple(value.shape) != tuple(p.shape):
+        raise CheckpointError(f"optimizer state {name!r}[{key!r}] has shape {tuple(value.shape)}; parameter {name!r} "
+                              f"has the serial shape {tuple(p.shape)}. Load the optimizer state saved with this model.")
+    if not isinstance(p, DTensor):
+        return value.to(p.device)
+    local = p._local_tensor
+    if isinstance(local, Absent):
+        piece = Absent(local.shape, value.dtype, p.device, local.param_name, local.holders)
+    else:
+        piece = (value if pp is None else store.local_shard(value, pp)).to(p.device).clone()
+    return checkpointable(DTensor.from_local(piece, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                             stride=p.stride()))

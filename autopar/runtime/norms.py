@@ -13,7 +13,9 @@ stages are included: the reduction spans the world, which DTensor's own (per-mes
 
 Installed in DTensor's op dispatch (its table of custom op handlers) for ``aten.linalg_vector_norm``
 and ``aten._foreach_norm``, acting only on DTensors whose mesh is autopar's ``ShardMesh``; every
-other DTensor takes torch's own path. Like any DTensor reduction it is collective: every rank must
+other DTensor takes torch's own path. The in-place foreach ops clipping then applies (scale by the
+clip coefficient, clamp) run on the local pieces too, since a pipeline rank's gradients may live on
+two meshes (its stage's, and a tied weight's over the stages sharing it). Like any DTensor reduction it is collective: every rank must
 compute the same norms.
 """
 
@@ -165,8 +167,26 @@ def _foreach_norm(op: Any, args: tuple, kwargs: dict) -> Any:
     return [_share(t, ord, kwargs.get("dtype")) for t in tensors]
 
 
+def _foreach_local(op: Any, args: tuple, kwargs: dict) -> Any:
+    """An in-place elementwise foreach op with scalar operands (clipping's scale and clamps) on the local
+    pieces: their layout does not matter, and a list may mix meshes (a pipeline's tied weights live on a
+    mesh over the stages sharing them), which DTensor's foreach refuses."""
+    tensors = list(args[0])
+    if not all(_ours(t) for t in tensors) or any(isinstance(a, DTensor) for a in args[1:]):
+        return _default(op, args, kwargs)
+    op([t._local_tensor for t in tensors], *args[1:], **kwargs)
+    return None
+
+
+#: In-place foreach ops clip_grad_norm_ / clip_grads_with_norm_ / clip_grad_value_ apply to the gradients.
+FOREACH_IN_PLACE = (aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar, aten._foreach_clamp_min_.Scalar,
+                    aten._foreach_clamp_max_.Scalar)
+
+
 def install() -> None:
     """Puts the handlers in DTensor's dispatch (once per process)."""
     table = DTensor._op_dispatcher._custom_op_handlers
     table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
     table.setdefault(aten._foreach_norm.Scalar, _foreach_norm)
+    for op in FOREACH_IN_PLACE:
+        table.setdefault(op, _foreach_local)

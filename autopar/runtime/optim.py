@@ -19,21 +19,20 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
-from autopar.runtime.checkpoint import checkpointable
+from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent
+from autopar.runtime.parameters import Absent, owners
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
                          torch.optim.RMSprop, torch.optim.Rprop, torch.optim.ASGD})
 """Optimizers whose update of a parameter reads only that parameter's own elements."""
 
-SCALAR_STATE = frozenset({"step", "eta", "mu"})
-"""State entries that are scalars whatever the parameter's shape (never wrapped as DTensors)."""
 
 _twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _swapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -42,11 +41,17 @@ _installed = False
 
 
 def _ours(p: Any) -> bool:
-    return isinstance(p, DTensor) and isinstance(p.device_mesh, ShardMesh) and not isinstance(p._local_tensor, Absent)
+    return isinstance(p, DTensor) and isinstance(p.device_mesh, ShardMesh)
+
+
+def _absent(p: DTensor) -> bool:
+    return isinstance(p._local_tensor, Absent)
 
 
 def _twin(p: DTensor) -> nn.Parameter:
     local = p._local_tensor
+    if isinstance(local, Absent):  # another pipeline stage's: the step skips it (no gradient here)
+        local = torch.empty(0, dtype=p.dtype, device=p.device)
     twin = _twins.get(p)
     if twin is None or twin.data_ptr() != local.data_ptr() or twin.shape != local.shape:
         twin = _twins[p] = nn.Parameter(local, requires_grad=p.requires_grad)
@@ -58,6 +63,11 @@ def _local(value: Any) -> Any:
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for group in optimizer.param_groups:  # state made before the first call sharded its parameter
+        for p in group["params"]:
+            store = owners.get(p)
+            if store is not None and isinstance(p, DTensor):
+                relayout_state(store, optimizer, p)
     if type(optimizer) not in ELEMENTWISE:
         return
     swapped = []
@@ -67,7 +77,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
             if not _ours(p):
                 continue
             twin = _twin(p)
-            twin.grad = None if p.grad is None else p.grad._local_tensor
+            twin.grad = None if p.grad is None or _absent(p) else p.grad._local_tensor
             before = optimizer.state.pop(p, None)
             if before:
                 optimizer.state[twin] = {k: _local(v) for k, v in before.items()}
@@ -79,12 +89,32 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     swapped = _swapped.pop(optimizer, None)
+    template = None
     for g, i, p, twin, before in swapped or ():
         optimizer.param_groups[g]["params"][i] = p
         state = optimizer.state.pop(twin, None)
         twin.grad = None
-        if state:
+        if state and not _absent(p):
             optimizer.state[p] = {k: _wrap(k, v, p, before.get(k)) for k, v in state.items()}
+            template = template or optimizer.state[p]
+        elif before:
+            optimizer.state[p] = before
+    for _, _, p, _, _ in swapped or ():
+        if _absent(p) and template and not optimizer.state.get(p):
+            optimizer.state[p] = {k: _absent_like(v, p) for k, v in template.items()}
+
+
+def _absent_like(value: Any, p: DTensor) -> Any:
+    """State of another pipeline stage's parameter ``p``, shaped like the holder's: DCP writes and reads
+    nothing for it, and ``set_optimizer_state_dict`` finds every parameter's state (the holder's is real)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    holder = p._local_tensor
+    scalar = value.dim() == 0
+    absent = Absent(() if scalar else holder.shape, value.dtype, p.device, holder.param_name, holder.holders)
+    placements = [Replicate()] * p.device_mesh.ndim if scalar else p.placements
+    return DTensor.from_local(absent, p.device_mesh, placements, run_check=False, shape=() if scalar else p.shape,
+                              stride=() if scalar else p.stride())
 
 
 def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:
@@ -103,6 +133,6 @@ def install() -> None:
     """Registers the global step hooks (once per process)."""
     global _installed
     if not _installed:
-        torch.optim.optimizer.register_optimizer_step_pre_hook(_pre_step)
-        torch.optim.optimizer.register_optimizer_step_post_hook(_post_step)
+        register_optimizer_step_pre_hook(_pre_step)
+        register_optimizer_step_post_hook(_post_step)
         _installed = True

@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import ParameterError, PlanError, StateDictError
@@ -202,6 +203,9 @@ def replace_local(t: DTensor, local: torch.Tensor) -> None:
     t._local_tensor = local
 
 
+_LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default})
+
+
 class Absent(torch.Tensor):
     """The local tensor of a parameter that other pipeline ranks hold: no storage.
 
@@ -226,6 +230,9 @@ class Absent(torch.Tensor):
             a = args[0]
             return Absent(func(torch.empty(a.shape, device="meta"), *args[1:]).shape, a.dtype, a.device,
                           a.param_name, a.holders)
+        if func in _LIKE:  # a gradient or optimizer state laid out like the parameter (DCP's state init)
+            a = args[0]
+            return Absent(a.shape, (kwargs or {}).get("dtype") or a.dtype, a.device, a.param_name, a.holders)
         if func is aten.copy_.default and isinstance(args[1], Absent):
             return args[0]
         what = next(a for a in args if isinstance(a, Absent))
@@ -253,6 +260,9 @@ class Absent(torch.Tensor):
         raise ParameterError(f"this rank holds no piece of {self.param_name!r} (pipeline rank(s) {self.holders} do).")
 
 
+owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""Parameter -> the ParamStore holding it (optimizer hooks find a parameter's layout through it)."""
+
 #: Dims of a parameter's mesh (``Mesh.param_mesh``); a weight several pipeline stages hold adds "pipeline".
 DIMS = ("data", "depth", "row", "col")
 TIED_DIMS = ("data", "pipeline", "depth", "row", "col")
@@ -272,6 +282,8 @@ class ParamStore:
         if self.dtensors:
             distribute_parameters(model, mesh.param_mesh())
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        for p in self.unique():
+            owners[p] = self
         self.plan: Plan | None = None
         self.readers: dict[str, tuple[int, ...]] = {}
         """pipeline > 1: parameter name -> the pipeline coordinates whose stages read it."""

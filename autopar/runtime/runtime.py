@@ -24,7 +24,8 @@ from autopar.capture import (Captured, cache_outputs, capture_shard, meta_shadow
                              split_batch_leaves)
 from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
 from autopar.errors import CaptureError, PlanError
-from autopar.runtime import norms
+from autopar.runtime import norms, optim
+from autopar.runtime.checkpoint import state_dict_post_hook
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import ParamStore, local_of, local_view, plain_parameters, replace_local
 from autopar.memory import device_budget, half_dtype
@@ -78,6 +79,8 @@ class ParallelRuntime:
         self.params = self.store.params
         if self.store.dtensors:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
+            optim.install()  # torch.optim's elementwise optimizers step on the local pieces
+            model.register_state_dict_post_hook(state_dict_post_hook)  # DCP sees every box of fused pieces
         self.buffers = dict(model.named_buffers(remove_duplicate=False))
         self.plan: Plan | None = None
         self.executables: dict[Any, Executable] = {}
