@@ -142,6 +142,13 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end)."""
     if model in _runtimes:
         raise ContextError(f"{type(model).__name__} is already parallelized.")
+    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    if meta:
+        raise ContextError(
+            f"{type(model).__name__} was built on the meta device: {len(meta)} parameters and buffers "
+            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}) have no values, and loading into them "
+            "would do nothing. autopar does not materialize meta-device models yet: build the model on a real "
+            "device inside auto_parallelize (load pretrained weights after the block with load_state_dict).")
     mesh = Mesh(config)
     _agree_on_parameters(model, mesh)
     runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig())

@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent, owners
+from autopar.runtime.parameters import Absent, make_dtensor, owners
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -113,8 +113,7 @@ def _absent_like(value: Any, p: DTensor) -> Any:
     scalar = value.dim() == 0
     absent = Absent(() if scalar else holder.shape, value.dtype, p.device, holder.param_name, holder.holders)
     placements = [Replicate()] * p.device_mesh.ndim if scalar else p.placements
-    return DTensor.from_local(absent, p.device_mesh, placements, run_check=False, shape=() if scalar else p.shape,
-                              stride=() if scalar else p.stride())
+    return make_dtensor(absent, p.device_mesh, placements, () if scalar else p.shape)
 
 
 def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:

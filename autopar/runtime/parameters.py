@@ -119,6 +119,13 @@ def global_spec(p: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement]) 
     return DTensorSpec(mesh, tuple(layout), tensor_meta=TensorMeta(torch.Size(p.shape), stride, p.dtype))
 
 
+def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement], shape: Sequence[int]) -> DTensor:
+    """A DTensor of global ``shape`` around ``local`` as it is (no view, no check: ``local`` may be Absent)."""
+    stride = torch.empty(shape, device="meta").stride()
+    spec = DTensorSpec(mesh, tuple(layout), tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
+    return DTensor(local, spec, requires_grad=False)
+
+
 def to_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
     """``t`` (whole, on every rank) as a DTensor replicated over ``mesh``, sharing its storage."""
     return DTensor.from_local(t.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False, shape=t.shape,
@@ -226,10 +233,6 @@ class Absent(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in (aten.detach.default, aten.alias.default):
             return args[0]
-        if func in (aten.view.default, aten._unsafe_view.default):  # DTensor.to_local's view_as
-            a = args[0]
-            return Absent(func(torch.empty(a.shape, device="meta"), *args[1:]).shape, a.dtype, a.device,
-                          a.param_name, a.holders)
         if func in _LIKE:  # a gradient or optimizer state laid out like the parameter (DCP's state init)
             a = args[0]
             return Absent(a.shape, (kwargs or {}).get("dtype") or a.dtype, a.device, a.param_name, a.holders)
