@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.errors import CheckpointError
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent, local_indices, local_of, make_dtensor, runs
+from autopar.runtime.parameters import Absent, local_indices, local_of, local_piece, make_dtensor, runs
 
 SCALAR_STATE = frozenset({"step", "eta", "mu"})
 """Optimizer state entries that are scalars whatever the parameter's shape (torch.optim's ``step``, ASGD's)."""
@@ -205,5 +205,5 @@ def _local_state(store: Any, name: str, key: str, value: Any, p: torch.Tensor, p
     if isinstance(local, Absent):
         piece = Absent(local.shape, value.dtype, p.device, local.param_name, local.holders)
     else:
-        piece = (value if pp is None else store.local_shard(value, pp)).to(p.device).clone()
+        piece = (value if pp is None else local_piece(value, pp, store.mesh)).to(p.device).clone()
     return checkpointable(make_dtensor(piece, p.device_mesh, p.placements, p.shape))

@@ -124,8 +124,7 @@ def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:
         return value
     if isinstance(before, DTensor) and before._local_tensor is value:
         return before
-    return checkpointable(DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
-                                             stride=p.stride()))
+    return checkpointable(make_dtensor(value, p.device_mesh, p.placements, p.shape))
 
 
 def install() -> None:

@@ -114,22 +114,15 @@ def runs(indices: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
-def global_spec(p: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement]) -> DTensorSpec:
-    stride = torch.empty(p.shape, device="meta").stride()
-    return DTensorSpec(mesh, tuple(layout), tensor_meta=TensorMeta(torch.Size(p.shape), stride, p.dtype))
+def spec_of(mesh: DeviceMesh, layout: Sequence[Placement], shape: Sequence[int], dtype: torch.dtype) -> DTensorSpec:
+    """The DTensorSpec of a contiguous global tensor of ``shape`` laid out as ``layout`` over ``mesh``."""
+    stride = torch.empty(shape, device="meta").stride()
+    return DTensorSpec(mesh, tuple(layout), tensor_meta=TensorMeta(torch.Size(shape), stride, dtype))
 
 
 def make_dtensor(local: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement], shape: Sequence[int]) -> DTensor:
     """A DTensor of global ``shape`` around ``local`` as it is (no view, no check: ``local`` may be Absent)."""
-    stride = torch.empty(shape, device="meta").stride()
-    spec = DTensorSpec(mesh, tuple(layout), tensor_meta=TensorMeta(torch.Size(shape), stride, local.dtype))
-    return DTensor(local, spec, requires_grad=False)
-
-
-def to_dtensor(t: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """``t`` (whole, on every rank) as a DTensor replicated over ``mesh``, sharing its storage."""
-    return DTensor.from_local(t.detach(), mesh, [Replicate()] * mesh.ndim, run_check=False, shape=t.shape,
-                              stride=t.stride())
+    return DTensor(local, spec_of(mesh, layout, shape, local.dtype), requires_grad=False)
 
 
 def distribute_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
@@ -146,7 +139,8 @@ def distribute_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
                 continue
             q = made.get(id(p))
             if q is None:
-                q = made[id(p)] = nn.Parameter(to_dtensor(p, mesh), requires_grad=p.requires_grad)
+                whole = make_dtensor(p.detach(), mesh, [Replicate()] * mesh.ndim, p.shape)  # same storage
+                q = made[id(p)] = nn.Parameter(whole, requires_grad=p.requires_grad)
             setattr(module, name, q)
 
 
@@ -174,7 +168,7 @@ def set_layout(p: DTensor, local: torch.Tensor, mesh: DeviceMesh, layout: Sequen
     (``_local_tensor`` and ``_spec`` are the DTensor's whole state).
     """
     p._local_tensor = local
-    p._spec = global_spec(p, mesh, layout)
+    p._spec = spec_of(mesh, layout, p.shape, p.dtype)
 
 
 def local_view(p: torch.Tensor) -> torch.Tensor:
@@ -211,6 +205,24 @@ def replace_local(t: DTensor, local: torch.Tensor) -> None:
 
 
 _LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default})
+
+
+def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
+    """This rank's piece of a full (serial) parameter tensor (a view where possible); ``placements`` gives
+    its DTensor layout (tests/unit/test_param_layouts.py holds the two equal)."""
+    o = pp.orientation
+    if pp.kind is ParamKind.REPLICATED:
+        return full
+    if pp.kind is ParamKind.SPLIT:
+        axis = pp.split_axis
+        return take_pieces(full, pp.split_dim, pp.parts, mesh.size(axis), mesh.index(axis))
+    if pp.kind is ParamKind.BIAS:
+        return take_pieces(full, 0, pp.parts, mesh.size(o.out_axis), mesh.index(o.out_axis))
+    out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
+    block = take_pieces(full, out_dim, pp.parts, mesh.size(o.out_axis), mesh.index(o.out_axis))
+    block = take_pieces(block, in_dim, (), mesh.size(o.in_axis), mesh.index(o.in_axis))
+    rows = block.shape[0] // mesh.size("depth")  # the plan keeps the block's rows divisible by depth
+    return block.narrow(0, mesh.index("depth") * rows, rows)
 
 
 class Absent(torch.Tensor):
@@ -321,7 +333,7 @@ class ParamStore:
             for pp in plan.params:
                 p = self.params[pp.name]
                 if pp.kind is not ParamKind.REPLICATED:
-                    local = self.local_shard(local_of(p), pp).clone()
+                    local = local_piece(local_of(p), pp, self.mesh).clone()
                     set_layout(p, local, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
 
     def hold(self, readers: dict[str, tuple[int, ...]]) -> None:
@@ -333,8 +345,9 @@ class ParamStore:
         me = self.mesh.index("pipeline")
         self.held = set()
         plans = self.by_param()
+        read = {id(p) for name, p in self.params.items() if name in readers}
         for name, p in self.params.items():
-            if id(p) in self.held or (name not in readers and any(n in readers for n in self._names(p))):
+            if id(p) in self.held or (name not in readers and id(p) in read):  # a tied alias: under its other name
                 continue
             holders = readers.get(name)
             pp = plans.get(id(p))
@@ -347,25 +360,6 @@ class ParamStore:
             absent = Absent(local.shape, local.dtype, local.device, name, holders)
             set_layout(p, absent, self.mesh.param_mesh(), p.placements)
             p.grad = None
-
-    def _names(self, p: nn.Parameter) -> list[str]:
-        return [n for n, q in self.params.items() if q is p]
-
-    def local_shard(self, full: torch.Tensor, pp: ParamPlan) -> torch.Tensor:
-        """This rank's part of a full (serial) parameter tensor (a view where possible)."""
-        m, o = self.mesh, pp.orientation
-        if pp.kind is ParamKind.REPLICATED:
-            return full
-        if pp.kind is ParamKind.SPLIT:
-            axis = pp.split_axis
-            return take_pieces(full, pp.split_dim, pp.parts, m.size(axis), m.index(axis))
-        if pp.kind is ParamKind.BIAS:
-            return take_pieces(full, 0, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
-        out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
-        block = take_pieces(full, out_dim, pp.parts, m.size(o.out_axis), m.index(o.out_axis))
-        block = take_pieces(block, in_dim, (), m.size(o.in_axis), m.index(o.in_axis))
-        rows = block.shape[0] // m.size("depth")  # the plan keeps the block's rows divisible by depth
-        return block.narrow(0, m.index("depth") * rows, rows)
 
     # ---- full (serial) values --------------------------------------------------------------------
 
@@ -481,6 +475,5 @@ class ParamStore:
                 "holding one rank's pieces cannot be loaded: save with torch.distributed.checkpoint or "
                 "autopar.full_state_dict(model).")
         pp = self.by_param().get(id(p))
-        local = value if pp is None else self.local_shard(value, pp)
-        return DTensor.from_local(local.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                  shape=p.shape, stride=p.stride())
+        local = value if pp is None else local_piece(value, pp, self.mesh)
+        return make_dtensor(local.to(p.device), p.device_mesh, p.placements, p.shape)
