@@ -182,8 +182,8 @@ def relayout_state(store: Any, optimizer: torch.optim.Optimizer, p: DTensor) -> 
         return
     local = p._local_tensor
     for key, value in state.items():
-        if (isinstance(value, DTensor) and value.dim() > 0 and tuple(value.shape) == tuple(p.shape)
-                and (value.device_mesh is not p.device_mesh or value._local_tensor.shape != local.shape)
+        whole = getattr(value, "_local_tensor", None)  # checked first: this runs for every state at every step
+        if (whole is not None and whole.dim() > 0 and whole.shape != local.shape and tuple(whole.shape) == tuple(p.shape)
                 and all(isinstance(x, Replicate) for x in value.placements)):
             name = _names(store)[id(p)]
             state[key] = _local_state(store, name, key, value._local_tensor, p, store.by_param().get(id(p)))

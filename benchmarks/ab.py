@@ -1,0 +1,129 @@
+"""autopar against an earlier revision of itself, in the same processes: what a change costs per step.
+
+    python -m benchmarks.ab --base c609322 --models gpt2 llama --grids t4x1x1 t2x2x1 --steps 20
+
+Separate runs of ``python -m benchmarks`` on these shared 2-core machines differ by up to 30% with the
+same code, so a few percent cannot be read off two runs. This script exports ``--base``'s ``autopar``
+and ``passes`` as the packages ``autopar_base`` and ``passes_base`` (imports rewritten), and one
+torchrun job builds the same model (same seed) under both, on the same grid, then times their
+training steps interleaved (base, this checkout, this checkout, base, ...): every pair ran on the
+same machine state. It reports each side's median step (slowest rank) and the median of the per-pair
+ratios, and checks the two sides' losses agree (1e-4 relative).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_PACKAGES = ("autopar", "passes")
+
+
+def export_base(rev: str, into: Path) -> None:
+    """``rev``'s autopar and passes under ``into`` as autopar_base and passes_base."""
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev, *_PACKAGES], check=True, capture_output=True)
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive.stdout, check=True)
+    pattern = re.compile(r"\b(autopar|passes)(?=[.\s])")
+    for name in _PACKAGES:
+        (into / name).rename(into / f"{name}_base")
+    for path in into.rglob("*.py"):
+        lines = []
+        for line in path.read_text().splitlines(keepends=True):
+            if re.match(r"\s*(from|import)\s", line):
+                line = pattern.sub(lambda m: m.group(1) + "_base", line)
+            lines.append(line)
+        path.write_text("".join(lines))
+
+
+def _job(args: argparse.Namespace) -> None:
+    import importlib
+
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.models import bench_model
+    from benchmarks.systems import parse_grid
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    sides = {"base": importlib.import_module("autopar_base"), "head": importlib.import_module("autopar")}
+    rows = []
+    for model_name in args.models:
+        bm = bench_model(model_name, "tiny")
+        batches = bm.make_batches(args.warmup + args.steps, bm.batch)
+        for text in args.grids:
+            grid = parse_grid(text, world)
+            built = {}
+            for side, ap in sides.items():
+                torch.manual_seed(0)
+                with ap.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline):
+                    model = bm.build()
+                built[side] = (ap, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+            times: dict[str, list[float]] = {"base": [], "head": []}
+            losses: dict[str, list[float]] = {"base": [], "head": []}
+            for step, (x, y) in enumerate(batches):
+                order = ("base", "head") if step % 2 == 0 else ("head", "base")
+                for side in order:
+                    ap, model, opt = built[side]
+                    dist.barrier()
+                    start = time.perf_counter()
+                    if grid.pipeline > 1:
+                        loss = ap.train_step(model, x, y, torch.nn.functional.cross_entropy)
+                    else:
+                        loss = bm.loss(model(x), y)
+                        loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    elapsed = torch.tensor([time.perf_counter() - start])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if step >= args.warmup:
+                        times[side].append(float(elapsed))
+                    losses[side].append(float(loss.detach()))
+            ratios = [h / b for h, b in zip(times["head"], times["base"])]
+            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses["head"], losses["base"]))
+            rows.append((model_name, text, statistics.median(times["base"]), statistics.median(times["head"]),
+                         statistics.median(ratios), loss_err))
+            del built
+    if rank == 0:
+        print("| model | grid | base step (ms) | this checkout (ms) | median per-step ratio | losses agree |")
+        print("|---|---|---:|---:|---:|---|")
+        for m, g, b, h, r, e in rows:
+            print(f"| {m} | {g} | {b * 1e3:.1f} | {h * 1e3:.1f} | {r:.3f} | {'yes' if e < 1e-4 else f'NO ({e:.1e})'} |")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--base", required=True, help="the git revision to compare against (e.g. a commit)")
+    parser.add_argument("--models", nargs="+", default=["fc_net", "gpt2", "llama"])
+    parser.add_argument("--grids", nargs="+", default=["t4x1x1", "t2x2x1", "t1x1x4", "p4", "d4"])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.job:
+        _job(args)
+        return 0
+    with tempfile.TemporaryDirectory() as tmp:
+        export_base(args.base, Path(tmp))
+        env = dict(os.environ, OMP_NUM_THREADS="1",
+                   PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(ROOT), os.environ.get("PYTHONPATH")])))
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                   f"--nproc-per-node={args.world_size}", "-m", "benchmarks.ab", "--job", "--base", args.base,
+                   "--models", *args.models, "--grids", *args.grids, "--steps", str(args.steps),
+                   "--warmup", str(args.warmup)]
+        return subprocess.run(command, env=env, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
