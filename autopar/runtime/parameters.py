@@ -198,12 +198,7 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (a parameter, its gradient, optimizer state); ``t`` otherwise."""
-    if isinstance(t, DTensor):
-        if isinstance(t._local_tensor, Absent):
-            return t._local_tensor
-        with torch.no_grad():
-            return t.to_local()
-    return t
+    return t._local_tensor if isinstance(t, DTensor) else t  # to_local() would add a view (and a check) per call
 
 
 def held_numel(p: torch.Tensor) -> int:
