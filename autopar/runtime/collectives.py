@@ -50,13 +50,17 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
 def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int, op: str = "sum") -> torch.Tensor:
-    """Sums (or takes the max of) ``t`` over the group; returns a contiguous result (``t`` itself when possible)."""
+    """Sums (or takes the max or min of) ``t`` over the group; returns a contiguous result (``t`` itself when
+    possible)."""
     if size == 1:
         return t
     t = t.contiguous()
     _stats.record("all_reduce", size, _nbytes(t))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM, group=group)
+    dist.all_reduce(t, op=_OPS[op], group=group)
     return t
 
 
