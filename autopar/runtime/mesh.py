@@ -98,6 +98,14 @@ class Mesh:
         raise ConfigError(f"no process group for gradient axes {axes}.")
 
 
+WAYS_TO_SAVE = (
+    "Save a sharded checkpoint with torch.distributed.checkpoint on every rank (dcp.save(model.state_dict()) or "
+    "dcp.save(get_state_dict(model, optimizer)); it loads at any grid), or one file in the serial format with "
+    "sd = autopar.full_state_dict(model) and osd = autopar.full_optimizer_state_dict(model, optimizer) on every "
+    "rank, then torch.save on rank 0.")
+"""What every error about pickling one rank's pieces ends with."""
+
+
 class ShardMesh(DeviceMesh):
     """The DeviceMesh of autopar's sharded parameters, gradients and optimizer state.
 
@@ -109,11 +117,7 @@ class ShardMesh(DeviceMesh):
     def __reduce_ex__(self, protocol: object) -> object:
         raise CheckpointError(
             "torch.save (or pickle) of a tensor that holds this rank's shard of an autopar model's parameters, "
-            "gradients or optimizer state: saved from one rank, the other ranks' pieces would be lost. Save a "
-            "sharded checkpoint with torch.distributed.checkpoint on every rank (dcp.save(model.state_dict()) or "
-            "dcp.save(get_state_dict(model, optimizer)); it loads at any grid), or one file in the serial format "
-            "with sd = autopar.full_state_dict(model) and osd = autopar.full_optimizer_state_dict(model, optimizer) "
-            "on every rank, then torch.save on rank 0.")
+            f"gradients or optimizer state: saved from one rank, the other ranks' pieces would be lost. {WAYS_TO_SAVE}")
 
     def __deepcopy__(self, memo: dict) -> ShardMesh:
         return self  # one mesh per process: copies of a model's tensors share it

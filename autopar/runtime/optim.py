@@ -41,7 +41,7 @@ _installed = False
 
 
 def _ours(p: Any) -> bool:
-    return isinstance(p, DTensor) and isinstance(p.device_mesh, ShardMesh)
+    return isinstance(p, DTensor) and isinstance(p._spec.mesh, ShardMesh)  # p.device_mesh: a slower property
 
 
 def _absent(p: DTensor) -> bool:
@@ -50,8 +50,6 @@ def _absent(p: DTensor) -> bool:
 
 def _twin(p: DTensor) -> nn.Parameter:
     local = p._local_tensor
-    if isinstance(local, Absent):  # another pipeline stage's: the step skips it (no gradient here)
-        local = torch.empty(0, dtype=p.dtype, device=p.device)
     twin = _twins.get(p)
     if twin is None or twin.data_ptr() != local.data_ptr() or twin.shape != local.shape:
         twin = _twins[p] = nn.Parameter(local, requires_grad=p.requires_grad)
@@ -70,37 +68,40 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 relayout_state(store, optimizer, p)
     if type(optimizer) not in ELEMENTWISE:
         return
-    swapped = []
+    swapped, absent = [], []
     for g, group in enumerate(optimizer.param_groups):
         params = group["params"]
         for i, p in enumerate(params):
             if not _ours(p):
                 continue
+            if _absent(p):  # another pipeline stage's: no gradient here, the step skips it
+                absent.append(p)
+                continue
             twin = _twin(p)
-            twin.grad = None if p.grad is None or _absent(p) else p.grad._local_tensor
+            twin.grad = None if p.grad is None else p.grad._local_tensor
             before = optimizer.state.pop(p, None)
             if before:
                 optimizer.state[twin] = {k: _local(v) for k, v in before.items()}
             params[i] = twin
             swapped.append((g, i, p, twin, before or {}))
-    if swapped:
-        _swapped[optimizer] = swapped
+    if swapped or absent:
+        _swapped[optimizer] = (swapped, absent)
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    swapped = _swapped.pop(optimizer, None)
+    swapped, absent = _swapped.pop(optimizer, ((), ()))
     template = None
-    for g, i, p, twin, before in swapped or ():
+    for g, i, p, twin, before in swapped:
         optimizer.param_groups[g]["params"][i] = p
         state = optimizer.state.pop(twin, None)
         twin.grad = None
-        if state and not _absent(p):
+        if state:
             optimizer.state[p] = {k: _wrap(k, v, p, before.get(k)) for k, v in state.items()}
             template = template or optimizer.state[p]
         elif before:
             optimizer.state[p] = before
-    for _, _, p, _, _ in swapped or ():
-        if _absent(p) and template and not optimizer.state.get(p):
+    for p in absent:
+        if template and not optimizer.state.get(p):
             optimizer.state[p] = {k: _absent_like(v, p) for k, v in template.items()}
 
 

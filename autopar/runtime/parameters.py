@@ -46,9 +46,9 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
-from autopar.errors import ParameterError, PlanError, StateDictError
+from autopar.errors import CheckpointError, ParameterError, PlanError, StateDictError
 from autopar.runtime import collectives as C
-from autopar.runtime.mesh import Mesh
+from autopar.runtime.mesh import WAYS_TO_SAVE, Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 
 aten = torch.ops.aten
@@ -271,8 +271,10 @@ class Absent(torch.Tensor):
         return f"Absent({self.param_name!r}, held by pipeline rank(s) {self.holders})"
 
     def __reduce_ex__(self, protocol: object) -> object:
-        raise ParameterError(f"cannot pickle parameter {self.param_name!r}: pipeline rank(s) {self.holders} hold it, not "
-                             "this rank. Use autopar.full_state_dict(model) or torch.distributed.checkpoint.")
+        raise CheckpointError(
+            f"torch.save (or pickle) of parameter {self.param_name!r} (or its gradient or optimizer state) on a rank "
+            f"that does not hold it: pipeline rank(s) {', '.join(map(str, self.holders))} hold it, so this rank has "
+            f"only a placeholder and the value would be lost. {WAYS_TO_SAVE}")
 
     # torch.distributed.checkpoint's _Checkpointable protocol: this rank writes and reads nothing.
     def __create_write_items__(self, fqn: str, obj: Any) -> list:
