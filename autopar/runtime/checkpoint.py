@@ -47,6 +47,11 @@ class Boxes(torch.Tensor):
     def plain(self) -> torch.Tensor:
         return self.as_subclass(torch.Tensor)
 
+    def __deepcopy__(self, memo: dict) -> Boxes:  # copy.deepcopy(model.state_dict()): a snapshot in memory
+        if id(self) not in memo:
+            memo[id(self)] = Boxes.of(self.plain().clone(), self.boxes)
+        return memo[id(self)]
+
     def __create_write_items__(self, fqn: str, obj: Any) -> list[WriteItem]:
         props = TensorProperties.create_from_tensor(self.plain())
         return [WriteItem(index=MetadataIndex(fqn, offsets), type=WriteItemType.SHARD,

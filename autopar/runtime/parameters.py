@@ -475,11 +475,14 @@ class ParamStore:
             if all(isinstance(x, Replicate) for x in value.placements):
                 value = local_of(value)  # whole on every rank: cut below, no communication
             else:
+                unsharded = ("This model is not sharded yet (its first call plans and shards it): load after its "
+                             "first call, or pass example_inputs= to auto_parallelize so the block's end shards "
+                             "it. " if self.plan is None else "")
                 raise StateDictError(
                     f"state dict entry {key!r} is a DTensor with placements {tuple(value.placements)} on mesh "
-                    f"{value.device_mesh}; this model stores it as {tuple(p.placements)} on {p.device_mesh}. Load "
-                    "the serial tensor, a torch.distributed.checkpoint loaded into this model's own "
-                    "model.state_dict(), or autopar.full_state_dict output.")
+                    f"{value.device_mesh}; this model stores it as {tuple(p.placements)} on {p.device_mesh}. "
+                    f"{unsharded}Otherwise load the serial tensor, a torch.distributed.checkpoint loaded into this "
+                    "model's own model.state_dict(), or autopar.full_state_dict output.")
         if tuple(value.shape) != tuple(p.shape):
             raise StateDictError(
                 f"state dict entry {key!r} has shape {tuple(value.shape)}; the serial parameter has shape "

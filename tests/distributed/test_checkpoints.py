@@ -8,6 +8,7 @@ each split: several boxes per rank) and the tied wte/lm_head (on the first and t
 
 from __future__ import annotations
 
+import copy
 import io
 import os
 import tempfile
@@ -346,3 +347,56 @@ def meta_worker() -> str:
 def test_a_model_built_on_meta_is_refused_before_anything_loads_into_it(distributed):
     for message in distributed(meta_worker, 2):
         assert "meta device" in message and "transformer.wte.weight" in message, message
+
+
+def snapshot_worker() -> dict:
+    """Idioms of scripts that keep checkpoints in memory or write them from rank 0 through torch's helpers."""
+    data = zoo_batches("gpt2", steps=6, batch=8)
+    grid = ((2, 1, 1), 2, 1)
+    model, opt = _build(grid, 0)
+    for b in data[:3]:
+        _step(model, opt, b, 1)
+    out: dict = {}
+    # "keep the best model": a deep copy of the sharded state dicts, loaded into a new model at the same grid.
+    best_model, best_optim = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+    out["uninterrupted"] = [_step(model, opt, b, 1) for b in data[3:]]
+    other, other_opt = _build(grid, 5)
+    try:  # before its first call the new model is not sharded: the pieces cannot go anywhere yet
+        other.load_state_dict(best_model)
+        out["unsharded"] = "no error"
+    except StateDictError as e:
+        out["unsharded"] = str(e)
+    other(*data[0][0], **data[0][1])
+    other.load_state_dict(best_model)
+    other_opt.load_state_dict(best_optim)
+    out["resumed"] = [_step(other, other_opt, b, 1) for b in data[3:]]
+    # torch's rank-0 recipe: full_state_dict with cpu_offload gives rank 0 the serial tensors, the others nothing.
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    out["full_on_rank"] = {k: tuple(v.shape) for k, v in full.items()}
+    if dist.get_rank() == 0:
+        buffer = io.BytesIO()
+        torch.save(full, buffer)
+        out["full_saved"] = buffer.tell() > 0
+    # A DCP checkpoint of a serial model (plain tensors) loads into the sharded one.
+    root = _shared_dir()
+    torch.manual_seed(7)
+    serial = zoo.build_model("gpt2")
+    dcp.save(serial.state_dict(), checkpoint_id=root)
+    sd = other.state_dict()
+    dcp.load(sd, checkpoint_id=root)
+    other.load_state_dict(sd)
+    back = autopar.full_state_dict(other)
+    out["serial_dcp_equal"] = all(torch.equal(back[k], v) for k, v in serial.state_dict().items())
+    return out
+
+
+def test_in_memory_snapshots_rank0_full_state_and_serial_dcp(distributed):
+    results = distributed(snapshot_worker, 4)
+    torch.manual_seed(0)
+    shapes = {k: tuple(v.shape) for k, v in zoo.build_model("gpt2").state_dict().items()}
+    for rank, r in enumerate(results):
+        assert r["resumed"] == r["uninterrupted"], r
+        assert "not sharded yet" in r["unsharded"] and "example_inputs" in r["unsharded"], r["unsharded"]
+        assert r["full_on_rank"] == (shapes if rank == 0 else {}), r["full_on_rank"]
+        assert r["serial_dcp_equal"]
+    assert results[0]["full_saved"]
