@@ -27,8 +27,7 @@ from autopar.errors import CaptureError, PlanError
 from autopar.runtime import norms, optim
 from autopar.runtime.checkpoint import state_dict_post_hook
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.parameters import (Absent, ParamStore, local_of, local_view, plain_parameters,
-                                        replace_local)
+from autopar.runtime.parameters import (Absent, ParamStore, local_of, local_view, plain_parameters)
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
@@ -282,40 +281,40 @@ class ParallelRuntime:
             held = self._leaves[id(p)] = (p, local.detach().requires_grad_(p.requires_grad))
         return held[1]
 
-    def _collect_leaf_grads(self) -> None:
-        """Moves the gradients the stage leaves gathered this step into the parameters' ``.grad``."""
-        for p, leaf in self._leaves.values():
-            if leaf.grad is None:
-                continue
-            if p.grad is None:
-                p.grad = DTensor(leaf.grad, p._spec, requires_grad=False)
-            else:
-                local_of(p.grad).add_(leaf.grad)
-            leaf.grad = None
-
     def _finish_grads(self) -> None:
-        """pipeline > 1, after backward (or after the schedule's last micro-batch): the stage leaves'
-        gradients moved to the parameters, summed over data (x depth), then tied weights' gradients
-        summed over the stages holding them, then the fp16 overflow agreement. Every rank calls this
-        once per step."""
-        self._collect_leaf_grads()
+        """pipeline > 1, after backward (or after the schedule's last micro-batch): this step's gradients
+        (what the stage leaves gathered) summed over data (x depth), tied weights' summed over the stages
+        holding them, then added to ``p.grad`` (which may hold earlier steps' gradients: accumulation),
+        then the fp16 overflow agreement. Every rank calls this once per step."""
         plan = self.plan
         reduce = half_dtype(self.memory.reduce_dtype)
+        new: dict[int, torch.Tensor] = {}
+        for p, leaf in self._leaves.values():
+            if leaf.grad is not None:
+                new[id(p)], leaf.grad = leaf.grad, None
         done: set[int] = set()
         for pp in plan.params:
             p = self.params[pp.name]
-            if id(p) in done or id(p) not in self.store.held or p.grad is None:
+            if id(p) in done or id(p) not in new:
                 continue
             done.add(id(p))
             axis, size = self.mesh.grad_group(pp.grad_axes)
             if size > 1:
-                _set_grad(p, _sync_grad(self.mesh, axis, reduce, local_of(p.grad)))
+                new[id(p)] = _sync_grad(self.mesh, axis, reduce, new[id(p)])
         for name, stages in plan.pipeline.shared:
             ranks = tuple(sorted({owner(s, self.config.pipeline) for s in stages}))
             p = self.params[name]
-            if len(ranks) < 2 or self.mesh.index("pipeline") not in ranks or p.grad is None:
+            if len(ranks) < 2 or self.mesh.index("pipeline") not in ranks or id(p) not in new:
                 continue
-            _set_grad(p, C.all_reduce(local_of(p.grad).contiguous(), self.mesh.stage_group(ranks), len(ranks)))
+            new[id(p)] = C.all_reduce(new[id(p)].contiguous(), self.mesh.stage_group(ranks), len(ranks))
+        for p, _ in self._leaves.values():
+            grad = new.get(id(p))
+            if grad is None:
+                continue
+            if p.grad is None:
+                p.grad = DTensor(grad, p._spec, requires_grad=False)
+            else:
+                local_of(p.grad).add_(grad)
         if self.memory.precision == "fp16":
             self._agree_on_overflow()
 
@@ -468,14 +467,6 @@ def _travels(node: fx.Node, split: frozenset[int]) -> bool:
     info = input_info(node)
     return info is not None and info.kind is InputKind.USER and int(info.target) in split
 
-
-
-def _set_grad(p: nn.Parameter, local: torch.Tensor) -> None:
-    """Puts the reduced ``local`` gradient in ``p.grad`` (inside its DTensor when ``p`` is one)."""
-    if isinstance(p.grad, DTensor):
-        replace_local(p.grad, local)
-    else:
-        p.grad = local
 
 
 def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:

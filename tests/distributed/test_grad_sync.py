@@ -98,3 +98,34 @@ def test_data_parallel_gradient_accumulation_equals_serial(distributed):
     for grads in distributed(_accumulate_worker, 2):
         for n, p in model.named_parameters():
             assert rel_err(grads[n], p.grad) < 1e-5, n
+
+
+def _pipeline_accumulate_worker() -> dict:
+    """pipeline 2 x data 2: two train_steps (and two plain calls) before one optimizer step add up."""
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(pipeline=2, data=2):
+        model = FC_Net(**NET)
+    (x, y), = synthetic_mnist(1, 16, NET["image_size"], 0)
+    out = {}
+    for how in ("train_step", "plain"):
+        model.zero_grad()
+        for half in (slice(0, 8), slice(8, 16)):
+            if how == "train_step":
+                autopar.train_step(model, x[half], y[half], lambda out, t: F.cross_entropy(out, t) / 2)
+            else:
+                (F.cross_entropy(model(x[half]), y[half]) / 2).backward()
+        out[how] = runtime_of(model).full_grads()
+    return out
+
+
+def test_pipeline_gradient_accumulation_equals_serial(distributed):
+    """Each step's gradients are summed over data before they are added to .grad: summing .grad itself
+    would count the earlier steps' (already summed) gradients again."""
+    torch.manual_seed(0)
+    model = FC_Net(**NET)
+    (x, y), = synthetic_mnist(1, 16, NET["image_size"], 0)
+    F.cross_entropy(model(x), y).backward()
+    for r in distributed(_pipeline_accumulate_worker, 4):
+        for how, grads in r.items():
+            for n, p in model.named_parameters():
+                assert rel_err(grads[n], p.grad) < 1e-5, (how, n)
