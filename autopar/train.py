@@ -21,7 +21,6 @@ applied exactly as written above.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
@@ -32,7 +31,7 @@ import torch.utils._pytree as pytree
 from autopar.runtime import collectives as C
 from autopar.context import runtime_of
 from autopar.errors import InputError
-from autopar.runtime.ops import GatherOutputOp, ReduceFrom
+from autopar.runtime.ops import ReduceFrom, gather_features
 from autopar.runtime.pipeline import build_schedule
 
 
@@ -176,8 +175,8 @@ def _pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tens
         tokens = logits.dim() - 1 == target.dim()
         if ce is not None and tokens and (spec is None or _splits_last_only(spec, logits)):
             return _vocab_parallel_sum(mesh, logits, spec, target, ce[0])[0] / total
-        if spec is not None and not spec.sharding.is_replicated:  # full features, this rank's rows
-            logits = GatherOutputOp(dataclasses.replace(spec, batch_split=False), mesh, ())(logits)
+        if spec is not None:  # full features, this rank's rows
+            logits = gather_features(logits, spec.sharding, mesh)
         if ce is not None:
             flat = (logits.reshape(-1, logits.shape[-1]), target.reshape(-1)) if tokens else (logits, target)
             return F.cross_entropy(*flat, ignore_index=ce[0], reduction="sum") / total

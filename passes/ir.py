@@ -123,9 +123,34 @@ class ReduceSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class BatchReduceSpec:
+    """A sum (or mean) over the batch of values computed per row: see ``batch_reduce``."""
+
+    mean: bool
+    factor: int = 1
+    """Entries of dim 0 per batch row (a (B*T, ...) tensor of per-token values: T)."""
+    count_per_row: int | None = None
+    """mean without a ``counts`` tensor: the serial mean divides by (entries of dim 0) x this."""
+
+
+@dataclass(frozen=True, slots=True)
+class GatherRowsSpec:
+    """Where a SPLIT tensor holds its rows (see ``passes.analysis.batch_dims.BatchDim``)."""
+
+    dim: int
+    factor: int = 1
+
+
+@dataclass(frozen=True, slots=True)
 class GatherOutputSpec:
     sharding: Sharding
     batch_split: bool
+    batch_dim: int = 0
+    """With ``batch_split``: the dim holding the rows, ``batch_factor`` entries per row."""
+    batch_factor: int = 1
+    batch_state: str = "split"
+    """"split" (this rank's rows), "whole" (computed from the whole batch, e.g. a loss inside forward) or
+    "none" (computed without the batch): how its gradient is shared between the batch ranks."""
 
 
 class UnboundOpError(RuntimeError):
@@ -154,6 +179,26 @@ def sum_grad(x, axis: str):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def batch_reduce(values, counts, spec: BatchReduceSpec):
+    """Sums ``values`` (dim 0: the entries of this rank's rows) over the whole batch; with ``spec.mean``,
+    divides by the count (the sum of ``counts``, or the entries x ``spec.count_per_row``). The result's
+    gradient arrives in parts (one per batch rank): backward sums them and gives each rank's values the
+    whole of it."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def gather_rows(x, spec: GatherRowsSpec):
+    """This rank's rows of ``x`` -> the whole batch's, on every batch rank. The gradient of the whole batch
+    arrives in parts (one per batch rank); backward sums them and keeps this rank's rows (reduce-scatter)."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def scatter_rows(x, spec: GatherRowsSpec):
+    """The whole batch's rows (the same on every batch rank) -> this rank's rows; backward puts this rank's
+    rows' gradient in a zero tensor of the whole batch (a part: the batch ranks' parts sum to it)."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def convert_layout(x, spec: ConvertSpec):
     """Re-lays out ``x`` from sharding ``spec.src`` to ``spec.dst`` (gather, then slice)."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
@@ -167,7 +212,7 @@ def gather_output(x, spec: GatherOutputSpec):
 # Generated FX code spells specs as constructor calls (``ConvertSpec(src=Layout.ROW, ...)``); make
 # those names resolvable so graphs holding specs recompile and print as runnable code.
 for _obj in (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
-             GatherOutputSpec):
+             GatherOutputSpec, BatchReduceSpec, GatherRowsSpec):
     _module = "autopar.config" if _obj in (Layout, Orientation, EmbeddingMode) else __name__
     fx.graph._register_custom_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
 

@@ -7,9 +7,9 @@ bias placeholders directly; every embedding table it shards is read by one
 ``passes.ir.sharded_embedding``; ops on sharded tensors that carry sizes (views, expands, slices,
 splits) take this rank's local sizes; a sum/mean over a split dim is followed by
 ``passes.ir.reduce_partial``; every edge whose shardings differ goes through one
-``passes.ir.convert_layout`` per (producer, sharding); every model output goes through
-``passes.ir.gather_output`` when it is sharded or batch-split. ``node.meta["val"]`` keeps the
-logical (unsharded) value. At every degree 1 the emitted graph computes the same numbers.
+``passes.ir.convert_layout`` per (producer, sharding); every tensor output goes through one
+``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch).
+``node.meta["val"]`` keeps the logical (unsharded) value. At every degree 1 the emitted graph computes the same numbers.
 
 Before -> After (FC_Net block, tensor=(2, 2, 1))::
 
@@ -28,7 +28,7 @@ from torch import fx
 
 from autopar.config import Plan
 from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
-from passes.analysis.layouts import output_node
+from passes.analysis.layouts import LayoutResult, output_node
 from passes.analysis.make_plan import layouts_for
 from passes.ir import (
     REPLICATED,
@@ -109,21 +109,32 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
 
     gathered: dict[fx.Node, fx.Node] = {}
     for producer in list(output.all_input_nodes):
-        val = tensor_meta(producer)
-        original = replaced.get(producer, producer)
-        sharding = res.sharding(original) if producer.target is not reduce_partial else REPLICATED
-        split = res.batch_split.get(original, False) and gm.meta.get("autopar_batch") is not None
-        if val is None or (sharding.is_replicated and not split):
+        if tensor_meta(producer) is None:
             continue
+        original = replaced.get(producer, producer)
+        if producer.target is reduce_partial:
+            sharding, original = REPLICATED, replaced.get(producer.args[0], producer.args[0])
+        else:
+            sharding = res.sharding(original)
         if producer not in gathered:
-            spec = GatherOutputSpec(sharding, split)
             with graph.inserting_before(output):
+                spec = _output_spec(res, original, sharding)
                 gathered[producer] = graph.call_function(gather_output, (producer, spec))
             gathered[producer].meta["val"] = producer.meta.get("val")
         output.replace_input_with(producer, gathered[producer])
 
     changed = bool(res.orientations or converted or gathered or res.embeddings or res.local_args)
     return PassResult(gm, changed, tuple(notes))
+
+
+def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding) -> GatherOutputSpec:
+    """How a model output is laid out on this rank: its feature sharding, and where it holds the batch."""
+    if res.batch is None:
+        return GatherOutputSpec(sharding, False, batch_state="none")
+    bd = res.batch.batch_dim(node)
+    if bd is not None:
+        return GatherOutputSpec(sharding, True, bd.dim, bd.factor, "split")
+    return GatherOutputSpec(sharding, False, batch_state=res.batch.state(node).value)
 
 
 def _swap(node: fx.Node, target: object, args: tuple) -> fx.Node:

@@ -101,3 +101,37 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x)
         return self.lm_head(self.transformer.ln_f(x))
+
+
+class NanoGPT(GPT):
+    """nanoGPT's ``model.py`` forward, unchanged: ``logits, loss = model(idx, targets)``.
+
+    With targets, the logits of every position and the mean cross-entropy over the tokens whose
+    target is not -1; without, only the last position's logits (what ``generate`` needs) and no loss.
+    """
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+        device = idx.device
+        b, t = idx.size()
+        pos = torch.arange(0, t, dtype=torch.long, device=device)
+        tok_emb = self.transformer.wte(idx)
+        pos_emb = self.transformer.wpe(pos)
+        x = self.transformer.drop(tok_emb + pos_emb)
+        for block in self.transformer.h:
+            x = block(x)
+        x = self.transformer.ln_f(x)
+        if targets is not None:
+            logits = self.lm_head(x)
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+        else:
+            logits = self.lm_head(x[:, [-1], :])
+            loss = None
+        return logits, loss
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float,
+                             betas: tuple[float, float]) -> torch.optim.Optimizer:
+        """nanoGPT's: weight decay for every parameter of 2 or more dims, none for the others."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas)

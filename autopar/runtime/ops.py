@@ -15,9 +15,11 @@ from autopar.runtime import collectives as C
 from autopar.config import EmbeddingMode, split_chunks
 from autopar.runtime.mesh import Mesh
 from passes.ir import (
+    BatchReduceSpec,
     ConvertSpec,
     EmbeddingSpec,
     GatherOutputSpec,
+    GatherRowsSpec,
     MatmulSpec,
     ReduceSpec,
     Sharding,
@@ -67,6 +69,11 @@ class _Gather(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         s = ctx.s
         return take_pieces(dy, s.dim, s.parts, *_axis(ctx.mesh, s)), None, None
+
+
+def gather_features(x: torch.Tensor, s: Sharding, mesh: Mesh) -> torch.Tensor:
+    """The whole of a tensor split over a tensor-parallel axis, on every rank of the axis (autograd-aware)."""
+    return x if s.is_replicated else _Gather.apply(x, mesh, s)
 
 
 class _Slice(torch.autograd.Function):
@@ -124,23 +131,8 @@ def _gather_rows(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.T
     return torch.cat([stacked[i, :s] for i, s in enumerate(sizes)])
 
 
-class _GatherBatch(torch.autograd.Function):
-    """Rows of every batch shard, in batch order; shards may be uneven (padded on the wire)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
-        ctx.mesh, ctx.sizes = mesh, sizes
-        return _gather_rows(x, mesh, sizes)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        i = ctx.mesh.index("batch")
-        start = sum(ctx.sizes[:i])
-        return dy[start:start + ctx.sizes[i]], None, None
-
-
 class _ScatterBatch(torch.autograd.Function):
-    """This rank's rows of a global-batch input (the inverse of _GatherBatch)."""
+    """This rank's rows of a global-batch input; backward gathers every batch shard's rows' gradients."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
@@ -302,6 +294,12 @@ class ConvertOp:
 
 
 class GatherOutputOp:
+    """A model output made full on every rank: features gathered, then the batch's rows (global batch).
+
+    An output computed from the whole batch (a loss inside forward) or without it is the same on every
+    batch rank, and so is the caller's gradient of it; backward keeps it on one batch rank so that the
+    batch ranks' parts of every gradient behind it sum to it once (``passes.analysis.batch_dims``)."""
+
     def __init__(self, spec: GatherOutputSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
         self.spec, self.mesh, self.batch_sizes = spec, mesh, batch_sizes
 
@@ -309,5 +307,137 @@ class GatherOutputOp:
         if not self.spec.sharding.is_replicated and gather_features:
             x = _Gather.apply(x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:
-            x = _GatherBatch.apply(x, self.mesh, self.batch_sizes)
+            return _GatherRows.apply(x, self.mesh, self.batch_sizes, self.spec.batch_dim, self.spec.batch_factor)
+        if self.mesh.size("batch") > 1 and x.requires_grad:
+            return _OnOneBatchRank.apply(x, self.mesh)
         return x
+
+
+def _rows_bounds(sizes: tuple[int, ...], factor: int, index: int) -> tuple[int, int]:
+    start = sum(sizes[:index]) * factor
+    return start, start + sizes[index] * factor
+
+
+def _gather_rows_along(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int, factor: int) -> torch.Tensor:
+    n = mesh.size("batch")
+    if n == 1:
+        return x
+    moved = x.movedim(dim, 0)
+    stacked = C.all_gather(_pad_rows(moved, max(sizes) * factor).unsqueeze(0), mesh.group("batch"), n)
+    return torch.cat([stacked[i, :s * factor] for i, s in enumerate(sizes)]).movedim(0, dim)
+
+
+class _GatherRows(torch.autograd.Function):
+    """This rank's rows (along ``dim``, ``factor`` entries each) -> every batch shard's, in batch order;
+    backward keeps this rank's rows of the (same everywhere) gradient."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int, factor: int) -> torch.Tensor:
+        ctx.mesh, ctx.sizes, ctx.dim, ctx.factor = mesh, sizes, dim, factor
+        return _gather_rows_along(x, mesh, sizes, dim, factor)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        start, stop = _rows_bounds(ctx.sizes, ctx.factor, ctx.mesh.index("batch"))
+        return dy.narrow(ctx.dim, start, stop - start), None, None, None, None
+
+
+class _OnOneBatchRank(torch.autograd.Function):
+    """Identity; backward keeps the gradient on batch rank 0 and zeroes it on the others."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        ctx.keep = mesh.index("batch") == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return (dy if ctx.keep else torch.zeros_like(dy)), None
+
+
+class _BatchSum(torch.autograd.Function):
+    """Sums over the batch ranks; backward sums the gradient's parts (every rank gets all of it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return C.all_reduce(x.clone(), mesh.group("batch"), mesh.size("batch"))
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return C.all_reduce(dy.clone(), ctx.mesh.group("batch"), ctx.mesh.size("batch")), None
+
+
+class BatchReduceOp:
+    """A bound ``passes.ir.batch_reduce`` (global batch): one all-reduce of this rank's partial sums and
+    count over data x depth."""
+
+    def __init__(self, spec: BatchReduceSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
+        self.spec, self.mesh = spec, mesh
+        self.entries = sum(batch_sizes) * spec.factor if batch_sizes else None
+
+    def __call__(self, values: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
+        total = values.sum(0)
+        if self.spec.mean and counts is not None:
+            packed = torch.cat([total.reshape(-1), counts.detach().sum().reshape(1).to(total.dtype)])
+            packed = _BatchSum.apply(packed, self.mesh)
+            return packed[:-1].view_as(total) / packed[-1].detach()
+        if self.mesh.size("batch") > 1:
+            total = _BatchSum.apply(total, self.mesh)
+        if not self.spec.mean:
+            return total
+        entries = self.entries if self.entries is not None else values.shape[0]
+        return total / (entries * (self.spec.count_per_row or 1))
+
+
+class GatherRowsOp:
+    """A bound ``passes.ir.gather_rows``: the whole batch's rows on every batch rank; backward sums the
+    gradient's parts over the batch ranks and keeps this rank's rows."""
+
+    def __init__(self, spec: GatherRowsSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
+        self.spec, self.mesh, self.sizes = spec, mesh, batch_sizes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesh.size("batch") == 1:
+            return x
+        return _GatherRowsSummed.apply(x, self.mesh, self.sizes, self.spec.dim, self.spec.factor)
+
+
+class _GatherRowsSummed(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int, factor: int) -> torch.Tensor:
+        ctx.mesh, ctx.sizes, ctx.dim, ctx.factor = mesh, sizes, dim, factor
+        return _gather_rows_along(x, mesh, sizes, dim, factor)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        whole = C.all_reduce(dy.contiguous().clone(), ctx.mesh.group("batch"), ctx.mesh.size("batch"))
+        start, stop = _rows_bounds(ctx.sizes, ctx.factor, ctx.mesh.index("batch"))
+        return whole.narrow(ctx.dim, start, stop - start), None, None, None, None
+
+
+class ScatterRowsOp:
+    """A bound ``passes.ir.scatter_rows``: this rank's rows of a whole-batch tensor; backward places their
+    gradient in zeros (this rank's part of the whole tensor's gradient). No communication."""
+
+    def __init__(self, spec: GatherRowsSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
+        self.spec, self.mesh, self.sizes = spec, mesh, batch_sizes
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mesh.size("batch") == 1:
+            return x
+        start, stop = _rows_bounds(self.sizes, self.spec.factor, self.mesh.index("batch"))
+        return _ScatterRows.apply(x, self.spec.dim, start, stop)
+
+
+class _ScatterRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, start: int, stop: int) -> torch.Tensor:
+        ctx.shape, ctx.dim, ctx.start = x.shape, dim, start
+        return x.narrow(dim, start, stop - start).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        out = dy.new_zeros(ctx.shape)
+        out.narrow(ctx.dim, ctx.start, dy.shape[ctx.dim]).copy_(dy)
+        return out, None, None, None

@@ -31,25 +31,27 @@ from autopar.runtime.parameters import (Absent, ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
-from autopar.runtime.ops import (ConvertOp, EmbeddingOp, GatherOutputOp, MatmulOp, ReduceOp, SumGradOp,
-                                 gather_rows_world, scatter_batch)
+from autopar.runtime.ops import (BatchReduceOp, ConvertOp, EmbeddingOp, GatherOutputOp, GatherRowsOp, MatmulOp,
+                                 ReduceOp, ScatterRowsOp, SumGradOp, gather_rows_world, scatter_batch)
+from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import estimate_memory
 from passes.analysis.make_plan import make_plan
 from passes.analysis.report import estimate_step
-from passes.ir import (InputKind, convert_layout, gather_output, input_info, reduce_partial, sharded_embedding,
-                       sharded_matmul, sum_grad)
+from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
+                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad)
 from passes.runner import PassRecord, run_passes
 from passes.insert_checkpoints import insert_checkpoints
 from passes.shard_linears import shard_linears
+from passes.split_batch import split_batch
 from passes.split_stages import split_stages
 
 log = logging.getLogger(__name__)
 
-PASSES = (shard_linears, insert_checkpoints)
+PASSES = (split_batch, shard_linears, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
-PIPELINE_PASSES = (shard_linears, split_stages, insert_checkpoints)
+PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
 
 
 @dataclass
@@ -92,6 +94,7 @@ class ParallelRuntime:
         self.fallback = False
         self.original_forward = model.forward
         self._constants: dict[str, Any] = {}
+        self._warned: set[str] = set()
         self._training = lambda: model.training
 
     # ---- calling ----------------------------------------------------------------------------------
@@ -220,6 +223,8 @@ class ParallelRuntime:
                  sizes: tuple[int, ...], local_outputs: bool = False) -> Executable:
         index = self.mesh.index("batch") if split else 0
         captured = self._capture(leaves, spec, split, sizes, index)
+        if split:
+            self._find_batch_constants(captured, leaves, spec, split, sizes, index)
         lost = [k for k, v in captured.constants.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"
                 and self._real_constant(k) is None and k not in self._constants]
         if lost and self.plan is None:  # parameters are still whole: the real model can be exported once
@@ -234,6 +239,10 @@ class ParallelRuntime:
             self._adopt(plan)
         pipelined = self.config.pipeline > 1
         gm, records = run_passes(captured.gm, self.plan, PIPELINE_PASSES if pipelined else PASSES)
+        for note in (n for r in records if r.name == "split_batch" for n in r.notes):
+            if note not in self._warned and self.mesh.rank == 0:
+                log.warning("autopar: %s (correct, but that op is not data-parallel).", note)
+            self._warned.add(note)
         output_specs = [_gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
         self._bind(gm, sizes, local_outputs)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
@@ -253,6 +262,25 @@ class ParallelRuntime:
             if self.store.held is None:
                 self.store.hold(program.readers())
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split)
+
+    def _find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
+                              split: frozenset[int], sizes: tuple[int, ...], index: int) -> None:
+        """Numbers computed from the batch size where the model works on the whole batch (``loss.sum() /
+        x.size(0)``): the capture saw this rank's rows; a second capture with twice as many tells which
+        numbers scale with them, and ``passes.split_batch`` gives them the whole batch's value."""
+        facts = analyze_batch(captured.gm)
+        if not whole_constants(captured.gm, facts):
+            return
+        doubled = tuple(2 * s if i == index else s for i, s in enumerate(sizes))
+        try:
+            other = self._capture(leaves, spec, split, doubled, index)
+        except CaptureError as e:
+            raise PlanError(f"{type(self._model()).__name__} uses numbers after a reduction over the batch inside "
+                            "forward; autopar captures it with twice this rank's rows to tell which of them are the "
+                            f"batch size, and that capture failed ({e}). Compute the loss outside the model, or use "
+                            "data=1 and depth=1.") from e
+        captured.gm.meta["autopar_batch_constants"] = batch_constants(
+            captured.gm, other.gm, facts, sizes[index], doubled[index])
 
     def _plan_pipeline(self, gm: fx.GraphModule, plan: Plan):
         report = estimate_step(gm, plan)
@@ -404,6 +432,9 @@ class ParallelRuntime:
             sharded_embedding: lambda spec: EmbeddingOp(spec, mesh).__call__,
             sum_grad: lambda axis: SumGradOp(axis, mesh).__call__,
             reduce_partial: lambda spec: ReduceOp(spec, mesh).__call__,
+            batch_reduce: lambda spec: BatchReduceOp(spec, mesh, sizes).__call__,
+            gather_rows: lambda spec: GatherRowsOp(spec, mesh, sizes).__call__,
+            scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, sizes).__call__,
         }
         for sub in gm.modules():  # gm itself, then subgraphs of higher-order ops (no_grad regions)
             if not isinstance(sub, fx.GraphModule):

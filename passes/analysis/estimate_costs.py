@@ -12,6 +12,9 @@ accounting per op mirrors the implementations in autopar.runtime.ops one to one:
 - layout conversion: gather = all-gather forward, free backward; slice = free forward, all-gather of
   the gradient backward (only if the input needs a gradient).
 - output: features gathered, then batch rows gathered over data x depth (padded to the largest shard).
+- a reduction over the batch inside forward (a loss): one all-reduce of the partial result (and its
+  count) over data x depth forward, one of its gradient backward; an op working along the batch dim:
+  an all-gather of its input's rows forward, an all-reduce of their gradient backward.
 - after backward: each parameter's gradient all-reduced over its ``grad_axes``.
 """
 
@@ -20,6 +23,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
+from typing import Any
 
 from torch import fx
 
@@ -30,6 +34,7 @@ from autopar.config import (
     ParamPlan,
     collective_bytes,
 )
+from passes.analysis.batch_dims import CLASS_LOSSES, BatchDim, BatchFacts
 from passes.analysis.graph_facts import (
     MatmulMatch,
     module_of,
@@ -118,17 +123,52 @@ def _all_reduce_of(node: fx.Node, axis: str, config: ParallelConfig, where: str)
     return [c for c in out if c.group_size > 1]
 
 
-def output_collectives(producer: fx.Node, sharding: Sharding, batch_split: bool, batch: BatchInfo | None,
+def output_collectives(producer: fx.Node, sharding: Sharding, batch_dim: BatchDim | None, batch: BatchInfo | None,
                        config: ParallelConfig) -> list[Collective]:
     t = tensor_meta(producer)
     out = []
     if not sharding.is_replicated:
         out.append(Collective("all_gather", sharding.axis, config.size(sharding.axis),
                               t.numel() * t.element_size(), "forward", "<output>"))
-    if batch_split and batch is not None and t.dim() >= 1 and t.shape[0]:
-        row_bytes = t.numel() // t.shape[0] * t.element_size()
-        padded = max(batch.local_sizes) * len(batch.local_sizes) * row_bytes
-        out.append(Collective("all_gather", "batch", config.num_batch_shards, padded, "forward", "<output>"))
+    if batch_dim is not None and batch is not None:
+        out.append(Collective("all_gather", "batch", config.num_batch_shards,
+                              _padded_rows_bytes(t, batch_dim, batch), "forward", "<output>"))
+    return [c for c in out if c.group_size > 1]
+
+
+def _padded_rows_bytes(t: Any, bd: BatchDim, batch: BatchInfo) -> int:
+    """What an all-gather of every batch shard's rows of ``t`` moves (shards padded to the largest)."""
+    per_entry = t.numel() // max(t.shape[bd.dim], 1) * t.element_size()
+    return max(batch.local_sizes) * bd.factor * len(batch.local_sizes) * per_entry
+
+
+def batch_collectives(gm: fx.GraphModule, facts: BatchFacts, batch: BatchInfo, config: ParallelConfig
+                      ) -> list[Collective]:
+    """What ``passes.split_batch``'s markers issue for the reductions and gathers ``facts`` finds."""
+    n = config.num_batch_shards
+    out = []
+    for node, r in facts.reductions.items():
+        val = node.meta.get("val")
+        t = val if not isinstance(val, (tuple, list)) else val[0]
+        where = module_of(node) or str(node.target)
+        counted = r.kind == "loss_mean" and node.target in CLASS_LOSSES and not tensor_meta(node.args[1]).is_floating_point()
+        nbytes = (t.numel() + counted) * t.element_size()  # the count travels with the sums, both ways
+        out.append(Collective("all_reduce", "batch", n, nbytes, "forward", where, node.name))
+        if facts.requires_grad.get(node, False):
+            out.append(Collective("all_reduce", "batch", n, nbytes, "backward", where, node.name))
+    done = set()
+    for consumer, producers in facts.gathers.items():
+        for producer, bd in producers.items():
+            if (producer, bd) in done:
+                continue
+            done.add((producer, bd))
+            t = tensor_meta(producer)
+            where = module_of(consumer) or str(consumer.target)
+            out.append(Collective("all_gather", "batch", n, _padded_rows_bytes(t, bd, batch), "forward", where,
+                                  producer.name))
+            if facts.requires_grad.get(producer, False):
+                whole = t.numel() // max(t.shape[bd.dim], 1) * sum(batch.local_sizes) * bd.factor * t.element_size()
+                out.append(Collective("all_reduce", "batch", n, whole, "backward", where, producer.name))
     return [c for c in out if c.group_size > 1]
 
 
@@ -222,8 +262,10 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
         if producer in seen or tensor_meta(producer) is None:
             continue
         seen.add(producer)
-        out += output_collectives(producer, res.sharding(producer), res.batch_split.get(producer, False),
-                                  batch, config)
+        out += output_collectives(producer, res.sharding(producer),
+                                  res.batch.batch_dim(producer) if res.batch is not None else None, batch, config)
+    if res.batch is not None and batch is not None:
+        out += batch_collectives(gm, res.batch, batch, config)
     if params is not None:
         out += grad_sync_collectives(gm, params, config)
     return out

@@ -29,8 +29,8 @@ import torch
 from torch import fx
 
 from autopar.config import EmbeddingMode, Layout, Orientation
-from autopar.errors import PlanError
-from passes.analysis.graph_facts import MatmulMatch, module_of, param_name, tensor_meta
+from passes.analysis.batch_dims import BatchFacts, State, analyze_batch
+from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
 from passes.ir import REPLICATED, ReduceSpec, Sharding, input_info, last_dim
 
 aten = torch.ops.aten
@@ -67,6 +67,8 @@ class LayoutResult:
     """Ops whose target/arguments change on local pieces: (target, args, kwargs)."""
     reductions: dict[fx.Node, ReduceSpec] = field(default_factory=dict)
     """Sums/means over a split dim: computed locally, completed by an all-reduce."""
+    batch: BatchFacts | None = None
+    """Where each tensor holds the batch (None when the batch is not split)."""
     grad_sums: dict[tuple[fx.Node, fx.Node], str] = field(default_factory=dict)
     """(consumer, producer) -> axis: a replicated tensor broadcast along a split dim gets only this
     rank's part of its gradient from the consumer; the parts are summed over the axis in backward."""
@@ -105,11 +107,13 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         orientation_of: called with each matmul and its input's sharding as it arrives; returns the
             orientation (REPLICATED leaves it unsharded) and the output segments.
         sizes: ranks per mesh axis ('row', 'col').
-        local_batch: rows of the batch-split inputs on this rank, to check that ops keep dim 0 as
-            the batch; None skips the check (no batch split).
+        local_batch: rows of the batch-split inputs on this rank; None when the batch is not split
+            (then ``res.batch`` is None: nothing is batch-split).
         embedding_of: the decision for an embedding table (by parameter name), if any.
     """
     res = LayoutResult()
+    batch = analyze_batch(gm) if local_batch is not None else None
+    res.batch = batch
     rules = _Rules(res, sizes)
     for node in gm.graph.nodes:
         val = tensor_meta(node)
@@ -117,7 +121,7 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             info = input_info(node)
             res.shardings[node] = REPLICATED
             res.requires_grad[node] = bool(info and info.requires_grad)
-            res.batch_split[node] = bool(info and info.batch_split)
+            res.batch_split[node] = bool(batch is not None and info and info.batch_split)
             continue
         if node.op == "output":
             continue
@@ -127,9 +131,7 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         res.requires_grad[node] = bool(
             any(res.requires_grad.get(i, False) for i in ins)
             and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))
-        res.batch_split[node] = any(res.batch_split.get(i, False) for i in ins)
-        if res.batch_split[node] and local_batch is not None:
-            _check_batch_dim(node, local_batch)
+        res.batch_split[node] = batch is not None and batch.state(node) is State.SPLIT
         decision = None
         match = matmuls.get(node)
         if match is not None:
@@ -503,58 +505,3 @@ def output_node(gm: fx.GraphModule) -> fx.Node:
     return next(n for n in reversed(gm.graph.nodes) if n.op == "output")
 
 
-_BATCH_VIEWS = _VIEWS | {aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.dims,
-                         aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.slice.Tensor}
-
-
-def _check_batch_dim(node: fx.Node, local_batch: int) -> None:
-    val = node.meta.get("val")
-    vals = val if isinstance(val, (tuple, list)) else (val,)
-    for v in vals:
-        if not isinstance(v, torch.Tensor):
-            continue
-        # Views may merge the batch with the next dims ((B, T, C) -> (B*T, C)): rows stay batch-major.
-        if v.dim() == 0 or v.shape[0] % local_batch:
-            raise PlanError(
-                f"op {node.target} in module '{module_of(node) or '<root>'}' turns the batch-split dim 0 "
-                f"(size {local_batch} on this rank) into shape {tuple(v.shape)}. Data and depth "
-                "parallelism split dim 0 of the inputs as the batch; this model mixes batch rows "
-                "(a reduction over the batch, or a loss inside forward). Compute the loss outside the "
-                "model (or with autopar.train_step), or use data=1 and depth=1 for it.")
-    if node.target in _BATCH_VIEWS and node.target is not aten.slice.Tensor:
-        return
-    if node.target is aten.slice.Tensor and _is_full_slice(node):
-        return
-    dim = _dim_arg(node)
-    if dim is None or is_pointwise(node):
-        return
-    first = tensor_meta(node.args[0]) if node.args and isinstance(node.args[0], fx.Node) else None
-    if first is not None and first.dim():
-        dims = dim if isinstance(dim, (list, tuple)) else (dim,)
-        if any(isinstance(d, int) and d % first.dim() == 0 for d in dims) or dims == ():
-            raise PlanError(
-                f"op {node.target} in module '{module_of(node) or '<root>'}' works along dim 0, "
-                "which data and depth parallelism split as the batch. Use data=1 and depth=1 "
-                "for this model.")
-
-
-def _is_full_slice(node: fx.Node) -> bool:
-    t = tensor_meta(node.args[0])
-    dim = (node.args[1] if len(node.args) > 1 else 0) % t.dim()
-    start = node.args[2] if len(node.args) > 2 and node.args[2] is not None else 0
-    end = node.args[3] if len(node.args) > 3 and node.args[3] is not None else t.shape[dim]
-    step = node.args[4] if len(node.args) > 4 else 1
-    return start == 0 and end >= t.shape[dim] and step == 1
-
-
-def _dim_arg(node: fx.Node) -> object:
-    """The value of the op's argument named ``dim``, or None if it has none."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return None
-    for i, arg in enumerate(schema.arguments):
-        if arg.name == "dim":
-            if i < len(node.args):
-                return node.args[i]
-            return node.kwargs.get("dim", arg.default_value if arg.has_default_value() else None)
-    return None

@@ -1,0 +1,784 @@
+"""Where the batch lies in every tensor of a captured graph, and which ops mix its rows.
+
+Data and depth parallelism split the batch: each rank runs the captured graph on its own rows (the
+graph was captured with this rank's row count, ``gm.meta["autopar_batch"]``). That is exact for ops
+that treat rows independently. This analysis follows the batch dim through every op (views merge it
+with other dims or split it off, transposes move it) and finds the ops that do not:
+
+- a sum or mean over the batch dim, and a loss with ``reduction="mean"`` or ``"sum"`` (cross-entropy,
+  NLL, MSE, L1, BCE, ...): computed on this rank's rows as a partial sum (and a count) that one
+  all-reduce over the batch completes (``reductions``; ``passes.split_batch`` rewrites them);
+- any other op along the batch dim (a softmax or slice over rows, an op it does not know working
+  along that dim): its inputs' rows are gathered first (``gathers``) and it runs on the whole batch;
+  when its output keeps the input's shape (a softmax over rows, batch statistics) each rank takes
+  its rows back (``scatters``).
+
+Each value is SPLIT (this rank's rows; ``BatchDim`` says where they lie), WHOLE (computed from the
+whole batch: the same on every rank holding a batch shard) or NONE (made without the batch:
+parameters, constants, inputs that are not split). The runtime's gradient convention: a SPLIT
+value's gradient is its rows' gradient; a WHOLE or NONE value's gradient is a part, and the parts
+on the batch ranks sum to it (as parameters' gradients are summed over the batch). So values read
+on both sides need no marker; only the ops between the two sides do (``passes.ir``: ``gather_rows``,
+``scatter_rows``, ``batch_reduce``, and the outputs' ``gather_output``).
+
+Pure: a function of the graph and its recorded batch split.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import fx
+
+from autopar.errors import PlanError
+from passes.analysis.graph_facts import module_of, tensor_meta
+from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad
+
+aten = torch.ops.aten
+
+
+@dataclass(frozen=True, slots=True)
+class BatchDim:
+    """Where a SPLIT tensor holds the batch: dim ``dim``, whose size is (this rank's rows) x ``factor``,
+    rows outermost (``(B, T, C) -> (B*T, C)`` gives dim 0, factor T)."""
+
+    dim: int
+    factor: int = 1
+
+
+class State(StrEnum):
+    SPLIT = "split"
+    WHOLE = "whole"
+    NONE = "none"
+
+
+@dataclass(frozen=True, slots=True)
+class Reduction:
+    """A reduction over the batch dim that a partial sum completes."""
+
+    kind: str
+    """"sum", "mean" (over ``dims``), or the loss op's reduction: "loss_sum", "loss_mean"."""
+    batch: BatchDim
+    """Where the reduced input holds the batch."""
+    dims: tuple[int, ...] = ()
+    """sum/mean: the reduced dims (the batch dim among them)."""
+    keepdim: bool = False
+
+
+@dataclass
+class BatchFacts:
+    dims: dict[fx.Node, Any] = field(default_factory=dict)
+    """Per node: its BatchDim when SPLIT, else None (a tuple of them for ops returning several tensors)."""
+    states: dict[fx.Node, State] = field(default_factory=dict)
+    requires_grad: dict[fx.Node, bool] = field(default_factory=dict)
+    reductions: dict[fx.Node, Reduction] = field(default_factory=dict)
+    gathers: dict[fx.Node, dict[fx.Node, BatchDim]] = field(default_factory=dict)
+    """Consumer -> {SPLIT producer: its batch dim}: the producer's rows are gathered for the consumer."""
+    scatters: dict[fx.Node, BatchDim] = field(default_factory=dict)
+    """Gathered consumers whose output keeps their input's shape: each rank takes its rows back."""
+    row_index: dict[fx.Node, int] = field(default_factory=dict)
+    """``arange(rows)`` (and views of it): tensors enumerating this rank's rows along the given dim.
+    Indexing a SPLIT tensor's rows with one (HF's masks: ``mask[arange(B)[:, None], ...]``) stays on
+    this rank's rows."""
+    local_rows: int = 0
+
+    def batch_dim(self, node: Any) -> BatchDim | None:
+        d = self.dims.get(node) if isinstance(node, fx.Node) else None
+        return d if isinstance(d, BatchDim) else None
+
+    def state(self, node: Any) -> State:
+        return self.states.get(node, State.NONE) if isinstance(node, fx.Node) else State.NONE
+
+    def notes(self) -> tuple[str, ...]:
+        """One line per op that sees the whole batch (its inputs' rows are gathered)."""
+        out = []
+        for consumer in self.gathers:
+            out.append(f"{_describe(consumer)} works along the batch dim: its input rows are gathered over data "
+                       "x depth and it runs on the whole batch on every rank")
+        return tuple(out)
+
+
+def _describe(node: fx.Node) -> str:
+    name = getattr(node.target, "__name__", str(node.target))
+    return f"op {name} in module '{module_of(node) or '<root>'}'"
+
+
+# ---- the op families ------------------------------------------------------------------------------
+
+_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
+                    aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints,
+                    aten.unflatten.int, aten.view_as.default, aten.reshape_as.default})
+_TRANSPOSES = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default,
+                         aten.movedim.int})
+_SOFTMAX_LIKE = frozenset({aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
+                           aten._log_softmax.default, aten.cumsum.default, aten.cumprod.default,
+                           aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
+                           aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
+                           aten.topk.default, aten.kthvalue.default, aten.flip.default, aten.roll.default})
+_SUM_MEAN = {aten.sum.default: "sum", aten.mean.default: "mean", aten.sum.dim_IntList: "sum",
+             aten.mean.dim: "mean"}
+#: Losses whose reduction over the batch is a sum of per-element terms (mean: divided by their number).
+ELEMENTWISE_LOSSES = frozenset({aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
+                                aten.huber_loss.default, aten.binary_cross_entropy.default,
+                                aten.binary_cross_entropy_with_logits.default, aten.kl_div.default,
+                                aten.soft_margin_loss.default})
+#: Losses over class scores (N, C, ...): mean divides by the valid targets' count (or weight).
+CLASS_LOSSES = frozenset({aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
+                          aten.nll_loss_forward.default, aten.nll_loss2d.default, aten.nll_loss2d_forward.default})
+_ROWS_AT_ZERO = frozenset({aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
+                           aten.conv3d.default, aten.max_pool2d.default, aten.max_pool1d.default,
+                           aten.avg_pool2d.default, aten.avg_pool1d.default, aten.adaptive_avg_pool2d.default,
+                           aten.adaptive_avg_pool1d.default, aten.max_pool2d_with_indices.default,
+                           aten.group_norm.default, aten.native_group_norm.default,
+                           aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pixel_shuffle.default})
+_LAYER_NORMS = frozenset({aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default})
+_BATCH_NORMS = frozenset({aten.batch_norm.default, aten._native_batch_norm_legit.default,
+                          aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default})
+_LAYOUT_PRESERVING = frozenset({
+    aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
+    aten.to.dtype_layout, aten.to.device, aten.contiguous.default, aten.dropout.default, aten.type_as.default,
+    aten.lift_fresh_copy.default, aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli.default,
+    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
+    aten.rand_like.default, aten.randn_like.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
+    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.fill.Scalar,
+    aten._assert_tensor_metadata.default,
+})
+_MARKERS = (batch_reduce, gather_rows, scatter_rows, sum_grad)
+
+
+def _is_pointwise(node: fx.Node) -> bool:
+    t = node.target
+    return isinstance(t, torch._ops.OpOverload) and (t in _LAYOUT_PRESERVING or torch.Tag.pointwise in t.tags)
+
+
+def _arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """The value of the op's argument ``name`` (positional or keyword), or its schema default."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return default
+    for i, a in enumerate(schema.arguments):
+        if a.name == name:
+            if i < len(node.args):
+                return node.args[i]
+            if name in node.kwargs:
+                return node.kwargs[name]
+            return a.default_value if a.has_default_value() else default
+    return default
+
+
+def _has_arg(node: fx.Node, name: str) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and any(a.name == name for a in schema.arguments)
+
+
+def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    seen: list[fx.Node] = []
+    for n in node.all_input_nodes:
+        if n not in seen:
+            seen.append(n)
+    return seen
+
+
+# ---- the walk ---------------------------------------------------------------------------------------
+
+
+class _Gather(Exception):
+    """The op works along the batch dim: gather its inputs' rows."""
+
+
+class _Reduce(Exception):
+    def __init__(self, reduction: Reduction) -> None:
+        self.reduction = reduction
+
+
+def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
+    """Follows the batch through ``gm`` (see the module docstring)."""
+    facts = BatchFacts()
+    batch = gm.meta.get("autopar_batch")
+    rows = batch.local_sizes[batch.index] if batch is not None else 0
+    facts.local_rows = rows
+    rules = _Rules(facts, rows)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            info = input_info(node)
+            split = bool(rows and info is not None and info.batch_split)
+            facts.dims[node] = BatchDim(0, 1) if split else None
+            facts.states[node] = State.SPLIT if split else State.NONE
+            facts.requires_grad[node] = bool(info and info.requires_grad)
+            continue
+        if node.op == "output":
+            continue
+        ins = _tensor_inputs(node)
+        vals = node.meta.get("val")
+        vals = vals if isinstance(vals, (list, tuple)) else (vals,)
+        facts.requires_grad[node] = bool(
+            any(facts.requires_grad.get(i, False) for i in ins)
+            and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))
+        split_ins = [i for i in ins if facts.state(i) is State.SPLIT]
+        if not split_ins and rows:
+            _track_row_index(facts, node, rows)
+        if node.target in _MARKERS:
+            rules.marker(node)
+        elif not split_ins or node.op != "call_function":
+            facts.dims[node] = None if node.target is not operator.getitem else rules.getitem(node)
+            if node.op != "call_function" and split_ins:  # a subgraph (higher-order op) or module call
+                facts.gathers[node] = {i: facts.batch_dim(i) for i in split_ins}
+                facts.dims[node] = None
+        else:
+            try:
+                facts.dims[node] = rules.decide(node)
+            except _Reduce as r:
+                facts.reductions[node] = r.reduction
+                facts.dims[node] = None
+            except _Gather:
+                facts.gathers[node] = {i: facts.batch_dim(i) for i in split_ins}
+                facts.dims[node] = _scattered(facts, node, split_ins[0])
+        facts.states[node] = _state_of(facts, node, ins)
+    return facts
+
+
+_ARANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
+_INDEX_KEEPING = frozenset({aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
+                            aten.clone.default, aten.lift_fresh_copy.default, aten.alias.default, aten.detach.default})
+
+
+def _track_row_index(facts: BatchFacts, node: fx.Node, rows: int) -> None:
+    t = node.target
+    if t in _ARANGES:
+        args = list(node.args)
+        start, end, step = (0, args[0], 1) if t is aten.arange.default else (
+            args[0], args[1], args[2] if len(args) > 2 else 1)
+        if start == 0 and step == 1 and end == rows:
+            facts.row_index[node] = 0
+        return
+    src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+    if src is None or src not in facts.row_index:
+        return
+    d = facts.row_index[src]
+    st, val = tensor_meta(src), tensor_meta(node)
+    if st is None or val is None:
+        return
+    if t in _INDEX_KEEPING:
+        facts.row_index[node] = d
+    elif t in _VIEWS or t is aten.expand.default:
+        if t is aten.expand.default:
+            mapped = BatchDim(d + val.dim() - st.dim(), 1) if val.shape[d + val.dim() - st.dim()] == rows else None
+        else:
+            mapped = map_batch_through_view(tuple(st.shape), tuple(val.shape), BatchDim(d, 1), rows)
+        if mapped is not None and mapped.factor == 1:
+            facts.row_index[node] = mapped.dim
+
+
+def _uniform_rows(node: fx.Node, dim: int) -> bool:
+    """An ``expand`` of a size-1 dim: every row along ``dim`` holds the same values (RoBERTa's buffered
+    token type ids, expanded to the batch)."""
+    if node.target is not aten.expand.default:
+        return False
+    src, val = tensor_meta(node.args[0]), tensor_meta(node)
+    d = dim - (val.dim() - src.dim())
+    return d < 0 or src.shape[d] == 1
+
+
+def _scattered(facts: BatchFacts, node: fx.Node, first: fx.Node) -> Any:
+    """A gathered op's output that keeps its input's shape gives each rank its rows back."""
+    bd, t = facts.batch_dim(first), tensor_meta(first)
+    vals = node.meta.get("val")
+    if bd is None or t is None:
+        return None
+    if isinstance(vals, torch.Tensor):
+        if tuple(vals.shape) != tuple(t.shape):
+            return None
+        facts.scatters[node] = bd
+        return bd
+    if isinstance(vals, (list, tuple)):
+        outs = tuple(bd if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(t.shape) else None for v in vals)
+        if any(o is not None for o in outs):
+            facts.scatters[node] = bd
+            return outs
+    return None
+
+
+def _state_of(facts: BatchFacts, node: fx.Node, ins: list[fx.Node]) -> State:
+    d = facts.dims.get(node)
+    if isinstance(d, BatchDim) or (isinstance(d, tuple) and any(isinstance(x, BatchDim) for x in d)):
+        return State.SPLIT
+    if node in facts.reductions or node in facts.gathers or node.target in (batch_reduce, gather_rows):
+        return State.WHOLE
+    if any(facts.state(i) is not State.NONE for i in ins):
+        return State.WHOLE
+    return State.NONE
+
+
+class _Rules:
+    def __init__(self, facts: BatchFacts, rows: int) -> None:
+        self.facts, self.rows = facts, rows
+
+    def bd(self, node: Any) -> BatchDim | None:
+        return self.facts.batch_dim(node)
+
+    def getitem(self, node: fx.Node) -> Any:
+        src = self.facts.dims.get(node.args[0])
+        return src[node.args[1]] if isinstance(src, tuple) and isinstance(node.args[1], int) else None
+
+    def marker(self, node: fx.Node) -> None:
+        if node.target is sum_grad:
+            self.facts.dims[node] = self.facts.dims.get(node.args[0])
+        elif node.target is scatter_rows:
+            spec = node.args[1]
+            self.facts.dims[node] = BatchDim(spec.dim, spec.factor)
+        else:  # batch_reduce, gather_rows: whole
+            self.facts.dims[node] = None
+
+    def decide(self, node: fx.Node) -> Any:
+        t = node.target
+        if t is operator.getitem:
+            return self.getitem(node)
+        handler = _HANDLERS.get(t)
+        if handler is not None:
+            return handler(self, node)
+        if t in ELEMENTWISE_LOSSES or t in CLASS_LOSSES:
+            return self.loss(node)
+        if t in _SOFTMAX_LIKE:
+            return self.along_dim(node)
+        if _is_pointwise(node):
+            return self.pointwise(node)
+        if _has_arg(node, "reduction") and int(_arg(node, "reduction", 1)) != 0:
+            raise _Gather()
+        return self.unknown(node)
+
+    # ---- rules ----------------------------------------------------------------------------------
+
+    def pointwise(self, node: fx.Node) -> Any:
+        vals = node.meta.get("val")
+        if isinstance(vals, (list, tuple)):  # native_dropout: (output, mask), both laid out like the input
+            outs = [self._aligned(node, v) if isinstance(v, torch.Tensor) else None for v in vals]
+            return tuple(outs)
+        return self._aligned(node, vals)
+
+    def _aligned(self, node: fx.Node, val: torch.Tensor) -> BatchDim:
+        target = None
+        for i in _tensor_inputs(node):
+            bd, t = self.bd(i), tensor_meta(i)
+            if bd is None or t is None:
+                continue
+            d = bd.dim + val.dim() - t.dim()
+            if d < 0 or val.shape[d] != t.shape[bd.dim]:
+                raise _Gather()
+            cand = BatchDim(d, bd.factor)
+            if target is not None and cand != target:
+                raise _Gather()
+            target = cand
+        if target is None:
+            raise _Gather()
+        return target
+
+    def view(self, node: fx.Node) -> BatchDim:
+        x = node.args[0]
+        bd, xt, val = self.bd(x), tensor_meta(x), tensor_meta(node)
+        mapped = map_batch_through_view(tuple(xt.shape), tuple(val.shape), bd, self.rows)
+        if mapped is None:
+            raise _Gather()
+        return mapped
+
+    def expand(self, node: fx.Node) -> BatchDim:
+        x = node.args[0]
+        bd, xt, val = self.bd(x), tensor_meta(x), tensor_meta(node)
+        d = bd.dim + val.dim() - xt.dim()
+        if val.shape[d] != xt.shape[bd.dim]:
+            raise _Gather()
+        return BatchDim(d, bd.factor)
+
+    def transpose(self, node: fx.Node) -> BatchDim:
+        x = node.args[0]
+        bd, nd = self.bd(x), tensor_meta(x).dim()
+        t = node.target
+        if t in (aten.t.default, aten.numpy_T.default):
+            perm = list(range(nd))[::-1]
+        elif t is aten.permute.default:
+            perm = [d % nd for d in node.args[1]]
+        elif t is aten.movedim.int:
+            src, dst = node.args[1] % nd, node.args[2] % nd
+            perm = [d for d in range(nd) if d != src]
+            perm.insert(dst, src)
+        else:
+            a, b = node.args[1] % nd, node.args[2] % nd
+            perm = list(range(nd))
+            perm[a], perm[b] = perm[b], perm[a]
+        return BatchDim(perm.index(bd.dim), bd.factor)
+
+    def slice(self, node: fx.Node) -> BatchDim:
+        x = node.args[0]
+        bd, xt = self.bd(x), tensor_meta(x)
+        dim = _arg(node, "dim", 0) % xt.dim()
+        if dim == bd.dim:
+            start, end, step = _arg(node, "start"), _arg(node, "end"), _arg(node, "step", 1)
+            if (start or 0) != 0 or (end is not None and end < xt.shape[dim]) or step != 1:
+                raise _Gather()
+        return bd
+
+    def select(self, node: fx.Node) -> BatchDim:
+        x = node.args[0]
+        bd, xt = self.bd(x), tensor_meta(x)
+        dim = node.args[1] % xt.dim()
+        if dim == bd.dim:
+            raise _Gather()
+        return BatchDim(bd.dim - (dim < bd.dim), bd.factor)
+
+    def index(self, node: fx.Node) -> BatchDim:
+        """Advanced indexing ``x[i0, i1, ...]``: rows stay rows when the batch dim is not indexed, when it is
+        indexed by ``arange(rows)`` (``row_index``), or when the indices themselves are this rank's rows."""
+        x, indices = node.args[0], list(node.args[1])
+        xbd, val = self.bd(x), tensor_meta(node)
+        used = [d for d, i in enumerate(indices) if i is not None]
+        metas = [tensor_meta(indices[d]) for d in used]
+        if not used or any(m is None for m in metas) or val is None:
+            raise _Gather()
+        nb = max(m.dim() for m in metas)
+        adjacent = used == list(range(used[0], used[-1] + 1))
+        start = used[0] if adjacent else 0
+
+        def kept(d: int) -> int:  # where a dim of x that no index touches lands
+            if adjacent:
+                return d if d < used[0] else d - len(used) + nb
+            return nb + d - sum(u < d for u in used)
+
+        target = None
+        cands = []
+        if xbd is not None:
+            if xbd.dim in used:
+                idx = indices[xbd.dim]
+                ri = self.facts.row_index.get(idx)
+                if ri is None or xbd.factor != 1:
+                    raise _Gather()
+                cands.append(BatchDim(start + ri + nb - tensor_meta(idx).dim(), 1))
+            else:
+                cands.append(BatchDim(kept(xbd.dim), xbd.factor))
+        for d in used:
+            ibd = self.bd(indices[d])
+            if ibd is not None:
+                cands.append(BatchDim(start + ibd.dim + nb - tensor_meta(indices[d]).dim(), ibd.factor))
+        for cand in cands:
+            if target is not None and cand != target:
+                raise _Gather()
+            target = cand
+        if target is None or target.dim >= val.dim() or val.shape[target.dim] != self.rows * target.factor:
+            raise _Gather()
+        return target
+
+    def gather(self, node: fx.Node) -> BatchDim:
+        """``gather(x, dim, index)``: row-wise along any dim but the rows' when x and index share them."""
+        x, dim, index = node.args[:3]
+        xbd, ibd, xt = self.bd(x), self.bd(index), tensor_meta(x)
+        if ibd is None or dim % xt.dim() == ibd.dim or xbd not in (None, ibd):
+            raise _Gather()
+        if xbd is None and xt.shape[ibd.dim] != 1 and not _uniform_rows(x, ibd.dim):
+            raise _Gather()  # x would have to hold the rows too
+        return ibd
+
+    def split(self, node: fx.Node) -> tuple:
+        x = node.args[0]
+        bd, xt = self.bd(x), tensor_meta(x)
+        dim = _arg(node, "dim", 0) % xt.dim()
+        if dim == bd.dim:
+            raise _Gather()
+        vals = node.meta.get("val")
+        if node.target is aten.unbind.int:
+            return tuple(BatchDim(bd.dim - (dim < bd.dim), bd.factor) for _ in vals)
+        return tuple(bd for _ in vals)
+
+    def cat(self, node: fx.Node) -> BatchDim:
+        tensors = list(node.args[0])
+        val = tensor_meta(node)
+        dim = _arg(node, "dim", 0) % val.dim()
+        target = None
+        for t in tensors:
+            bd = self.bd(t)
+            if bd is None:
+                continue
+            if node.target is aten.stack.default:
+                bd = BatchDim(bd.dim + (dim <= bd.dim), bd.factor)
+            elif bd.dim == dim:
+                raise _Gather()
+            if target is not None and bd != target:
+                raise _Gather()
+            target = bd
+        return target
+
+    def embedding(self, node: fx.Node) -> BatchDim:
+        weight, ids = node.args[0], node.args[1]
+        if self.bd(weight) is not None:
+            raise _Gather()
+        return self.bd(ids)
+
+    def linear(self, node: fx.Node) -> BatchDim:
+        x = node.args[0]
+        bd, xt = self.bd(x), tensor_meta(x)
+        if bd is None or bd.dim == xt.dim() - 1 or any(self.bd(i) is not None for i in node.args[1:3]):
+            raise _Gather()
+        return bd
+
+    def addmm(self, node: fx.Node) -> BatchDim:
+        bias, a, b = node.args[:3]
+        rows = self.bd(a)
+        if rows is None or rows.dim != 0 or self.bd(b) is not None or self.bd(bias) not in (None, rows):
+            raise _Gather()
+        return rows
+
+    def matmul(self, node: fx.Node) -> BatchDim:
+        a, b = node.args[:2]
+        at, bt, val = tensor_meta(a), tensor_meta(b), tensor_meta(node)
+        if at is None or bt is None or at.dim() < 2 or bt.dim() < 2:
+            raise _Gather()
+        nd = val.dim()
+        target = None
+        for x, t, which in ((a, at, "a"), (b, bt, "b")):
+            bd = self.bd(x)
+            if bd is None:
+                continue
+            contracted = t.dim() - 1 if which == "a" else t.dim() - 2
+            if bd.dim == contracted:
+                raise _Gather()
+            if which == "a" and bd.dim == t.dim() - 2:
+                cand = BatchDim(nd - 2, bd.factor)
+            elif which == "b" and bd.dim == t.dim() - 1:
+                cand = BatchDim(nd - 1, bd.factor)
+            else:
+                cand = BatchDim(bd.dim + nd - t.dim(), bd.factor)
+                if val.shape[cand.dim] != t.shape[bd.dim]:
+                    raise _Gather()
+            if target is not None and cand != target:
+                raise _Gather()
+            target = cand
+        return target
+
+    def attention(self, node: fx.Node) -> BatchDim:
+        q = node.args[0]
+        nd = tensor_meta(q).dim()
+        target = None
+        for i in _tensor_inputs(node):
+            bd, t = self.bd(i), tensor_meta(i)
+            if bd is None or t is None:
+                continue
+            d = bd.dim + nd - t.dim()
+            if d >= nd - 2 or d < 0:
+                raise _Gather()
+            cand = BatchDim(d, bd.factor)
+            if target is not None and cand != target:
+                raise _Gather()
+            target = cand
+        return target
+
+    def rows_at_zero(self, node: fx.Node) -> Any:
+        bd = self.bd(node.args[0])
+        if bd is None or bd.dim != 0 or any(self.bd(i) is not None for i in _tensor_inputs(node)[1:]):
+            raise _Gather()
+        vals = node.meta.get("val")
+        return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
+
+    def layer_norm(self, node: fx.Node) -> Any:
+        x = node.args[0]
+        bd, xt = self.bd(x), tensor_meta(x)
+        shape = node.args[1]
+        if bd is None or bd.dim >= xt.dim() - len(shape) or any(self.bd(i) is not None for i in _tensor_inputs(node)[1:]):
+            raise _Gather()
+        vals = node.meta.get("val")
+        return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
+
+    def batch_norm(self, node: fx.Node) -> Any:
+        training = node.target is not aten._native_batch_norm_legit_no_training.default and bool(
+            _arg(node, "training", False))
+        if training:  # batch statistics mix the rows
+            raise _Gather()
+        return self.rows_at_zero(node)
+
+    def reduce(self, node: fx.Node) -> Any:
+        x = node.args[0]
+        bd, xt = self.bd(x), tensor_meta(x)
+        kind = _SUM_MEAN[node.target]
+        if node.target in (aten.sum.default, aten.mean.default):
+            dims, keepdim = tuple(range(xt.dim())), False
+        else:
+            raw = _arg(node, "dim")
+            dims = tuple(range(xt.dim())) if not raw else tuple(sorted(d % xt.dim() for d in raw))
+            keepdim = bool(_arg(node, "keepdim", False))
+        if bd.dim in dims:
+            if _arg(node, "dtype") is not None and not tensor_meta(node).is_floating_point():
+                raise _Gather()
+            raise _Reduce(Reduction(kind, bd, dims, keepdim))
+        return BatchDim(bd.dim if keepdim else bd.dim - sum(d < bd.dim for d in dims), bd.factor)
+
+    def along_dim(self, node: fx.Node) -> Any:
+        """Ops with a ``dim`` argument (softmax, cumsum, sort, max over a dim, ...): fine along any other dim."""
+        x = node.args[0]
+        bd, xt, vals = self.bd(x), tensor_meta(x), node.meta.get("val")
+        if bd is None or xt is None or any(self.bd(i) is not None for i in _tensor_inputs(node)[1:]):
+            raise _Gather()
+        raw = _arg(node, "dim")
+        if raw is None or (isinstance(raw, (list, tuple)) and not raw):
+            raise _Gather()
+        dims = tuple(sorted(d % xt.dim() for d in (raw if isinstance(raw, (list, tuple)) else (raw,))))
+        if bd.dim in dims:
+            raise _Gather()
+        outs = []
+        for v in (vals if isinstance(vals, (list, tuple)) else (vals,)):
+            if not isinstance(v, torch.Tensor):
+                outs.append(None)
+                continue
+            d = bd.dim if v.dim() == xt.dim() else bd.dim - sum(d < bd.dim for d in dims)
+            if v.dim() <= d or v.shape[d] != xt.shape[bd.dim]:
+                raise _Gather()
+            outs.append(BatchDim(d, bd.factor))
+        return tuple(outs) if isinstance(vals, (list, tuple)) else outs[0]
+
+    def loss(self, node: fx.Node) -> Any:
+        x, target = node.args[0], node.args[1]
+        bx, bt = self.bd(x), self.bd(target)
+        others = [i for i in _tensor_inputs(node) if i not in (x, target)]
+        if bx is None or bx.dim != 0 or any(self.bd(i) is not None for i in others):
+            raise _Gather()
+        if node.target in CLASS_LOSSES:
+            if bt is None or bt.dim != 0 or bt.factor != bx.factor:
+                raise _Gather()
+        elif bt is not None and bt != bx:
+            raise _Gather()
+        if int(_arg(node, "reduction", 1)) == 0:  # per element: rows stay rows
+            vals = node.meta.get("val")
+            return tuple(bx if isinstance(v, torch.Tensor) and v.dim() else None for v in vals) \
+                if isinstance(vals, (list, tuple)) else bx
+        if node.target in ELEMENTWISE_LOSSES and (bt is None or tensor_meta(target).shape != tensor_meta(x).shape):
+            raise _Gather()  # broadcast targets: count the elements the serial mean divides by differently
+        kind = "loss_mean" if int(_arg(node, "reduction", 1)) == 1 else "loss_sum"
+        raise _Reduce(Reduction(kind, bx))
+
+    def unknown(self, node: fx.Node) -> Any:
+        """An op without a rule: fine when it keeps the rows where they are and works along another dim."""
+        if _has_arg(node, "dim"):
+            return self.along_dim(node)
+        split = [i for i in _tensor_inputs(node) if self.bd(i) is not None]
+        vals = node.meta.get("val")
+        if len(split) != 1 or not isinstance(vals, torch.Tensor):
+            raise _Gather()
+        bd, t = self.bd(split[0]), tensor_meta(split[0])
+        if t is None or vals.dim() != t.dim() or vals.shape[bd.dim] != t.shape[bd.dim] or bd.dim != 0:
+            raise _Gather()
+        return bd
+
+
+_HANDLERS: dict[Any, Callable[[_Rules, fx.Node], Any]] = {
+    **{t: _Rules.view for t in _VIEWS},
+    aten.expand.default: _Rules.expand,
+    aten.expand_as.default: _Rules.expand,
+    **{t: _Rules.transpose for t in _TRANSPOSES},
+    aten.slice.Tensor: _Rules.slice,
+    aten.select.int: _Rules.select,
+    aten.index.Tensor: _Rules.index,
+    aten.gather.default: _Rules.gather,
+    aten.split.Tensor: _Rules.split,
+    aten.split_with_sizes.default: _Rules.split,
+    aten.chunk.default: _Rules.split,
+    aten.unbind.int: _Rules.split,
+    aten.tensor_split.sections: _Rules.split,
+    aten.cat.default: _Rules.cat,
+    aten.stack.default: _Rules.cat,
+    aten.embedding.default: _Rules.embedding,
+    aten.linear.default: _Rules.linear,
+    aten.addmm.default: _Rules.addmm,
+    aten.mm.default: _Rules.matmul,
+    aten.bmm.default: _Rules.matmul,
+    aten.matmul.default: _Rules.matmul,
+    aten.scaled_dot_product_attention.default: _Rules.attention,
+    **{t: _Rules.rows_at_zero for t in _ROWS_AT_ZERO},
+    **{t: _Rules.layer_norm for t in _LAYER_NORMS},
+    **{t: _Rules.batch_norm for t in _BATCH_NORMS},
+    **{t: _Rules.reduce for t in _SUM_MEAN},
+}
+
+
+def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: BatchDim, rows: int) -> BatchDim | None:
+    """Where the rows of dim ``bd.dim`` of shape ``src`` lie in the view ``dst``, or None when the view
+    does not keep them the outermost part of one dim (it splits them, or merges an outer dim into them).
+
+    In the contiguous layout a row spans ``bd.factor * inner`` elements (``inner``: the dims after the
+    batch dim). The rows lie in dst dim ``d`` when the dims before ``d`` hold exactly the dims before
+    the batch dim, dim ``d`` spans exactly the batch dim's elements, and a row is a whole number of
+    dim-``d`` steps.
+    """
+    if rows <= 0:
+        return None
+    outer = _prod(src[:bd.dim])
+    extent = src[bd.dim] * _prod(src[bd.dim + 1:])
+    step = bd.factor * _prod(src[bd.dim + 1:])
+    acc = 1
+    for d, size in enumerate(dst):
+        if acc == outer:
+            stride = _prod(dst[d + 1:])
+            if size % rows == 0 and step % stride == 0 and size * stride == extent:
+                return BatchDim(d, size // rows)
+        acc *= size
+        if acc > outer:
+            break
+    return None
+
+
+def _prod(sizes: Any) -> int:
+    out = 1
+    for s in sizes:
+        out *= int(s)
+    return out
+
+
+# ---- constants that scale with the batch ------------------------------------------------------------
+
+
+def whole_constants(gm: fx.GraphModule, facts: BatchFacts) -> bool:
+    """Whether any op computed from the whole batch takes a number (``loss / x.size(0)`` does): such a
+    number may be this rank's row count, captured where the serial model had the whole batch's."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node in facts.reductions or facts.state(node) is not State.WHOLE:
+            continue
+        leaves = [v for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))]
+        if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in leaves):
+            return True
+    return False
+
+
+class BatchConstantError(PlanError):
+    """A number in the whole-batch part of the graph depends on the rows in a way that is not a multiple."""
+
+
+def batch_constants(gm: fx.GraphModule, other: fx.GraphModule, facts: BatchFacts, rows: int, other_rows: int
+                    ) -> dict[str, dict[int, Any]]:
+    """The numbers in ops on the whole batch that scale with the row count: node name -> {index of the
+    number among the flattened (args, kwargs): its value per row (a Fraction)}.
+
+    ``other`` is the same model captured with ``other_rows`` rows instead of ``rows``; a number that
+    differs between the two graphs was computed from the batch size (``x.size(0)``), which is this
+    rank's rows in the capture but the whole batch's in the serial model. Raises
+    ``BatchConstantError`` when the two graphs differ otherwise.
+    """
+    from fractions import Fraction
+
+    mine = [n for n in gm.graph.nodes]
+    theirs = [n for n in other.graph.nodes]
+    if len(mine) != len(theirs) or any(a.op != b.op or a.target != b.target for a, b in zip(mine, theirs)):
+        raise BatchConstantError(f"the captured graph changes with the batch size ({rows} and {other_rows} rows)")
+    out: dict[str, dict[int, Any]] = {}
+    for a, b in zip(mine, theirs):
+        if a.op != "call_function" or facts.state(a) is not State.WHOLE or a in facts.reductions:
+            continue
+        la = torch.utils._pytree.tree_leaves((a.args, a.kwargs))
+        lb = torch.utils._pytree.tree_leaves((b.args, b.kwargs))
+        for i, (x, y) in enumerate(zip(la, lb)):
+            if isinstance(x, bool) or not isinstance(x, (int, float)) or x == y:
+                continue
+            if y * rows != x * other_rows:
+                raise BatchConstantError(
+                    f"{_describe(a)} takes {x} with {rows} rows and {y} with {other_rows}: a number computed from the "
+                    "batch size that is not a multiple of it")
+            out.setdefault(a.name, {})[i] = Fraction(x) / rows
+    return out
