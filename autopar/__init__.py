@@ -7,7 +7,7 @@
 from autopar.runtime.collectives import comm_stats, reset_comm_stats
 from autopar.config import ParallelConfig, Plan
 from autopar.context import (auto_parallelize, full_optimizer_state_dict, full_state_dict,
-                             load_full_optimizer_state_dict, plan_of)
+                             load_full_optimizer_state_dict, no_sync, plan_of)
 from autopar.errors import AutoparError
 from autopar.train import train_step
 
@@ -20,6 +20,7 @@ __all__ = [
     "full_optimizer_state_dict",
     "full_state_dict",
     "load_full_optimizer_state_dict",
+    "no_sync",
     "plan_of",
     "reset_comm_stats",
     "train_step",

@@ -216,8 +216,10 @@ def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int
 
 
 def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
-                  sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool]) -> Captured:
-    """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows."""
+                  sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool],
+                  segments: tuple[int, ...] = ()) -> Captured:
+    """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows
+    (``segments``: per-rank batches, the rows each member of the shard fed)."""
     local = []
     for i, x in enumerate(leaves):
         if i in split:
@@ -225,8 +227,41 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
                 x.requires_grad)
         local.append(x)
     args, kwargs = pytree.tree_unflatten(local, spec)
-    batch = BatchInfo(sum(sizes), sizes, index) if split else None
+    batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
     return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch)
+
+
+def real_constants(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+                   sizes: tuple[int, ...], index: int) -> dict[str, torch.Tensor]:
+    """The values of the tensor constants the model makes inside forward (``x[:, [-1]]``,
+    ``torch.tensor(..., device=x.device)``), which the meta capture only has as meta tensors.
+
+    The shadow is exported again with fake CPU tensors for its parameters, buffers and inputs (no
+    memory, no compute): constants made from Python values are real there. Same inputs, same trace:
+    the constants have the same names as in the meta capture.
+    """
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    fake = FakeTensorMode()
+    memo: dict[int, Any] = {}
+    with fake:
+        for t in list(shadow.parameters()) + list(shadow.buffers()):
+            f = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        local = []
+        for i, x in enumerate(leaves):
+            if isinstance(x, torch.Tensor):
+                shape = (sizes[index], *x.shape[1:]) if i in split else tuple(x.shape)
+                x = torch.empty(shape, dtype=x.dtype, device="cpu").requires_grad_(x.requires_grad)
+            local.append(x)
+    copy_ = copy.deepcopy(shadow, memo)
+    args, kwargs = pytree.tree_unflatten(local, spec)
+    try:
+        with cache_outputs(copy_, "use_cache" in kwargs):
+            ep = torch.export.export(copy_, tuple(args), dict(kwargs), strict=False)
+    except Exception:  # the meta capture worked; without values the caller reports the constant
+        return {}
+    return {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor)}
 
 
 # Per-block attributes that name the block's position, not its behaviour.

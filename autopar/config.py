@@ -320,6 +320,33 @@ class MemoryConfig:
                               "per device (an int > 0, e.g. 80 * 2**30).")
 
 
+BATCH_MODES: tuple[str, ...] = ("auto", "global", "per-rank")
+
+AGREEMENT_BYTES = 7 * 8
+"""One rank's description of a call (autopar.runtime.agreement): all-gathered over the world per call."""
+
+
+@dataclass(frozen=True, slots=True)
+class InputConfig:
+    """How the script feeds the model: ``auto_parallelize(batch=..., eval_timeout=...)``."""
+
+    batch: str = "auto"
+    """"global": every rank passes the same global batch (autopar splits it; outputs come back whole);
+    "per-rank": every rank passes its own batch and gets its own rows' outputs, gradients averaged over
+    the ranks (DDP semantics); "auto": decided at the first call that needs it by comparing the ranks'
+    inputs (the same everywhere: global)."""
+    eval_timeout: float = 30.0
+    """Seconds an evaluation call waits for the other ranks before raising (evaluation on one rank only)."""
+
+    def __post_init__(self) -> None:
+        if self.batch not in BATCH_MODES:
+            raise ConfigError(f"batch={self.batch!r} is invalid. Use 'auto', 'global' (the same global batch on every "
+                              "rank) or 'per-rank' (each rank its own batch, as under DDP).")
+        if isinstance(self.eval_timeout, bool) or not isinstance(self.eval_timeout, (int, float)) \
+                or not self.eval_timeout > 0:
+            raise ConfigError(f"eval_timeout={self.eval_timeout!r} is invalid. Use a number of seconds > 0.")
+
+
 @dataclass(frozen=True, slots=True)
 class PipelineConfig:
     """What the user asked for the pipeline: how many micro-batches, which torch schedule.

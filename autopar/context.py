@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from autopar.runtime import collectives as C
-from autopar.config import MemoryConfig, ParallelConfig, PipelineConfig
+from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
 from autopar.runtime.mesh import Mesh
@@ -73,7 +73,8 @@ class _ModuleRecorder:
 def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None, pipeline: int = 1,
                      microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
-                     precision: str = "fp32", reduce_dtype: str = "fp32") -> Iterator[ParallelConfig]:
+                     precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
+                     eval_timeout: float = 30.0) -> Iterator[ParallelConfig]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -102,14 +103,22 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             rank makes every rank skip the step.
         reduce_dtype: dtype of gradient reductions: "fp32" (default) or the compute dtype (half the
             bytes, less exact). Activations and weight all-gathers travel in the compute dtype.
+        batch: how the script feeds the model. "global": every rank passes the same global batch
+            (autopar splits it; outputs come back whole). "per-rank": every rank passes its own batch
+            (``DistributedSampler``, ``seed_offset = rank``) and gets its own rows' outputs, with
+            gradients averaged over the ranks, as under DDP. "auto" (default): decided at the first call
+            with gradients by comparing the ranks' inputs (equal everywhere: "global").
+        eval_timeout: seconds a call under ``no_grad`` waits for the other ranks to make the same call
+            before raising (a model split over ranks cannot evaluate on rank 0 alone). Default 30.
 
     Yields:
         The validated ParallelConfig.
 
     After the block each model built inside it is the same object, now parallel: ``model(x)`` takes
-    the same global batch on every rank and returns the full output on every rank; its parameters
-    become this rank's shards at the first call (or at the end of the block with example_inputs);
-    gradients are complete and synchronized when backward returns.
+    the same global batch on every rank and returns the full output on every rank (or, fed a batch per
+    rank, each rank's own rows' outputs); its parameters become this rank's shards at the first call
+    (or at the end of the block with example_inputs); gradients are complete and synchronized when
+    backward returns.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
@@ -119,6 +128,7 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
                                       pipeline=pipeline)
     memory = MemoryConfig(checkpoint, precision, reduce_dtype)
     pipe = PipelineConfig(microbatches, schedule, chunks)
+    inputs = InputConfig(batch, eval_timeout)
     if pipeline > 1:
         pipe.num_microbatches(pipeline)  # validates microbatches against the schedule before the block
     if getattr(_state, "active", False):
@@ -134,11 +144,12 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
     for model in roots:
-        parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe)
+        parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs)
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
-                memory: MemoryConfig | None = None, pipe: PipelineConfig | None = None) -> nn.Module:
+                memory: MemoryConfig | None = None, pipe: PipelineConfig | None = None,
+                inputs: InputConfig | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end)."""
     if model in _runtimes:
         raise ContextError(f"{type(model).__name__} is already parallelized.")
@@ -151,7 +162,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
             "device inside auto_parallelize (load pretrained weights after the block with load_state_dict).")
     mesh = Mesh(config)
     _agree_on_parameters(model, mesh)
-    runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig())
+    runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig(),
+                              inputs or InputConfig())
     _runtimes[model] = runtime
     original = model.forward
 
@@ -160,8 +172,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
 
     functools.update_wrapper(forward, original)  # inspect.signature(model.forward) stays the user's
     model.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
-    if example_inputs is not None:
-        model(*example_inputs)  # compiles and shards; the output is discarded
+    if not hasattr(model, "no_sync"):  # DDP's spelling, so a DDP script's accumulation loop runs unchanged
+        model.no_sync = functools.partial(no_sync, model)
+    if example_inputs is not None:  # compiles and shards; the output is discarded; the batch mode stays open
+        runtime.run(tuple(example_inputs), {}, example=True)
     return model
 
 
@@ -184,6 +198,19 @@ def _agree_on_parameters(model: nn.Module, mesh: Mesh) -> None:
                         "using rank 0's.")
         for t in tensors:
             C.broadcast(t.data, 0, None, mesh.config.world_size)
+
+
+@contextmanager
+def no_sync(model: nn.Module) -> Iterator[None]:
+    """Backward passes inside the block keep gradients local (summed into ``.grad`` on this rank); the first
+    backward after it sums everything accumulated over data (x depth), as DDP's ``no_sync`` does. Also
+    ``model.no_sync()``, and DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's loop)."""
+    runtime = runtime_of(model)
+    runtime.no_sync_depth += 1
+    try:
+        yield
+    finally:
+        runtime.no_sync_depth -= 1
 
 
 def runtime_of(model: nn.Module) -> ParallelRuntime:

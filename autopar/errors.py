@@ -42,6 +42,10 @@ class ParameterError(AutoparError, RuntimeError):
     """A sharded parameter was used in a way this rank cannot serve (e.g. another pipeline stage's)."""
 
 
+class AgreementError(AutoparError, RuntimeError):
+    """The ranks called a parallel model differently (evaluation on one rank only, other inputs)."""
+
+
 class StateDictError(AutoparError, KeyError):
     """A state dict does not match the model (missing or unexpected keys, wrong shapes)."""
 

@@ -43,6 +43,9 @@ class BatchInfo:
     """Rows per batch shard, in batch-index order (see ParallelConfig.batch_sizes)."""
     index: int
     """Which shard this graph was captured for."""
+    segments: tuple[int, ...] = ()
+    """Per-rank batches: the rows each member of this shard fed (the shard's rows are theirs, in order);
+    a reduction over the batch is taken per member. Empty for a global batch."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ aten = torch.ops.aten
 
 def split_batch(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     batch = gm.meta.get("autopar_batch")
-    if batch is None:
+    if batch is None or (len(batch.local_sizes) <= 1 and len(batch.segments) <= 1):
         return PassResult(gm, False)
     facts = analyze_batch(gm)
     if not facts.reductions and not facts.gathers:

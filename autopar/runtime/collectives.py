@@ -125,6 +125,13 @@ def recv(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
     return t
 
 
+def all_gather_async(out: list[torch.Tensor], t: torch.Tensor, group: dist.ProcessGroup, size: int) -> Any:
+    """Starts an all-gather of ``t`` into ``out`` (one tensor per rank); returns its work handle."""
+    if size > 1:
+        _stats.record("all_gather", size, _nbytes(t) * size)
+    return dist.all_gather(out, t, group=group, async_op=True)
+
+
 def count_send(t: torch.Tensor) -> None:
     """Counts a send that torch.distributed.pipelining issues on autopar's behalf."""
     _stats.record("send", 2, _nbytes(t))

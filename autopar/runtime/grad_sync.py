@@ -15,7 +15,9 @@ existing ``p.grad`` (accumulation), adds (sum - local). Bucket buffers live from
 gradient to the end of backward, as DDP's would, but are not held between steps.
 
 Like DDP, only ``backward()`` synchronizes: ``torch.autograd.grad`` on the parameters returns this
-rank's local gradients.
+rank's local gradients. While ``enabled()`` is false (DDP's ``no_sync``) backward keeps the gradients
+local; the next backward that synchronizes reduces everything accumulated since (its bucket slot
+holds ``p.grad`` plus the new gradient, and the sum replaces ``p.grad``).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class _Bucket:
         """Parameters still without a gradient this backward (a counter: checked at every hook)."""
         self.local: list[torch.Tensor | None] = [None] * len(self.params)
         """A gradient added to an existing ``p.grad`` (accumulation): what to take back out at the end."""
+        self.replace = [False] * len(self.params)
+        """The slot holds ``p.grad`` too (gradients accumulated under no_sync): the sum replaces ``p.grad``."""
         self.work: Any = None
         self.launched = False
 
@@ -65,8 +69,11 @@ class GradSync:
     """Sums the gradients of ``params`` over ``group`` (``size`` ranks) once per backward."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int,
-                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES) -> None:
-        self.group, self.size, self.reduce_dtype = group, size, reduce_dtype
+                 reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
+                 enabled: Callable[[], bool] = lambda: True) -> None:
+        self.group, self.size, self.reduce_dtype, self.enabled = group, size, reduce_dtype, enabled
+        self.unsynced: set[int] = set()
+        """Parameters whose ``.grad`` holds gradients a no_sync backward kept local."""
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         current: list[nn.Parameter] = []
@@ -95,6 +102,9 @@ class GradSync:
         k, i = self.where[id(p)]
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            if not self.enabled():
+                self.unsynced.add(id(p))
+                return grad
             bucket = self.buckets[k]
             if bucket.launched or bucket.got[i]:
                 raise RuntimeError(f"autopar: a second gradient of a parameter of shape {tuple(p.shape)} arrived "
@@ -106,7 +116,12 @@ class GradSync:
             bucket.slot(i).copy_(local_of(grad).reshape(-1))
             bucket.got[i] = True
             bucket.missing -= 1
-            if p.grad is not None:  # autograd adds grad to it: the end callback swaps it for the sum
+            if id(p) in self.unsynced:
+                self.unsynced.discard(id(p))
+                if p.grad is not None:  # reduce what no_sync kept local too; the sum replaces p.grad
+                    bucket.slot(i).add_(local_of(p.grad).reshape(-1))
+                    bucket.replace[i] = True
+            if p.grad is not None and not bucket.replace[i]:  # autograd adds grad: the end swaps it for the sum
                 bucket.local[i] = local_of(grad)
             if bucket.missing == 0:
                 self._launch_ready()
@@ -148,7 +163,7 @@ class GradSync:
                 grad = local_of(p.grad)  # a DTensor parameter's gradient is one too: its local part
                 reduced = bucket.slot(i).view_as(grad)
                 with torch.no_grad():
-                    if bucket.local[i] is None:
+                    if bucket.local[i] is None or bucket.replace[i]:
                         grad.copy_(reduced)
                     else:
                         grad.add_(reduced.to(grad.dtype) - bucket.local[i])

@@ -42,6 +42,9 @@ class Mesh:
         self._groups["batch"] = self._mesh["data", "depth"]._flatten("batch").get_group()
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._param_meshes: dict[tuple[int, ...], DeviceMesh] = {}
+        self.control = dist.new_group(backend="gloo")
+        """A gloo group of the whole world for small host-side exchanges (autopar.runtime.agreement)."""
+        self._shard: dist.ProcessGroup | None = None
 
     def param_mesh(self, holders: tuple[int, ...] = ()) -> DeviceMesh:
         """The DeviceMesh a parameter's DTensor lives on (one object per holder set, made once).
@@ -71,6 +74,23 @@ class Mesh:
             ranks = [self.config.rank_of({**self.coords, "pipeline": s}) for s in stages]
             self._stage_groups[stages] = dist.new_group(ranks, use_local_synchronization=True)
         return self._stage_groups[stages]
+
+    def shard_members(self) -> list[int]:
+        """The ranks holding this rank's batch shard (its data and depth coordinates): pipeline x row x col,
+        in rank order. Under per-rank batches they pool their rows."""
+        c = self.coords
+        return [r for r in range(self.config.world_size)
+                if self.config.coords(r)["data"] == c["data"] and self.config.coords(r)["depth"] == c["depth"]]
+
+    def shard_group(self) -> dist.ProcessGroup:
+        """The group of ``shard_members``; made at its first use, which every rank reaches together."""
+        if self._shard is None:
+            shards: dict[tuple[int, int], list[int]] = {}
+            for r in range(self.config.world_size):
+                c = self.config.coords(r)
+                shards.setdefault((c["data"], c["depth"]), []).append(r)
+            self._shard, _ = dist.new_subgroups_by_enumeration(list(shards.values()))
+        return self._shard
 
     def peer(self, pipeline_index: int) -> int:
         """The global rank at pipeline coordinate ``pipeline_index`` with this rank's other coordinates."""

@@ -76,6 +76,16 @@ def gather_features(x: torch.Tensor, s: Sharding, mesh: Mesh) -> torch.Tensor:
     return x if s.is_replicated else _Gather.apply(x, mesh, s)
 
 
+class GatherFeaturesOp:
+    """A model output's features gathered (per-rank batches: its rows are taken by autopar.runtime.per_rank)."""
+
+    def __init__(self, spec: GatherOutputSpec, mesh: Mesh) -> None:
+        self.spec, self.mesh = spec, mesh
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_features(x, self.spec.sharding, self.mesh)
+
+
 class _Slice(torch.autograd.Function):
     """A replicated tensor -> this rank's piece; backward gathers the pieces' gradients."""
 

@@ -32,9 +32,8 @@ any computation on it raises ``ParameterError``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -142,23 +141,6 @@ def distribute_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
                 whole = make_dtensor(p.detach(), mesh, [Replicate()] * mesh.ndim, p.shape)  # same storage
                 q = made[id(p)] = nn.Parameter(whole, requires_grad=p.requires_grad)
             setattr(module, name, q)
-
-
-@contextlib.contextmanager
-def plain_parameters(model: nn.Module) -> Iterator[None]:
-    """Within the block, ``model``'s DTensor parameters are plain Parameters over their local tensors
-    (no gradient reaches the DTensors); the exact previous objects are put back on the way out."""
-    saved = []
-    try:
-        for module in model.modules():
-            for name, p in list(module._parameters.items()):
-                if isinstance(p, DTensor):
-                    saved.append((module, name, p))
-                    module._parameters[name] = nn.Parameter(local_of(p), requires_grad=False)
-        yield
-    finally:
-        for module, name, p in saved:
-            module._parameters[name] = p
 
 
 def set_layout(p: DTensor, local: torch.Tensor, mesh: DeviceMesh, layout: Sequence[Placement]) -> None:

@@ -15,24 +15,27 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
-from autopar.capture import (Captured, cache_outputs, capture_shard, meta_shadow, microbatch_leaves,
+from autopar.capture import (Captured, batch_leaves, capture_shard, meta_shadow, microbatch_leaves, real_constants,
                              split_batch_leaves)
-from autopar.config import MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
-from autopar.errors import CaptureError, PlanError
+from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
+from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
 from autopar.runtime.checkpoint import state_dict_post_hook
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.parameters import (Absent, ParamStore, local_of, local_view, plain_parameters)
+from autopar.runtime.parameters import Absent, ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
+from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.ops import (BatchReduceOp, ConvertOp, EmbeddingOp, GatherOutputOp, GatherRowsOp, MatmulOp,
-                                 ReduceOp, ScatterRowsOp, SumGradOp, gather_rows_world, scatter_batch)
+                                 GatherFeaturesOp, ReduceOp, ScatterRowsOp, SumGradOp, gather_rows_world, scatter_batch)
+from autopar.runtime.per_rank import SegmentReduceOp, own_output, pool_rows
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
@@ -73,8 +76,14 @@ class Executable:
 
 class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
-                 memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig()) -> None:
+                 memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
+                 inputs: InputConfig = InputConfig()) -> None:
         self.config, self.mesh, self.memory, self.pipe = config, mesh, memory, pipe
+        self.pure_data = config.num_tensor == 1 and config.pipeline == 1
+        """No collective in forward for a batch of this rank's own (data parallelism only)."""
+        self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data)
+        self.no_sync_depth = 0
+        """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
         self.store = ParamStore(model, config, mesh)
@@ -89,28 +98,47 @@ class ParallelRuntime:
         self._syncs: list[GradSync] = []
         """Gradient sync of the parameters (pipeline = 1): one per process group."""
         self._leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        self._unsynced: set[int] = set()
+        """pipeline > 1: parameters whose ``.grad`` holds gradients a no_sync step kept local."""
         """pipeline > 1: id(parameter) -> (parameter, the plain leaf the stages read; see ``_stage_leaf``)."""
         self._model = weakref.ref(model)
         self.fallback = False
         self.original_forward = model.forward
-        self._constants: dict[str, Any] = {}
         self._warned: set[str] = set()
         self._training = lambda: model.training
 
     # ---- calling ----------------------------------------------------------------------------------
 
+    def sync_enabled(self) -> bool:
+        """Whether this backward sums gradients over data (x depth): not inside ``no_sync()``, nor while the
+        script sets DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's accumulation)."""
+        return self.no_sync_depth == 0 and getattr(self._model(), "require_backward_grad_sync", True) is not False
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.run(args, kwargs)[0]
 
-    def run(self, args: tuple, kwargs: dict, *, local_outputs: bool = False) -> tuple[Any, list[Any], tuple[int, ...]]:
+    def run(self, args: tuple, kwargs: dict, *, local_outputs: bool = False,
+            example: bool = False) -> tuple[Any, list[Any], tuple[int, ...]]:
         """Runs the model; returns (outputs, the GatherOutputSpec of each output leaf, batch sizes).
 
         With ``local_outputs`` the outputs stay as this rank computed them (its batch rows, its
         piece of a split dim) and the specs say how they are laid out; train_step uses this.
+        ``example``: auto_parallelize's example_inputs, the same on every rank: a global batch that
+        decides nothing about how the script feeds the model later.
         """
+        grad = torch.is_grad_enabled()
+        if not grad and self.pure_data:  # like DDP's module in evaluation: this rank's inputs, no collective
+            return self._forward_local(args, kwargs), None, ()
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, batch_leaves(leaves)[0], grad)
+        if mode == PER_RANK:
+            if local_outputs:
+                raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
+                                 "batch per rank (batch='per-rank'): call the model and compute the loss as the DDP "
+                                 "script does.")
+            return self._run_per_rank(args, kwargs, leaves, spec, every), None, ()
         if self.fallback:
             return self._run_data_parallel(args, kwargs), None, ()
-        leaves, spec = pytree.tree_flatten((args, kwargs))
         split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards)
         sizes = self.config.batch_sizes(global_batch) if split else ()
         key = (spec, self._training(), global_batch,
@@ -125,12 +153,15 @@ class ParallelRuntime:
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
         local = [scatter_batch(x, self.mesh, sizes) if i in split else x for i, x in enumerate(leaves)]
-        flat = self._graph_inputs(exe, local)
+        return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
+
+    def _execute(self, exe: Executable, flat: list[Any]) -> Any:
+        """Runs ``exe`` on its placeholders' values; returns the outputs in the model's structure."""
         dtype = half_dtype(self.memory.precision)
         if exe.program is not None:
             values = dict(zip(_placeholders(exe.gm), flat))
             out = exe.program.run_sequential(values)
-            return pytree.tree_unflatten(list(out), exe.out_spec), exe.output_specs, sizes
+            return pytree.tree_unflatten(list(out), exe.out_spec)
         if dtype is None:
             out = exe.gm(*flat)
         else:
@@ -140,7 +171,48 @@ class ParallelRuntime:
             out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
             if self.memory.precision == "fp16" and torch.is_grad_enabled():
                 self._agree_on_overflow_after_backward(out)
-        return pytree.tree_unflatten(list(out), exe.out_spec), exe.output_specs, sizes
+        return pytree.tree_unflatten(list(out), exe.out_spec)
+
+    def _run_per_rank(self, args: tuple, kwargs: dict, leaves: list[Any], spec: pytree.TreeSpec,
+                      every: list[Any] | None) -> Any:
+        """This rank's own batch (DDP semantics, ``autopar.runtime.per_rank``): its rows' outputs, pooled with
+        the rows of the ranks holding the same batch shard."""
+        members = self.mesh.shard_members()
+        member = members.index(self.mesh.rank)
+        split = batch_leaves(leaves)[0]
+        if len(members) > 1:
+            rows = tuple(int(every[r].rows) for r in members)
+            local = [pool_rows(x, self.mesh, rows, member) if i in split else x for i, x in enumerate(leaves)]
+            sizes = (sum(rows),) * self.config.num_batch_shards
+        else:  # alone with its rows: nothing is split, the graph runs on them as they are
+            own = int(leaves[min(split)].shape[0]) if split else 0
+            rows, local, split, sizes = (own,), list(leaves), frozenset(), ()
+        if self.fallback:
+            return pytree.tree_map(lambda t: own_output(t, None, self.mesh, rows, member),
+                                   self._forward_whole(args, kwargs))
+        key = ("per-rank", spec, self._training(), rows, tuple(_signature(x) for x in local))
+        exe = self.executables.get(key)
+        if exe is None:
+            try:
+                exe = self.executables[key] = self._compile(local, spec, split, sizes, per_rank=(rows, member))
+            except CaptureError as e:
+                if self.plan is not None or self.config.pipeline > 1:
+                    raise
+                self._fall_back(e)
+                return self._run_per_rank(args, kwargs, leaves, spec, every)
+        out = self._execute(exe, self._graph_inputs(exe, local))
+        flat, out_spec = pytree.tree_flatten(out)
+        specs = exe.output_specs if len(exe.output_specs) == len(flat) else [None] * len(flat)
+        return pytree.tree_unflatten([own_output(t, s, self.mesh, rows, member) for t, s in zip(flat, specs)], out_spec)
+
+    def _forward_local(self, args: tuple, kwargs: dict) -> Any:
+        """The user's forward on this rank's inputs and whole parameters (data parallelism, no_grad)."""
+        dtype = half_dtype(self.memory.precision)
+        if dtype is None:
+            return self._forward_whole(args, kwargs)
+        with torch.autocast(self.mesh.device.type, dtype=dtype):
+            out = self._forward_whole(args, kwargs)
+        return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
 
     def _agree_on_overflow_after_backward(self, outputs: list[Any]) -> None:
         """fp16: when any rank's gradients overflow, every rank's do, so torch.amp.GradScaler skips the
@@ -180,7 +252,7 @@ class ParallelRuntime:
                         "parallelism for this model).", str(error).split(". autopar needs")[0], world)
         params = {id(p): p for p in self.params.values() if p.requires_grad}
         if world > 1 and params:
-            self._syncs.append(GradSync(list(params.values()), None, world))
+            self._syncs.append(GradSync(list(params.values()), None, world, enabled=self.sync_enabled))
 
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
         world = self.config.world_size
@@ -214,28 +286,38 @@ class ParallelRuntime:
     # ---- compiling --------------------------------------------------------------------------------
 
     def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
-                 sizes: tuple[int, ...], index: int) -> Captured:
+                 sizes: tuple[int, ...], index: int, segments: tuple[int, ...] = ()) -> Captured:
         self.shadow.train(self._training())
         requires_grad = {name: p.requires_grad for name, p in self.params.items()}
-        return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad)
+        return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                             segments=segments)
 
     def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
-                 sizes: tuple[int, ...], local_outputs: bool = False) -> Executable:
+                 sizes: tuple[int, ...], local_outputs: bool = False,
+                 per_rank: tuple[tuple[int, ...], int] | None = None) -> Executable:
+        """``per_rank``: (each member's rows, this rank's member index) under per-rank batches."""
         index = self.mesh.index("batch") if split else 0
-        captured = self._capture(leaves, spec, split, sizes, index)
+        segments = per_rank[0] if per_rank is not None and split else ()
+        captured = self._capture(leaves, spec, split, sizes, index, segments)
         if split:
-            self._find_batch_constants(captured, leaves, spec, split, sizes, index)
+            self._find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
         lost = [k for k, v in captured.constants.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"
-                and self._real_constant(k) is None and k not in self._constants]
-        if lost and self.plan is None:  # parameters are still whole: the real model can be exported once
-            self._constants.update(self._export_constants(leaves, spec, split, sizes, index))
+                and self._real_constant(k) is None]
+        recovered = real_constants(self.shadow, leaves, spec, split, sizes, index) if lost else {}
         if self.plan is None:
-            # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere.
-            canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0)
-            plan = make_plan(canonical.gm, self.config)
-            plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
-            if self.config.pipeline > 1:
-                plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
+            # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
+            # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
+            plan = None
+            if per_rank is None or self.mesh.rank == 0:
+                canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0, segments)
+                plan = make_plan(canonical.gm, self.config)
+                plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
+                if self.config.pipeline > 1:
+                    plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
+            if per_rank is not None:
+                box = [plan]
+                dist.broadcast_object_list(box, src=0, group=self.mesh.control)
+                plan = box[0]
             self._adopt(plan)
         pipelined = self.config.pipeline > 1
         gm, records = run_passes(captured.gm, self.plan, PIPELINE_PASSES if pipelined else PASSES)
@@ -244,13 +326,13 @@ class ParallelRuntime:
                 log.warning("autopar: %s (correct, but that op is not data-parallel).", note)
             self._warned.add(note)
         output_specs = [_gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
-        self._bind(gm, sizes, local_outputs)
+        self._bind(gm, sizes, local_outputs, per_rank)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
         for name, value in captured.constants.items():
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 real = self._real_constant(name)
-                value = real if real is not None else self._constants.get(name, value)
+                value = real if real is not None else recovered.get(name, value)
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
                                    "capture; autopar cannot recover its data. Register it as a buffer.")
@@ -264,13 +346,19 @@ class ParallelRuntime:
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split)
 
     def _find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
-                              split: frozenset[int], sizes: tuple[int, ...], index: int) -> None:
+                              split: frozenset[int], sizes: tuple[int, ...], index: int,
+                              segments: tuple[int, ...] = ()) -> None:
         """Numbers computed from the batch size where the model works on the whole batch (``loss.sum() /
         x.size(0)``): the capture saw this rank's rows; a second capture with twice as many tells which
         numbers scale with them, and ``passes.split_batch`` gives them the whole batch's value."""
         facts = analyze_batch(captured.gm)
         if not whole_constants(captured.gm, facts):
             return
+        if segments:
+            raise PlanError(f"{type(self._model()).__name__} computes with numbers after a reduction over the batch "
+                            "inside forward (e.g. loss.sum() / x.size(0)); under per-rank batches the ranks that split "
+                            "the model pool their rows, and each one's number would be its own batch's. Compute the "
+                            "loss outside the model, or use a grid whose tensor and pipeline degrees are 1.")
         doubled = tuple(2 * s if i == index else s for i, s in enumerate(sizes))
         try:
             other = self._capture(leaves, spec, split, doubled, index)
@@ -320,6 +408,18 @@ class ParallelRuntime:
         for p, leaf in self._leaves.values():
             if leaf.grad is not None:
                 new[id(p)], leaf.grad = leaf.grad, None
+        if not self.sync_enabled():  # no_sync: accumulate locally, reduce at the next synchronized step
+            for p, _ in self._leaves.values():
+                if id(p) in new:
+                    self._unsynced.add(id(p))
+                    _add_grad(p, new[id(p)])
+            return
+        replace = set()
+        for p, _ in self._leaves.values():
+            if id(p) in self._unsynced and p.grad is not None and id(p) in new:
+                new[id(p)] = new[id(p)] + local_of(p.grad)
+                replace.add(id(p))
+        self._unsynced.clear()
         done: set[int] = set()
         for pp in plan.params:
             p = self.params[pp.name]
@@ -337,12 +437,10 @@ class ParallelRuntime:
             new[id(p)] = C.all_reduce(new[id(p)].contiguous(), self.mesh.stage_group(ranks), len(ranks))
         for p, _ in self._leaves.values():
             grad = new.get(id(p))
-            if grad is None:
-                continue
-            if p.grad is None:
-                p.grad = DTensor(grad, p._spec, requires_grad=False)
-            else:
-                local_of(p.grad).add_(grad)
+            if grad is not None:
+                if id(p) in replace:
+                    p.grad = None
+                _add_grad(p, grad)
         if self.memory.precision == "fp16":
             self._agree_on_overflow()
 
@@ -392,28 +490,6 @@ class ParallelRuntime:
             log.warning("autopar: %s", memory.summary().replace("\n", "; "))
         return memory
 
-    def _export_constants(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
-                          sizes: tuple[int, ...], index: int) -> dict[str, Any]:
-        """Tensor constants the model creates inside forward (``torch.tensor(..., device=x.device)``).
-
-        On the meta shadow they are meta; exporting the real model once (before its parameters
-        are sharded, on zero inputs of this rank's shapes) gives their values.
-        """
-        model = self._model()
-        local = [torch.zeros((sizes[index], *x.shape[1:]), dtype=x.dtype, device=x.device) if i in split
-                 else x for i, x in enumerate(leaves)]
-        args, kwargs = pytree.tree_unflatten(local, spec)
-        wrapper = model.__dict__.pop("forward", None)  # export the user's forward, not ours
-        try:
-            with cache_outputs(model, "use_cache" in kwargs), plain_parameters(model):
-                ep = torch.export.export(model, tuple(args), dict(kwargs), strict=False)
-        except Exception:
-            return {}
-        finally:
-            if wrapper is not None:
-                model.forward = wrapper
-        return {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and v.device.type != "meta"}
-
     def _real_constant(self, name: str) -> Any:
         """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""
         obj: Any = self._model()
@@ -421,10 +497,13 @@ class ParallelRuntime:
             obj = getattr(obj, part, None)
         return obj if isinstance(obj, torch.Tensor) else None
 
-    def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False) -> None:
+    def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False,
+              per_rank: tuple[tuple[int, ...], int] | None = None) -> None:
         """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
         mesh, device = self.mesh, self.mesh.device
         reduce = half_dtype(self.memory.reduce_dtype)
+        if per_rank is not None:  # outputs: features gathered here, own rows taken by _run_per_rank
+            local_outputs = False
         makers = {  # marker -> implementation, from the marker's last argument (its spec)
             sharded_matmul: lambda spec: MatmulOp(spec, mesh, reduce).__call__,
             convert_layout: lambda spec: ConvertOp(spec, mesh).__call__,
@@ -436,6 +515,16 @@ class ParallelRuntime:
             gather_rows: lambda spec: GatherRowsOp(spec, mesh, sizes).__call__,
             scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, sizes).__call__,
         }
+        if per_rank is not None:
+            rows, member = per_rank
+            makers[gather_output] = lambda spec: GatherFeaturesOp(spec, mesh).__call__
+            makers[batch_reduce] = lambda spec: SegmentReduceOp(spec, mesh, rows, member).__call__
+            makers[gather_rows] = makers[scatter_rows] = lambda spec: _pooled_rows_refused
+            if self.config.pipeline > 1 and any(n.target is batch_reduce for m in gm.modules()
+                                                if isinstance(m, fx.GraphModule) for n in m.graph.nodes):
+                raise PlanError("a loss inside forward under per-rank batches with pipeline parallelism: the last "
+                                "stage computes every member's loss, and autopar does not yet send each rank its own. "
+                                "Compute the loss outside the model, or use pipeline=1.")
         for sub in gm.modules():  # gm itself, then subgraphs of higher-order ops (no_grad regions)
             if not isinstance(sub, fx.GraphModule):
                 continue
@@ -461,7 +550,7 @@ class ParallelRuntime:
                 synced.setdefault(axis, {})[id(p)] = p
         for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
             self._syncs.append(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
-                                        half_dtype(self.memory.reduce_dtype)))
+                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled))
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())
@@ -478,6 +567,13 @@ class ParallelRuntime:
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+def _pooled_rows_refused(x: torch.Tensor) -> torch.Tensor:
+    raise PlanError("the model works along the batch dim (e.g. batch statistics or a softmax over rows) and is fed a "
+                    "batch per rank, which the ranks splitting the model pool: under DDP each rank would see only its "
+                    "own rows. Use a grid whose tensor and pipeline degrees are 1 for this model, or feed the same "
+                    "global batch on every rank (batch='global').")
 
 
 def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
@@ -498,6 +594,14 @@ def _travels(node: fx.Node, split: frozenset[int]) -> bool:
     info = input_info(node)
     return info is not None and info.kind is InputKind.USER and int(info.target) in split
 
+
+
+def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
+    """Adds ``local`` (this rank's piece) to ``p.grad``, making it when there is none."""
+    if p.grad is None:
+        p.grad = DTensor(local, p._spec, requires_grad=False) if isinstance(p, DTensor) else local
+    else:
+        local_of(p.grad).add_(local)
 
 
 def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:

@@ -24,7 +24,7 @@ from torch import fx
 
 from autopar.config import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
-from passes.analysis.estimate_costs import Collective, matmul_flops, matmul_split
+from passes.analysis.estimate_costs import AGREEMENT, Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import shard_fraction, segment_names
 from passes.analysis.graph_facts import module_of, param_name, tensor_meta
 from passes.analysis.make_plan import layouts_for
@@ -155,7 +155,7 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
     issued: dict[str, list[Collective]] = {name: [] for name in order}
     by_name = {n.name: seg for n, seg in seg_of.items()}
     for c in collectives:
-        if c.phase == "step" or c.where in ("<input>", "<output>"):
+        if c.phase == "step" or c.where in ("<input>", "<output>", AGREEMENT):
             continue  # once per step (gradient sync), or not run by a pipeline (train_step's loss instead)
         seg = by_name.get(c.node) or of_param.get(c.where) or of_module.get(c.where) or order[-1]
         comm[seg] += float(c.bytes)

@@ -16,6 +16,8 @@ accounting per op mirrors the implementations in autopar.runtime.ops one to one:
   count) over data x depth forward, one of its gradient backward; an op working along the batch dim:
   an all-gather of its input's rows forward, an all-reduce of their gradient backward.
 - after backward: each parameter's gradient all-reduced over its ``grad_axes``.
+- per call: the agreement (autopar.runtime.agreement), one all-gather of ``AGREEMENT_BYTES`` per rank over
+  the world.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from typing import Any
 from torch import fx
 
 from autopar.config import (
+    AGREEMENT_BYTES,
     EmbeddingMode,
     Orientation,
     ParallelConfig,
@@ -64,6 +67,10 @@ class Collective:
     @property
     def bytes(self) -> Fraction:
         return collective_bytes(self.kind, self.group_size, self.message_bytes)
+
+
+AGREEMENT = "<agreement>"
+"""``Collective.where`` of the per-call agreement (not issued by train_step under a pipeline)."""
 
 
 def axis_size(config: ParallelConfig, axis: str) -> int:
@@ -176,7 +183,7 @@ def input_collectives(node: fx.Node, batch: BatchInfo | None, config: ParallelCo
     """The backward all-gather of a batch-split input's gradient (only inputs that need one)."""
     info = input_info(node)
     t = tensor_meta(node)
-    if batch is None or info is None or not info.batch_split or not info.requires_grad or t is None:
+    if batch is None or batch.segments or info is None or not info.batch_split or not info.requires_grad or t is None:
         return []
     row_bytes = t.numel() // max(t.shape[0], 1) * t.element_size()
     padded = max(batch.local_sizes) * len(batch.local_sizes) * row_bytes
@@ -258,17 +265,61 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
         w_node = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
         out += matmul_collectives(m, orientation, res.requires_grad[m.x], res.requires_grad[w_node], config)
     seen: set[fx.Node] = set()
+    pooled = len(batch.segments) if batch is not None and batch.segments else 0
     for producer in output.all_input_nodes:
         if producer in seen or tensor_meta(producer) is None:
             continue
         seen.add(producer)
-        out += output_collectives(producer, res.sharding(producer),
-                                  res.batch.batch_dim(producer) if res.batch is not None else None, batch, config)
+        bd = res.batch.batch_dim(producer) if res.batch is not None else None
+        out += output_collectives(producer, res.sharding(producer), None if pooled else bd, batch, config)
+        if pooled and res.requires_grad.get(producer, False):
+            out += _pooled_output_collectives(producer, bd, res.batch, batch, pooled)
     if res.batch is not None and batch is not None:
-        out += batch_collectives(gm, res.batch, batch, config)
+        out += pooled_collectives(gm, res.batch, batch) if pooled else batch_collectives(gm, res.batch, batch, config)
     if params is not None:
         out += grad_sync_collectives(gm, params, config)
+    alone = batch is None and config.num_batch_shards > 1  # a batch of this rank's own, not split
+    if config.world_size > 1 and not (alone and config.num_tensor == 1 and config.pipeline == 1):
+        # the runtime's check that every rank makes the same call (not made for data parallelism alone
+        # under per-rank batches: its forward has no collective)
+        out.append(Collective("all_gather", "world", config.world_size, AGREEMENT_BYTES * config.world_size,
+                              "forward", AGREEMENT))
     return out
+
+
+def pooled_collectives(gm: fx.GraphModule, facts: BatchFacts, batch: BatchInfo) -> list[Collective]:
+    """Per-rank batches pooled by the ranks of one batch shard (``batch.segments``: their rows;
+    autopar.runtime.per_rank): each batch input's rows all-gathered from the members forward, and each
+    per-member loss's gradient all-gathered from them backward. No reduction crosses batch shards."""
+    n = len(batch.segments)
+    out = []
+    for node in gm.graph.nodes:
+        info = input_info(node) if node.op == "placeholder" else None
+        t = tensor_meta(node)
+        if info is not None and info.batch_split and t is not None:
+            per_row = t.numel() // max(t.shape[0], 1) * t.element_size()
+            out.append(Collective("all_gather", "shard", n, max(batch.segments) * n * per_row, "forward", "<input>"))
+    for node in facts.reductions:
+        val = node.meta.get("val")
+        t = val if not isinstance(val, (tuple, list)) else val[0]
+        if facts.requires_grad.get(node, False):
+            out.append(Collective("all_gather", "shard", n, t.numel() * n * t.element_size(), "backward",
+                                  module_of(node) or str(node.target), node.name))
+    return [c for c in out if c.group_size > 1]
+
+
+def _pooled_output_collectives(producer: fx.Node, bd: BatchDim | None, facts: BatchFacts | None,
+                               batch: BatchInfo, n: int) -> list[Collective]:
+    """Backward of an output under pooled per-rank batches: its rows' gradients all-gathered from their
+    owners; an output computed without the batch: its gradient summed over the members."""
+    t = tensor_meta(producer)
+    if bd is not None:
+        per_entry = t.numel() // max(t.shape[bd.dim], 1) * t.element_size()
+        nbytes = max(batch.segments) * bd.factor * n * per_entry
+        return [Collective("all_gather", "shard", n, nbytes, "backward", "<output>")]
+    if facts is not None and facts.state(producer).value == "none":
+        return [Collective("all_reduce", "shard", n, t.numel() * t.element_size(), "backward", "<output>")]
+    return []
 
 
 def total_bytes(collectives: Iterable[Collective]) -> Fraction:

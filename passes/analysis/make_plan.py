@@ -140,7 +140,8 @@ def embedding_decider(plan: Plan) -> Callable[[str], tuple[EmbeddingMode, str]]:
 
 def local_batch_of(gm: fx.GraphModule) -> int | None:
     batch = gm.meta.get("autopar_batch")
-    return batch.local_sizes[batch.index] if batch is not None and len(batch.local_sizes) > 1 else None
+    split = batch is not None and (len(batch.local_sizes) > 1 or len(batch.segments) > 1)
+    return batch.local_sizes[batch.index] if split else None
 
 
 def layouts_for(gm: fx.GraphModule, plan: Plan) -> tuple[LayoutResult, dict[fx.Node, MatmulMatch]]:

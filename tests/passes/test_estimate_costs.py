@@ -9,14 +9,19 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.config import Orientation, ParallelConfig
+from autopar.config import AGREEMENT_BYTES, Orientation, ParallelConfig
 from autopar.trace import plan_model
 
 M, K, N, B = 8, 16, 32, 4  # batch rows, in features, out features, bytes per float32
 
 
 def analytic(R: int, C: int, D: int, G: int, orientation: Orientation) -> Fraction:
-    """Bytes one rank sends for a Linear(K, N) with bias whose input needs no gradient."""
+    """Bytes one rank sends for a Linear(K, N) with bias whose input needs no gradient, plus the ranks'
+    agreement on the call (one all-gather of AGREEMENT_BYTES per rank over the world)."""
+    return _layer(R, C, D, G, orientation) + Fraction(R * C * D * G - 1, R * C * D * G) * AGREEMENT_BYTES * R * C * D * G
+
+
+def _layer(R: int, C: int, D: int, G: int, orientation: Orientation) -> Fraction:
     md = M // (G * D)
     f = lambda p: Fraction(p - 1, p)  # noqa: E731
     if not orientation.is_3d:

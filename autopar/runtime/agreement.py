@@ -1,0 +1,216 @@
+"""What the ranks are about to run, compared before any collective of a call (no hang, no silent mix-up).
+
+A parallel model's forward is collective: every rank of the grid must call it with the same kind of
+call (training, or evaluation under ``no_grad``) and inputs that fit together. A script that
+evaluates on rank 0 only (``if master_process: estimate_loss()``) would otherwise hang in the first
+collective with no message, and ranks feeding another batch than the others would train on a mix.
+
+So each call of a model with collectives in forward first all-gathers, over a gloo group of the whole
+world (CPU: no device synchronization), a few numbers describing it (``Descriptor``): the kind of call,
+a hash of the inputs' structure, shapes and dtypes (the batch rows apart), this rank's rows and,
+when the batch mode is being decided or checked, a fingerprint of the input values. An evaluation
+call (and any call that needs the others' rows) waits for the answer at most ``timeout`` seconds;
+a training call does not wait: its answer is checked at the next call. A mismatch or a timeout
+raises ``AgreementError`` naming the ranks and the fix.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.config import AGREEMENT_BYTES
+from autopar.errors import AgreementError, InputError
+from autopar.runtime import collectives as C
+
+TRAIN, EVAL = 1.0, 2.0
+_FIELDS = AGREEMENT_BYTES // 8
+
+
+@dataclass(frozen=True)
+class Descriptor:
+    """One rank's call, as numbers (float64) every rank can compare."""
+
+    kind: float
+    """TRAIN (gradients enabled) or EVAL (no_grad / inference_mode)."""
+    signature: tuple[float, float]
+    """A hash of the inputs' structure, shapes (batch rows apart) and dtypes, in two exact halves."""
+    rows: float
+    """This rank's batch rows (dim 0 of the batch inputs; 0 without any)."""
+    fingerprint: tuple[float, float] = (math.nan, math.nan)
+    """Sums over the input values, when they are to be compared (NaN: not computed)."""
+    new: float = 0.0
+    """1 when this rank has not seen this signature before."""
+
+    def numbers(self) -> list[float]:
+        return [self.kind, *self.signature, self.rows, *self.fingerprint, self.new]
+
+    @staticmethod
+    def of(row: Sequence[float]) -> Descriptor:
+        return Descriptor(row[0], (row[1], row[2]), row[3], (row[4], row[5]), row[6])
+
+
+def describe(kind: float, leaves: list[Any], spec: Any, split: frozenset[int], *, fingerprint: bool,
+             new: bool) -> Descriptor:
+    """This rank's descriptor of a call with flattened inputs ``leaves`` (``split``: the batch inputs)."""
+    parts = [repr(spec)]
+    rows = 0
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor):
+            shape = tuple(x.shape)
+            if i in split:
+                rows = shape[0]
+                shape = ("rows", *shape[1:])
+            parts.append(f"{shape}{x.dtype}{x.requires_grad}")
+        else:
+            parts.append(repr(x))
+    digest = int.from_bytes(hashlib.sha256("|".join(parts).encode()).digest()[:13], "big")
+    signature = (float(digest >> 52), float(digest & ((1 << 52) - 1)))
+    fp = (math.nan, math.nan)
+    if fingerprint:
+        s1 = s2 = 0.0
+        with torch.no_grad():
+            for i, x in enumerate(leaves):
+                if isinstance(x, torch.Tensor) and x.numel():
+                    v = torch.nan_to_num(x.detach().double(), nan=0.0, posinf=1e300, neginf=-1e300)
+                    s1 += (i + 1) * float(v.sum())
+                    s2 += (i + 1) * float(v.square().sum())
+        fp = (s1, s2)
+    return Descriptor(kind, signature, float(rows), fp, 1.0 if new else 0.0)
+
+
+class Agreement:
+    """The world's descriptors of each call, gathered on a gloo group made once (see module docstring)."""
+
+    def __init__(self, group: dist.ProcessGroup, timeout: float) -> None:
+        self.group, self.timeout = group, timeout
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self._pending: tuple[Any, list[torch.Tensor], Descriptor] | None = None
+
+    def exchange(self, mine: Descriptor, *, wait: bool) -> list[Descriptor] | None:
+        """Posts this rank's descriptor; with ``wait``, returns every rank's (in rank order)."""
+        send = torch.tensor(mine.numbers(), dtype=torch.float64)
+        out = [torch.empty(_FIELDS, dtype=torch.float64) for _ in range(self.world)]
+        work = C.all_gather_async(out, send, self.group, self.world)
+        if not wait:
+            self._pending = (work, out, mine)
+            return None
+        return self._finish(work, out, mine)
+
+    def pending(self) -> list[Descriptor] | None:
+        """Every rank's descriptors of the last call that did not wait (None if there is none)."""
+        if self._pending is None:
+            return None
+        work, out, mine = self._pending
+        self._pending = None
+        return self._finish(work, out, mine)
+
+    def _finish(self, work: Any, out: list[torch.Tensor], mine: Descriptor) -> list[Descriptor]:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as e:
+            what = "evaluation" if mine.kind == EVAL else "training"
+            raise AgreementError(
+                f"rank {self.rank} waited {self.timeout:g} s for the other ranks to call the model ({what}), and "
+                "not all of them did. A model split over ranks needs every rank in every call: run evaluation "
+                "and sampling on every rank (not only under `if rank == 0:` / `if master_process:`), then use "
+                "rank 0's result. If the ranks are only slow to arrive (one rank writing a checkpoint first), "
+                f"raise auto_parallelize(eval_timeout=...) ({e}).") from None
+        return [Descriptor.of(t.tolist()) for t in out]
+
+
+def check_kinds(every: list[Descriptor]) -> None:
+    """Raises unless every rank made the same kind of call (training or evaluation)."""
+    if len({d.kind for d in every}) > 1:
+        raise AgreementError(_kinds_message(every))
+
+
+def _kinds_message(every: list[Descriptor]) -> str:
+    evals = [r for r, d in enumerate(every) if d.kind == EVAL]
+    trains = [r for r, d in enumerate(every) if d.kind == TRAIN]
+    return (f"the ranks called the model differently: rank(s) {_ranks(evals)} for evaluation (no_grad) while rank(s) "
+            f"{_ranks(trains)} called it for training. A model split over ranks needs every rank in every call: "
+            "run evaluation and sampling on every rank (not only under `if rank == 0:` / `if master_process:`), "
+            "then use rank 0's result.")
+
+
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+
+
+GLOBAL, PER_RANK = "global", "per-rank"
+
+
+class CallCheck:
+    """Decides how the ranks feed the model (one global batch, or a batch per rank) and checks every call
+    of a model with collectives in forward against the other ranks (module docstring).
+
+    Args:
+        group: the gloo group the descriptors travel on (``Mesh.control``).
+        batch: "auto", "global" or "per-rank" (``InputConfig.batch``).
+        timeout: seconds a waiting call waits (``InputConfig.eval_timeout``).
+        members: the ranks that pool their rows under per-rank batches (``Mesh.shard_members``).
+        pure_data: no collective in forward under per-rank batches (data parallelism only): such calls
+            are not checked, as under DDP.
+    """
+
+    def __init__(self, group: dist.ProcessGroup, batch: str, timeout: float, members: list[int],
+                 pure_data: bool) -> None:
+        self.agreement = Agreement(group, timeout)
+        self.mode: str | None = None if batch == "auto" else batch
+        self.members, self.pure_data = members, pure_data
+        self._seen: set[Any] = set()
+
+    def check(self, leaves: list[Any], spec: Any, split: frozenset[int], grad: bool
+              ) -> tuple[str, list[Descriptor] | None]:
+        """The batch mode, and every rank's descriptor of this call when it waited for them."""
+        previous = self.agreement.pending()
+        if previous is not None:
+            self._validate(previous)
+        if self.mode == PER_RANK and self.pure_data:
+            return PER_RANK, None
+        key = (repr(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
+        new = key not in self._seen
+        self._seen.add(key)
+        detect = self.mode is None
+        fingerprint = detect or (self.mode == GLOBAL and new)
+        pooled = self.mode == PER_RANK and len(self.members) > 1
+        mine = describe(TRAIN if grad else EVAL, leaves, spec, split, fingerprint=fingerprint, new=new)
+        every = self.agreement.exchange(mine, wait=not grad or fingerprint or pooled)
+        if every is None:
+            return self.mode, None
+        if detect:
+            same = all(e.signature == every[0].signature and e.rows == every[0].rows
+                       and e.fingerprint == every[0].fingerprint for e in every)
+            self.mode = GLOBAL if same else PER_RANK
+        self._validate(every)
+        return self.mode, every
+
+    def _validate(self, every: list[Descriptor]) -> None:
+        check_kinds(every)
+        if self.mode == GLOBAL:
+            first = every[0]
+            other = [r for r, e in enumerate(every) if e.signature != first.signature or e.rows != first.rows
+                     or not (math.isnan(e.fingerprint[0]) or math.isnan(first.fingerprint[0])
+                             or e.fingerprint == first.fingerprint)]
+            if other:
+                raise InputError(
+                    f"rank(s) {_ranks(other)} passed other inputs than rank 0 (other shapes or values), but the model "
+                    "takes one global batch, the same on every rank (batch='global', or decided at the first call, "
+                    "where the ranks' inputs were equal). If each rank feeds its own batch (DistributedSampler, "
+                    "seed_offset = rank, as under DDP), pass auto_parallelize(batch='per-rank').")
+        elif self.mode == PER_RANK and len(self.members) > 1:
+            signatures = {every[r].signature for r in self.members}
+            if len(signatures) > 1:
+                raise InputError(
+                    f"ranks {_ranks(self.members)} pool their per-rank batches (they split the model between them), "
+                    "so their inputs must have the same shapes apart from the batch rows (dim 0); they differ "
+                    "(e.g. another sequence length). Pad every rank's batch to one length, or use a grid whose "
+                    "tensor and pipeline degrees are 1.")

@@ -1,0 +1,133 @@
+"""DDP scripts with the ``DDP(model)`` wrap replaced by ``auto_parallelize``, against DDP itself.
+
+Each rank feeds its own batch (as with ``DistributedSampler`` / ``seed_offset = rank``), computes the
+loss inside forward (nanoGPT's ``model(x, y)``), accumulates gradients over micro-steps with DDP's
+``model.require_backward_grad_sync`` (nanoGPT's spelling) or ``model.no_sync()``, clips and steps
+AdamW. Every rank's losses and logits and the final parameters equal DDP's on data, 3D and depth
+grids: the batch mode is detected at the first call (the ranks' inputs differ).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import autopar
+from autopar.context import runtime_of
+from autopar.errors import InputError
+from autopar.examples.nanogpt import GPTConfig, NanoGPT
+from tests.helpers import rel_err
+
+TOL = 1e-5
+ACCUMULATE = 2
+# bias=False (a nanoGPT option): c_attn's key bias has a gradient of exactly zero, which AdamW turns into
+# steps of pure roundoff noise, different under any other summation order (DDP's own buckets included).
+CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
+GRIDS = {"d4": ((1, 1, 1), 4), "t211-d2": ((2, 1, 1), 2), "t221": ((2, 2, 1), 1), "t112-d2": ((1, 1, 2), 2)}
+
+
+def _batches(rank: int, steps: int, rows: int = 4, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(100 + rank)  # nanoGPT: seed_offset = rank
+    out = []
+    for _ in range(steps * ACCUMULATE):
+        x = torch.randint(0, 128, (rows, seq), generator=g)
+        y = torch.randint(0, 128, (rows, seq), generator=g)
+        if rank == 1:
+            y[0, :7] = -1  # ignored targets on one rank only: its mean has another denominator
+        out.append((x, y))
+    return out
+
+
+def _train(model, spelling: str, grads_of, steps: int = 3) -> dict:
+    # nanoGPT's groups (weight decay for parameters of 2+ dims) with eps 1e-6: with the default 1e-8, AdamW
+    # divides a gradient entry that is ~1e-8 by itself, and its roundoff (1e-10 under any other summation
+    # order, DDP's own buckets included) moved one weight by 1e-5 in 3 steps.
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
+    data = _batches(dist.get_rank(), steps)
+    losses, logits = [], None
+    for step in range(steps):
+        for micro in range(ACCUMULATE):
+            last = micro == ACCUMULATE - 1
+            if spelling == "require_backward_grad_sync":
+                model.require_backward_grad_sync = last
+                context = contextlib.nullcontext()
+            else:
+                context = contextlib.nullcontext() if last else model.no_sync()
+            x, y = data[step * ACCUMULATE + micro]
+            with context:
+                out, loss = model(x, y)
+                (loss / ACCUMULATE).backward()
+            if step == 0 and micro == 0:
+                logits = out.detach().clone()
+        if step == 0:  # the accumulated, averaged gradients (before clipping: AdamW and clipping hide a scale)
+            grads = grads_of()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return {"losses": losses, "logits": logits, "grads": grads}
+
+
+def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync", unscaled: bool = False) -> dict:
+    torch.manual_seed(0)
+    if grid is None:
+        module = NanoGPT(GPTConfig(**CONFIG))
+        out = _train(DDP(module), spelling, lambda: {n: p.grad.clone() for n, p in module.named_parameters()})
+        out["final"] = {k: v.clone() for k, v in module.state_dict().items()}
+        return out
+    if unscaled:  # the mutation: gradients summed over the ranks instead of DDP's average
+        from autopar.runtime import per_rank
+
+        per_rank._Scaled.backward = staticmethod(lambda ctx, dy: (dy, None, None, None))
+    tensor, data = grid
+    with autopar.auto_parallelize(tensor=tensor, data=data):
+        model = NanoGPT(GPTConfig(**CONFIG))
+    out = _train(model, spelling, lambda: {k: v.clone() for k, v in runtime_of(model).full_grads().items()})
+    out["final"] = autopar.full_state_dict(model)
+    return out
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_ddp_script_with_loss_in_forward_matches_ddp(grid, distributed):
+    want = distributed(ddp_worker, 4, None)
+    got = distributed(ddp_worker, 4, GRIDS[grid], "no_sync" if grid == "t221" else "require_backward_grad_sync")
+    for rank in range(4):
+        g, w = got[rank], want[rank]
+        for a, b in zip(g["losses"], w["losses"], strict=True):  # each rank's own loss, as DDP prints it
+            assert abs(a - b) <= TOL * abs(b), (grid, rank, g["losses"], w["losses"])
+        assert rel_err(g["logits"], w["logits"]) < TOL, (grid, rank)  # its own rows' outputs
+        for k, v in w["grads"].items():
+            assert rel_err(g["grads"][k], v) < TOL, (grid, rank, k, rel_err(g["grads"][k], v))
+        for k, v in w["final"].items():
+            assert rel_err(g["final"][k], v) < TOL, (grid, rank, k, rel_err(g["final"][k], v))
+
+
+def test_gradients_summed_instead_of_averaged_fail_the_checks(distributed):
+    want = distributed(ddp_worker, 4, None)[0]
+    got = distributed(ddp_worker, 4, GRIDS["d4"], "require_backward_grad_sync", True)[0]
+    key = "transformer.wte.weight"
+    assert rel_err(got["grads"][key], want["grads"][key]) > 1.0  # 4x DDP's
+
+
+def _mismatch_worker() -> str:
+    """batch='global' but the ranks feed their own batches: an error at the first call, never a mix."""
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), data=2, batch="global"):
+        model = NanoGPT(GPTConfig(**CONFIG))
+    x, y = _batches(dist.get_rank(), 1)[0]
+    try:
+        model(x, y)
+    except InputError as e:
+        return str(e)
+    return "no error"
+
+
+def test_per_rank_batches_under_batch_global_raise(distributed):
+    for message in distributed(_mismatch_worker, 4):
+        assert "batch='per-rank'" in message and "other inputs than rank 0" in message, message
