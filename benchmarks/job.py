@@ -55,8 +55,10 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
     with torch.device("meta"):
         shadow = bm.build()
     config = autopar.ParallelConfig(grid.data, *grid.tensor, pipeline=grid.pipeline)
+    if grid.per_rank:  # fed like DDP: this rank's slice is its own batch
+        x = x.tensor_split(ctx.world)[ctx.rank]
     plan, report = plan_model(shadow, (x,), config, rank=ctx.rank, pipeline=grid.pipeline,
-                              microbatches=ctx.microbatches if grid.pipeline > 1 else 1)
+                              microbatches=ctx.microbatches if grid.pipeline > 1 else 1, per_rank=grid.per_rank)
     return {"predicted_bytes": float(report.comm_bytes_per_step),
             "predicted_seconds": estimate_step_seconds(report, plan, hardware)}
 

@@ -40,6 +40,11 @@ class Grid:
         parts += [f"p{self.pipeline}"] if self.pipeline > 1 else []
         return "-".join(parts)
 
+    @property
+    def per_rank(self) -> bool:
+        """Data parallelism alone: fed like DDP, each rank its slice of the batch (per-rank batches)."""
+        return self.tensor == (1, 1, 1) and self.pipeline == 1
+
     def same_plan_peer(self) -> str | None:
         """The peer whose plan this grid is: DDP (data only), FSDP2 (depth only: weights gathered per
         layer, gradients reduce-scattered), Megatron-style TP (row only), pipelining (pipeline only)."""
@@ -200,6 +205,8 @@ def pipe(bm: BenchModel, ctx: Context) -> Runner:
 
 
 def autopar_grid(bm: BenchModel, ctx: Context, grid: Grid) -> Runner:
+    """autopar on ``grid``. A data-only grid is fed as the DDP script feeds DDP (each rank its slice:
+    per-rank batches, detected at the first call); any other grid gets the global batch on every rank."""
     import autopar
 
     torch.manual_seed(0)
@@ -207,6 +214,9 @@ def autopar_grid(bm: BenchModel, ctx: Context, grid: Grid) -> Runner:
                                   **(dict(microbatches=ctx.microbatches, schedule=ctx.schedule)
                                      if grid.pipeline > 1 else {})):
         model = bm.build().to(ctx.device)
+    if grid.per_rank:
+        return Runner(_optimized(model.parameters(), ctx.lr, _data_parallel_step(bm, model, ctx)), [model],
+                      {"model": model})
 
     def step(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         if grid.pipeline > 1:  # pipelines run through train_step (it drives torch's schedules)

@@ -179,6 +179,10 @@ class _Planner:
             num_lookups = len(lookups.get(m.weight, ()))
             matmul_uses = uses.get(m.weight, 1) - num_lookups
             self.parts[m.weight] = fused_parts(m)
+            if config.num_tensor == 1:  # nothing to split: the model's own op (a sharded op at degree 1 costs more)
+                self.feasible[m.weight] = ()
+                self.reasons[m.weight] = "no tensor parallelism (row = col = depth = 1)"
+                continue
             if matmul_uses > 1:
                 self.feasible[m.weight] = ()
                 self.reasons[m.weight] = f"weight read by {matmul_uses} matmuls (shared weights stay replicated)"

@@ -1,0 +1,98 @@
+"""autopar grids against the peer that runs the same plan, their steps interleaved in one job.
+
+    python -m benchmarks.paired --models gpt2 llama --grids d4 t4x1x1 --steps 40
+
+``python -m benchmarks`` times each system after the previous one; on these shared 2-core machines
+that order alone moves a ratio by up to 15%. Here each autopar grid and its same-plan peer (DDP for
+``d<N>``, FSDP2 for ``t1x1x<N>``, DTensor TP for ``t<N>x1x1``, torch pipelining for ``p<N>``) are
+built side by side and their steps alternate (peer, autopar, autopar, peer, ...), so every pair of
+steps ran on the same machine state. Each side is fed exactly as in ``python -m benchmarks`` (a
+data-only grid like the DDP script: each rank its slice). Reported: each side's median step (slowest
+rank) and the median of the per-step ratios autopar / peer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _job(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from benchmarks.models import NotApplicable, bench_model
+    from benchmarks.systems import Context, build, parse_grid
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ctx = Context(world, rank, torch.device("cpu"), 2 * world, "1f1b")
+    rows = []
+    for model_name in args.models:
+        bm = bench_model(model_name, "tiny")
+        batches = bm.make_batches(args.warmup + args.steps, bm.batch)
+        for text in args.grids:
+            grid = parse_grid(text, world)
+            peer = grid.same_plan_peer()
+            if peer is None:
+                continue
+            try:
+                sides = {"peer": build(peer, bm, ctx), "autopar": build(f"autopar:{text}", bm, ctx)}
+            except NotApplicable as e:
+                rows.append((model_name, text, peer, None, None, None, str(e)))
+                continue
+            times: dict[str, list[float]] = {"peer": [], "autopar": []}
+            for step, (x, y) in enumerate(batches):
+                for side in (("peer", "autopar") if step % 2 == 0 else ("autopar", "peer")):
+                    dist.barrier()
+                    start = time.perf_counter()
+                    sides[side].train(x, y)
+                    elapsed = torch.tensor([time.perf_counter() - start])
+                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                    if step >= args.warmup:
+                        times[side].append(float(elapsed))
+            ratios = [a / p for a, p in zip(times["autopar"], times["peer"])]
+            rows.append((model_name, text, peer, statistics.median(times["peer"]), statistics.median(times["autopar"]),
+                         statistics.median(ratios), ""))
+            del sides
+    if rank == 0:
+        print("| model | grid | peer | peer step (ms) | autopar step (ms) | median per-step ratio autopar / peer |")
+        print("|---|---|---|---:|---:|---:|")
+        for m, g, peer, p, a, r, why in rows:
+            if p is None:
+                print(f"| {m} | {g} | {peer} | n/a: {why} | | |")
+            else:
+                print(f"| {m} | {g} | {peer} | {p * 1e3:.1f} | {a * 1e3:.1f} | {r:.3f} |")
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=["fc_net", "gpt2", "llama"])
+    parser.add_argument("--grids", nargs="+", default=["d4", "t4x1x1", "t1x1x4", "p4"])
+    parser.add_argument("--world-size", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.job:
+        _job(args)
+        return 0
+    env = dict(os.environ, OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
+               "-m", "benchmarks.paired", "--job", "--models", *args.models, "--grids", *args.grids,
+               "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    return subprocess.run(command, env=env, cwd=ROOT).returncode
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
