@@ -1,9 +1,11 @@
-"""Module -> graph: ``torch.export.export(strict=False)`` on a meta-device shadow of the model.
+"""Module -> graph: ``torch.export.export(strict=False)`` on a fake-tensor copy of a meta shadow of the model.
 
 The shadow shares no storage with the model: its parameters and buffers are meta tensors with the
 full (serial) shapes, so capture costs no memory and still works after the real model's parameters
-were replaced by this rank's shards. Captures are per input signature; each rank captures with its
-own local batch shape, so batch sizes in view/reshape ops are this rank's.
+were replaced by this rank's shards. Each capture exports a copy of it whose parameters, buffers and
+inputs are fake tensors on the device the model runs on, so tensors the model makes inside forward
+meet them as in the real model. Captures are per input signature; each rank captures with its own
+local batch shape, so batch sizes in view/reshape ops are this rank's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,25 +64,43 @@ def meta_shadow(model: nn.Module) -> nn.Module:
                            "autopar needs models to be deep-copyable.") from e
 
 
-def _to_meta(leaf: Any) -> Any:
-    if isinstance(leaf, torch.Tensor):
-        return torch.empty_like(leaf, device="meta").requires_grad_(leaf.requires_grad)
-    return leaf
+def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str) -> tuple[nn.Module, list[Any]]:
+    """A copy of the meta ``shadow`` whose parameters and buffers, and the tensor ``leaves``, are fake
+    tensors on ``device`` (one FakeTensorMode, which torch.export then uses)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    memo: dict[int, Any] = {}
+    with fake:
+        for t in list(shadow.parameters()) + list(shadow.buffers()):
+            f = torch.empty(t.shape, dtype=t.dtype, device=device)
+            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
+        out = [torch.empty(x.shape, dtype=x.dtype, device=device).requires_grad_(x.requires_grad)
+               if isinstance(x, torch.Tensor) else x for x in leaves]
+    return copy.deepcopy(shadow, memo), out
 
 
 def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict[str, bool],
-            batch: BatchInfo | None) -> Captured:
-    """Exports ``shadow`` on meta copies of the given (already batch-sliced) inputs.
+            batch: BatchInfo | None, split: Mapping[int, int] | None = None,
+            device: torch.device | str = "cpu") -> Captured:
+    """Exports ``shadow`` on fake copies of the given (already batch-sliced) inputs.
+
+    Parameters, buffers and inputs are fake tensors on ``device`` (the device the model runs on): no
+    memory, no compute, and tensors the model makes inside forward without a device (``torch.ones(n)``)
+    or from Python values (``x[:, [-1]]``) meet them as they would in the real model; such constants
+    keep their values.
 
     Args:
         requires_grad: parameter FQN -> whether the real parameter needs a gradient.
         batch: how the batch was split, recorded on the graph; None when nothing is split.
+        split: the input leaves that hold the batch: leaf index -> its batch dim.
     """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
-    meta_args, meta_kwargs = pytree.tree_unflatten([_to_meta(x) for x in leaves], in_spec)
+    copy_, fake_leaves = _fake_copy(shadow, leaves, device)
+    fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, in_spec)
     try:
-        with cache_outputs(shadow, "use_cache" in meta_kwargs):
-            ep = torch.export.export(shadow, tuple(meta_args), dict(meta_kwargs), strict=False)
+        with cache_outputs(copy_, "use_cache" in fake_kwargs):
+            ep = torch.export.export(copy_, tuple(fake_args), dict(fake_kwargs), strict=False)
     except Exception as e:
         raise CaptureError(
             f"torch.export could not capture {type(shadow).__name__} ({type(e).__name__}: "
@@ -105,8 +125,8 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
             user_leaves.append(index)
             leaf = leaves[index]
             is_tensor = isinstance(leaf, torch.Tensor)
-            split = is_tensor and batch is not None and leaf.dim() > 0
-            info = InputInfo(kind, str(index), bool(is_tensor and leaf.requires_grad), split)
+            dim = (split or {}).get(index) if batch is not None else None
+            info = InputInfo(kind, str(index), bool(is_tensor and leaf.requires_grad), dim is not None, dim or 0)
         elif kind is InputKind.PARAMETER:
             info = InputInfo(kind, spec.target, requires_grad.get(spec.target, True))
         else:
@@ -174,39 +194,87 @@ def _register_hf_caches(model: nn.Module) -> None:
     register_cache_pytrees_for_model(model)
 
 
-def batch_leaves(leaves: list[Any]) -> tuple[frozenset[int], int]:
-    """The input leaves that hold the batch, and its size: dim 0 of the first tensor input, and every
-    tensor input with that dim 0."""
+def input_names(args: tuple, kwargs: dict) -> list[int | str]:
+    """For each flattened (args, kwargs) leaf, the input it belongs to: a position or a keyword."""
+    paths = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
+    out: list[int | str] = []
+    for path, _ in paths:
+        top = path[1] if len(path) > 1 else path[0]
+        out.append(getattr(top, "idx", getattr(top, "key", None)))
+    return out
+
+
+def batch_leaves(leaves: list[Any], names: Sequence[int | str] | None = None,
+                 declared: Mapping[int | str, int | None] | None = None) -> tuple[dict[int, int], int]:
+    """The input leaves that hold the batch (leaf index -> its batch dim) and the batch size.
+
+    By default dim 0 of the first tensor input is the batch, and so is dim 0 of every tensor input with
+    that size. ``declared`` (``auto_parallelize(batch_dims=...)``) gives inputs, by position or keyword
+    (``names[i]`` is leaf i's), their batch dim, or None for an input that holds no batch; the batch size
+    is then the first declared input's, and undeclared inputs follow the default rule with it.
+    """
     tensors = [(i, x) for i, x in enumerate(leaves) if isinstance(x, torch.Tensor) and x.dim() > 0]
-    if not tensors:
-        return frozenset(), 0
-    batch = tensors[0][1].shape[0]
-    return frozenset(i for i, x in tensors if x.shape[0] == batch), batch
+    dims: dict[int, int] = {}
+    batch = None
+    undeclared = []
+    for i, x in tensors:
+        name = names[i] if names is not None else None
+        if declared is not None and name in declared:
+            d = declared[name]
+            if d is None:
+                continue
+            if not -x.dim() <= d < x.dim():
+                raise InputError(f"batch_dims gives input {name!r} batch dim {d}, but it has shape {tuple(x.shape)}.")
+            d %= x.dim()
+            if batch is None:
+                batch = int(x.shape[d])
+            elif x.shape[d] != batch:
+                raise InputError(f"batch_dims gives input {name!r} a batch of {x.shape[d]} rows along dim {d}; the "
+                                 f"other batch inputs have {batch}.")
+            dims[i] = d
+        else:
+            undeclared.append((i, x))
+    if batch is None and undeclared:
+        batch = int(undeclared[0][1].shape[0])
+    for i, x in undeclared:
+        if x.shape[0] == batch:
+            dims[i] = 0
+    return dims, batch or 0
 
 
-def split_batch_leaves(leaves: list[Any], num_shards: int) -> tuple[frozenset[int], int]:
+def split_batch_leaves(leaves: list[Any], num_shards: int, names: Sequence[int | str] | None = None,
+                       declared: Mapping[int | str, int | None] | None = None) -> tuple[dict[int, int], int]:
     """Which input leaves are split as the global batch (``batch_leaves``), and its size.
 
     Nothing is split when ``num_shards`` is 1.
     """
-    split, batch = batch_leaves(leaves)
+    split, batch = batch_leaves(leaves, names, declared)
     if num_shards == 1 or not split:
-        return frozenset(), 0
+        return {}, 0
     if batch < num_shards:
-        raise InputError(f"global batch of {batch} rows is smaller than data*depth = {num_shards}: every "
-                         f"data and depth rank needs at least one row. Use a batch of at least "
-                         f"{num_shards} rows or lower data/depth.")
+        first = min(split)
+        what = f"input {names[first]!r}" if names is not None else "the first input"
+        raise InputError(
+            f"global batch of {batch} rows ({what}, dim {split[first]}, shape {tuple(leaves[first].shape)}) is smaller "
+            f"than data*depth = {num_shards}: every data and depth rank needs at least one row. Use a batch of at "
+            f"least {num_shards} rows or lower data/depth. If that dim is not a batch (one packed sequence of "
+            "tokens), declare where the batch is with auto_parallelize(batch_dims={name: dim or None}), feed each "
+            "rank its own sequences (batch='per-rank'), or use data=1 and depth=1.")
     return split, batch
 
 
-def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int
-                      ) -> tuple[frozenset[int], int, tuple[int, ...]]:
+def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int, names: Sequence[int | str] | None = None,
+                      declared: Mapping[int | str, int | None] | None = None
+                      ) -> tuple[dict[int, int], int, tuple[int, ...]]:
     """A pipeline's batch: (batch leaves, global batch, rows of each batch shard), checked to divide
     into ``microbatches`` (cut even with one batch shard)."""
-    split, batch = batch_leaves(leaves)
+    split, batch = batch_leaves(leaves, names, declared)
     if not split:
         raise InputError("a pipeline needs a batch: a tensor input whose dim 0 is the batch (it is cut into "
                          "micro-batches).")
+    if any(d != 0 for d in split.values()):
+        raise InputError("a pipeline cuts the batch into micro-batches along dim 0, but batch_dims puts it in "
+                         f"another dim ({sorted(set(split.values()))}). Use pipeline=1, or inputs with the batch first.")
     sizes = config.batch_sizes(batch)
     if any(s % microbatches for s in sizes) or min(sizes) == 0:
         raise InputError(f"the global batch of {batch} rows gives batch shards of {sizes} rows (data x depth = "
@@ -215,53 +283,21 @@ def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int
     return split, batch, sizes
 
 
-def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: Mapping[int, int],
                   sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool],
-                  segments: tuple[int, ...] = ()) -> Captured:
-    """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows
-    (``segments``: per-rank batches, the rows each member of the shard fed)."""
+                  segments: tuple[int, ...] = (), device: torch.device | str = "cpu") -> Captured:
+    """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows along their
+    batch dim (``segments``: per-rank batches, the rows each member of the shard fed)."""
     local = []
     for i, x in enumerate(leaves):
         if i in split:
-            x = torch.empty((sizes[index], *x.shape[1:]), dtype=x.dtype, device="meta").requires_grad_(
-                x.requires_grad)
+            shape = list(x.shape)
+            shape[split[i]] = sizes[index]
+            x = torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
         local.append(x)
     args, kwargs = pytree.tree_unflatten(local, spec)
     batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
-    return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch)
-
-
-def real_constants(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
-                   sizes: tuple[int, ...], index: int) -> dict[str, torch.Tensor]:
-    """The values of the tensor constants the model makes inside forward (``x[:, [-1]]``,
-    ``torch.tensor(..., device=x.device)``), which the meta capture only has as meta tensors.
-
-    The shadow is exported again with fake CPU tensors for its parameters, buffers and inputs (no
-    memory, no compute): constants made from Python values are real there. Same inputs, same trace:
-    the constants have the same names as in the meta capture.
-    """
-    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-
-    fake = FakeTensorMode()
-    memo: dict[int, Any] = {}
-    with fake:
-        for t in list(shadow.parameters()) + list(shadow.buffers()):
-            f = torch.empty(t.shape, dtype=t.dtype, device="cpu")
-            memo[id(t)] = nn.Parameter(f, requires_grad=t.requires_grad) if isinstance(t, nn.Parameter) else f
-        local = []
-        for i, x in enumerate(leaves):
-            if isinstance(x, torch.Tensor):
-                shape = (sizes[index], *x.shape[1:]) if i in split else tuple(x.shape)
-                x = torch.empty(shape, dtype=x.dtype, device="cpu").requires_grad_(x.requires_grad)
-            local.append(x)
-    copy_ = copy.deepcopy(shadow, memo)
-    args, kwargs = pytree.tree_unflatten(local, spec)
-    try:
-        with cache_outputs(copy_, "use_cache" in kwargs):
-            ep = torch.export.export(copy_, tuple(args), dict(kwargs), strict=False)
-    except Exception:  # the meta capture worked; without values the caller reports the constant
-        return {}
-    return {k: v for k, v in ep.constants.items() if isinstance(v, torch.Tensor) and not isinstance(v, FakeTensor)}
+    return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device)
 
 
 # Per-block attributes that name the block's position, not its behaviour.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
@@ -337,6 +338,9 @@ class InputConfig:
     inputs (the same everywhere: global)."""
     eval_timeout: float = 30.0
     """Seconds an evaluation call waits for the other ranks before raising (evaluation on one rank only)."""
+    batch_dims: Mapping[int | str, int | None] | None = None
+    """Which inputs hold the batch, and in which dim: {input position or keyword: dim, or None for an input
+    that holds no batch}. Inputs not listed: dim 0 when it equals the batch size (the default rule)."""
 
     def __post_init__(self) -> None:
         if self.batch not in BATCH_MODES:
@@ -345,6 +349,17 @@ class InputConfig:
         if isinstance(self.eval_timeout, bool) or not isinstance(self.eval_timeout, (int, float)) \
                 or not self.eval_timeout > 0:
             raise ConfigError(f"eval_timeout={self.eval_timeout!r} is invalid. Use a number of seconds > 0.")
+        if self.batch_dims is not None:
+            if not isinstance(self.batch_dims, Mapping):
+                raise ConfigError(f"batch_dims={self.batch_dims!r} is invalid. Use a dict: {{input position or "
+                                  "keyword: batch dim, or None}}, e.g. batch_dims={'input_ids': 1, 'cu_seqlens': None}.")
+            for key, dim in self.batch_dims.items():
+                if isinstance(key, bool) or not isinstance(key, (int, str)) or (isinstance(key, int) and key < 0):
+                    raise ConfigError(f"batch_dims key {key!r} is invalid. Name an input by its position (an int "
+                                      ">= 0) or its keyword (a str).")
+                if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int)):
+                    raise ConfigError(f"batch_dims[{key!r}] = {dim!r} is invalid. Use the batch's dim (an int) or "
+                                      "None for an input that holds no batch.")
 
 
 @dataclass(frozen=True, slots=True)

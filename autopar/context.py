@@ -74,7 +74,8 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
                      microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
-                     eval_timeout: float = 30.0) -> Iterator[ParallelConfig]:
+                     eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None
+                     ) -> Iterator[ParallelConfig]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -110,6 +111,10 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             with gradients by comparing the ranks' inputs (equal everywhere: "global").
         eval_timeout: seconds a call under ``no_grad`` waits for the other ranks to make the same call
             before raising (a model split over ranks cannot evaluate on rank 0 alone). Default 30.
+        batch_dims: which inputs hold the batch, by position or keyword: ``{input: dim}``, or ``{input:
+            None}`` for an input that holds none (packed sequences, a table whose dim 0 happens to equal
+            the batch size). Default: dim 0 of the first tensor input is the batch, and dim 0 of every
+            tensor input of that size.
 
     Yields:
         The validated ParallelConfig.
@@ -128,7 +133,7 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
                                       pipeline=pipeline)
     memory = MemoryConfig(checkpoint, precision, reduce_dtype)
     pipe = PipelineConfig(microbatches, schedule, chunks)
-    inputs = InputConfig(batch, eval_timeout)
+    inputs = InputConfig(batch, eval_timeout, batch_dims)
     if pipeline > 1:
         pipe.num_microbatches(pipeline)  # validates microbatches against the schedule before the block
     if getattr(_state, "active", False):

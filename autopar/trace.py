@@ -21,8 +21,8 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
-from autopar.capture import (batch_leaves, capture_shard, meta_shadow, microbatch_leaves, repeated_blocks,
-                             split_batch_leaves, truncated_blocks)
+from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
+                             repeated_blocks, split_batch_leaves, truncated_blocks)
 from autopar.config import MemoryConfig, ParallelConfig, Plan
 from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
@@ -43,10 +43,11 @@ log = logging.getLogger(__name__)
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
                kwargs: dict | None = None, repeat: bool = True, checkpoint: str | int = "auto",
                budget: int | None = None, precision: str = "fp32", pipeline: int = 1,
-               microbatches: int = 1, chunks: int = 1, per_rank: bool = False) -> tuple[Plan, StepReport]:
+               microbatches: int = 1, chunks: int = 1, per_rank: bool = False,
+               batch_dims: dict[int | str, int | None] | None = None) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch (or, with
     ``per_rank``, for ``inputs`` as every rank's own batch, DDP-style: ``auto_parallelize(batch="per-rank")``,
-    every rank with as many rows).
+    every rank with as many rows). ``batch_dims`` is auto_parallelize's.
 
     ``pipeline`` > 1 adds the stages a pipeline of that many ranks would use, for ``microbatches``
     micro-batches of this batch (as ``auto_parallelize(pipeline=...)`` places them). Like the runtime, it
@@ -79,7 +80,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     if lists:
         try:
             with truncated_blocks(shadow, lists):
-                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank)
+                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank, batch_dims)
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
@@ -91,7 +92,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
                            repeat_chain(chain, repeats), loss, checkpoint, budget, pipeline, microbatches,
                            chunks, rank)
-    plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank)
+    plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
+                                                        batch_dims)
     return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank)
 
 
@@ -111,25 +113,27 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
-                   rank: int, dtype: torch.dtype | None = None, microbatches: int = 0, per_rank: bool = False
+                   rank: int, dtype: torch.dtype | None = None, microbatches: int = 0, per_rank: bool = False,
+                   batch_dims: dict[int | str, int | None] | None = None
                    ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...], tuple[Collective, ...]]:
     """Captures and plans; with ``microbatches`` (pipelines) one micro-batch of this batch, as the
     runtime does, and also the pipeline chain and the loss's collectives."""
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
+    names = input_names(tuple(inputs), dict(kwargs or {}))
     segments: tuple[int, ...] = ()
     if per_rank:  # ParallelRuntime._run_per_rank's rule: the shard's members pool their rows, if several
-        split, rows = batch_leaves(leaves)
+        split, rows = batch_leaves(leaves, names, batch_dims)
         members = config.pipeline * config.row * config.col
         if members > 1 and split:
             segments = (rows,) * members
             sizes = (rows * members,) * config.num_batch_shards
         else:
-            split, sizes = frozenset(), ()
+            split, sizes = {}, ()
     elif microbatches:  # Runtime.pipeline_inputs's rule
-        split, _, sizes = microbatch_leaves(leaves, config, microbatches)
+        split, _, sizes = microbatch_leaves(leaves, config, microbatches, names, batch_dims)
         sizes = tuple(s // microbatches for s in sizes)
     else:
-        split, batch = split_batch_leaves(leaves, config.num_batch_shards)
+        split, batch = split_batch_leaves(leaves, config.num_batch_shards, names, batch_dims)
         sizes = config.batch_sizes(batch) if split else ()
     requires_grad = {n: p.requires_grad for n, p in shadow.named_parameters(remove_duplicate=False)}
     canonical = capture_shard(shadow, leaves, spec, split, sizes, 0, requires_grad=requires_grad, segments=segments)

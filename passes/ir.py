@@ -31,7 +31,9 @@ class InputInfo:
     """Parameter/buffer FQN, constant name, or the user input's position in the flattened inputs."""
     requires_grad: bool
     batch_split: bool = False
-    """True for user inputs whose dim 0 is the batch: each rank receives its slice of it."""
+    """True for user inputs that hold the batch: each rank receives its slice of it."""
+    batch_dim: int = 0
+    """With ``batch_split``: the dim holding the batch (0 unless declared: auto_parallelize(batch_dims=...))."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,8 +26,9 @@ import torch
 from torch import fx
 
 from autopar.config import Plan
+from autopar.errors import PlanError
 from passes.analysis.batch_dims import CLASS_LOSSES, BatchDim, BatchFacts, Reduction, analyze_batch
-from passes.analysis.graph_facts import tensor_meta
+from passes.analysis.graph_facts import module_of, tensor_meta
 from passes.ir import BatchReduceSpec, GatherRowsSpec, batch_reduce, gather_rows, scatter_rows
 from passes.runner import PassResult
 
@@ -41,6 +42,7 @@ def split_batch(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     facts = analyze_batch(gm)
     if not facts.reductions and not facts.gathers:
         return PassResult(gm, False)
+    _refuse_attention_across_rows(facts)
     _scale_batch_constants(gm, gm.meta.get("autopar_batch_constants") or {}, batch.global_size)
     for node, reduction in list(facts.reductions.items()):
         _rewrite_reduction(gm.graph, node, reduction)
@@ -74,6 +76,23 @@ def _scale_batch_constants(gm: fx.GraphModule, constants: dict[str, dict[int, An
             value = per_row * rows
             leaves[i] = int(value) if isinstance(leaves[i], int) else float(value)
         node.args, node.kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+
+
+_ATTENTION = frozenset({aten.scaled_dot_product_attention.default})
+
+
+def _refuse_attention_across_rows(facts: BatchFacts) -> None:
+    """Attention across the rows autopar splits means they are no batch: tokens of packed sequences (dim 0
+    is tokens), or sequence-first inputs. Gathering would run every attention on the whole input on every
+    rank; say so instead."""
+    for consumer in facts.gathers:
+        if consumer.target in _ATTENTION:
+            raise PlanError(
+                f"op {consumer.target.__name__} in module '{module_of(consumer) or '<root>'}' attends across the dim "
+                "data and depth parallelism split as the batch: the inputs' dim 0 is not a batch (packed sequences "
+                "of tokens, or sequence-first tensors). Declare where the batch is with auto_parallelize("
+                "batch_dims={input: dim, or None for no batch}), feed each rank its own sequences "
+                "(batch='per-rank', as under DDP), or use data=1 and depth=1.")
 
 
 def _call(graph: fx.Graph, target: Any, args: tuple, like: fx.Node, val: Any = None) -> fx.Node:

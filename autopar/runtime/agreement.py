@@ -57,7 +57,7 @@ class Descriptor:
         return Descriptor(row[0], (row[1], row[2]), row[3], (row[4], row[5]), row[6])
 
 
-def describe(kind: float, leaves: list[Any], spec: Any, split: frozenset[int], *, fingerprint: bool,
+def describe(kind: float, leaves: list[Any], spec: Any, split: dict[int, int], *, fingerprint: bool,
              new: bool) -> Descriptor:
     """This rank's descriptor of a call with flattened inputs ``leaves`` (``split``: the batch inputs)."""
     parts = [repr(spec)]
@@ -66,8 +66,9 @@ def describe(kind: float, leaves: list[Any], spec: Any, split: frozenset[int], *
         if isinstance(x, torch.Tensor):
             shape = tuple(x.shape)
             if i in split:
-                rows = shape[0]
-                shape = ("rows", *shape[1:])
+                d = split[i]
+                rows = shape[d]
+                shape = (*shape[:d], "rows", *shape[d + 1:])
             parts.append(f"{shape}{x.dtype}{x.requires_grad}")
         else:
             parts.append(repr(x))
@@ -168,7 +169,7 @@ class CallCheck:
         self.members, self.pure_data = members, pure_data
         self._seen: set[Any] = set()
 
-    def check(self, leaves: list[Any], spec: Any, split: frozenset[int], grad: bool
+    def check(self, leaves: list[Any], spec: Any, split: dict[int, int], grad: bool
               ) -> tuple[str, list[Descriptor] | None]:
         """The batch mode, and every rank's descriptor of this call when it waited for them."""
         previous = self.agreement.pending()

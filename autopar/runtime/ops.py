@@ -133,27 +133,19 @@ def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([t, pad])
 
 
-def _gather_rows(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
-    n = mesh.size("batch")
-    if n == 1:
-        return x
-    stacked = C.all_gather(_pad_rows(x, max(sizes)).unsqueeze(0), mesh.group("batch"), n)
-    return torch.cat([stacked[i, :s] for i, s in enumerate(sizes)])
-
-
 class _ScatterBatch(torch.autograd.Function):
-    """This rank's rows of a global-batch input; backward gathers every batch shard's rows' gradients."""
+    """This rank's rows (along ``dim``) of a global-batch input; backward gathers every batch shard's rows'
+    gradients."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
-        ctx.mesh, ctx.sizes = mesh, sizes
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.sizes, ctx.dim = mesh, sizes, dim
         i = mesh.index("batch")
-        start = sum(sizes[:i])
-        return x[start:start + sizes[i]]
+        return x.narrow(dim, sum(sizes[:i]), sizes[i])
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        return _gather_rows(dy, ctx.mesh, ctx.sizes), None, None
+        return _gather_rows_along(dy, ctx.mesh, ctx.sizes, ctx.dim, 1), None, None, None
 
 
 class _GatherRowsWorld(torch.autograd.Function):
@@ -176,8 +168,8 @@ def gather_rows_world(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
     return _GatherRowsWorld.apply(x, sizes)
 
 
-def scatter_batch(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
-    return _ScatterBatch.apply(x, mesh, sizes)
+def scatter_batch(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int = 0) -> torch.Tensor:
+    return _ScatterBatch.apply(x, mesh, sizes, dim)
 
 
 class _Matmul3D(torch.autograd.Function):

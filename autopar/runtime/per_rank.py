@@ -49,21 +49,22 @@ def _bounds(rows: tuple[int, ...], member: int, factor: int = 1) -> tuple[int, i
 
 
 class _PoolRows(torch.autograd.Function):
-    """This member's rows -> the shard's (every member's, in member order); backward keeps this member's."""
+    """This member's rows (along ``dim``) -> the shard's (every member's, in member order); backward keeps
+    this member's."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, rows: tuple[int, ...], member: int) -> torch.Tensor:
-        ctx.rows, ctx.member = rows, member
-        return _gather_members(x, mesh, rows)
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, rows: tuple[int, ...], member: int, dim: int) -> torch.Tensor:
+        ctx.rows, ctx.member, ctx.dim = rows, member, dim
+        return _gather_members(x, mesh, rows, dim)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         start, stop = _bounds(ctx.rows, ctx.member)
-        return dy[start:stop], None, None, None
+        return dy.narrow(ctx.dim, start, stop - start), None, None, None, None
 
 
-def pool_rows(x: torch.Tensor, mesh: Mesh, rows: tuple[int, ...], member: int) -> torch.Tensor:
-    return _PoolRows.apply(x, mesh, rows, member) if len(rows) > 1 else x
+def pool_rows(x: torch.Tensor, mesh: Mesh, rows: tuple[int, ...], member: int, dim: int = 0) -> torch.Tensor:
+    return _PoolRows.apply(x, mesh, rows, member, dim) if len(rows) > 1 else x
 
 
 class _OwnRows(torch.autograd.Function):

@@ -21,7 +21,7 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
-from autopar.capture import (Captured, batch_leaves, capture_shard, meta_shadow, microbatch_leaves, real_constants,
+from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              split_batch_leaves)
 from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError
@@ -70,15 +70,15 @@ class Executable:
     """Per output leaf: its GatherOutputSpec (how the rank's value is laid out), or None if whole."""
     program: Program | None = None
     """pipeline > 1: this rank's stages."""
-    split: frozenset[int] = frozenset()
-    """Input leaves split by batch rows."""
+    split: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Input leaves split by batch rows: leaf index -> its batch dim."""
 
 
 class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
                  memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
                  inputs: InputConfig = InputConfig()) -> None:
-        self.config, self.mesh, self.memory, self.pipe = config, mesh, memory, pipe
+        self.config, self.mesh, self.memory, self.pipe, self.inputs = config, mesh, memory, pipe, inputs
         self.pure_data = config.num_tensor == 1 and config.pipeline == 1
         """No collective in forward for a batch of this rank's own (data parallelism only)."""
         self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data)
@@ -130,7 +130,10 @@ class ParallelRuntime:
         if not grad and self.pure_data:  # like DDP's module in evaluation: this rank's inputs, no collective
             return self._forward_local(args, kwargs), None, ()
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, batch_leaves(leaves)[0], grad)
+        names = input_names(args, kwargs)
+        declared = self.inputs.batch_dims
+        mode, every = (GLOBAL, None) if example else self.calls.check(
+            leaves, spec, batch_leaves(leaves, names, declared)[0], grad)
         if mode == PER_RANK:
             if local_outputs:
                 raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
@@ -139,7 +142,7 @@ class ParallelRuntime:
             return self._run_per_rank(args, kwargs, leaves, spec, every), None, ()
         if self.fallback:
             return self._run_data_parallel(args, kwargs), None, ()
-        split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards)
+        split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards, names, declared)
         sizes = self.config.batch_sizes(global_batch) if split else ()
         key = (spec, self._training(), global_batch,
                tuple(_signature(x) for x in leaves), local_outputs)
@@ -152,7 +155,7 @@ class ParallelRuntime:
                     raise
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
-        local = [scatter_batch(x, self.mesh, sizes) if i in split else x for i, x in enumerate(leaves)]
+        local = [scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x for i, x in enumerate(leaves)]
         return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
 
     def _execute(self, exe: Executable, flat: list[Any]) -> Any:
@@ -179,14 +182,16 @@ class ParallelRuntime:
         the rows of the ranks holding the same batch shard."""
         members = self.mesh.shard_members()
         member = members.index(self.mesh.rank)
-        split = batch_leaves(leaves)[0]
+        split = batch_leaves(leaves, input_names(args, kwargs), self.inputs.batch_dims)[0]
         if len(members) > 1:
             rows = tuple(int(every[r].rows) for r in members)
-            local = [pool_rows(x, self.mesh, rows, member) if i in split else x for i, x in enumerate(leaves)]
+            local = [pool_rows(x, self.mesh, rows, member, split[i]) if i in split else x
+                     for i, x in enumerate(leaves)]
             sizes = (sum(rows),) * self.config.num_batch_shards
         else:  # alone with its rows: nothing is split, the graph runs on them as they are
-            own = int(leaves[min(split)].shape[0]) if split else 0
-            rows, local, split, sizes = (own,), list(leaves), frozenset(), ()
+            first = min(split) if split else None
+            own = int(leaves[first].shape[split[first]]) if split else 0
+            rows, local, split, sizes = (own,), list(leaves), {}, ()
         if self.fallback:
             return pytree.tree_map(lambda t: own_output(t, None, self.mesh, rows, member),
                                    self._forward_whole(args, kwargs))
@@ -257,18 +262,41 @@ class ParallelRuntime:
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
         world = self.config.world_size
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        split, batch = split_batch_leaves(leaves, world)
+        split, batch = split_batch_leaves(leaves, world, input_names(args, kwargs), self.inputs.batch_dims)
         if not split:
             return self._forward_whole(args, kwargs)
         flat = ParallelConfig(data=world)
         sizes = flat.batch_sizes(batch)
         start = sum(sizes[:self.mesh.rank])
-        local = [x[start:start + sizes[self.mesh.rank]] if i in split else x for i, x in enumerate(leaves)]
+        local = [x.narrow(split[i], start, sizes[self.mesh.rank]) if i in split else x for i, x in enumerate(leaves)]
         local_args, local_kwargs = pytree.tree_unflatten(local, spec)
-        out = self._forward_whole(local_args, local_kwargs)
+        try:
+            out = self._forward_whole(local_args, local_kwargs)
+        except (RuntimeError, ValueError, IndexError) as e:
+            names = input_names(args, kwargs)
+            which = ", ".join(f"{names[i]!r} (dim {d}, shape {tuple(leaves[i].shape)})" for i, d in sorted(split.items()))
+            raise InputError(
+                f"{type(self._model()).__name__} failed on this rank's share of the batch ({type(e).__name__}: "
+                f"{str(e).splitlines()[0]}). autopar split these inputs as the batch: {which}. If one of them holds "
+                "no batch (its dim 0 only equals the batch size), declare it with auto_parallelize(batch_dims="
+                "{input: None}); if the model needs whole batches, feed each rank its own (batch='per-rank').") from e
         rows = sizes[self.mesh.rank]
-        return pytree.tree_map(lambda t: gather_rows_world(t, sizes) if isinstance(t, torch.Tensor) and t.dim()
-                               and t.shape[0] == rows else t, out)
+
+        def gathered(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if t.dim() and t.shape[0] == rows:
+                return gather_rows_world(t, sizes)
+            if t.requires_grad:  # a loss computed inside forward from this rank's rows only
+                raise InputError(
+                    f"{type(self._model()).__name__} could not be captured, so autopar runs it whole on each rank's "
+                    f"share of the global batch; it returned a tensor of shape {tuple(t.shape)} that is not one row per "
+                    "sample (a loss inside forward?), and autopar cannot tell how to combine the ranks' values. "
+                    "Compute the loss outside the model, or feed each rank its own batch (batch='per-rank') as "
+                    "under DDP.")
+            return t
+
+        return pytree.tree_map(gathered, out)
 
     def _forward_whole(self, args: tuple, kwargs: dict) -> Any:
         """The user's forward on this rank's whole copy of the model (parameters still replicated)."""
@@ -285,14 +313,14 @@ class ParallelRuntime:
 
     # ---- compiling --------------------------------------------------------------------------------
 
-    def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+    def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], index: int, segments: tuple[int, ...] = ()) -> Captured:
         self.shadow.train(self._training())
         requires_grad = {name: p.requires_grad for name, p in self.params.items()}
         return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
-                             segments=segments)
+                             segments=segments, device=self.mesh.device)
 
-    def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: frozenset[int],
+    def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], local_outputs: bool = False,
                  per_rank: tuple[tuple[int, ...], int] | None = None) -> Executable:
         """``per_rank``: (each member's rows, this rank's member index) under per-rank batches."""
@@ -301,9 +329,6 @@ class ParallelRuntime:
         captured = self._capture(leaves, spec, split, sizes, index, segments)
         if split:
             self._find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
-        lost = [k for k, v in captured.constants.items() if isinstance(v, torch.Tensor) and v.device.type == "meta"
-                and self._real_constant(k) is None]
-        recovered = real_constants(self.shadow, leaves, spec, split, sizes, index) if lost else {}
         if self.plan is None:
             # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
             # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
@@ -330,9 +355,8 @@ class ParallelRuntime:
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
         for name, value in captured.constants.items():
-            if isinstance(value, torch.Tensor) and value.device.type == "meta":
-                real = self._real_constant(name)
-                value = real if real is not None else recovered.get(name, value)
+            real = self._real_constant(name)  # a tensor attribute of the model: its current value
+            value = real if real is not None else value
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
                                    "capture; autopar cannot recover its data. Register it as a buffer.")
@@ -346,7 +370,7 @@ class ParallelRuntime:
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split)
 
     def _find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
-                              split: frozenset[int], sizes: tuple[int, ...], index: int,
+                              split: dict[int, int], sizes: tuple[int, ...], index: int,
                               segments: tuple[int, ...] = ()) -> None:
         """Numbers computed from the batch size where the model works on the whole batch (``loss.sum() /
         x.size(0)``): the capture saw this rank's rows; a second capture with twice as many tells which
@@ -454,14 +478,15 @@ class ParallelRuntime:
         """
         leaves, spec = pytree.tree_flatten((args, kwargs))
         m, shards = self.num_microbatches, self.config.num_batch_shards
-        split, global_batch, sizes = microbatch_leaves(leaves, self.config, m)
+        split, global_batch, sizes = microbatch_leaves(leaves, self.config, m, input_names(args, kwargs),
+                                                       self.inputs.batch_dims)
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._training(), global_batch // m, tuple(_signature(x) for x in micro))
         exe = self.executables.get(key)
         if exe is None:
             exe = self.executables[key] = self._compile(micro, spec, split, micro_sizes, True)
-        local = [scatter_batch(x, self.mesh, sizes) if i in split and shards > 1 else x
+        local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
         values = dict(zip(_placeholders(exe.gm), self._graph_inputs(exe, local)))
         return exe, values, global_batch, sizes
@@ -589,7 +614,7 @@ def _gather_spec(gm: fx.GraphModule, a: Any) -> Any:
     return a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
 
 
-def _travels(node: fx.Node, split: frozenset[int]) -> bool:
+def _travels(node: fx.Node, split: dict[int, int]) -> bool:
     """Pipeline: batch-split inputs are sent from stage to stage; everything else is bound locally."""
     info = input_info(node)
     return info is not None and info.kind is InputKind.USER and int(info.target) in split

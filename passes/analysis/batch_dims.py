@@ -207,7 +207,7 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
         if node.op == "placeholder":
             info = input_info(node)
             split = bool(rows and info is not None and info.batch_split)
-            facts.dims[node] = BatchDim(0, 1) if split else None
+            facts.dims[node] = BatchDim(info.batch_dim, 1) if split else None
             facts.states[node] = State.SPLIT if split else State.NONE
             facts.requires_grad[node] = bool(info and info.requires_grad)
             continue

@@ -27,6 +27,7 @@ Per segment:
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import re
 from dataclasses import dataclass
@@ -145,9 +146,13 @@ class _Recorder(fx.Interpreter):
         self.largest: dict[fx.Node, int] = {}
         """Bytes of each node's largest output, in the dtype it ran in."""
         self._alive: list[torch.Tensor] = []  # keeps storages (and their keys) alive
+        self._subgraphs: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
+        # Tensors the model makes on its own device (torch.ones(n, device=...)) are made on meta here.
+        args, kwargs = pytree.tree_map_only(torch.device, lambda _: torch.device("meta"), (args, kwargs))
+        args, kwargs = pytree.tree_map_only(fx.GraphModule, self._on_meta, (args, kwargs))  # no_grad regions
         if self.dtype is not None and n.target in _LOWER_PRECISION:
             # What autocast does to matmuls and attention (CPU and CUDA alike): a cast copy goes in,
             # and that copy is what backward keeps. Other ops follow type promotion, as under autocast.
@@ -169,6 +174,17 @@ class _Recorder(fx.Interpreter):
                 return out
             args, kwargs = pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
         return args, kwargs
+
+    def _on_meta(self, sub: fx.GraphModule) -> fx.GraphModule:
+        """A copy of a higher-order op's subgraph that makes its tensors on meta."""
+        if id(sub) not in self._subgraphs:
+            graph = copy.deepcopy(sub.graph)
+            for node in graph.nodes:
+                if node.op == "call_function":
+                    node.args, node.kwargs = pytree.tree_map_only(
+                        torch.device, lambda _: torch.device("meta"), (node.args, node.kwargs))
+            self._subgraphs[id(sub)] = (sub, fx.GraphModule(sub, graph))
+        return self._subgraphs[id(sub)][1]
 
     def run_node(self, n: fx.Node) -> Any:
         self.current = n
