@@ -31,7 +31,7 @@ import torch.utils._pytree as pytree
 from autopar.runtime import collectives as C
 from autopar.context import runtime_of
 from autopar.errors import InputError
-from autopar.runtime.ops import ReduceFrom, gather_features
+from autopar.runtime.ops import gather_features, vocab_parallel_losses
 from autopar.runtime.pipeline import build_schedule
 
 
@@ -127,22 +127,7 @@ def _vocab_parallel_sum(mesh: Any, logits: torch.Tensor, spec: Any, targets: tor
     """(sum of this rank's tokens' losses, differentiable; its count of valid tokens)."""
     sharding = spec.sharding if spec is not None else None
     axis = "" if sharding is None or sharding.is_replicated else sharding.axis
-    n, i = mesh.size(axis), mesh.index(axis)
-    targets = targets.to(logits.device)
-    x = logits.float()  # (..., V/n): this rank's rows and piece of the vocabulary
-    local_vocab = x.shape[-1]
-    with torch.no_grad():  # any shift is exact; the max keeps exp() in range
-        peak = C.all_reduce(x.max(dim=-1).values, mesh.group(axis), n, op="max")
-    shifted = x - peak.unsqueeze(-1)
-    sum_exp = shifted.exp().sum(-1)
-    valid = targets != ignore_index
-    local_t = targets - i * local_vocab
-    mine = valid & (local_t >= 0) & (local_t < local_vocab)
-    picked = shifted.gather(-1, local_t.masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1) * mine
-    if n > 1:
-        sum_exp = ReduceFrom.apply(sum_exp, mesh, axis, 1.0)
-        picked = ReduceFrom.apply(picked, mesh, axis, 1.0)
-    per_token = (sum_exp.log() - picked) * valid
+    per_token, valid = vocab_parallel_losses(mesh, axis, logits, targets, ignore_index)
     return per_token.sum(), valid.sum().to(torch.float32)
 
 

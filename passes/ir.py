@@ -139,6 +139,20 @@ class BatchReduceSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class VocabLossSpec:
+    """``cross_entropy_loss`` on logits whose class dim is split over ``axis`` (vocabulary-parallel): the
+    arguments of the op it replaces, with torch's reduction enum (0 none, 1 mean, 2 sum)."""
+
+    axis: str
+    class_dim: int
+    reduction: int
+    ignore_index: int
+    label_smoothing: float
+    vocab: int
+    """Classes in all (this rank holds ``vocab / ranks`` of them, in order)."""
+
+
+@dataclass(frozen=True, slots=True)
 class GatherRowsSpec:
     """Where a SPLIT tensor holds its rows (see ``passes.analysis.batch_dims.BatchDim``)."""
 
@@ -189,6 +203,13 @@ def batch_reduce(values, counts, spec: BatchReduceSpec):
     divides by the count (the sum of ``counts``, or the entries x ``spec.count_per_row``). The result's
     gradient arrives in parts (one per batch rank): backward sums them and gives each rank's values the
     whole of it."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def vocab_cross_entropy(logits, target, spec: VocabLossSpec):
+    """``cross_entropy_loss(logits, target)`` where each rank holds a piece of the classes: the row max,
+    the sum of exponentials and the target's logit are completed by all-reduces of one value per row over
+    ``spec.axis``; the full logits are never built. The result is replicated over the axis."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 

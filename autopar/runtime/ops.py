@@ -13,6 +13,7 @@ import torch
 
 from autopar.runtime import collectives as C
 from autopar.config import EmbeddingMode, split_chunks
+from autopar.errors import InputError
 from autopar.runtime.mesh import Mesh
 from passes.ir import (
     BatchReduceSpec,
@@ -23,6 +24,7 @@ from passes.ir import (
     MatmulSpec,
     ReduceSpec,
     Sharding,
+    VocabLossSpec,
 )
 
 
@@ -273,6 +275,60 @@ class ReduceOp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         n = self.mesh.size(self.spec.axis)
         return ReduceFrom.apply(x, self.mesh, self.spec.axis, 1.0 / n if self.spec.mean else 1.0)
+
+
+def vocab_parallel_losses(mesh: Mesh, axis: str, logits: torch.Tensor, targets: torch.Tensor, ignore_index: int,
+                          label_smoothing: float = 0.0, vocab: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row cross-entropy (fp32, 0 where ignored) of ``logits`` (..., V/n: this rank's piece of the
+    classes, the last dim) and whether each row counts. Two all-reduces over ``axis``: the row maxima,
+    then the sums of exponentials with the targets' logits (and, with label smoothing, the logits' sums)
+    in one buffer. Serial's value: lse - (1 - e) * x[t] - e / V * sum(x), any shift being exact."""
+    n, i = mesh.size(axis), mesh.index(axis)
+    targets = targets.to(logits.device)
+    x = logits.float()
+    local_vocab = x.shape[-1]
+    vocab = vocab or local_vocab * n
+    valid = targets != ignore_index
+    if bool((valid & ((targets < 0) | (targets >= vocab))).any()):
+        bad = targets[valid & ((targets < 0) | (targets >= vocab))]
+        raise InputError(f"cross-entropy target {int(bad[0])} is out of bounds for {vocab} classes "
+                         f"({bad.numel()} such targets; ignore_index is {ignore_index}). Fix the labels or the "
+                         f"model's vocabulary size.")
+    with torch.no_grad():  # the max keeps exp() in range
+        peak = x.max(dim=-1).values
+        peak = C.all_reduce(peak, mesh.group(axis), n, op="max") if n > 1 else peak
+    shifted = x - peak.unsqueeze(-1)
+    local_t = targets - i * local_vocab
+    mine = valid & (local_t >= 0) & (local_t < local_vocab)
+    picked = shifted.gather(-1, local_t.masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1) * mine
+    parts = [shifted.exp().sum(-1), picked] + ([shifted.sum(-1)] if label_smoothing else [])
+    packed = torch.stack(parts)
+    if n > 1:
+        packed = ReduceFrom.apply(packed, mesh, axis, 1.0)
+    per_row = packed[0].log() - (1.0 - label_smoothing) * packed[1]
+    if label_smoothing:
+        per_row = per_row - label_smoothing / vocab * packed[2]
+    return per_row * valid, valid
+
+
+class VocabCrossEntropyOp:
+    """A bound ``passes.ir.vocab_cross_entropy``: torch's cross_entropy_loss with the classes split."""
+
+    def __init__(self, spec: VocabLossSpec, mesh: Mesh) -> None:
+        self.spec, self.mesh = spec, mesh
+
+    def __call__(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        s = self.spec
+        x = logits.movedim(s.class_dim, -1) if s.class_dim != logits.dim() - 1 else logits
+        per_row, valid = vocab_parallel_losses(self.mesh, s.axis, x, target, s.ignore_index, s.label_smoothing,
+                                               s.vocab)
+        if s.reduction == 0:
+            out = per_row
+        elif s.reduction == 2:
+            out = per_row.sum()
+        else:  # serial's mean: over the rows that count (nan when none does, as serial's)
+            out = per_row.sum() / valid.sum()
+        return out.to(logits.dtype)
 
 
 class SumGradOp:

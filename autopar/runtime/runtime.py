@@ -33,8 +33,9 @@ from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
 from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
-from autopar.runtime.ops import (BatchReduceOp, ConvertOp, EmbeddingOp, GatherOutputOp, GatherRowsOp, MatmulOp,
-                                 GatherFeaturesOp, ReduceOp, ScatterRowsOp, SumGradOp, gather_rows_world, scatter_batch)
+from autopar.runtime.ops import (BatchReduceOp, ConvertOp, EmbeddingOp, GatherFeaturesOp, GatherOutputOp, GatherRowsOp,
+                                 MatmulOp, ReduceOp, ScatterRowsOp, SumGradOp, VocabCrossEntropyOp, gather_rows_world,
+                                 scatter_batch)
 from autopar.runtime.per_rank import SegmentReduceOp, own_output, pool_rows
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
 from passes.analysis.choose_checkpoints import plan_memory
@@ -43,7 +44,8 @@ from passes.analysis.estimate_memory import estimate_memory
 from passes.analysis.make_plan import make_plan
 from passes.analysis.report import estimate_step
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
-                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad)
+                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad,
+                       vocab_cross_entropy)
 from passes.runner import PassRecord, run_passes
 from passes.insert_checkpoints import insert_checkpoints
 from passes.shard_linears import shard_linears
@@ -539,6 +541,7 @@ class ParallelRuntime:
             batch_reduce: lambda spec: BatchReduceOp(spec, mesh, sizes).__call__,
             gather_rows: lambda spec: GatherRowsOp(spec, mesh, sizes).__call__,
             scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, sizes).__call__,
+            vocab_cross_entropy: lambda spec: VocabCrossEntropyOp(spec, mesh).__call__,
         }
         if per_rank is not None:
             rows, member = per_rank

@@ -37,7 +37,7 @@ from torch import fx
 
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import module_of, tensor_meta
-from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad
+from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad, vocab_cross_entropy
 
 aten = torch.ops.aten
 
@@ -148,7 +148,7 @@ _LAYOUT_PRESERVING = frozenset({
     aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.fill.Scalar,
     aten._assert_tensor_metadata.default,
 })
-_MARKERS = (batch_reduce, gather_rows, scatter_rows, sum_grad)
+_MARKERS = (batch_reduce, gather_rows, scatter_rows, sum_grad, vocab_cross_entropy)
 
 
 def _is_pointwise(node: fx.Node) -> bool:
@@ -331,6 +331,8 @@ class _Rules:
         elif node.target is scatter_rows:
             spec = node.args[1]
             self.facts.dims[node] = BatchDim(spec.dim, spec.factor)
+        elif node.target is vocab_cross_entropy and node.args[-1].reduction == 0:  # per row, as the loss it replaced
+            self.facts.dims[node] = self.facts.dims.get(node.args[0])
         else:  # batch_reduce, gather_rows: whole
             self.facts.dims[node] = None
 

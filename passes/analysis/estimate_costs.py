@@ -46,7 +46,7 @@ from passes.analysis.graph_facts import (
     tensor_meta,
 )
 from passes.analysis.layouts import LayoutResult, output_node
-from passes.ir import BatchInfo, Sharding, input_info
+from passes.ir import BatchInfo, Sharding, input_info, vocab_cross_entropy
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,7 +195,7 @@ def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConf
     """What ``train_step``'s cross-entropy on the first output (the logits) issues for one (micro-)batch
     under pipelining, where the outputs are not gathered: logits split along the vocabulary only take
     the vocabulary-parallel path (the max, the sum of exponentials and the picked logit: one
-    all-reduce each of one fp32 value per token, forward); logits split another way are gathered."""
+    fp32 value per token, the last two in one buffer, forward); logits split another way are gathered."""
     outs = output_node(gm).args[0]  # export's flat outputs; the logits come first (a tensor, a tuple, HF output)
     leaves = list(outs) if isinstance(outs, (tuple, list)) else [outs]
     logits = next((a for a in leaves if isinstance(a, fx.Node) and tensor_meta(a) is not None), None)
@@ -206,10 +206,20 @@ def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConf
         return []
     size = config.size(sharding.axis)
     if sharding.dim == t.dim() - 1 and len(sharding.parts) == 1:
-        tokens = t.numel() // t.shape[-1]
-        out = [Collective("all_reduce", sharding.axis, size, tokens * 4, "forward", "<loss>") for _ in range(3)]
+        out = vocab_loss_collectives(t, t.dim() - 1, sharding.axis, config, "<loss>")
     else:
         out = [Collective("all_gather", sharding.axis, size, t.numel() * t.element_size(), "forward", "<loss>")]
+    return [c for c in out if c.group_size > 1]
+
+
+def vocab_loss_collectives(logits: Any, class_dim: int, axis: str, config: ParallelConfig, where: str, at: str = "",
+                           smoothing: bool = False) -> list[Collective]:
+    """Vocabulary-parallel cross-entropy (autopar.runtime.ops.vocab_parallel_losses): the row maxima,
+    then the sums of exponentials, the targets' logits (and the logits' sums with label smoothing) in one
+    buffer; fp32, one value each per row, forward only (the loss is replicated)."""
+    rows = logits.numel() // max(logits.shape[class_dim], 1)
+    out = [Collective("all_reduce", axis, config.size(axis), rows * 4, "forward", where, at),
+           Collective("all_reduce", axis, config.size(axis), rows * 4 * (3 if smoothing else 2), "forward", where, at)]
     return [c for c in out if c.group_size > 1]
 
 
@@ -257,6 +267,11 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             out += [c] if c.group_size > 1 else []
     for node, spec in res.reductions.items():
         out += _all_reduce_of(node, spec.axis, config, module_of(node) or str(node.target))
+    for node, (target, args, _) in res.local_args.items():
+        if target is vocab_cross_entropy:
+            spec = args[-1]
+            out += vocab_loss_collectives(tensor_meta(args[0]), spec.class_dim, spec.axis, config,
+                                          module_of(node) or "cross_entropy", node.name, bool(spec.label_smoothing))
     for node, (mode, axis) in res.embeddings.items():
         if mode is EmbeddingMode.VOCAB:
             out += _all_reduce_of(node, axis, config, module_of(node) or param_name(node.args[0]))

@@ -12,6 +12,9 @@ tensor's ``Sharding`` (replicated, or one dim split over row or col; see ``passe
 - scaled-dot-product attention and batched matmuls keep a split head/batch dim; softmax, norms and
   reductions keep a split dim they do not reduce over; a sum or mean over the split dim is
   computed locally and completed by one all-reduce (``reductions``);
+- cross-entropy on logits split along the classes (a vocabulary-split LM head) stays split: it becomes
+  ``passes.ir.vocab_cross_entropy`` (one all-reduce of the row maxima, one of the sums of exponentials
+  and the targets' logits; the full logits are never built);
 - every other op sees replicated inputs: a sharded input is gathered first. Correct first.
 
 The planner and the transform both call ``propagate_layouts``, so the costs the planner compares
@@ -31,7 +34,7 @@ from torch import fx
 from autopar.config import EmbeddingMode, Layout, Orientation
 from passes.analysis.batch_dims import BatchFacts, State, analyze_batch
 from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
-from passes.ir import REPLICATED, ReduceSpec, Sharding, input_info, last_dim
+from passes.ir import REPLICATED, ReduceSpec, Sharding, VocabLossSpec, input_info, last_dim, vocab_cross_entropy
 
 aten = torch.ops.aten
 
@@ -408,6 +411,19 @@ class _Rules:
             return None
         return _Decision(s, {x: s})
 
+    def cross_entropy(self, node: fx.Node) -> _Decision | None:
+        x, s, xt = self.x(node)
+        target = node.args[1]
+        args = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), node.args[2:]), **node.kwargs)
+        class_dim = 1 if xt.dim() > 1 else 0
+        tt = tensor_meta(target) if isinstance(target, fx.Node) else None
+        if (s.dim != class_dim or len(s.parts) != 1 or not self.divides(s) or tt is None or tt.is_floating_point()
+                or args.get("weight") is not None):
+            return None  # class probabilities or class weights: gathered (correct, not vocabulary-parallel)
+        spec = VocabLossSpec(s.axis, class_dim, int(args.get("reduction", 1)), int(args.get("ignore_index", -100)),
+                             float(args.get("label_smoothing", 0.0)), s.full_size)
+        return _Decision(REPLICATED, {x: s, target: REPLICATED}, (vocab_cross_entropy, (x, target, spec), {}))
+
     def reduce(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)
         dims = node.args[1] if len(node.args) > 1 else None
@@ -441,6 +457,7 @@ _HANDLERS: dict[Any, Callable[[_Rules, fx.Node], _Decision | None]] = {
     **{t: _Rules.softmax for t in _SOFTMAX},
     aten.layer_norm.default: _Rules.layer_norm,
     **{t: _Rules.reduce for t in _REDUCE},
+    aten.cross_entropy_loss.default: _Rules.cross_entropy,
 }
 
 

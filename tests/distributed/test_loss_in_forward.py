@@ -210,3 +210,83 @@ def test_partial_sums_taken_as_whole_fail_the_checks(distributed):
     got = distributed(reductions_run, 4, GRIDS["d4"], True)[0]
     with pytest.raises(AssertionError):
         _check(got, want, "mutation")
+
+
+class VocabLM(nn.Module):
+    """An LM head whose logits the plan splits along the vocabulary, and the cross-entropy forms on them."""
+
+    def __init__(self, vocab: int = 64, hidden: int = 32) -> None:
+        super().__init__()
+        self.emb, self.mlp = nn.Embedding(vocab, hidden), nn.Linear(hidden, hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.head(torch.tanh(self.mlp(self.emb(x))))           # (B, T, V)
+        flat, target = logits.view(-1, logits.size(-1)), y.view(-1)
+        loss = F.cross_entropy(flat, target, ignore_index=-1)
+        loss = loss + F.cross_entropy(flat, target, ignore_index=-1, label_smoothing=0.1)
+        loss = loss + F.cross_entropy(logits.transpose(1, 2), y.clamp(min=0), reduction="sum") / 1000  # class dim 1
+        return loss
+
+
+VOCAB_GRIDS = {"t211": ((2, 1, 1), 2, 1), "t121": ((1, 2, 1), 2, 1), "t221": ((2, 2, 1), 1, 1),
+               "t212": ((2, 1, 2), 1, 1)}
+
+
+def vocab_run(grid: tuple | None, mutate: bool = False) -> dict:
+    from autopar.runtime import ops
+
+    if mutate:  # the mutation: the sums of exponentials and targets' logits left un-reduced
+        ops.ReduceFrom.apply = staticmethod(lambda x, *args: x)
+    data = [(x, y.masked_fill(y == 5, -1)) for x, y in _tokens(3, seq=8)]
+    data = [(x % 64, y % 64 - (y == -1).long() * 64) for x, y in data]  # vocabulary 64, padding -1 kept
+    model = _build(grid, VocabLM)
+    out = _train(model, lambda m, i: m(*data[i]), _full_grads if grid else _serial_grads)
+    out["final"] = _final(model, grid)
+    if grid is not None:
+        exe = next(iter(runtime_of(model).executables.values()))
+        out["vocab_parallel"] = sum(isinstance(getattr(n.target, "__self__", None), ops.VocabCrossEntropyOp)
+                                    for n in exe.gm.graph.nodes)
+        autopar.reset_comm_stats()
+        model(*data[0]).backward()
+        out["measured"] = autopar.comm_stats()["total"]
+        with torch.device("meta"):
+            shadow = VocabLM()
+        config = ParallelConfig(grid[1], *grid[0])
+        out["predicted"] = float(plan_model(shadow, data[0], config, rank=torch.distributed.get_rank())[1]
+                                 .comm_bytes_per_step)
+    return out
+
+
+@pytest.mark.parametrize("grid", list(VOCAB_GRIDS))
+def test_vocab_parallel_cross_entropy_inside_forward_matches_serial(grid, distributed):
+    """Logits split along the vocabulary are never gathered for the loss: three cross-entropies (ignore_index,
+    label smoothing, class dim 1 with reduction="sum") run vocabulary-parallel and match serial."""
+    want = vocab_run(None)
+    for rank, got in enumerate(distributed(vocab_run, 4, VOCAB_GRIDS[grid])):
+        _check(got, want, (grid, rank))
+        assert got["vocab_parallel"] == 3, (grid, rank, got["vocab_parallel"])
+        assert got["measured"] == got["predicted"] > 0, (grid, rank, got["measured"], got["predicted"])
+
+
+def test_vocab_parallel_cross_entropy_without_its_all_reduce_fails_the_checks(distributed):
+    want = vocab_run(None)
+    got = distributed(vocab_run, 4, VOCAB_GRIDS["t221"], True)[0]
+    with pytest.raises(AssertionError):
+        _check(got, want, "mutation")
+
+
+def vocab_bad_target_run() -> str:
+    with autopar.auto_parallelize(tensor=(2, 1, 1)):
+        model = VocabLM()
+    x = torch.zeros(2, 4, dtype=torch.long)
+    try:
+        model(x, torch.full((2, 4), 64))
+    except autopar.AutoparError as e:
+        return str(e)
+    return "no error"
+
+
+def test_vocab_parallel_cross_entropy_refuses_targets_out_of_range(distributed):
+    for message in distributed(vocab_bad_target_run, 2):
+        assert "target 64 is out of bounds for 64 classes" in message
