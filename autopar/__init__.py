@@ -2,26 +2,47 @@
 
     with autopar.auto_parallelize(tensor=(row, col, depth), data=D):
         model = MyModel()
+
+The names below load on first use (PEP 562), so ``import passes`` or ``import autopar.config`` does not
+pull in the runtime (which imports the passes back).
 """
 
-from autopar.runtime.collectives import comm_stats, reset_comm_stats
-from autopar.config import ParallelConfig, Plan
-from autopar.context import (auto_parallelize, full_optimizer_state_dict, full_state_dict,
-                             load_full_optimizer_state_dict, no_sync, plan_of)
-from autopar.errors import AutoparError
-from autopar.train import train_step
+from __future__ import annotations
 
-__all__ = [
-    "AutoparError",
-    "ParallelConfig",
-    "Plan",
-    "auto_parallelize",
-    "comm_stats",
-    "full_optimizer_state_dict",
-    "full_state_dict",
-    "load_full_optimizer_state_dict",
-    "no_sync",
-    "plan_of",
-    "reset_comm_stats",
-    "train_step",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AutoparError": "autopar.errors",
+    "ParallelConfig": "autopar.config",
+    "Plan": "autopar.config",
+    "auto_parallelize": "autopar.context",
+    "comm_stats": "autopar.runtime.collectives",
+    "full_optimizer_state_dict": "autopar.context",
+    "full_state_dict": "autopar.context",
+    "load_full_optimizer_state_dict": "autopar.context",
+    "no_sync": "autopar.context",
+    "plan_of": "autopar.context",
+    "reset_comm_stats": "autopar.runtime.collectives",
+    "train_step": "autopar.train",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+    else:
+        try:  # a submodule: autopar.memory, autopar.trace, ...
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":
+                raise
+            raise AttributeError(f"module 'autopar' has no attribute {name!r}") from None
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import autopar  # before passes.*: their autopar.config import would start autopar's own import cycle
+import autopar
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.report import estimate_step_seconds
 

@@ -24,7 +24,7 @@ import torch
 import torch._dynamo  # noqa: F401  (imported before forking; the first collective would import it)
 import torch.distributed as dist
 
-import autopar  # noqa: F401
+import autopar.context  # noqa: F401  (the runtime, and the passes it imports)
 
 torch.set_num_threads(1)
 
