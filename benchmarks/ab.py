@@ -14,16 +14,15 @@ ratios, and checks the two sides' losses agree (1e-4 relative).
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import interleaved
+from benchmarks.interleaved import ROOT
 _PACKAGES = ("autopar", "passes")
 
 
@@ -102,27 +101,14 @@ def _job(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--base", required=True, help="the git revision to compare against (e.g. a commit)")
-    parser.add_argument("--models", nargs="+", default=["fc_net", "gpt2", "llama"])
-    parser.add_argument("--grids", nargs="+", default=["t4x1x1", "t2x2x1", "t1x1x4", "p4", "d4"])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+    p = interleaved.parser(__doc__.split("\n\n")[0], ["t4x1x1", "t2x2x1", "t1x1x4", "p4", "d4"], 20)
+    p.add_argument("--base", required=True, help="the git revision to compare against (e.g. a commit)")
+    args = p.parse_args(argv)
     if args.job:
-        _job(args)
-        return 0
+        return interleaved.run("benchmarks.ab", args, _job)
     with tempfile.TemporaryDirectory() as tmp:
         export_base(args.base, Path(tmp))
-        env = dict(os.environ, OMP_NUM_THREADS="1",
-                   PYTHONPATH=os.pathsep.join(filter(None, [tmp, str(ROOT), os.environ.get("PYTHONPATH")])))
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={args.world_size}", "-m", "benchmarks.ab", "--job", "--base", args.base,
-                   "--models", *args.models, "--grids", *args.grids, "--steps", str(args.steps),
-                   "--warmup", str(args.warmup)]
-        return subprocess.run(command, env=env, cwd=ROOT).returncode
+        return interleaved.run("benchmarks.ab", args, _job, extra=["--base", args.base], path=[tmp])
 
 
 if __name__ == "__main__":

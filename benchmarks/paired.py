@@ -14,14 +14,10 @@ rank) and the median of the per-step ratios autopar / peer.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from benchmarks import interleaved
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -75,23 +71,8 @@ def _job(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", default=["fc_net", "gpt2", "llama"])
-    parser.add_argument("--grids", nargs="+", default=["d4", "t4x1x1", "t1x1x4", "p4"])
-    parser.add_argument("--world-size", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
-    if args.job:
-        _job(args)
-        return 0
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])))
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.world_size}",
-               "-m", "benchmarks.paired", "--job", "--models", *args.models, "--grids", *args.grids,
-               "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    return subprocess.run(command, env=env, cwd=ROOT).returncode
+    args = interleaved.parser(__doc__.split("\n\n")[0], ["d4", "t4x1x1", "t1x1x4", "p4"], 40).parse_args(argv)
+    return interleaved.run("benchmarks.paired", args, _job)
 
 
 if __name__ == "__main__":
