@@ -24,7 +24,9 @@ from autopar.runtime import collectives as C
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
+from autopar.runtime.deferred import Deferred, Pending, make_pending, materialize_whole
 from autopar.runtime.mesh import Mesh
+from autopar.runtime.parameters import splits_parameters
 from autopar.runtime.runtime import ParallelRuntime
 
 log = logging.getLogger(__name__)
@@ -74,8 +76,8 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
                      microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
-                     eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None
-                     ) -> Iterator[ParallelConfig]:
+                     eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
+                     defer_init: bool = True) -> Iterator[ParallelConfig]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -115,6 +117,10 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             None}`` for an input that holds none (packed sequences, a table whose dim 0 happens to equal
             the batch size). Default: dim 0 of the first tensor input is the batch, and dim 0 of every
             tensor input of that size.
+        defer_init: record the block's construction on meta and build parameters at the first call, each
+            rank only its pieces, with serial's values bit for bit (autopar/runtime/deferred.py). Default
+            True; False builds every parameter whole on every rank inside the block (for a model whose
+            construction reads tensor data into Python, which DeferredInitError names).
 
     Yields:
         The validated ParallelConfig.
@@ -140,35 +146,56 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
     recorder = _ModuleRecorder()
+    deferred = Deferred() if defer_init else None
     try:
+        if deferred is not None:
+            deferred.__enter__()
         yield config
     finally:
+        if deferred is not None:
+            deferred.__exit__(None, None, None)
         recorder.remove()
         _state.active = False
     roots = recorder.roots()
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
-    for model in roots:
-        parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs)
+    with torch.device("cpu"):  # a torch.device("meta") around the block is the model's, not autopar's
+        for model in roots:
+            parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs,
+                        deferred=deferred)
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
                 memory: MemoryConfig | None = None, pipe: PipelineConfig | None = None,
-                inputs: InputConfig | None = None) -> nn.Module:
-    """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end)."""
+                inputs: InputConfig | None = None, deferred: Deferred | None = None) -> nn.Module:
+    """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end).
+
+    ``deferred``: the block's recorded construction (autopar/runtime/deferred.py). Grids that split
+    parameters build them at the first call (each rank its pieces); data parallelism alone builds them
+    here, whole, as serial's construction would have.
+    """
     if model in _runtimes:
         raise ContextError(f"{type(model).__name__} is already parallelized.")
-    meta = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
+    meta = deferred.unrecorded(model) if deferred is not None else \
+        [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
     if meta:
         raise ContextError(
-            f"{type(model).__name__} was built on the meta device: {len(meta)} parameters and buffers "
-            f"({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}) have no values, and loading into them "
-            "would do nothing. autopar does not materialize meta-device models yet: build the model on a real "
-            "device inside auto_parallelize (load pretrained weights after the block with load_state_dict).")
+            f"{type(model).__name__} was built on the meta device outside auto_parallelize: {len(meta)} parameters "
+            f"and buffers ({', '.join(meta[:3])}{', ...' if len(meta) > 3 else ''}) have no values, and loading "
+            "into them would do nothing. Build it inside the auto_parallelize block (on meta too: "
+            "`with torch.device('meta')` there is recorded and replayed, each rank building only its shards).")
     mesh = Mesh(config)
+    sinks = deferred.sinks(model) if deferred is not None else {}
+    if sinks:
+        _agree_on_construction(deferred, mesh)
+        if splits_parameters(config):
+            make_pending(model, deferred, sinks)
+        else:
+            materialize_whole(model, deferred, sinks)
+            sinks = {}
     _agree_on_parameters(model, mesh)
     runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig(),
-                              inputs or InputConfig())
+                              inputs or InputConfig(), (deferred, sinks) if sinks else None)
     _runtimes[model] = runtime
     original = model.forward
 
@@ -189,20 +216,51 @@ def _agree_on_parameters(model: nn.Module, mesh: Mesh) -> None:
 
     The usual case, every rank seeded alike, costs one small all-gather of fingerprints.
     """
-    tensors = [t for t in list(model.parameters()) + list(model.buffers()) if t.is_floating_point()]
+    tensors = [t for t in list(model.parameters()) + list(model.buffers())
+               if t.is_floating_point() and not isinstance(t, Pending)]
     if not tensors or mesh.config.world_size == 1:
         return
     with torch.no_grad():
-        fp = torch.stack([torch.stack([t.sum(dtype=torch.float64), t.square().sum(dtype=torch.float64)])
-                          for t in tensors]).flatten().to(mesh.device)
-        every = C.all_gather(fp.unsqueeze(0), None, mesh.config.world_size)
-        if torch.equal(every.amin(0), every.amax(0)):
+        if _ranks_agree(torch.stack([_fingerprint(t) for t in tensors]).flatten(), mesh,
+                        "initial parameters differ across ranks"):
             return
-        if mesh.rank == 0:
-            log.warning("auto_parallelize: initial parameters differ across ranks (no common seed?); "
-                        "using rank 0's.")
         for t in tensors:
             C.broadcast(t.data, 0, None, mesh.config.world_size)
+
+
+def _ranks_agree(fingerprint: torch.Tensor, mesh: Mesh, what: str) -> bool:
+    """Whether every rank has this fingerprint (one all-gather); if not, one warning: rank 0's wins."""
+    every = C.all_gather(fingerprint.to(mesh.device).unsqueeze(0), None, mesh.config.world_size)
+    if torch.equal(every.amin(0), every.amax(0)):
+        return True
+    if mesh.rank == 0:
+        log.warning("auto_parallelize: %s (no common seed?); using rank 0's.", what)
+    return False
+
+
+def _fingerprint(t: torch.Tensor, chunk: int = 1 << 20) -> torch.Tensor:
+    """(sum, sum of squares) of ``t`` in float64, a chunk at a time: no full-size temporaries."""
+    flat = t.detach().reshape(-1)
+    out = torch.zeros(2, dtype=torch.float64, device=t.device)
+    for piece in flat.split(chunk):
+        piece = piece.double()
+        out[0] += piece.sum()
+        out[1] += piece.square().sum()
+    return out
+
+
+def _agree_on_construction(deferred: Deferred, mesh: Mesh) -> None:
+    """Ranks whose recorded random streams differ (no common seed) all replay rank 0's, as DDP makes every
+    rank start from rank 0's parameters."""
+    if mesh.config.world_size == 1:
+        return
+    if _ranks_agree(deferred.fingerprint(), mesh, "the ranks built the model from different random states"):
+        return
+    box = [[op.rng[1] if op.rng else None for op in deferred.ops]]
+    dist.broadcast_object_list(box, src=0, group=mesh.control)
+    for op, state in zip(deferred.ops, box[0]):
+        if op.rng is not None and state is not None:
+            op.rng = (op.rng[0], state)
 
 
 @contextmanager

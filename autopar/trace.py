@@ -234,6 +234,8 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
         f"parameters:            {report.num_parameters:,}",
         f"matmul FLOPs per step: {report.flops_per_step:,} (fwd+bwd, global batch; {share:.1%} sharded)",
         f"parameter bytes/rank:  {report.param_bytes_per_rank:,} ({_fmt_bytes(report.param_bytes_per_rank)})",
+        f"construction peak:     {report.construction_bytes_per_rank:,} ({_fmt_bytes(report.construction_bytes_per_rank)}"
+        f"; this rank's pieces + the largest parameter whole while it is initialized)",
         f"comm bytes/step/rank:  {float(report.comm_bytes_per_step):,.0f} ({kinds or 'none'})",
     ]
     for reason, flops in coverage_gaps(report):
@@ -264,6 +266,7 @@ def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -
         "num_parameters": report.num_parameters,
         "flops_per_step": report.flops_per_step,
         "param_bytes_per_rank": report.param_bytes_per_rank,
+        "construction_bytes_per_rank": report.construction_bytes_per_rank,
         "comm_bytes_per_step": float(report.comm_bytes_per_step),
         "memory": plan.to_dict()["memory"],
         "comm_bytes_by_kind": {k: float(v) for k, v in report.comm_bytes_by_kind.items()},

@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent, make_dtensor, owners
+from autopar.runtime.parameters import Absent, make_dtensor, owner_of
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -63,7 +63,7 @@ def _local(value: Any) -> Any:
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     for group in optimizer.param_groups:  # state made before the first call sharded its parameter
         for p in group["params"]:
-            store = owners.get(p)
+            store = owner_of(p)
             if store is not None and isinstance(p, DTensor):
                 relayout_state(store, optimizer, p)
     if type(optimizer) not in ELEMENTWISE:

@@ -33,6 +33,8 @@ any computation on it raises ``ParameterError``.
 from __future__ import annotations
 
 import functools
+import logging
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,15 +44,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CheckpointError, ParameterError, PlanError, StateDictError
 from autopar.runtime import collectives as C
+from autopar.runtime.deferred import Deferred, Sink, is_pending
 from autopar.runtime.mesh import WAYS_TO_SAVE, Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 
 aten = torch.ops.aten
+log = logging.getLogger(__name__)
 
 
 def splits_parameters(config: ParallelConfig) -> bool:
@@ -269,8 +272,18 @@ class Absent(torch.Tensor):
         raise ParameterError(f"this rank holds no piece of {self.param_name!r} (pipeline rank(s) {self.holders} do).")
 
 
-owners: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""Parameter -> the ParamStore holding it (optimizer hooks find a parameter's layout through it)."""
+_owners: dict[int, weakref.ref] = {}
+
+
+def owner_of(p: torch.Tensor) -> ParamStore | None:
+    """The ParamStore holding parameter ``p`` (optimizer hooks find a parameter's layout through it), or None.
+
+    Kept by id with a weak reference to the store, not to the parameter: a weak reference to a parameter
+    would stop ``model.to(dtype)`` from swapping it (``torch.utils.swap_tensors`` refuses weakly
+    referenced tensors)."""
+    ref = _owners.get(id(p))
+    store = ref() if ref is not None else None
+    return store if store is not None and store.by_id.get(id(p)) is p else None
 
 #: Dims of a parameter's mesh (``Mesh.param_mesh``); a weight several pipeline stages hold adds "pipeline".
 DIMS = ("data", "depth", "row", "col")
@@ -285,14 +298,24 @@ class ParamStore:
     ``model.parameters()`` keep working when the plan shards them in place (``adopt``).
     """
 
-    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh) -> None:
+    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
+                 pending: tuple[Deferred, dict[int, Sink]] | None = None) -> None:
         self.config, self.mesh = config, mesh
+        self.pending = pending
+        """The recorded construction of parameters and buffers not built yet (autopar.runtime.deferred)."""
+        if pending is not None:
+            for key in pending[1]:
+                pending[0].on_demand[key] = self._materialize_whole
+        self.buffers: dict[str, torch.Tensor] = dict(model.named_buffers(remove_duplicate=False))
+        """Every buffer by name (tied names too): the runtime reads buffers here."""
+        self._model = weakref.ref(model)
         self.dtensors = splits_parameters(config)
         if self.dtensors:
             distribute_parameters(model, mesh.param_mesh())
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
+        self.by_id = {id(p): p for p in self.params.values()}
         for p in self.unique():
-            owners[p] = self
+            _owners[id(p)] = weakref.ref(self)
         self.plan: Plan | None = None
         self.readers: dict[str, tuple[int, ...]] = {}
         """pipeline > 1: parameter name -> the pipeline coordinates whose stages read it."""
@@ -323,12 +346,102 @@ class ParamStore:
         self.plan = plan
         if not self.dtensors:
             return
+        if self.pending is not None:
+            self._materialize(plan)
+            return
         with torch.no_grad():
             for pp in plan.params:
                 p = self.params[pp.name]
                 if pp.kind is not ParamKind.REPLICATED:
                     local = local_piece(local_of(p), pp, self.mesh).clone()
                     set_layout(p, local, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
+
+    def _set_buffer(self, name: str, value: torch.Tensor) -> None:
+        """Every name of the buffer ``name`` is (module attributes and this store's table) now ``value``."""
+        old = self.buffers[name]
+        for n, b in list(self.buffers.items()):
+            if b is old:
+                owner_name, _, leaf = n.rpartition(".")
+                self._model().get_submodule(owner_name)._buffers[leaf] = value
+                self.buffers[n] = value
+
+    def _materialize_whole(self, why: str) -> None:
+        """Something needs parameter values before the plan exists: builds every pending parameter and
+        buffer whole on this rank (in place: the Pending objects become the tensors); the plan cuts them."""
+        if self.pending is None:
+            return
+        deferred, sinks = self.pending
+        self.pending = None
+        for key in sinks:
+            deferred.on_demand.pop(key, None)
+        if self.mesh.rank == 0:
+            log.warning("autopar: %s before the model's first call: building its parameters whole on every rank "
+                        "(the first call keeps each rank's pieces). Pass example_inputs= to auto_parallelize to "
+                        "build only the pieces at the block's end.", why)
+
+        def emit(sink: Sink, values: dict[str, torch.Tensor]) -> None:
+            for name, _, is_param in sink.names:
+                t = self.params[name] if is_param else self.buffers.get(name)
+                local = local_of(t) if is_param and isinstance(t, DTensor) else t
+                if not is_pending(local) or local.cell["real"] is not None:
+                    continue
+                full = local.loaded if local.loaded is not None else values[name]
+                full = full.to(dtype=local.dtype, device=local.device).clone()
+                local.cell["real"] = full  # every copy of the Pending now stands for it
+                if is_param:
+                    set_layout(t, full, self.mesh.param_mesh(), t.placements)
+                else:
+                    self._set_buffer(name, full)
+
+        loaded = {k for k, s in sinks.items() if all(
+            not is_pending(t := (local_of(self.params[n]) if p else self.buffers.get(n))) or t.loaded is not None
+            for n, _, p in s.names)}
+        with torch.no_grad():
+            deferred.replay({k: s for k, s in sinks.items() if k not in loaded}, emit)
+            for k in loaded:
+                emit(sinks[k], {})
+
+    def _materialize(self, plan: Plan) -> None:
+        """Builds the pending parameters and buffers: the recorded construction is replayed (or a value
+        loaded before the first call is taken), and each parameter keeps only this rank's piece."""
+        deferred, sinks = self.pending
+        self.pending = None
+        for key in sinks:
+            deferred.on_demand.pop(key, None)
+        plans = self.by_param()
+
+        def pending_of(name: str, is_param: bool) -> Any:
+            t = self.params[name] if is_param else self.buffers.get(name)
+            local = local_of(t) if is_param and isinstance(t, DTensor) else t
+            return t, local if is_pending(local) else None
+
+        def emit(sink: Sink, values: dict[str, torch.Tensor]) -> None:
+            done: set[int] = set()
+            for name, _, is_param in sink.names:
+                t, pending = pending_of(name, is_param)
+                if pending is None or id(t) in done:
+                    continue
+                done.add(id(t))
+                full = pending.loaded if pending.loaded is not None else values[name]
+                full = full.to(dtype=pending.dtype, device=pending.device)
+                if not is_param:
+                    self._set_buffer(name, full.clone())
+                    continue
+                pp = plans.get(id(t))
+                if pp is None or pp.kind is ParamKind.REPLICATED:
+                    set_layout(t, full.clone(), self.mesh.param_mesh(), t.placements)
+                    continue
+                piece = local_piece(full, pp, self.mesh)
+                if piece.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+                    piece = piece.clone()  # a view of the whole: keep only the piece
+                set_layout(t, piece, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
+
+        loaded = {k: s for k, s in sinks.items()
+                  if all((p := pending_of(n, is_param)[1]) is None or p.loaded is not None for n, _, is_param in s.names)}
+        with torch.no_grad():
+            deferred.replay({k: s for k, s in sinks.items() if k not in loaded}, emit)
+            for sink in loaded.values():
+                emit(sink, {})
 
     def hold(self, readers: dict[str, tuple[int, ...]]) -> None:
         """pipeline > 1: keeps the parameters this rank's stages read. A weight several stages read moves to a

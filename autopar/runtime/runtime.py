@@ -27,6 +27,7 @@ from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
 from autopar.runtime.checkpoint import state_dict_post_hook
+from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import Absent, ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
@@ -79,7 +80,8 @@ class Executable:
 class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
                  memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
-                 inputs: InputConfig = InputConfig()) -> None:
+                 inputs: InputConfig = InputConfig(), pending: tuple[Deferred, dict[int, Sink]] | None = None) -> None:
+        """``pending``: the recorded construction of the parameters and buffers built at the first call."""
         self.config, self.mesh, self.memory, self.pipe, self.inputs = config, mesh, memory, pipe, inputs
         self.pure_data = config.num_tensor == 1 and config.pipeline == 1
         """No collective in forward for a batch of this rank's own (data parallelism only)."""
@@ -88,13 +90,13 @@ class ParallelRuntime:
         """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
-        self.store = ParamStore(model, config, mesh)
+        self.store = ParamStore(model, config, mesh, pending)
         self.params = self.store.params
         if self.store.dtensors:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
             optim.install()  # torch.optim's elementwise optimizers step on the local pieces
             model.register_state_dict_post_hook(state_dict_post_hook)  # DCP sees every box of fused pieces
-        self.buffers = dict(model.named_buffers(remove_duplicate=False))
+        self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.plan: Plan | None = None
         self.executables: dict[Any, Executable] = {}
         self._syncs: list[GradSync] = []

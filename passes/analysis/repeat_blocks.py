@@ -129,7 +129,8 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
         rows, colls = _extend(rows, r), _extend(colls, r)
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
-    return summarize(rows, colls, num_parameters, full_plan)
+    return dataclasses.replace(summarize(rows, colls, num_parameters, full_plan),
+                               largest_param_bytes=report.largest_param_bytes)  # a copied block's are the cut's
 
 
 def _renamed_segment(s: ChainSegment, r: Repeat, src: int, dst: int) -> ChainSegment:

@@ -64,6 +64,14 @@ class StepReport:
     rank_flops: float | None = None
     """Matmul FLOPs this rank computes per step when it runs part of the model only (its pipeline
     stages); None: its share of every row."""
+    largest_param_bytes: int = 0
+    """The largest parameter, whole: what deferred construction holds at once besides the pieces."""
+
+    @property
+    def construction_bytes_per_rank(self) -> int:
+        """Peak parameter bytes while the model is built (autopar.runtime.deferred): this rank's pieces and
+        one parameter whole."""
+        return self.param_bytes_per_rank + self.largest_param_bytes
 
 
 def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
@@ -77,11 +85,12 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
 
     shapes: dict[str, tuple[int, ...]] = {}
     grad_of: dict[str, bool] = {}
-    num_parameters = 0
+    num_parameters = largest = 0
     for node in gm.graph.nodes:
         name = param_name(node)
         if name is not None:
             shapes[name] = tuple(int(s) for s in tensor_meta(node).shape)
+            largest = max(largest, _numel(shapes[name]) * tensor_meta(node).element_size())
             grad_of[name] = res.requires_grad[node]
             if node.users:  # an unused placeholder is export's alias of a tied weight, counted once
                 num_parameters += _numel(shapes[name])
@@ -96,7 +105,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
                     else mp.orientation.value)
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
                              tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
-    return summarize(rows, colls, num_parameters, plan)
+    return dataclasses.replace(summarize(rows, colls, num_parameters, plan), largest_param_bytes=largest)
 
 
 def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,

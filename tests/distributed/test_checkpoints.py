@@ -335,8 +335,9 @@ def test_model_state_dict_hooks_see_serial_tensors_and_reshard(distributed):
 
 
 def meta_worker() -> str:
+    """Built on meta without the block's recording (defer_init=False): nothing could give it values."""
     try:
-        with autopar.auto_parallelize(tensor=(2, 1, 1)):
+        with autopar.auto_parallelize(tensor=(2, 1, 1), defer_init=False):
             with torch.device("meta"):
                 model = zoo.build_model("gpt2")  # noqa: F841  (kept alive: the block parallelizes it)
     except ContextError as e:

@@ -1,0 +1,635 @@
+"""Deferred construction: a model built inside ``auto_parallelize`` is recorded on meta and replayed one
+tensor at a time, so a rank never holds the whole model to keep its shards of it.
+
+Recording. Inside the block every factory call makes meta tensors (``torch.empty``, ``zeros``,
+``arange``, ``nn.Linear``'s parameters ...; ``torch.tensor(data)`` stays real: its data is the value),
+``.to(device)`` stays on meta, and every aten op that touches a meta tensor is logged with the device
+the serial script would have run it on. A random op (uniform_, normal_, ... any op torch tags
+``nondeterministic_seeded``) also runs on a real scratch tensor of the same shape and strides, one at a
+time: the generator advances exactly as serial construction advances it (``torch.manual_seed`` inside
+the block included), and its state before the op is kept. Python that needs tensor data while building
+(``.item()``, ``if t.sum() > 0``) cannot run on meta: ``DeferredInitError`` names the module.
+
+Replay. Each tensor the model keeps (a parameter or a buffer: a *sink*) is a storage whose value the
+log computes. Replaying the log on the real device gives the serial values bit for bit: every random op
+first restores the generator state it had in the recording. Ops whose results are overwritten whole
+before anyone reads them (``nn.Linear``'s own init when ``post_init`` or ``_init_weights`` re-initializes
+it) are skipped; a storage is allocated at the op that writes it whole and freed after its last reader,
+and a sink is handed to ``emit`` (the caller keeps its shard) as soon as its last op ran. So a rank holds
+its shards plus the few tensors one module's init touches at once.
+
+Until then the model's parameters and buffers are ``Pending`` tensors: global shape, dtype and the
+device serial's would have, no storage. ``.to(device/dtype)`` works on them (applied when they are
+materialized), ``copy_`` into one (``load_state_dict`` of full tensors) replaces its recorded init by
+the loaded value (only this rank's slice is kept). Anything else that needs values before the first
+call (an optimizer step, DCP's ``get_state_dict`` initializing optimizer state, ``torch.save``) builds
+the model's parameters whole on this rank, with one warning line, and the first call cuts them as
+before: correct, at the memory cost of the whole model until then.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import sys
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.errors import AutoparError, CheckpointError, ParameterError
+
+aten = torch.ops.aten
+META = torch.device("meta")
+
+
+class DeferredInitError(AutoparError, RuntimeError):
+    """A module's construction cannot be recorded on meta and replayed."""
+
+
+#: Factory functions that take ``device=``: made on meta inside the block.
+FACTORIES = frozenset({
+    torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint, torch.randperm,
+    torch.arange, torch.range, torch.linspace, torch.logspace, torch.eye, torch.empty_strided, torch.tril_indices,
+    torch.triu_indices, torch.scalar_tensor, torch.normal, torch.bartlett_window, torch.blackman_window,
+    torch.hamming_window, torch.hann_window, torch.kaiser_window,
+})
+#: Factory functions whose values come from Python data: made real (the data is the value).
+FROM_DATA = frozenset({torch.tensor, torch.as_tensor, torch.asarray})
+#: Ops that make a tensor shaped like their input without reading it.
+LIKE_FACTORIES = frozenset({aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default,
+                            aten.full_like.default, aten.rand_like.default, aten.randn_like.default,
+                            aten.randint_like.default})
+#: Ops that read tensor data into Python: impossible on meta.
+DATA_DEPENDENT = frozenset({aten._local_scalar_dense.default, aten.equal.default, aten.is_nonzero.default,
+                            aten.nonzero.default, aten.allclose.default,
+                            aten._unique2.default, aten.masked_select.default, aten.item.default})
+#: In-place ops that write every element of ``self`` without reading it (a new value of the storage).
+OVERWRITES = frozenset({
+    aten.uniform_.default, aten.normal_.default, aten.zero_.default, aten.fill_.Scalar, aten.fill_.Tensor,
+    aten.random_.default, getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default, aten.cauchy_.default,
+    aten.log_normal_.default, aten.geometric_.default, aten.bernoulli_.float, aten.copy_.default,
+})
+
+
+def value_device(device: torch.device | None) -> torch.device:
+    """Where a recorded tensor's value is made: the serial script's device (meta means the user built on
+    meta on purpose: the value is made on the CPU, as the plain serial build makes it)."""
+    if device is None or device.type == "meta":
+        return torch.device("cpu")
+    return device
+
+
+def _key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
+
+
+@dataclass(frozen=True)
+class Ref:
+    """A meta tensor in the log: its storage and the view of it."""
+
+    key: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+    offset: int
+    dtype: torch.dtype
+
+    @staticmethod
+    def of(t: torch.Tensor) -> Ref:
+        return Ref(_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
+
+    def covers(self, nbytes: int) -> bool:
+        """Whether this view is its whole storage, contiguous."""
+        numel, expected = 1, 1
+        for s in self.size:
+            numel *= s
+        contiguous = True
+        for size, stride in reversed(list(zip(self.size, self.stride))):
+            if size != 1 and stride != expected:
+                contiguous = False
+            expected *= size
+        return self.offset == 0 and contiguous and numel * self.dtype.itemsize == nbytes
+
+
+@dataclass
+class Op:
+    func: Any
+    args: Any
+    kwargs: dict
+    outs: list[Ref]
+    device: torch.device
+    """The serial script's device for this op (its tensors', or a factory's device)."""
+    writes: tuple[int, ...] = ()
+    reads: tuple[int, ...] = ()
+    overwrites: int | None = None
+    fresh: tuple[int, ...] = ()
+    rng: tuple[Any, torch.Tensor] | None = None
+    """Random ops: (generator, its state before the op)."""
+    module: str = ""
+
+
+@dataclass
+class Sink:
+    """A storage the model keeps: its names and their views."""
+
+    key: int
+    names: list[tuple[str, Ref, bool]] = field(default_factory=list)
+    """(name, view, is a parameter)."""
+
+
+class Pending(torch.Tensor):
+    """A parameter's or buffer's value before it is materialized: shape, dtype and device, no storage.
+
+    Copies (``detach``, ``.to(dtype)``) share one ``cell``: the value loaded into any of them, and the
+    real tensor once the model is built whole before its first call."""
+
+    @staticmethod
+    def __new__(cls, shape: Iterable[int], dtype: torch.dtype, device: torch.device, name: str, key: int,
+                source: Deferred, cell: dict[str, Any] | None = None) -> Pending:
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        r.param_name, r.key, r.source = name, key, source
+        r.cell = cell if cell is not None else {"loaded": None, "real": None}
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @property
+    def loaded(self) -> torch.Tensor | None:
+        return self.cell["loaded"]
+
+    @property
+    def real(self) -> torch.Tensor | None:
+        """The tensor this stands for once built, in this copy's dtype and device."""
+        real = self.cell["real"]
+        return None if real is None else real.to(dtype=self.dtype, device=self.device)
+
+    def _like(self, dtype: torch.dtype | None = None, device: Any = None) -> torch.Tensor:
+        if device is not None and torch.device(device).type == "meta":  # a meta copy (capture's shadow)
+            return torch.empty(self.shape, dtype=dtype or self.dtype, device=META)
+        return Pending(self.shape, dtype or self.dtype, torch.device(device) if device is not None else self.device,
+                       self.param_name, self.key, self.source, self.cell)
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        if isinstance(first, Pending) and first.cell["real"] is None:
+            if func in (aten.detach.default, aten.alias.default):
+                return first._like()  # a new object: autograd marks detach's output as not requiring grad
+            if func is aten._to_copy.default:  # model.to(device / dtype), .half()
+                return first._like(kwargs.get("dtype"), kwargs.get("device"))
+            if func is aten.copy_.default and not isinstance(args[1], Pending):
+                if tuple(args[1].shape) != tuple(first.shape):
+                    raise ParameterError(f"copying a {tuple(args[1].shape)} tensor into {first.param_name!r} of "
+                                         f"shape {tuple(first.shape)}.")
+                first.cell["loaded"] = args[1]  # load_state_dict before the first call: replaces the init
+                return first
+        if func in (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default):
+            like = dict(kwargs, dtype=kwargs.get("dtype") or first.dtype, device=kwargs.get("device") or first.device)
+            fill = {aten.empty_like.default: torch.empty, aten.zeros_like.default: torch.zeros,
+                    aten.ones_like.default: torch.ones}.get(func)
+            like.pop("memory_format", None)
+            if fill is not None:
+                return fill(first.shape, **like)
+            return torch.full(first.shape, args[1], **like)
+        for what in [a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, Pending)]:
+            if what.cell["real"] is None:
+                build = what.source.on_demand.get(what.key)
+                if build is None:
+                    raise ParameterError(f"{what.param_name!r} has no value: its model was not built by autopar.")
+                build(f"{func.__name__} on {what.param_name!r}")
+        args, kwargs = pytree.tree_map_only(Pending, lambda a: a.real, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"Pending({self.param_name!r}, {tuple(self.shape)}, {self.dtype}, built at the model's first call)"
+
+    def __reduce_ex__(self, protocol: object) -> object:
+        if self.cell["real"] is None:
+            build = self.source.on_demand.get(self.key)
+            if build is None:
+                raise CheckpointError(f"{self.param_name!r} has no value: its model was not built by autopar.")
+            build(f"pickling {self.param_name!r}")
+        return self.real.__reduce_ex__(protocol)
+
+
+def _module_being_built() -> str:
+    """The innermost ``nn.Module.__init__`` on the stack and the user's line that needed data."""
+    where, module = "", ""
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    for info in inspect.stack(context=0)[2:]:
+        fname = info.filename
+        if not where and not fname.startswith(torch_dir) and not fname.startswith(here):
+            where = f"{fname}:{info.lineno}"
+        self_ = info.frame.f_locals.get("self")
+        if isinstance(self_, nn.Module) and not module:
+            module = type(self_).__name__
+        if where and module:
+            break
+    return f"{module or 'the model'} (at {where or 'unknown'})"
+
+
+class _Factories(TorchFunctionMode):
+    """Factory calls make meta tensors; the device serial's would have used is noted for the log."""
+
+    def __init__(self, recorder: Deferred) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = dict(kwargs or {})
+        if self.recorder.paused:
+            return func(*args, **kwargs)
+        if func in FROM_DATA:
+            device = kwargs.get("device")
+            device = torch.device(device) if device is not None else torch.get_default_device()
+            kwargs["device"] = value_device(device)
+            return func(*args, **kwargs)
+        if func in FACTORIES and not any(isinstance(a, torch.Tensor) for a in pytree.tree_leaves((args, kwargs))):
+            device = kwargs.get("device")
+            self.recorder.intended.append(torch.device(device) if device is not None else torch.get_default_device())
+            kwargs["device"] = META
+            try:
+                return func(*args, **kwargs)
+            finally:
+                self.recorder.intended.pop()
+        return func(*args, **kwargs)
+
+
+class _Recording(TorchDispatchMode):
+    def __init__(self, recorder: Deferred) -> None:
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        return self.recorder.record(func, args, kwargs or {})
+
+
+#: torch.nn.init functions that return at once on meta tensors (rejection sampling, QR, random columns):
+#: inside the block they are recorded as one call each, replayed on the real tensor.
+SKIPS_META = ("trunc_normal_", "orthogonal_", "sparse_", "dirac_")
+
+
+class InitCall:
+    """A recorded ``torch.nn.init`` call, replayed on the real tensor (its first argument)."""
+
+    def __init__(self, fn: Callable, rest: tuple, kwargs: dict) -> None:
+        self.fn, self.rest, self.kwargs = fn, rest, kwargs
+        self.__name__ = getattr(fn, "__name__", "init")
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self.fn(tensor, *self.rest, **self.kwargs)
+
+
+class Deferred:
+    """The recorded construction of the models of one ``auto_parallelize`` block."""
+
+    def __init__(self) -> None:
+        self.ops: list[Op] = []
+        self.intended: list[torch.device] = []
+        self.devices: dict[int, torch.device] = {}
+        """Storage -> the device its value lives on in the serial script."""
+        self.nbytes: dict[int, int] = {}
+        self.keep: dict[int, torch.Tensor] = {}  # one meta tensor per storage: keeps its key unique
+        self._modes: list[Any] = []
+        self.paused = False
+        self.on_demand: dict[int, Callable[[str], None]] = {}
+        """Storage -> builds its model's parameters whole now (something needs values before the plan)."""
+
+    # ---- recording ----------------------------------------------------------------------------------
+
+    def __enter__(self) -> Deferred:
+        self._modes = [_Factories(self), _Recording(self)]
+        for m in self._modes:
+            m.__enter__()
+        # The only patch autopar makes: while the block runs, these init functions (torch's, and the table
+        # transformers.initialization keeps of them) are recorded instead of skipping meta tensors; the
+        # originals are back when the block ends, whatever happens in it.
+        self._originals = []
+        tables: list[Any] = [nn.init.__dict__]
+        hf = sys.modules.get("transformers.initialization")
+        if hf is not None and isinstance(getattr(hf, "TORCH_INIT_FUNCTIONS", None), dict):
+            tables.append(hf.TORCH_INIT_FUNCTIONS)
+        for table in tables:
+            for name in SKIPS_META:
+                if name in table:
+                    self._originals.append((table, name, table[name]))
+                    table[name] = self._recorded_init(table[name])
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for table, name, fn in reversed(getattr(self, "_originals", [])):
+            table[name] = fn
+        self._originals = []
+        for m in reversed(self._modes):
+            m.__exit__(*exc)
+        self._modes = []
+
+    def _recorded_init(self, fn: Callable) -> Callable:
+        def init(tensor: torch.Tensor, *rest: Any, **kwargs: Any) -> torch.Tensor:
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type != "meta" or _key(tensor) not in self.nbytes:
+                return fn(tensor, *rest, **kwargs)
+            key = _key(tensor)
+            device = self.devices[key]
+            op = Op(InitCall(fn, rest, kwargs), (Ref.of(tensor),), {}, [Ref.of(tensor)], device, writes=(key,),
+                    reads=(key,))
+            if Ref.of(tensor).covers(self.nbytes[key]) and fn.__name__ != "dirac_":  # dirac_ keeps other entries
+                op.overwrites, op.reads = key, ()
+            generator = kwargs.get("generator") or (torch.cuda.default_generators[device.index or 0]
+                                                    if device.type == "cuda" else torch.default_generator)
+            op.rng = (generator, generator.get_state())
+            self.paused = True  # the real call on scratch advances the generator as serial's
+            try:
+                fn(torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device), *rest, **kwargs)
+            finally:
+                self.paused = False
+            self.ops.append(op)
+            return tensor
+
+        init.__name__, init.__doc__ = fn.__name__, fn.__doc__
+        return init
+
+    def record(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        if self.paused:
+            return func(*args, **kwargs)
+        leaves = pytree.tree_leaves((args, kwargs))
+        metas = [t for t in leaves if isinstance(t, torch.Tensor) and t.device.type == "meta"]
+        device = kwargs.get("device")
+        device = torch.device(device) if device is not None else None
+        if func in DATA_DEPENDENT and metas:
+            raise DeferredInitError(
+                f"{_module_being_built()} reads tensor data into Python while it is built ({func.__name__}), "
+                "which autopar cannot do: inside auto_parallelize the model is built on meta (no values) and its "
+                "init replayed later, one shard at a time. Compute that value from Python numbers, or build this "
+                "model with auto_parallelize(defer_init=False) (every rank then builds the whole model).")
+        if not metas and (device is None or device.type != "meta"):
+            return func(*args, **kwargs)  # real tensors only: not part of the model's recorded values
+        if func is aten.empty_like.default and device is not None and device.type != "meta":
+            # "move this meta tensor to a device" (HF's loading of keys a checkpoint lacks): empty_like's contents
+            # are unspecified, so the recorded value is a valid one, and the one the code means
+            return self.evaluate(args[0]).to(device=device, dtype=kwargs.get("dtype") or args[0].dtype)
+        if func in LIKE_FACTORIES and device is not None and device.type != "meta":
+            return func(*args, **kwargs)  # zeros_like(t, device="cpu"): a real tensor asked for (only t's shape)
+        if self._writes_real(func, args, kwargs):  # copy_(real, recorded): the real one needs the value now
+            args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.evaluate(t) if t.device.type == "meta"
+                                                else t, (args, kwargs))
+            return func(*args, **kwargs)
+        if not metas:  # a factory (made meta by _Factories): serial's device is the one noted there
+            intended = self.intended[-1] if self.intended else device
+        elif device is not None and device.type != "meta":  # .to(device), empty_like(device=...): stays meta
+            intended = device
+            kwargs = {**kwargs, "device": META}
+        else:
+            intended = self.devices.get(_key(metas[0]), torch.device("cpu"))
+        # real tensors meeting meta ones: their values are constants of the log (copied: later in-place
+        # changes must not reach back); meta stands in for them in the meta computation
+        consts: dict[int, torch.Tensor] = {}
+
+        def to_meta(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.dim() > 0:
+                consts[id(t)] = t
+                return t.to(META)
+            return t
+
+        meta_args, meta_kwargs = pytree.tree_map(to_meta, (args, kwargs))
+        out = func(*meta_args, **meta_kwargs)
+
+        def ref(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor):
+                return t
+            if id(t) in consts:
+                return t.detach().clone()
+            if t.device.type != "meta":
+                return t.detach().clone()
+            self.keep.setdefault(_key(t), t)
+            return Ref.of(t)
+
+        op = Op(func, pytree.tree_map(ref, args), pytree.tree_map(ref, kwargs), [], value_device(intended))
+        schema = getattr(func, "_schema", None)
+        writes = []
+        if schema is not None:
+            for a, value in zip(schema.arguments, list(args) + [kwargs.get(x.name) for x in
+                                                                schema.arguments[len(args):]]):
+                if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor) \
+                        and value.device.type == "meta":
+                    writes.append(_key(value))
+        op.writes = tuple(writes)
+        op.reads = tuple(dict.fromkeys(_key(t) for t in metas))
+        if func in OVERWRITES and writes and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
+            first = Ref.of(args[0])
+            if first.covers(args[0].untyped_storage().nbytes()):
+                op.overwrites = first.key
+                other = [_key(t) for t in metas[1:] if _key(t) != first.key]
+                op.reads = tuple(dict.fromkeys(other))
+        fresh = []
+        for t in pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                k = _key(t)
+                if k not in self.nbytes:
+                    self.nbytes[k] = t.untyped_storage().nbytes()
+                    self.devices[k] = value_device(intended)
+                    self.keep[k] = t
+                    fresh.append(k)
+                op.outs.append(Ref.of(t))
+        op.fresh = tuple(fresh)
+        if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+            op.rng = self._advance(op, func, args, kwargs)
+        self.ops.append(op)
+        return out
+
+    @staticmethod
+    def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
+        schema = getattr(func, "_schema", None)
+        if schema is None:
+            return False
+        values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]
+        return any(a.alias_info is not None and a.alias_info.is_write and isinstance(v, torch.Tensor)
+                   and v.device.type != "meta" for a, v in zip(schema.arguments, values))
+
+    def evaluate(self, t: torch.Tensor) -> torch.Tensor:
+        """The real value a recorded tensor has now (replays what it depends on; generators untouched)."""
+        if _key(t) not in self.nbytes:
+            raise DeferredInitError(f"{_module_being_built()} uses a meta tensor autopar did not record; build it "
+                                    "inside the auto_parallelize block, or with defer_init=False.")
+        out: dict[str, torch.Tensor] = {}
+        self.paused = True
+        try:
+            self.replay({_key(t): Sink(_key(t), [("value", Ref.of(t), False)])},
+                        lambda sink, values: out.update({k: v.clone() for k, v in values.items()}))
+        finally:
+            self.paused = False
+        return out["value"]
+
+    def _advance(self, op: Op, func: Any, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor]:
+        """Runs ``func`` on real scratch tensors (one at a time) so the generator advances as serial's does;
+        returns the generator and its state before."""
+        device = op.device
+        generator = kwargs.get("generator")
+        if generator is None:
+            generator = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
+                else torch.default_generator
+        state = generator.get_state()
+
+        def scratch(t: Any) -> Any:
+            if isinstance(t, torch.Tensor) and t.device.type == "meta":
+                return torch.full_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device), 0.5) \
+                    if t.is_floating_point() else torch.zeros(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, torch.device) and t.type == "meta":
+                return device
+            return t
+
+        self.paused = True
+        try:
+            real_args, real_kwargs = pytree.tree_map(scratch, (args, kwargs))
+            func(*real_args, **real_kwargs)
+        finally:
+            self.paused = False
+        return generator, state
+
+    # ---- the model's tensors ------------------------------------------------------------------------
+
+    def sinks(self, model: nn.Module) -> dict[int, Sink]:
+        """The recorded storages ``model`` keeps, by storage (tied names share one)."""
+        out: dict[int, Sink] = {}
+        for kind, items in ((True, model.named_parameters(remove_duplicate=False)),
+                            (False, model.named_buffers(remove_duplicate=False))):
+            for name, t in items:
+                if t is None or t.device.type != "meta" or _key(t) not in self.nbytes:
+                    continue
+                out.setdefault(_key(t), Sink(_key(t))).names.append((name, Ref.of(t), kind))
+        return out
+
+    def unrecorded(self, model: nn.Module) -> list[str]:
+        """Meta parameters and buffers the log does not compute (built on meta outside the block)."""
+        return [n for n, t in (*model.named_parameters(), *model.named_buffers())
+                if t.device.type == "meta" and _key(t) not in self.nbytes]
+
+    def fingerprint(self) -> torch.Tensor:
+        """Of the recorded random streams: ranks that agree on it build the same values."""
+        sums = [int(state.to(torch.int64).sum()) * 1_000_003 + i for i, op in enumerate(self.ops) if op.rng
+                for state in (op.rng[1],)]
+        return torch.tensor([len(self.ops), len(sums), sum(sums) % (2**62)], dtype=torch.int64)
+
+    # ---- replay -------------------------------------------------------------------------------------
+
+    def replay(self, sinks: dict[int, Sink], emit: Callable[[Sink, dict[str, torch.Tensor]], None]) -> None:
+        """Computes the value of every sink and hands it to ``emit`` (sink, name -> full tensor) right after
+        the last op that writes it; frees every other value after its last reader. Leaves the generators
+        as they were."""
+        needed = self._live_ops(sinks)
+        last: dict[int, int] = {}
+        for i in needed:
+            op = self.ops[i]
+            for k in (*op.reads, *op.writes, *op.fresh, *([op.overwrites] if op.overwrites is not None else [])):
+                last[k] = i
+        env: dict[int, torch.UntypedStorage] = {}
+        saved = {}
+        done: set[int] = set()
+        try:
+            for i in needed:
+                op = self.ops[i]
+                if op.rng is not None:
+                    generator, state = op.rng
+                    saved.setdefault(id(generator), (generator, generator.get_state()))
+                    generator.set_state(state)
+                if op.overwrites is not None and op.overwrites not in env:
+                    env[op.overwrites] = torch.empty(self.nbytes[op.overwrites], dtype=torch.uint8,
+                                                     device=self.devices[op.overwrites]).untyped_storage()
+                args, kwargs = pytree.tree_map(lambda a: self._real(a, env, op.device), (op.args, op.kwargs))
+                out = op.func(*args, **kwargs)
+                for ref, t in zip(op.outs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]):
+                    if ref.key not in env:
+                        env[ref.key] = t.untyped_storage()
+                for k in [k for k, at in last.items() if at == i]:
+                    if k in sinks and k not in done:
+                        done.add(k)
+                        emit(sinks[k], {name: self._view(r, env[k]) for name, r, _ in sinks[k].names})
+                    env.pop(k, None)
+                    del last[k]
+            for k, sink in sinks.items():  # written by no live op: loaded, or never initialized
+                if k not in done:
+                    emit(sink, {})
+        finally:
+            for generator, state in saved.values():
+                generator.set_state(state)
+
+    def _live_ops(self, sinks: dict[int, Sink]) -> list[int]:
+        """Indices of the ops some sink's value depends on, in order (backwards liveness over values; an
+        overwrite ends the life of the value before it)."""
+        live: set[int] = set(sinks)
+        needed = []
+        for i in range(len(self.ops) - 1, -1, -1):
+            op = self.ops[i]
+            produced = set(op.writes) | set(op.fresh) | ({op.overwrites} if op.overwrites is not None else set())
+            if not produced & live:
+                continue
+            needed.append(i)
+            if op.overwrites is not None:
+                live.discard(op.overwrites)
+            for k in op.fresh:
+                live.discard(k)
+            live |= set(op.reads) | (set(op.writes) - {op.overwrites})
+        return needed[::-1]
+
+    @staticmethod
+    def _view(ref: Ref, storage: torch.UntypedStorage) -> torch.Tensor:
+        return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.size, ref.stride)
+
+    def _real(self, a: Any, env: dict[int, torch.UntypedStorage], device: torch.device) -> Any:
+        if isinstance(a, Ref):
+            return self._view(a, env[a.key])
+        if isinstance(a, torch.device) and a.type == "meta":
+            return device
+        return a
+
+
+# ---- the model's side --------------------------------------------------------------------------------
+
+
+def materialize_whole(model: nn.Module, deferred: Deferred, sinks: dict[int, Sink]) -> None:
+    """Gives every recorded parameter and buffer of ``model`` its serial value, in place (same objects):
+    for grids that keep whole parameters on every rank (data parallelism alone)."""
+    tensors = dict(model.named_parameters(remove_duplicate=False))
+    tensors.update(model.named_buffers(remove_duplicate=False))
+
+    def emit(sink: Sink, values: dict[str, torch.Tensor]) -> None:
+        done: set[int] = set()
+        for name, _, is_param in sink.names:
+            t = tensors[name]
+            if id(t) in done:
+                continue
+            done.add(id(t))
+            value = values[name].clone()
+            torch.utils.swap_tensors(t, nn.Parameter(value, requires_grad=t.requires_grad) if is_param else value)
+
+    deferred.replay(sinks, emit)
+
+
+def make_pending(model: nn.Module, deferred: Deferred, sinks: dict[int, Sink]) -> None:
+    """Replaces ``model``'s recorded meta parameters and buffers by ``Pending`` ones (tied names stay one
+    object); the ParamStore materializes them when the plan says which pieces this rank keeps."""
+    made: dict[int, torch.Tensor] = {}
+    for sink in sinks.values():
+        for name, ref, is_param in sink.names:
+            owner_name, _, leaf = name.rpartition(".")
+            owner = model.get_submodule(owner_name)
+            old = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+            new = made.get(id(old))
+            if new is None:
+                pending = Pending(ref.size, ref.dtype, deferred.devices[sink.key], name, sink.key, deferred)
+                new = made[id(old)] = nn.Parameter(pending, requires_grad=old.requires_grad) if is_param else pending
+            if is_param:
+                owner._parameters[leaf] = new
+            else:
+                owner._buffers[leaf] = new
+
+
+def is_pending(t: Any) -> bool:
+    return isinstance(t, Pending)

@@ -1,0 +1,266 @@
+"""Building a model inside auto_parallelize: recorded on meta, each rank building only its pieces, with
+the serial model's values bit for bit and the random stream left where serial construction leaves it.
+
+The oracle is the same constructor run serially with the same seed. Built plainly and under
+``torch.device("meta")`` (inside the block and around it), FC_Net, nanoGPT and HF Llama, GPT-2 and BERT
+give serial's parameters and buffers exactly; ``torch.rand`` after the block draws what it draws after
+the serial build. The mutation case replays without restoring the random states and must fail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import autopar
+from autopar.examples import zoo
+from autopar.examples.fc_net import FC_Net
+from autopar.examples.nanogpt import GPTConfig, NanoGPT
+from autopar.runtime.deferred import DeferredInitError
+from autopar.runtime.parameters import local_of
+
+MODELS = {
+    "fc_net": (lambda: FC_Net(num_layers=2, hidden=32, image_size=4), lambda: (torch.randn(4, 1, 4, 4),)),
+    "nanogpt": (lambda: NanoGPT(GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32)),
+                lambda: (torch.randint(0, 128, (4, 16)),)),
+    **{name: (lambda name=name: zoo.build_model(name), lambda name=name: zoo.example_inputs(name))
+       for name in ("llama", "gpt2", "bert")},
+}
+HOW = ("plain", "meta inside", "meta around")
+
+
+def _serial(name: str) -> tuple[dict, torch.Tensor]:
+    torch.manual_seed(0)
+    model = MODELS[name][0]()
+    after = torch.rand(4)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    return state, after
+
+
+def _build(name: str, how: str, grid: tuple, **kwargs) -> tuple[nn.Module, torch.Tensor]:
+    torch.manual_seed(0)
+    tensor, data = grid
+    around = torch.device("meta") if how == "meta around" else contextlib.nullcontext()
+    inside = torch.device("meta") if how == "meta inside" else contextlib.nullcontext()
+    with around, autopar.auto_parallelize(tensor=tensor, data=data, **kwargs):
+        with inside:
+            model = MODELS[name][0]()
+    return model, torch.rand(4)
+
+
+def values_worker(grid: tuple, names: tuple[str, ...], mutate: bool = False) -> dict:
+    if mutate:  # the mutation: random ops replay from whatever state the generator is in
+        from autopar.runtime import deferred
+
+        original = deferred.Deferred.replay
+
+        def replay(self, sinks, emit):
+            for op in self.ops:
+                op.rng = None
+            return original(self, sinks, emit)
+
+        deferred.Deferred.replay = replay
+    out = {}
+    for name in names:
+        for how in HOW:
+            model, after = _build(name, how, grid)
+            held_before = sum(local_of(p).numel() for p in model.parameters() if local_of(p).device.type != "meta"
+                              and type(local_of(p)).__name__ != "Pending")
+            model(*MODELS[name][1]())  # the first call: plans, then builds this rank's pieces
+            pieces = sum(local_of(p).numel() for p in model.parameters())
+            full = autopar.full_state_dict(model)
+            out[(name, how)] = {"state": full, "after": after, "held_before": held_before, "pieces": pieces,
+                                "total": sum(p.numel() for p in model.parameters())}
+    return out
+
+
+GRIDS = {"t211-d2": ((2, 1, 1), 2), "t221": ((2, 2, 1), 1), "t112-d2": ((1, 1, 2), 2), "d4": ((1, 1, 1), 4)}
+
+
+@pytest.mark.parametrize("grid", ["t221", "t112-d2", "d4"])
+def test_initial_values_equal_serial_bit_for_bit(grid, distributed):
+    names = ("fc_net", "nanogpt", "llama") if grid == "t221" else ("fc_net", "llama")
+    want = {name: _serial(name) for name in names}
+    for rank, got in enumerate(distributed(values_worker, 4, GRIDS[grid], names)):
+        for (name, how), g in got.items():
+            state, after = want[name]
+            assert torch.equal(g["after"], after), (grid, name, how, "the random stream after the block")
+            assert g["state"].keys() == state.keys()
+            for k, v in state.items():
+                assert torch.equal(g["state"][k], v), (grid, rank, name, how, k)
+            if grid != "d4":  # nothing is built before the first call; then only this rank's pieces
+                assert g["held_before"] == 0, (name, how, g["held_before"])
+                assert g["pieces"] < g["total"], (name, how, g["pieces"], g["total"])
+
+
+@pytest.mark.slow
+def test_hf_gpt2_and_bert_initial_values_equal_serial(distributed):
+    names = ("gpt2", "bert")
+    want = {name: _serial(name) for name in names}
+    for got in distributed(values_worker, 4, GRIDS["t211-d2"], names):
+        for (name, how), g in got.items():
+            state, after = want[name]
+            assert torch.equal(g["after"], after), (name, how)
+            for k, v in state.items():
+                assert torch.equal(g["state"][k], v), (name, how, k)
+
+
+def test_replay_without_the_recorded_random_states_fails_the_checks(distributed):
+    state, _ = _serial("fc_net")
+    got = distributed(values_worker, 2, ((2, 1, 1), 1), ("fc_net",), True)[0][("fc_net", "plain")]
+    assert any(not torch.equal(got["state"][k], v) for k, v in state.items())
+
+
+def conversions_worker() -> dict:
+    """What a script does between the block and the first call: .to(dtype), load_state_dict, counts."""
+    out = {}
+    model, _ = _build("fc_net", "plain", ((2, 1, 1), 1))
+    out["count"] = sum(p.numel() for p in model.parameters())
+    out["shapes"] = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    model.to(torch.float64)
+    with torch.no_grad():
+        model(torch.randn(4, 1, 4, 4, dtype=torch.float64))
+    out["double"] = autopar.full_state_dict(model)
+    # load_state_dict before the first call: the loaded values replace the recorded init (each rank keeps
+    # its pieces of them)
+    torch.manual_seed(5)
+    other = MODELS["fc_net"][0]().state_dict()
+    model, _ = _build("fc_net", "plain", ((2, 1, 1), 1))
+    model.load_state_dict(other)
+    with torch.no_grad():
+        model(torch.randn(4, 1, 4, 4))
+    out["loaded_equal"] = all(torch.equal(v, other[k]) for k, v in autopar.full_state_dict(model).items())
+    # values needed before the first call (an optimizer step, DCP's get_state_dict, torch.save): the
+    # parameters are built whole on this rank (one warning) and the first call keeps the pieces
+    state, _ = _serial("fc_net")
+    model, _ = _build("fc_net", "plain", ((2, 1, 1), 1))
+    with torch.no_grad():
+        model.embed.weight.mul_(2)
+    out["whole_before_call"] = all(type(local_of(p)) is torch.Tensor and local_of(p).shape == p.shape
+                                   for p in model.parameters())
+    with torch.no_grad():
+        model(torch.randn(4, 1, 4, 4))
+    out["pieces_after_call"] = all(local_of(p).numel() < p.numel() for p in model.parameters() if p.dim() == 2)
+    got = autopar.full_state_dict(model)
+    out["touched_equal"] = all(torch.equal(got[k], v * 2 if k == "embed.weight" else v) for k, v in state.items())
+    return out
+
+
+def test_conversions_loads_and_values_needed_before_the_first_call(distributed):
+    state, _ = _serial("fc_net")
+    for got in distributed(conversions_worker, 2):
+        assert got["count"] == sum(v.numel() for v in state.values())
+        assert got["shapes"] == {k: tuple(v.shape) for k, v in state.items()}
+        for k, v in state.items():
+            assert got["double"][k].dtype == torch.float64 and torch.equal(got["double"][k], v.double()), k
+        assert got["loaded_equal"]
+        assert got["whole_before_call"] and got["pieces_after_call"] and got["touched_equal"], got
+
+
+class ReadsData(nn.Module):
+    """Decides its init from tensor data while it is built (cannot run on meta)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        if self.lin.weight.sum() > 0:
+            with torch.no_grad():
+                self.lin.weight.neg_()
+
+
+def reads_data_worker() -> dict:
+    out = {}
+    try:
+        with autopar.auto_parallelize(tensor=(2, 1, 1)):
+            ReadsData()
+        out["deferred"] = "no error"
+    except DeferredInitError as e:
+        out["deferred"] = str(e)
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), defer_init=False):
+        model = ReadsData()
+    out["eager"] = isinstance(model, ReadsData)
+    return out
+
+
+def test_a_module_reading_tensor_data_while_built_is_named(distributed):
+    for got in distributed(reads_data_worker, 2):
+        assert "ReadsData" in got["deferred"] and "defer_init=False" in got["deferred"], got["deferred"]
+        assert re.search(r"test_construction\.py:\d+", got["deferred"]), got["deferred"]
+        assert got["eager"]
+
+
+def _rss_mib(field: str) -> float:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError(field)
+
+
+def memory_worker(hidden: int, layers: int) -> dict:
+    """Peak resident memory above the start, through construction and the first call (which builds the
+    pieces), against this rank's pieces plus the largest matmul weight held whole for a moment."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets VmHWM: the peak from here on
+    base = _rss_mib("VmRSS")
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 2, 1)):
+        model = FC_Net(num_layers=layers, hidden=hidden, image_size=32)
+    built = _rss_mib("VmHWM") - base
+    with torch.no_grad():
+        model(torch.randn(8, 1, 32, 32))
+    peak = _rss_mib("VmHWM") - base
+    pieces = sum(local_of(p).numel() * 4 for p in model.parameters()) / 2**20
+    largest = max(p.numel() * 4 for p in model.parameters()) / 2**20
+    total = sum(p.numel() * 4 for p in model.parameters()) / 2**20
+    dist.barrier()
+    return {"built": built, "peak": peak, "pieces": pieces, "largest": largest, "total": total}
+
+
+@pytest.mark.slow
+def test_a_large_model_never_exists_whole_on_a_rank(distributed):
+    """FC_Net hidden 4096, 3 blocks: 1.55 GiB of parameters, 4 ranks at (2,2,1)."""
+    for got in distributed(memory_worker, 4, 4096, 3, timeout=600):
+        assert got["total"] > 1024, got
+        assert got["built"] <= 1.1 * got["largest"], got  # the block holds one scratch tensor at a time
+        # the goal, plus what capturing and planning hold at the first call (~47 MiB measured here, before any
+        # parameter is built); measured: peak 707 MiB against pieces 388 + largest 256 MiB
+        assert got["peak"] <= 1.1 * (got["pieces"] + got["largest"]) + 64, got
+
+
+def pretrained_worker(root: str) -> dict:
+    import transformers
+
+    out = {}
+    for name in ("llama", "gpt2"):
+        path = f"{root}/{name}"
+        serial = transformers.AutoModelForCausalLM.from_pretrained(path)
+        with autopar.auto_parallelize(tensor=(2, 1, 1), data=2):
+            model = transformers.AutoModelForCausalLM.from_pretrained(path)
+        ids = zoo.example_inputs(name)[0]
+        got = model(ids, use_cache=False).logits.detach()  # (an eval call with HF's cache: issue 16)
+        want = serial(ids, use_cache=False).logits.detach()
+        full = autopar.full_state_dict(model)
+        buffers = dict(model.named_buffers())
+        out[name] = {"logits": float((got - want).abs().max() / want.abs().max()),
+                     "state": all(torch.equal(full[k], v) for k, v in serial.state_dict().items()),
+                     "buffers": all(torch.equal(buffers[k], v) for k, v in serial.named_buffers())}
+    return out
+
+
+@pytest.mark.slow
+def test_from_pretrained_inside_the_block_matches_serial(distributed, tmp_path):
+    """HF builds on meta and branches on it (weights a checkpoint lacks are moved off meta with
+    empty_like): the recorded values must reach them (rotary inv_freq was garbage before)."""
+    torch.manual_seed(3)
+    for name in ("llama", "gpt2"):
+        zoo.build_model(name).save_pretrained(tmp_path / name)
+    for got in distributed(pretrained_worker, 4, str(tmp_path)):
+        for name, g in got.items():
+            assert g["logits"] < 1e-5 and g["state"] and g["buffers"], (name, g)
