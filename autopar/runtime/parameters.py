@@ -35,7 +35,7 @@ from __future__ import annotations
 import functools
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -347,7 +347,10 @@ class ParamStore:
         if not self.dtensors:
             return
         if self.pending is not None:
-            self._materialize(plan)
+            if self.config.pipeline > 1:  # parameters once hold() knows which this rank's stages read
+                self._materialize(plan, only=lambda sink: not any(is_param for _, _, is_param in sink.names))
+            else:
+                self._materialize(plan)
             return
         with torch.no_grad():
             for pp in plan.params:
@@ -401,11 +404,14 @@ class ParamStore:
             for k in loaded:
                 emit(sinks[k], {})
 
-    def _materialize(self, plan: Plan) -> None:
-        """Builds the pending parameters and buffers: the recorded construction is replayed (or a value
-        loaded before the first call is taken), and each parameter keeps only this rank's piece."""
-        deferred, sinks = self.pending
-        self.pending = None
+    def _materialize(self, plan: Plan, only: Callable[[Sink], bool] | None = None) -> None:
+        """Builds the pending parameters and buffers (those ``only`` picks; the rest stay pending): the
+        recorded construction is replayed (or a value loaded before the first call is taken), and each
+        parameter keeps only this rank's piece."""
+        deferred, every = self.pending
+        sinks = {k: s for k, s in every.items() if only is None or only(s)}
+        rest = {k: s for k, s in every.items() if k not in sinks}
+        self.pending = (deferred, rest) if rest else None
         for key in sinks:
             deferred.on_demand.pop(key, None)
         plans = self.by_param()
@@ -453,6 +459,15 @@ class ParamStore:
         self.held = set()
         plans = self.by_param()
         read = {id(p) for name, p in self.params.items() if name in readers}
+        if self.pending is not None:  # build only what this rank's stages read (and what no stage reads)
+            mine = {id(p) for name, p in self.params.items()
+                    if me in readers.get(name, (me,)) and (name in readers or id(p) not in read)}
+            self._materialize(self.plan, only=lambda sink: any(id(self.params[n]) in mine
+                                                               for n, _, is_param in sink.names if is_param))
+            if self.pending is not None:  # the other stages' parameters: never built here
+                for key in self.pending[1]:
+                    self.pending[0].on_demand.pop(key, None)
+                self.pending = None
         for name, p in self.params.items():
             if id(p) in self.held or (name not in readers and id(p) in read):  # a tied alias: under its other name
                 continue

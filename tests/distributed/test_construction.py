@@ -44,7 +44,9 @@ def _serial(name: str) -> tuple[dict, torch.Tensor]:
 
 def _build(name: str, how: str, grid: tuple, **kwargs) -> tuple[nn.Module, torch.Tensor]:
     torch.manual_seed(0)
-    tensor, data = grid
+    tensor, data, *pipeline = grid
+    if pipeline:
+        kwargs["pipeline"] = pipeline[0]
     around = torch.device("meta") if how == "meta around" else contextlib.nullcontext()
     inside = torch.device("meta") if how == "meta inside" else contextlib.nullcontext()
     with around, autopar.auto_parallelize(tensor=tensor, data=data, **kwargs):
@@ -72,17 +74,18 @@ def values_worker(grid: tuple, names: tuple[str, ...], mutate: bool = False) -> 
             held_before = sum(local_of(p).numel() for p in model.parameters() if local_of(p).device.type != "meta"
                               and type(local_of(p)).__name__ != "Pending")
             model(*MODELS[name][1]())  # the first call: plans, then builds this rank's pieces
-            pieces = sum(local_of(p).numel() for p in model.parameters())
+            pieces = sum(local_of(p).numel() for p in model.parameters() if type(local_of(p)) is torch.Tensor)
             full = autopar.full_state_dict(model)
             out[(name, how)] = {"state": full, "after": after, "held_before": held_before, "pieces": pieces,
                                 "total": sum(p.numel() for p in model.parameters())}
     return out
 
 
-GRIDS = {"t211-d2": ((2, 1, 1), 2), "t221": ((2, 2, 1), 1), "t112-d2": ((1, 1, 2), 2), "d4": ((1, 1, 1), 4)}
+GRIDS = {"t211-d2": ((2, 1, 1), 2), "t221": ((2, 2, 1), 1), "t112-d2": ((1, 1, 2), 2), "d4": ((1, 1, 1), 4),
+         "p2-d2": ((1, 1, 1), 2, 2)}
 
 
-@pytest.mark.parametrize("grid", ["t221", "t112-d2", "d4"])
+@pytest.mark.parametrize("grid", ["t221", "t112-d2", "d4", "p2-d2"])
 def test_initial_values_equal_serial_bit_for_bit(grid, distributed):
     names = ("fc_net", "nanogpt", "llama") if grid == "t221" else ("fc_net", "llama")
     want = {name: _serial(name) for name in names}
@@ -93,7 +96,7 @@ def test_initial_values_equal_serial_bit_for_bit(grid, distributed):
             assert g["state"].keys() == state.keys()
             for k, v in state.items():
                 assert torch.equal(g["state"][k], v), (grid, rank, name, how, k)
-            if grid != "d4":  # nothing is built before the first call; then only this rank's pieces
+            if grid != "d4":  # nothing is built before the first call; then only this rank's pieces (stages)
                 assert g["held_before"] == 0, (name, how, g["held_before"])
                 assert g["pieces"] < g["total"], (name, how, g["pieces"], g["total"])
 
