@@ -417,9 +417,9 @@ class Deferred:
         if schema is not None:
             for a, value in zip(schema.arguments, list(args) + [kwargs.get(x.name) for x in
                                                                 schema.arguments[len(args):]]):
-                if a.alias_info is not None and a.alias_info.is_write and isinstance(value, torch.Tensor) \
-                        and value.device.type == "meta":
-                    writes.append(_key(value))
+                if a.alias_info is not None and a.alias_info.is_write:  # a tensor, or a list (_foreach_*_)
+                    writes += [_key(v) for v in pytree.tree_leaves(value)
+                               if isinstance(v, torch.Tensor) and v.device.type == "meta"]
         op.writes = tuple(writes)
         op.reads = tuple(dict.fromkeys(_key(t) for t in metas))
         if func in OVERWRITES and writes and isinstance(args[0], torch.Tensor) and args[0].device.type == "meta":
@@ -523,7 +523,7 @@ class Deferred:
         """Computes the value of every sink and hands it to ``emit`` (sink, name -> full tensor) right after
         the last op that writes it; frees every other value after its last reader. Leaves the generators
         as they were."""
-        needed = self._live_ops(sinks)
+        needed = self.live_ops(sinks)
         last: dict[int, int] = {}
         for i in needed:
             op = self.ops[i]
@@ -560,7 +560,7 @@ class Deferred:
             for generator, state in saved.values():
                 generator.set_state(state)
 
-    def _live_ops(self, sinks: dict[int, Sink]) -> list[int]:
+    def live_ops(self, sinks: dict[int, Sink]) -> list[int]:
         """Indices of the ops some sink's value depends on, in order (backwards liveness over values; an
         overwrite ends the life of the value before it)."""
         live: set[int] = set(sinks)
