@@ -48,50 +48,41 @@ def _job(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.models import bench_model
-    from benchmarks.systems import parse_grid
-
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = interleaved.start()
     sides = {"base": importlib.import_module("autopar_base"), "head": importlib.import_module("autopar")}
     rows = []
-    for model_name in args.models:
-        bm = bench_model(model_name, "tiny")
-        batches = bm.make_batches(args.warmup + args.steps, bm.batch)
-        for text in args.grids:
-            grid = parse_grid(text, world)
-            built = {}
-            for side, ap in sides.items():
-                torch.manual_seed(0)
-                with ap.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline):
-                    model = bm.build()
-                built[side] = (ap, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
-            times: dict[str, list[float]] = {"base": [], "head": []}
-            losses: dict[str, list[float]] = {"base": [], "head": []}
-            for step, (x, y) in enumerate(batches):
-                order = ("base", "head") if step % 2 == 0 else ("head", "base")
-                for side in order:
-                    ap, model, opt = built[side]
-                    dist.barrier()
-                    start = time.perf_counter()
-                    if grid.pipeline > 1:
-                        loss = ap.train_step(model, x, y, torch.nn.functional.cross_entropy)
-                    else:
-                        loss = bm.loss(model(x), y)
-                        loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    elapsed = torch.tensor([time.perf_counter() - start])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    if step >= args.warmup:
-                        times[side].append(float(elapsed))
-                    losses[side].append(float(loss.detach()))
-            ratios = [h / b for h, b in zip(times["head"], times["base"])]
-            loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses["head"], losses["base"]))
-            rows.append((model_name, text, statistics.median(times["base"]), statistics.median(times["head"]),
-                         statistics.median(ratios), loss_err))
-            del built
+    for model_name, bm, batches, text, grid in interleaved.cases(args, world):
+        built = {}
+        for side, ap in sides.items():
+            torch.manual_seed(0)
+            with ap.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline):
+                model = bm.build()
+            built[side] = (ap, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
+        times: dict[str, list[float]] = {"base": [], "head": []}
+        losses: dict[str, list[float]] = {"base": [], "head": []}
+        for step, (x, y) in enumerate(batches):
+            order = ("base", "head") if step % 2 == 0 else ("head", "base")
+            for side in order:
+                ap, model, opt = built[side]
+                dist.barrier()
+                start = time.perf_counter()
+                if grid.pipeline > 1:
+                    loss = ap.train_step(model, x, y, torch.nn.functional.cross_entropy)
+                else:
+                    loss = bm.loss(model(x), y)
+                    loss.backward()
+                opt.step()
+                opt.zero_grad()
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if step >= args.warmup:
+                    times[side].append(float(elapsed))
+                losses[side].append(float(loss.detach()))
+        ratios = [h / b for h, b in zip(times["head"], times["base"])]
+        loss_err = max(abs(a - b) / abs(b) for a, b in zip(losses["head"], losses["base"]))
+        rows.append((model_name, text, statistics.median(times["base"]), statistics.median(times["head"]),
+                     statistics.median(ratios), loss_err))
+        del built
     if rank == 0:
         print("| model | grid | base step (ms) | this checkout (ms) | median per-step ratio | losses agree |")
         print("|---|---|---:|---:|---:|---|")

@@ -7,8 +7,9 @@ import argparse
 import os
 import subprocess
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +23,29 @@ def parser(description: str, grids: Sequence[str], steps: int) -> argparse.Argum
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--job", action="store_true", help=argparse.SUPPRESS)
     return p
+
+
+def start() -> tuple[int, int]:
+    """Inside the job: the gloo group, one thread per rank; (world size, rank)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    torch.set_num_threads(1)
+    return dist.get_world_size(), dist.get_rank()
+
+
+def cases(args: argparse.Namespace, world: int) -> Iterator[tuple[str, Any, list, str, Any]]:
+    """(model name, its bench model, the batches of warm-up and measured steps, grid text, grid) for every
+    model and grid asked for."""
+    from benchmarks.models import bench_model
+    from benchmarks.systems import parse_grid
+
+    for model_name in args.models:
+        bm = bench_model(model_name, "tiny")
+        batches = bm.make_batches(args.warmup + args.steps, bm.batch)
+        for text in args.grids:
+            yield model_name, bm, batches, text, parse_grid(text, world)
 
 
 def run(module: str, args: argparse.Namespace, job: Callable[[argparse.Namespace], None],

@@ -24,41 +24,35 @@ def _job(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
-    from benchmarks.models import NotApplicable, bench_model
-    from benchmarks.systems import Context, build, parse_grid
+    from benchmarks.models import NotApplicable
+    from benchmarks.systems import Context, build
 
-    dist.init_process_group("gloo")
-    torch.set_num_threads(1)
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world, rank = interleaved.start()
     ctx = Context(world, rank, torch.device("cpu"), 2 * world, "1f1b")
     rows = []
-    for model_name in args.models:
-        bm = bench_model(model_name, "tiny")
-        batches = bm.make_batches(args.warmup + args.steps, bm.batch)
-        for text in args.grids:
-            grid = parse_grid(text, world)
-            peer = grid.same_plan_peer()
-            if peer is None:
-                continue
-            try:
-                sides = {"peer": build(peer, bm, ctx), "autopar": build(f"autopar:{text}", bm, ctx)}
-            except NotApplicable as e:
-                rows.append((model_name, text, peer, None, None, None, str(e)))
-                continue
-            times: dict[str, list[float]] = {"peer": [], "autopar": []}
-            for step, (x, y) in enumerate(batches):
-                for side in (("peer", "autopar") if step % 2 == 0 else ("autopar", "peer")):
-                    dist.barrier()
-                    start = time.perf_counter()
-                    sides[side].train(x, y)
-                    elapsed = torch.tensor([time.perf_counter() - start])
-                    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                    if step >= args.warmup:
-                        times[side].append(float(elapsed))
-            ratios = [a / p for a, p in zip(times["autopar"], times["peer"])]
-            rows.append((model_name, text, peer, statistics.median(times["peer"]), statistics.median(times["autopar"]),
-                         statistics.median(ratios), ""))
-            del sides
+    for model_name, bm, batches, text, grid in interleaved.cases(args, world):
+        peer = grid.same_plan_peer()
+        if peer is None:
+            continue
+        try:
+            sides = {"peer": build(peer, bm, ctx), "autopar": build(f"autopar:{text}", bm, ctx)}
+        except NotApplicable as e:
+            rows.append((model_name, text, peer, None, None, None, str(e)))
+            continue
+        times: dict[str, list[float]] = {"peer": [], "autopar": []}
+        for step, (x, y) in enumerate(batches):
+            for side in (("peer", "autopar") if step % 2 == 0 else ("autopar", "peer")):
+                dist.barrier()
+                start = time.perf_counter()
+                sides[side].train(x, y)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                if step >= args.warmup:
+                    times[side].append(float(elapsed))
+        ratios = [a / p for a, p in zip(times["autopar"], times["peer"])]
+        rows.append((model_name, text, peer, statistics.median(times["peer"]), statistics.median(times["autopar"]),
+                     statistics.median(ratios), ""))
+        del sides
     if rank == 0:
         print("| model | grid | peer | peer step (ms) | autopar step (ms) | median per-step ratio autopar / peer |")
         print("|---|---|---|---:|---:|---:|")
