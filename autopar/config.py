@@ -435,6 +435,8 @@ class MemoryPlan:
     """False when even recomputing every block exceeds the budget (then every block is recomputed)."""
     headroom_bytes: int = 0
     """Kept free under a budget: one largest tensor, for transients the prediction does not see."""
+    construction_bytes: int = 0
+    """Peak while the model is built (autopar.runtime.deferred): the parameters plus the largest one whole."""
 
     @property
     def static_bytes(self) -> int:
@@ -452,6 +454,11 @@ class MemoryPlan:
                  f"optimizer {self.optimizer_bytes / mib:,.1f} MiB, activations "
                  f"{self.activation_bytes / mib:,.1f} MiB (without checkpointing "
                  f"{self.activation_bytes_no_checkpoint / mib:,.1f} MiB); peak {self.peak_bytes / mib:,.1f} MiB"]
+        if self.construction_bytes:
+            lines.append(f"construction peak {self.construction_bytes / mib:,.1f} MiB (this rank's parameters and "
+                         "the largest one whole while it is initialized)")
+        if self.budget_bytes and self.construction_bytes > self.budget_bytes:
+            lines.append(f"DOES NOT FIT: building the model needs {self.construction_bytes / mib:,.1f} MiB")
         if not self.fits:
             lines.append(f"DOES NOT FIT: the budget of {self.budget_bytes / mib:,.1f} MiB is exceeded even with "
                          "every block recomputed")

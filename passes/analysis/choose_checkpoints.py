@@ -120,4 +120,5 @@ def plan_memory(profile: MemoryProfile, checkpoint: str | int, budget: int | Non
     return MemoryPlan("budget" if isinstance(checkpoint, int) else checkpoint,
                       budget if checkpoint not in ("none", "full") else None, choice.recompute, blocks,
                       profile.param_bytes, profile.grad_bytes, profile.optimizer_bytes, choice.peak_bytes,
-                      activation_peak(segments, set()), choice.recompute_flops, 3 * forward, fits, headroom)
+                      activation_peak(segments, set()), choice.recompute_flops, 3 * forward, fits, headroom,
+                      profile.param_bytes + profile.largest_param_bytes)

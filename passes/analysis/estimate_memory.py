@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -74,6 +75,8 @@ class MemoryProfile:
     """Optimizer state: two fp32 tensors per trainable parameter (Adam's moments)."""
     frozen: tuple[str, ...] = ()
     """Parameters that need no gradient."""
+    largest_param_bytes: int = 0
+    """The largest parameter, whole (fp32): deferred construction holds it besides this rank's pieces."""
 
     @property
     def static_bytes(self) -> int:
@@ -322,4 +325,5 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
     """The profile of ``segments`` with parameter, gradient and optimizer bytes from ``plan``."""
     local = {p.name: p.local_numel(plan.config) * 4 for p in plan.params}  # fp32
     trainable = sum(b for name, b in local.items() if name not in frozen)
-    return MemoryProfile(segments, sum(local.values()), trainable, 2 * trainable, frozen)
+    largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
+    return MemoryProfile(segments, sum(local.values()), trainable, 2 * trainable, frozen, largest)
