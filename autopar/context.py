@@ -12,7 +12,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -159,7 +159,8 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
     roots = recorder.roots()
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
-    with torch.device("cpu"):  # a torch.device("meta") around the block is the model's, not autopar's
+    # a torch.device("meta") around the block is the model's, not autopar's
+    with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
         for model in roots:
             parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs,
                         deferred=deferred)
