@@ -29,6 +29,8 @@ before: correct, at the memory cost of the whole model until then.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import inspect
 import os
 import sys
@@ -75,6 +77,20 @@ OVERWRITES = frozenset({
     aten.random_.default, getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default, aten.cauchy_.default,
     aten.log_normal_.default, aten.geometric_.default, aten.bernoulli_.float, aten.copy_.default,
 })
+
+
+def _load_trim() -> Callable[[], None]:
+    try:
+        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc
+        return lambda: None
+    return lambda: trim(0) and None
+
+
+#: Hands freed heap pages back to the system (glibc's malloc_trim). A whole tensor freed while smaller
+#: long-lived ones (pieces, recorded states) were allocated after it leaves a hole glibc keeps resident:
+#: replaying GPT-2 (774 MiB) kept 1.3 GiB resident per rank without this.
+release_freed_memory = _load_trim()
 
 
 def value_device(device: torch.device | None) -> torch.device:
@@ -350,6 +366,8 @@ class Deferred:
                 fn(torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device), *rest, **kwargs)
             finally:
                 self.paused = False
+            if device.type == "cpu":
+                release_freed_memory()
             self.ops.append(op)
             return tensor
 
@@ -489,8 +507,11 @@ class Deferred:
         try:
             real_args, real_kwargs = pytree.tree_map(scratch, (args, kwargs))
             func(*real_args, **real_kwargs)
+            del real_args, real_kwargs
         finally:
             self.paused = False
+        if device.type == "cpu":
+            release_freed_memory()
         return generator, state
 
     # ---- the model's tensors ------------------------------------------------------------------------
@@ -547,12 +568,16 @@ class Deferred:
                 for ref, t in zip(op.outs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]):
                     if ref.key not in env:
                         env[ref.key] = t.untyped_storage()
+                freed = False
                 for k in [k for k, at in last.items() if at == i]:
                     if k in sinks and k not in done:
                         done.add(k)
                         emit(sinks[k], {name: self._view(r, env[k]) for name, r, _ in sinks[k].names})
-                    env.pop(k, None)
+                    freed |= env.pop(k, None) is not None and self.nbytes.get(k, 0) >= 1 << 20
                     del last[k]
+                if freed:
+                    del args, kwargs, out
+                    release_freed_memory()
             for k, sink in sinks.items():  # written by no live op: loaded, or never initialized
                 if k not in done:
                     emit(sink, {})
