@@ -387,17 +387,21 @@ def _gather_rows_along(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim:
 
 class _GatherRows(torch.autograd.Function):
     """This rank's rows (along ``dim``, ``factor`` entries each) -> every batch shard's, in batch order;
-    backward keeps this rank's rows of the (same everywhere) gradient."""
+    backward keeps this rank's rows of the gradient: of the same gradient everywhere, or (``summed``) of the
+    sum of the batch ranks' parts of it."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int, factor: int) -> torch.Tensor:
-        ctx.mesh, ctx.sizes, ctx.dim, ctx.factor = mesh, sizes, dim, factor
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int, factor: int,
+                summed: bool = False) -> torch.Tensor:
+        ctx.mesh, ctx.sizes, ctx.dim, ctx.factor, ctx.summed = mesh, sizes, dim, factor, summed
         return _gather_rows_along(x, mesh, sizes, dim, factor)
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        if ctx.summed:
+            dy = C.all_reduce(dy.contiguous().clone(), ctx.mesh.group("batch"), ctx.mesh.size("batch"))
         start, stop = _rows_bounds(ctx.sizes, ctx.factor, ctx.mesh.index("batch"))
-        return dy.narrow(ctx.dim, start, stop - start), None, None, None, None
+        return dy.narrow(ctx.dim, start, stop - start), None, None, None, None, None
 
 
 class _OnOneBatchRank(torch.autograd.Function):
@@ -458,20 +462,7 @@ class GatherRowsOp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mesh.size("batch") == 1:
             return x
-        return _GatherRowsSummed.apply(x, self.mesh, self.sizes, self.spec.dim, self.spec.factor)
-
-
-class _GatherRowsSummed(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int, factor: int) -> torch.Tensor:
-        ctx.mesh, ctx.sizes, ctx.dim, ctx.factor = mesh, sizes, dim, factor
-        return _gather_rows_along(x, mesh, sizes, dim, factor)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        whole = C.all_reduce(dy.contiguous().clone(), ctx.mesh.group("batch"), ctx.mesh.size("batch"))
-        start, stop = _rows_bounds(ctx.sizes, ctx.factor, ctx.mesh.index("batch"))
-        return whole.narrow(ctx.dim, start, stop - start), None, None, None, None
+        return _GatherRows.apply(x, self.mesh, self.sizes, self.spec.dim, self.spec.factor, True)
 
 
 class ScatterRowsOp:

@@ -48,7 +48,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CheckpointError, ParameterError, PlanError, StateDictError
 from autopar.runtime import collectives as C
-from autopar.runtime.deferred import Deferred, Sink, is_pending
+from autopar.runtime.deferred import Deferred, Sink
+from autopar.runtime.pending import is_pending
 from autopar.runtime.mesh import WAYS_TO_SAVE, Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 

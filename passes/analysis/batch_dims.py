@@ -36,7 +36,7 @@ import torch
 from torch import fx
 
 from autopar.errors import PlanError
-from passes.analysis.graph_facts import module_of, tensor_meta
+from passes.analysis.graph_facts import carries_grad, module_of, tensor_inputs, tensor_meta
 from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad, vocab_cross_entropy
 
 aten = torch.ops.aten
@@ -176,14 +176,6 @@ def _has_arg(node: fx.Node, name: str) -> bool:
     return schema is not None and any(a.name == name for a in schema.arguments)
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    seen: list[fx.Node] = []
-    for n in node.all_input_nodes:
-        if n not in seen:
-            seen.append(n)
-    return seen
-
-
 # ---- the walk ---------------------------------------------------------------------------------------
 
 
@@ -213,12 +205,8 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
             continue
         if node.op == "output":
             continue
-        ins = _tensor_inputs(node)
-        vals = node.meta.get("val")
-        vals = vals if isinstance(vals, (list, tuple)) else (vals,)
-        facts.requires_grad[node] = bool(
-            any(facts.requires_grad.get(i, False) for i in ins)
-            and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))
+        ins = tensor_inputs(node)
+        facts.requires_grad[node] = carries_grad(node, facts.requires_grad)
         split_ins = [i for i in ins if facts.state(i) is State.SPLIT]
         if not split_ins and rows:
             _track_row_index(facts, node, rows)
@@ -364,7 +352,7 @@ class _Rules:
 
     def _aligned(self, node: fx.Node, val: torch.Tensor) -> BatchDim:
         target = None
-        for i in _tensor_inputs(node):
+        for i in tensor_inputs(node):
             bd, t = self.bd(i), tensor_meta(i)
             if bd is None or t is None:
                 continue
@@ -562,7 +550,7 @@ class _Rules:
         q = node.args[0]
         nd = tensor_meta(q).dim()
         target = None
-        for i in _tensor_inputs(node):
+        for i in tensor_inputs(node):
             bd, t = self.bd(i), tensor_meta(i)
             if bd is None or t is None:
                 continue
@@ -577,7 +565,7 @@ class _Rules:
 
     def rows_at_zero(self, node: fx.Node) -> Any:
         bd = self.bd(node.args[0])
-        if bd is None or bd.dim != 0 or any(self.bd(i) is not None for i in _tensor_inputs(node)[1:]):
+        if bd is None or bd.dim != 0 or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
             raise _Gather()
         vals = node.meta.get("val")
         return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
@@ -586,7 +574,7 @@ class _Rules:
         x = node.args[0]
         bd, xt = self.bd(x), tensor_meta(x)
         shape = node.args[1]
-        if bd is None or bd.dim >= xt.dim() - len(shape) or any(self.bd(i) is not None for i in _tensor_inputs(node)[1:]):
+        if bd is None or bd.dim >= xt.dim() - len(shape) or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
             raise _Gather()
         vals = node.meta.get("val")
         return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
@@ -618,7 +606,7 @@ class _Rules:
         """Ops with a ``dim`` argument (softmax, cumsum, sort, max over a dim, ...): fine along any other dim."""
         x = node.args[0]
         bd, xt, vals = self.bd(x), tensor_meta(x), node.meta.get("val")
-        if bd is None or xt is None or any(self.bd(i) is not None for i in _tensor_inputs(node)[1:]):
+        if bd is None or xt is None or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
             raise _Gather()
         raw = _arg(node, "dim")
         if raw is None or (isinstance(raw, (list, tuple)) and not raw):
@@ -640,7 +628,7 @@ class _Rules:
     def loss(self, node: fx.Node) -> Any:
         x, target = node.args[0], node.args[1]
         bx, bt = self.bd(x), self.bd(target)
-        others = [i for i in _tensor_inputs(node) if i not in (x, target)]
+        others = [i for i in tensor_inputs(node) if i not in (x, target)]
         if bx is None or bx.dim != 0 or any(self.bd(i) is not None for i in others):
             raise _Gather()
         if node.target in CLASS_LOSSES:
@@ -661,7 +649,7 @@ class _Rules:
         """An op without a rule: fine when it keeps the rows where they are and works along another dim."""
         if _has_arg(node, "dim"):
             return self.along_dim(node)
-        split = [i for i in _tensor_inputs(node) if self.bd(i) is not None]
+        split = [i for i in tensor_inputs(node) if self.bd(i) is not None]
         vals = node.meta.get("val")
         if len(split) != 1 or not isinstance(vals, torch.Tensor):
             raise _Gather()

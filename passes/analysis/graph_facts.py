@@ -133,3 +133,16 @@ def rows_of(t: torch.Tensor) -> int:
     for s in t.shape[:-1]:
         n *= int(s)
     return n
+
+
+def tensor_inputs(node: fx.Node) -> list[fx.Node]:
+    """``node``'s input nodes, each once, in order."""
+    return list(dict.fromkeys(node.all_input_nodes))
+
+
+def carries_grad(node: fx.Node, requires_grad: dict[fx.Node, bool]) -> bool:
+    """Whether ``node``'s value needs a gradient: an input needs one and it outputs a float tensor."""
+    vals = node.meta.get("val")
+    vals = vals if isinstance(vals, (list, tuple)) else (vals,)
+    return (any(requires_grad.get(i, False) for i in tensor_inputs(node))
+            and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))

@@ -33,7 +33,7 @@ from torch import fx
 
 from autopar.config import EmbeddingMode, Layout, Orientation
 from passes.analysis.batch_dims import BatchFacts, State, analyze_batch
-from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
+from passes.analysis.graph_facts import MatmulMatch, carries_grad, param_name, tensor_inputs, tensor_meta
 from passes.ir import REPLICATED, ReduceSpec, Sharding, VocabLossSpec, input_info, last_dim, vocab_cross_entropy
 
 aten = torch.ops.aten
@@ -91,14 +91,6 @@ class _Decision:
     """Replicated inputs broadcast along the output's split dim (their gradients are partial)."""
 
 
-def _tensor_inputs(node: fx.Node) -> list[fx.Node]:
-    seen: list[fx.Node] = []
-    for n in node.all_input_nodes:
-        if n not in seen:
-            seen.append(n)
-    return seen
-
-
 def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch],
                       orientation_of: Callable[[MatmulMatch, Sharding], tuple[Orientation, tuple[int, ...]]],
                       sizes: Mapping[str, int], local_batch: int | None = None,
@@ -128,12 +120,8 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             continue
         if node.op == "output":
             continue
-        ins = _tensor_inputs(node)
-        vals = node.meta.get("val")
-        vals = vals if isinstance(vals, (list, tuple)) else (vals,)
-        res.requires_grad[node] = bool(
-            any(res.requires_grad.get(i, False) for i in ins)
-            and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))
+        ins = tensor_inputs(node)
+        res.requires_grad[node] = carries_grad(node, res.requires_grad)
         res.batch_split[node] = batch is not None and batch.state(node) is State.SPLIT
         decision = None
         match = matmuls.get(node)
@@ -169,7 +157,7 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             res.reductions[node] = decision.reduce
         res.shardings[node] = decision.out
     out_node = output_node(gm)
-    for out in _tensor_inputs(out_node):
+    for out in tensor_inputs(out_node):
         if not res.sharding(out).is_replicated:
             res.conversions.setdefault((out_node, out), REPLICATED)
     return res
@@ -192,7 +180,7 @@ class _Rules:
         if t is aten._assert_tensor_metadata.default:
             kwargs = {k: v for k, v in node.kwargs.items() if k not in ("size", "stride")}
             return _Decision(REPLICATED, {}, (t, node.args, kwargs))
-        ins = _tensor_inputs(node)
+        ins = tensor_inputs(node)
         if not any(not self.res.sharding(i).is_replicated for i in ins):
             return None if not ins else _Decision(REPLICATED)
         handler = _HANDLERS.get(t)
@@ -223,7 +211,7 @@ class _Rules:
         if val is None:
             return None
         target = None
-        for i in _tensor_inputs(node):
+        for i in tensor_inputs(node):
             s, t = self.res.sharding(i), tensor_meta(i)
             if not s.is_replicated and t is not None:
                 target = Sharding(s.layout, s.dim + val.dim() - t.dim(), s.parts)
@@ -231,7 +219,7 @@ class _Rules:
         if target is None or target.dim < 0 or val.shape[target.dim] != target.full_size:
             return None
         needs, broadcast = {}, []
-        for i in _tensor_inputs(node):
+        for i in tensor_inputs(node):
             t = tensor_meta(i)
             if t is None:
                 continue
