@@ -138,8 +138,9 @@ class Op:
     reads: tuple[int, ...] = ()
     overwrites: int | None = None
     fresh: tuple[int, ...] = ()
-    rng: tuple[Any, torch.Tensor] | None = None
-    """Random ops: (generator, its state before the op)."""
+    rng: tuple[Any, torch.Tensor | None] | None = None
+    """Random ops: (generator, its state before the op); the state is None while a random op serial runs
+    on meta is not settled (``Deferred.settle``)."""
     module: str = ""
 
 
@@ -232,6 +233,12 @@ class Deferred:
         """Storage -> the device its value lives on in the serial script."""
         self.nbytes: dict[int, int] = {}
         self.keep: dict[int, torch.Tensor] = {}  # one meta tensor per storage: keeps its key unique
+        self.on_meta: set[int] = set()
+        """Storages serial's script makes on meta (``torch.device("meta")``, HF's from_pretrained)."""
+        self.unsettled: list[int] = []
+        """Random ops on those, in order, whose generator has not advanced yet (``settle``)."""
+        self.roots: Callable[[], list[nn.Module]] = list
+        """The modules built so far (set by auto_parallelize): whose tensors a settle decision looks at."""
         self._modes: list[Any] = []
         self.paused = False
         self.on_demand: dict[int, Callable[[str], None]] = {}
@@ -276,16 +283,7 @@ class Deferred:
                     reads=(key,))
             if Ref.of(tensor).covers(self.nbytes[key]) and fn.__name__ != "dirac_":  # dirac_ keeps other entries
                 op.overwrites, op.reads = key, ()
-            generator = kwargs.get("generator") or (torch.cuda.default_generators[device.index or 0]
-                                                    if device.type == "cuda" else torch.default_generator)
-            op.rng = (generator, generator.get_state())
-            self.paused = True  # the real call on scratch advances the generator as serial's
-            try:
-                fn(torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype, device=device), *rest, **kwargs)
-            finally:
-                self.paused = False
-            if device.type == "cpu":
-                release_freed_memory()
+            self._random(op, kwargs.get("generator"), key in self.on_meta)
             self.ops.append(op)
             return tensor
 
@@ -306,6 +304,8 @@ class Deferred:
                 "init replayed later, one shard at a time. Compute that value from Python numbers, or build this "
                 "model with auto_parallelize(defer_init=False) (every rank then builds the whole model).")
         if not metas and (device is None or device.type != "meta"):
+            if self.unsettled and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+                self.settle_if_kept()  # serial's meta random ops came first: the stream must be past them
             return func(*args, **kwargs)  # real tensors only: not part of the model's recorded values
         if func is aten.empty_like.default and device is not None and device.type != "meta":
             # "move this meta tensor to a device" (HF's loading of keys a checkpoint lacks): empty_like's contents
@@ -314,6 +314,7 @@ class Deferred:
         if func in LIKE_FACTORIES and device is not None and device.type != "meta":
             return func(*args, **kwargs)  # zeros_like(t, device="cpu"): a real tensor asked for (only t's shape)
         if self._writes_real(func, args, kwargs):  # copy_(real, recorded): the real one needs the value now
+            self.settle()
             args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: self.evaluate(t) if t.device.type == "meta"
                                                 else t, (args, kwargs))
             return func(*args, **kwargs)
@@ -323,7 +324,7 @@ class Deferred:
             intended = device
             kwargs = {**kwargs, "device": META}
         else:
-            intended = self.devices.get(_key(metas[0]), torch.device("cpu"))
+            intended = META if _key(metas[0]) in self.on_meta else self.devices.get(_key(metas[0]), torch.device("cpu"))
         # real tensors meeting meta ones: their values are constants of the log (copied: later in-place
         # changes must not reach back); meta stands in for them in the meta computation
         consts: dict[int, torch.Tensor] = {}
@@ -371,12 +372,14 @@ class Deferred:
                 if k not in self.nbytes:
                     self.nbytes[k] = t.untyped_storage().nbytes()
                     self.devices[k] = value_device(intended)
+                    if intended is None or intended.type == "meta":
+                        self.on_meta.add(k)
                     self.keep[k] = t
                     fresh.append(k)
                 op.outs.append(Ref.of(t))
         op.fresh = tuple(fresh)
         if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
-            op.rng = self._advance(op, func, args, kwargs)
+            self._random(op, kwargs.get("generator"), intended is None or intended.type == "meta")
         self.ops.append(op)
         return out
 
@@ -403,34 +406,65 @@ class Deferred:
             self.paused = False
         return out["value"]
 
-    def _advance(self, op: Op, func: Any, args: tuple, kwargs: dict) -> tuple[Any, torch.Tensor]:
-        """Runs ``func`` on real scratch tensors (one at a time) so the generator advances as serial's does;
-        returns the generator and its state before."""
+    def _random(self, op: Op, generator: Any, on_meta: bool) -> None:
+        """A random op: on serial's real device it runs now on scratch (the generator advances as serial's;
+        its state before is kept); on meta, where serial's generator does not move, it waits for ``settle``."""
         device = op.device
-        generator = kwargs.get("generator")
         if generator is None:
             generator = torch.cuda.default_generators[device.index or 0] if device.type == "cuda" \
                 else torch.default_generator
-        state = generator.get_state()
+        op.rng = (generator, None)
+        if on_meta:
+            self.unsettled.append(len(self.ops))
+        else:
+            self.settle_if_kept()  # serial's meta random ops before it came first
+            self._advance(op)
+
+    def _advance(self, op: Op) -> None:
+        """Runs ``op`` on real scratch tensors (one at a time) so its generator advances as serial's does,
+        keeping the generator's state before."""
+        generator = op.rng[0]
+        op.rng = (generator, generator.get_state())
+        device = op.device
 
         def scratch(t: Any) -> Any:
-            if isinstance(t, torch.Tensor) and t.device.type == "meta":
-                return torch.full_like(torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device), 0.5) \
-                    if t.is_floating_point() else torch.zeros(t.shape, dtype=t.dtype, device=device)
+            if isinstance(t, Ref):
+                empty = torch.empty_strided(t.size, t.stride, dtype=t.dtype, device=device)
+                return empty.fill_(0.5) if t.dtype.is_floating_point else empty.zero_()
             if isinstance(t, torch.device) and t.type == "meta":
                 return device
             return t
 
         self.paused = True
         try:
-            real_args, real_kwargs = pytree.tree_map(scratch, (args, kwargs))
-            func(*real_args, **real_kwargs)
-            del real_args, real_kwargs
+            args, kwargs = pytree.tree_map(scratch, (op.args, op.kwargs))
+            op.func(*args, **kwargs)
+            del args, kwargs
         finally:
             self.paused = False
         if device.type == "cpu":
             release_freed_memory()
-        return generator, state
+
+    def settle(self) -> None:
+        """Advances the generators past the random ops serial's script ran on meta, in order, as a plain
+        build would have (their values become the plain build's): the model built on meta is kept, so its
+        values are the module's own init."""
+        for i in self.unsettled:
+            self._advance(self.ops[i])
+        self.unsettled = []
+
+    def settle_if_kept(self) -> None:
+        """Settles if a module built so far keeps a meta tensor those random ops computed; else (a loader
+        such as ``from_pretrained`` built on meta and replaced every tensor by a loaded one) they are left
+        as serial leaves them: the generator never moved."""
+        if not self.unsettled:
+            return
+        sinks: dict[int, Sink] = {}
+        for model in self.roots():
+            sinks.update(self.sinks(model))
+        pending = set(self.unsettled)
+        if sinks and pending & set(self.live_ops(sinks)):
+            self.settle()
 
     # ---- the model's tensors ------------------------------------------------------------------------
 
@@ -452,8 +486,8 @@ class Deferred:
 
     def fingerprint(self) -> torch.Tensor:
         """Of the recorded random streams: ranks that agree on it build the same values."""
-        sums = [int(state.to(torch.int64).sum()) * 1_000_003 + i for i, op in enumerate(self.ops) if op.rng
-                for state in (op.rng[1],)]
+        sums = [int(state.to(torch.int64).sum()) * 1_000_003 + i for i, op in enumerate(self.ops)
+                if op.rng and op.rng[1] is not None for state in (op.rng[1],)]
         return torch.tensor([len(self.ops), len(sums), sum(sums) % (2**62)], dtype=torch.int64)
 
     # ---- replay -------------------------------------------------------------------------------------
@@ -474,10 +508,11 @@ class Deferred:
         try:
             for i in needed:
                 op = self.ops[i]
-                if op.rng is not None:
+                if op.rng is not None:  # (an unsettled one: values of no kept tensor; the generator is restored)
                     generator, state = op.rng
                     saved.setdefault(id(generator), (generator, generator.get_state()))
-                    generator.set_state(state)
+                    if state is not None:
+                        generator.set_state(state)
                 if op.overwrites is not None and op.overwrites not in env:
                     env[op.overwrites] = torch.empty(self.nbytes[op.overwrites], dtype=torch.uint8,
                                                      device=self.devices[op.overwrites]).untyped_storage()

@@ -32,12 +32,15 @@ def _axis(mesh: Mesh, s: Sharding) -> tuple[int, int]:
     return mesh.size(s.axis), mesh.index(s.axis)
 
 
-def take_pieces(t: torch.Tensor, dim: int, parts: tuple[int, ...], n: int, index: int) -> torch.Tensor:
-    """Rank ``index``'s piece of every segment of ``dim`` (see ``split_chunks``), concatenated."""
+def take_pieces(t: torch.Tensor, dim: int, parts: tuple[int, ...], n: int, index: int,
+                contiguous: bool = True) -> torch.Tensor:
+    """Rank ``index``'s piece of every segment of ``dim`` (see ``split_chunks``), concatenated (a view
+    when it is one segment and ``contiguous`` is False)."""
     if n == 1:
         return t
     chunks = [t.narrow(dim, start, k) for start, k in split_chunks(parts or (t.shape[dim],), n, index)]
-    return (torch.cat(chunks, dim) if len(chunks) > 1 else chunks[0]).contiguous()
+    out = torch.cat(chunks, dim) if len(chunks) > 1 else chunks[0]
+    return out.contiguous() if contiguous else out
 
 
 def join_pieces(pieces: list[torch.Tensor], dim: int, parts: tuple[int, ...]) -> torch.Tensor:

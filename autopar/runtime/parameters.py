@@ -48,7 +48,8 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
 from autopar.errors import CheckpointError, ParameterError, PlanError, StateDictError
 from autopar.runtime import collectives as C
-from autopar.runtime.deferred import Deferred, Sink
+from autopar.runtime.deferred import Deferred, Sink, release_freed_memory
+from autopar.runtime.mapped import FileMaps, release_pages
 from autopar.runtime.pending import is_pending
 from autopar.runtime.mesh import WAYS_TO_SAVE, Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
@@ -215,10 +216,19 @@ def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     if pp.kind is ParamKind.BIAS:
         return take_pieces(full, 0, pp.parts, mesh.size(o.out_axis), mesh.index(o.out_axis))
     out_dim, in_dim = (1, 0) if pp.weight_in_out else (0, 1)
-    block = take_pieces(full, out_dim, pp.parts, mesh.size(o.out_axis), mesh.index(o.out_axis))
-    block = take_pieces(block, in_dim, (), mesh.size(o.in_axis), mesh.index(o.in_axis))
+    # one copy at most, at the end (a contiguous middle step would copy half the weight for nothing)
+    block = take_pieces(full, out_dim, pp.parts, mesh.size(o.out_axis), mesh.index(o.out_axis), contiguous=False)
+    block = take_pieces(block, in_dim, (), mesh.size(o.in_axis), mesh.index(o.in_axis), contiguous=False)
     rows = block.shape[0] // mesh.size("depth")  # the plan keeps the block's rows divisible by depth
-    return block.narrow(0, mesh.index("depth") * rows, rows)
+    return block.narrow(0, mesh.index("depth") * rows, rows).contiguous()
+
+
+def own_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
+    """``local_piece`` in storage of its own (the whole can be freed)."""
+    piece = local_piece(full, pp, mesh)
+    if piece.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
+        piece = piece.clone()
+    return piece
 
 
 class Absent(torch.Tensor):
@@ -353,12 +363,16 @@ class ParamStore:
             else:
                 self._materialize(plan)
             return
+        maps = FileMaps()
         with torch.no_grad():
             for pp in plan.params:
                 p = self.params[pp.name]
                 if pp.kind is not ParamKind.REPLICATED:
-                    local = local_piece(local_of(p), pp, self.mesh).clone()
+                    whole = local_of(p)
+                    local = own_piece(whole, pp, self.mesh)
                     set_layout(p, local, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
+                    release_pages(whole, maps)
+        release_freed_memory()  # the wholes just freed (glibc keeps them otherwise)
 
     def _set_buffer(self, name: str, value: torch.Tensor) -> None:
         """Every name of the buffer ``name`` is (module attributes and this store's table) now ``value``."""
@@ -438,11 +452,12 @@ class ParamStore:
                 if pp is None or pp.kind is ParamKind.REPLICATED:
                     set_layout(t, full.clone(), self.mesh.param_mesh(), t.placements)
                     continue
-                piece = local_piece(full, pp, self.mesh)
-                if piece.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
-                    piece = piece.clone()  # a view of the whole: keep only the piece
+                piece = own_piece(full, pp, self.mesh)
                 set_layout(t, piece, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
+                if pending.loaded is not None:  # torch.load(mmap=True) then load_state_dict: its pages go
+                    release_pages(pending.loaded, maps)
 
+        maps = FileMaps()
         loaded = {k: s for k, s in sinks.items()
                   if all((p := pending_of(n, is_param)[1]) is None or p.loaded is not None for n, _, is_param in s.names)}
         with torch.no_grad():

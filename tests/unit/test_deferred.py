@@ -51,6 +51,8 @@ def test_every_init_idiom_replays_bit_for_bit(meta):
         with torch.device("meta") if meta else torch.device("cpu"):
             model = Inits()
     assert all(t.device.type == "meta" for t in model.parameters())
+    deferred.roots = lambda: [model]
+    deferred.settle_if_kept()  # (auto_parallelize's block end) the model keeps its meta tensors
     assert torch.equal(torch.rand(5), after)  # the generator is where serial construction left it
     got = _replayed(model, deferred)
     want = dict(serial.named_parameters(remove_duplicate=False))
@@ -62,6 +64,39 @@ def test_every_init_idiom_replays_bit_for_bit(meta):
     before = torch.get_rng_state()
     _replayed(model, deferred)
     assert torch.equal(torch.get_rng_state(), before)  # replay leaves the generator alone
+
+
+def test_random_ops_serial_runs_on_meta_move_the_generator_only_if_their_tensors_are_kept():
+    """A loader (HF from_pretrained) builds on meta and replaces every tensor by a loaded one: serial's
+    generator never moves, so the recording's must not either (and no scratch init runs). A model kept
+    on meta gets a plain build's values, and a random op on real tensors after it draws what it draws
+    after a plain build."""
+    torch.manual_seed(2)
+    plain = nn.Linear(8, 8)
+    after_plain = torch.rand(3)
+    torch.manual_seed(2)
+    start = torch.get_rng_state()
+    deferred = Deferred()
+    with deferred:
+        with torch.device("meta"):
+            loaded = nn.Linear(8, 8)
+        loaded.weight = nn.Parameter(torch.ones(8, 8))  # "from the checkpoint", real
+        loaded.bias = nn.Parameter(torch.zeros(8))
+        deferred.roots = lambda: [loaded]
+        deferred.settle_if_kept()
+    assert torch.equal(torch.get_rng_state(), start)
+    assert deferred.unsettled  # (dead: never replayed)
+
+    torch.manual_seed(2)
+    deferred = Deferred()
+    with deferred:
+        with torch.device("meta"):
+            kept = nn.Linear(8, 8)
+        deferred.roots = lambda: [kept]
+        drawn = torch.tensor([0.0, 0.0, 0.0]).uniform_()  # a real random op: serial's meta inits come first
+    assert torch.equal(drawn, after_plain)
+    got = _replayed(kept, deferred)
+    assert torch.equal(got["weight"], plain.weight) and torch.equal(got["bias"], plain.bias)
 
 
 def test_two_models_replay_independently_in_any_order():
