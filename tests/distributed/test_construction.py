@@ -222,16 +222,18 @@ def memory_worker(what: str, *args: object) -> dict:
     base = _rss_mib("VmRSS")
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=(2, 2, 1)):
-        if what == "fc_net":
-            hidden, layers = args
-            model = FC_Net(num_layers=layers, hidden=hidden, image_size=32)
-        else:
+        if what == "pretrained":
             model = transformers.AutoModelForCausalLM.from_pretrained(args[0])
+        else:
+            hidden, layers, *saved = args
+            model = FC_Net(num_layers=layers, hidden=hidden, image_size=32)
+    if what == "load":  # a serial checkpoint loaded before the first call, memory-mapped
+        model.load_state_dict(torch.load(saved[0], mmap=True))
     built = _rss_mib("VmHWM") - base
-    x = torch.randn(8, 1, 32, 32) if what == "fc_net" else torch.randint(0, 1000, (4, 32))
+    x = torch.randint(0, 1000, (4, 32)) if what == "pretrained" else torch.randn(8, 1, 32, 32)
 
     def call() -> torch.Tensor:
-        return model(x) if what == "fc_net" else model(x, use_cache=False).logits
+        return model(x, use_cache=False).logits if what == "pretrained" else model(x)
 
     with torch.no_grad():
         call()
@@ -261,6 +263,18 @@ def test_a_large_model_never_exists_whole_on_a_rank(distributed):
         # the goal, plus what capturing and planning hold at the first call (~47 MiB measured here, before any
         # parameter is built) and what a step needs anyway
         assert got["peak"] <= 1.1 * (got["pieces"] + got["largest"]) + got["second"] + 64, got
+
+
+@pytest.mark.slow
+def test_a_memory_mapped_serial_checkpoint_is_read_only_in_pieces(distributed, tmp_path):
+    """``model.load_state_dict(torch.load(path, mmap=True))`` between the block and the first call: the
+    first call copies this rank's pieces out of the file's pages (FC_Net hidden 2048: 392 MiB)."""
+    torch.manual_seed(1)
+    torch.save(FC_Net(num_layers=3, hidden=2048, image_size=32).state_dict(), tmp_path / "fc.pt")
+    for got in distributed(memory_worker, 4, "load", 2048, 3, str(tmp_path / "fc.pt"), timeout=600):
+        assert got["built"] <= 1.1 * got["largest"] + 16, got  # nothing read yet
+        assert got["peak"] <= 1.1 * (got["pieces"] + got["largest"]) + got["second"] + 64, got
+        assert got["file_pages"] <= 0.25 * got["total"], got
 
 
 @pytest.mark.slow
@@ -309,8 +323,9 @@ def test_from_pretrained_inside_the_block_matches_serial(distributed, tmp_path):
     """HF builds on meta and branches on it (weights a checkpoint lacks are moved off meta with
     empty_like): the recorded values must reach them (rotary inv_freq was garbage before)."""
     torch.manual_seed(3)
-    for name in ("llama", "gpt2"):
-        zoo.build_model(name).save_pretrained(tmp_path / name)
+    for name in ("llama", "gpt2"):  # Llama in 7 files with an index, as large checkpoints come
+        zoo.build_model(name).save_pretrained(tmp_path / name, max_shard_size="20KB" if name == "llama" else "5GB")
+    assert (tmp_path / "llama" / "model.safetensors.index.json").exists()
     for got in distributed(pretrained_worker, 4, str(tmp_path)):
         for name, g in got.items():
             assert g["logits"] < 1e-5 and g["state"] and g["buffers"] and g["after"], (name, g)
