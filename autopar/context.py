@@ -22,7 +22,7 @@ from torch.nn.modules import module as module_hooks
 
 from autopar.runtime import collectives as C
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
-from autopar.errors import ContextError, NotInitializedError
+from autopar.errors import AgreementError, ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
 from autopar.runtime.deferred import Deferred, release_freed_memory
 from autopar.runtime.mapped import FileMaps, file_fingerprint
@@ -265,9 +265,25 @@ def _fingerprint(t: torch.Tensor, maps: FileMaps, chunk: int = 1 << 16) -> torch
 
 def _agree_on_construction(deferred: Deferred, mesh: Mesh) -> None:
     """Ranks whose recorded random streams differ (no common seed) all replay rank 0's, as DDP makes every
-    rank start from rank 0's parameters."""
+    rank start from rank 0's parameters. Checkpoint tensors whose conversion was recorded (not read yet)
+    must be the same on every rank: their values are not here to broadcast."""
     if mesh.config.world_size == 1:
         return
+    sources = deferred.mapped_sources()
+    if sources:
+        maps = FileMaps()
+        mine = torch.stack([_fingerprint(t, maps) for t in sources]).flatten()
+        every = C.all_gather(mine.to(mesh.device).unsqueeze(0), None, mesh.config.world_size).cpu()
+        differ = [r for r in range(mesh.config.world_size) if not torch.equal(every[r], every[0])]
+        if differ:
+            first = int((every[differ[0]] != every[0]).nonzero()[0]) // 4
+            where = maps.region(sources[first])
+            raise AgreementError(
+                f"ranks {differ} loaded other values than rank 0 from a memory-mapped checkpoint (first in "
+                f"{where[0] if where else 'a tensor written since it was loaded'}, a {tuple(sources[first].shape)} "
+                "tensor): each rank read its own copy, and they "
+                "differ. Load the same checkpoint on every rank (or load it in its saved dtype: autopar then "
+                "compares the values and broadcasts rank 0's).")
     if _ranks_agree(deferred.fingerprint(), mesh, "the ranks built the model from different random states"):
         return
     box = [[op.rng[1] if op.rng else None for op in deferred.ops]]

@@ -18,6 +18,11 @@ it) are skipped; a storage is allocated at the op that writes it whole and freed
 and a sink is handed to ``emit`` (the caller keeps its shard) as soon as its last op ran. So a rank holds
 its shards plus the few tensors one module's init touches at once.
 
+Random ops serial runs on meta (``torch.device("meta")``, a loader such as ``from_pretrained``) do not
+move serial's generator: they wait (*unsettled*) and advance it only if a module keeps what they computed.
+``.to(dtype)`` of a memory-mapped checkpoint's tensor is recorded too (``MappedConversion``), so loading
+in another dtype reads and converts one tensor at a time at the replay.
+
 Until then the model's parameters and buffers are ``Pending`` tensors (autopar/runtime/pending.py).
 """
 
@@ -39,9 +44,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
+from autopar.runtime.mapped import FileMaps, release_pages
 
 aten = torch.ops.aten
 META = torch.device("meta")
+HF_SYNC_LOAD = "HF_DEACTIVATE_ASYNC_LOAD"
+MAPPED = "(memory-mapped checkpoint)"
+"""``Op.module`` of a recorded conversion of a memory-mapped tensor."""
 
 
 class DeferredInitError(AutoparError, RuntimeError):
@@ -223,6 +232,27 @@ class InitCall:
             return self.fn(tensor, *self.rest, **self.kwargs)
 
 
+class MappedConversion:
+    """A recorded ``.to(dtype/device)`` of a memory-mapped tensor, replayed a chunk at a time: each chunk's
+    file pages are unmapped once converted, so a rank holds the converted tensor, not the source too."""
+
+    __name__ = "to (memory-mapped)"
+    CHUNK = 1 << 20  # elements
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def __call__(self, source: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(source.shape, dtype=self.dtype, device=self.device)
+        flat, into = source.reshape(-1), out.view(-1)
+        maps = FileMaps()
+        for start in range(0, flat.numel(), self.CHUNK):
+            chunk = flat[start:start + self.CHUNK]
+            into[start:start + self.CHUNK].copy_(chunk)
+            release_pages(chunk, maps)
+        return out
+
+
 class Deferred:
     """The recorded construction of the models of one ``auto_parallelize`` block."""
 
@@ -250,9 +280,12 @@ class Deferred:
         self._modes = [_Factories(self), _Recording(self)]
         for m in self._modes:
             m.__enter__()
-        # The only patch autopar makes: while the block runs, these init functions (torch's, and the table
-        # transformers.initialization keeps of them) are recorded instead of skipping meta tensors; the
-        # originals are back when the block ends, whatever happens in it.
+        # The only patches autopar makes: while the block runs, these init functions (torch's, and the table
+        # transformers.initialization keeps of them) are recorded instead of skipping meta tensors, and
+        # transformers loads on this thread (its worker threads would convert weights out of the recording's
+        # sight, whole); the originals are back when the block ends, whatever happens in it.
+        self._async_load = os.environ.get(HF_SYNC_LOAD)
+        os.environ[HF_SYNC_LOAD] = "1"
         self._originals = []
         tables: list[Any] = [nn.init.__dict__]
         hf = sys.modules.get("transformers.initialization")
@@ -266,6 +299,10 @@ class Deferred:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        if getattr(self, "_async_load", "") is None:
+            os.environ.pop(HF_SYNC_LOAD, None)
+        elif hasattr(self, "_async_load"):
+            os.environ[HF_SYNC_LOAD] = self._async_load
         for table, name, fn in reversed(getattr(self, "_originals", [])):
             table[name] = fn
         self._originals = []
@@ -303,6 +340,8 @@ class Deferred:
                 "which autopar cannot do: inside auto_parallelize the model is built on meta (no values) and its "
                 "init replayed later, one shard at a time. Compute that value from Python numbers, or build this "
                 "model with auto_parallelize(defer_init=False) (every rank then builds the whole model).")
+        if func is aten._to_copy.default and not metas and self._mapped(args[0]):
+            return self._convert_later(func, args, kwargs)
         if not metas and (device is None or device.type != "meta"):
             if self.unsettled and torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
                 self.settle_if_kept()  # serial's meta random ops came first: the stream must be past them
@@ -382,6 +421,32 @@ class Deferred:
             self._random(op, kwargs.get("generator"), intended is None or intended.type == "meta")
         self.ops.append(op)
         return out
+
+    def _mapped(self, t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type == "cpu" and FileMaps().region(t) is not None
+
+    def _convert_later(self, func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+        """``.to(dtype/device)`` of a memory-mapped checkpoint's tensor (``from_pretrained(dtype=...)`` of a
+        checkpoint saved in another dtype): recorded with the mapped source as its argument (by reference,
+        not copied), so the conversion runs one tensor at a time at the replay, like an init."""
+        source = args[0]
+        target = torch.device(kwargs["device"]) if kwargs.get("device") is not None else source.device
+        self.paused = True
+        try:
+            out = torch.empty(source.shape, dtype=kwargs.get("dtype") or source.dtype, device=META)
+        finally:
+            self.paused = False
+        k = _key(out)
+        self.nbytes[k] = out.untyped_storage().nbytes()
+        self.devices[k] = value_device(target)
+        self.keep[k] = out
+        convert = MappedConversion(kwargs.get("dtype") or source.dtype, value_device(target))
+        self.ops.append(Op(convert, (source,), {}, [Ref.of(out)], value_device(target), fresh=(k,), module=MAPPED))
+        return out
+
+    def mapped_sources(self) -> list[torch.Tensor]:
+        """The memory-mapped tensors recorded conversions read (the ranks compare them)."""
+        return [op.args[0] for op in self.ops if op.module == MAPPED]
 
     @staticmethod
     def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:

@@ -223,6 +223,12 @@ def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     return block.narrow(0, mesh.index("depth") * rows, rows).contiguous()
 
 
+def loaded_value(loaded: torch.Tensor, deferred: Deferred) -> torch.Tensor:
+    """A value loaded into a pending parameter: a recorded one (a checkpoint's tensor converted inside the
+    block, not read yet) is computed now."""
+    return deferred.evaluate(loaded) if loaded.device.type == "meta" else loaded
+
+
 def own_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     """``local_piece`` in storage of its own (the whole can be freed)."""
     piece = local_piece(full, pp, mesh)
@@ -403,7 +409,7 @@ class ParamStore:
                 local = local_of(t) if is_param and isinstance(t, DTensor) else t
                 if not is_pending(local) or local.cell["real"] is not None:
                     continue
-                full = local.loaded if local.loaded is not None else values[name]
+                full = loaded_value(local.loaded, deferred) if local.loaded is not None else values[name]
                 full = full.to(dtype=local.dtype, device=local.device).clone()
                 local.cell["real"] = full  # every copy of the Pending now stands for it
                 if is_param:
@@ -443,7 +449,7 @@ class ParamStore:
                 if pending is None or id(t) in done:
                     continue
                 done.add(id(t))
-                full = pending.loaded if pending.loaded is not None else values[name]
+                full = loaded_value(pending.loaded, deferred) if pending.loaded is not None else values[name]
                 full = full.to(dtype=pending.dtype, device=pending.device)
                 if not is_param:
                     self._set_buffer(name, full.clone())
