@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import sys
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -166,7 +167,7 @@ def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
         yield
         return
     if not shadow.training:
-        _register_hf_caches(shadow)
+        register_hf_caches(shadow)
         yield
         return
     if not getattr(_warned, "cache", False):
@@ -186,7 +187,13 @@ def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
             c.use_cache = True
 
 
-def _register_hf_caches(model: nn.Module) -> None:
+def register_hf_caches(model: nn.Module) -> None:
+    """Registers HF's key/value cache classes as pytrees (HF's own helper, as its exporter does): a cache
+    passed in (``generate`` passes ``past_key_values=DynamicCache()``) is then tensors autopar can
+    capture and split, not an opaque input that fails the export. Nothing for other models."""
+    transformers = sys.modules.get("transformers")
+    if transformers is None or not isinstance(model, getattr(transformers, "PreTrainedModel", ())):
+        return
     try:
         from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
     except ImportError:  # older transformers: the export then fails with a clear CaptureError

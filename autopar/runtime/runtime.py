@@ -11,6 +11,7 @@ import dataclasses
 import logging
 import operator
 import weakref
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
-                             split_batch_leaves)
+                             register_hf_caches, split_batch_leaves)
 from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
@@ -54,6 +55,9 @@ from passes.split_batch import split_batch
 from passes.split_stages import split_stages
 
 log = logging.getLogger(__name__)
+
+MAX_EXECUTABLES = 64
+"""Compiled graphs kept per model (one per input signature: shapes, dtypes, training or not)."""
 
 PASSES = (split_batch, shard_linears, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
@@ -90,6 +94,7 @@ class ParallelRuntime:
         """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
+        register_hf_caches(model)  # before any call flattens its inputs
         self.store = ParamStore(model, config, mesh, pending)
         self.params = self.store.params
         if self.store.dtensors:
@@ -98,7 +103,10 @@ class ParallelRuntime:
             model.register_state_dict_post_hook(state_dict_post_hook)  # DCP sees every box of fused pieces
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.plan: Plan | None = None
-        self.executables: dict[Any, Executable] = {}
+        self.executables: OrderedDict[Any, Executable] = OrderedDict()
+        """Compiled graphs by input signature, least recently used first (at most ``MAX_EXECUTABLES``)."""
+        self.uncaptured: set[Any] = set()
+        """Signatures of evaluation calls that could not be captured (run whole on every rank)."""
         self._syncs: list[GradSync] = []
         """Gradient sync of the parameters (pipeline = 1): one per process group."""
         self._leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -108,7 +116,7 @@ class ParallelRuntime:
         self._model = weakref.ref(model)
         self.fallback = False
         self.original_forward = model.forward
-        self._warned: set[str] = set()
+        self._warned: set[Any] = set()
         self._training = lambda: model.training
 
     # ---- calling ----------------------------------------------------------------------------------
@@ -152,13 +160,21 @@ class ParallelRuntime:
                tuple(_signature(x) for x in leaves), local_outputs)
         exe = self.executables.get(key)
         if exe is None:
+            if key in self.uncaptured:  # an evaluation call that could not be captured before
+                return self._forward_local(args, kwargs), None, ()
             try:
-                exe = self.executables[key] = self._compile(leaves, spec, split, sizes, local_outputs)
+                exe = self._compile(leaves, spec, split, sizes, local_outputs)
             except CaptureError as e:
-                if self.plan is not None or self.config.pipeline > 1:
+                if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
+                if not grad:  # this call only: training calls are still captured and get the plan
+                    self._eval_fall_back(e, key)
+                    return self._forward_local(args, kwargs), None, ()
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
+            self._keep(key, exe)
+        else:
+            self.executables.move_to_end(key)
         local = [scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x for i, x in enumerate(leaves)]
         return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
 
@@ -203,7 +219,8 @@ class ParallelRuntime:
         exe = self.executables.get(key)
         if exe is None:
             try:
-                exe = self.executables[key] = self._compile(local, spec, split, sizes, per_rank=(rows, member))
+                exe = self._compile(local, spec, split, sizes, per_rank=(rows, member))
+                self._keep(key, exe)
             except CaptureError as e:
                 if self.plan is not None or self.config.pipeline > 1:
                     raise
@@ -215,7 +232,8 @@ class ParallelRuntime:
         return pytree.tree_unflatten([own_output(t, s, self.mesh, rows, member) for t, s in zip(flat, specs)], out_spec)
 
     def _forward_local(self, args: tuple, kwargs: dict) -> Any:
-        """The user's forward on this rank's inputs and whole parameters (data parallelism, no_grad)."""
+        """The user's forward on this rank's inputs and whole parameters, under the precision's autocast
+        (data parallelism, or an evaluation call that could not be captured)."""
         dtype = half_dtype(self.memory.precision)
         if dtype is None:
             return self._forward_whole(args, kwargs)
@@ -252,6 +270,31 @@ class ParallelRuntime:
 
     # ---- fallback: no graph ---------------------------------------------------------------------
 
+    def _keep(self, key: Any, exe: Executable) -> None:
+        """Caches a compiled graph; beyond ``MAX_EXECUTABLES`` the least recently used is dropped (one
+        warning: each new input shape costs a capture)."""
+        self.executables[key] = exe
+        if len(self.executables) > MAX_EXECUTABLES:
+            self.executables.popitem(last=False)
+            if "evict" not in self._warned and self.mesh.rank == 0:
+                log.warning("autopar: %s was called with more than %d input signatures; the least recently used "
+                            "compiled graphs are dropped and captured again when met. Pad inputs to a few lengths "
+                            "to avoid the captures.", type(self._model()).__name__, MAX_EXECUTABLES)
+            self._warned.add("evict")
+
+    def _eval_fall_back(self, error: CaptureError, key: Any) -> None:
+        """An evaluation call before any plan that cannot be captured: it (and later calls with the same
+        signature) runs the whole model on every rank; the next training call is captured as usual."""
+        self.uncaptured.add(key)
+        reason = str(error).split(". autopar needs")[0]
+        cost = ("gathers every parameter whole on every rank for the call" if self.store.dtensors and self.plan
+                else "gets no tensor parallelism")
+        if (reason, cost) not in self._warned and self.mesh.rank == 0:
+            log.warning("autopar: %s; this evaluation call (and any with the same input shapes) runs the whole model "
+                        "on every rank: each rank computes the whole batch, and it %s. Training calls are still "
+                        "captured and parallelized.", reason, cost)
+        self._warned.add((reason, cost))
+
     def _fall_back(self, error: CaptureError) -> None:
         """The model cannot be captured: every rank runs it whole on its share of the batch (DDP)."""
         self.fallback = True
@@ -266,8 +309,8 @@ class ParallelRuntime:
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
         world = self.config.world_size
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        split, batch = split_batch_leaves(leaves, world, input_names(args, kwargs), self.inputs.batch_dims)
-        if not split:
+        split, batch = batch_leaves(leaves, input_names(args, kwargs), self.inputs.batch_dims)
+        if not split or batch < world:  # fewer rows than ranks: every rank runs them all (equal gradients)
             return self._forward_whole(args, kwargs)
         flat = ParallelConfig(data=world)
         sizes = flat.batch_sizes(batch)
@@ -303,11 +346,16 @@ class ParallelRuntime:
         return pytree.tree_map(gathered, out)
 
     def _forward_whole(self, args: tuple, kwargs: dict) -> Any:
-        """The user's forward on this rank's whole copy of the model (parameters still replicated)."""
+        """The user's forward on a whole copy of the model: this rank's (parameters still replicated), or
+        under a plan one gathered for the call (evaluation only; a collective)."""
         if not self.store.dtensors:
             return self.original_forward(*args, **kwargs)
         model = self._model()
-        views = {name: local_view(p) for name, p in self.params.items()}
+        if self.plan is not None:
+            with torch.no_grad():
+                views = self.store.full_state_dict(dict(self.params))
+        else:
+            views = {name: local_view(p) for name, p in self.params.items()}
         wrapper = model.__dict__.pop("forward", None)  # call the user's forward, not ours
         try:
             return torch.func.functional_call(model, views, args, kwargs, tie_weights=False)
@@ -489,7 +537,8 @@ class ParallelRuntime:
         key = ("pipeline", spec, self._training(), global_batch // m, tuple(_signature(x) for x in micro))
         exe = self.executables.get(key)
         if exe is None:
-            exe = self.executables[key] = self._compile(micro, spec, split, micro_sizes, True)
+            exe = self._compile(micro, spec, split, micro_sizes, True)
+            self._keep(key, exe)
         local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
         values = dict(zip(_placeholders(exe.gm), self._graph_inputs(exe, local)))

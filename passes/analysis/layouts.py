@@ -319,8 +319,10 @@ class _Rules:
         return _Decision(tuple(outs), {x: s}, (aten.split_with_sizes.default, (x, pieces, dim), {}))
 
     def cat(self, node: fx.Node) -> _Decision | None:
-        tensors = list(node.args[0])
         val = tensor_meta(node)
+        # torch.cat skips 1-D empty tensors whatever the dim (HF's legacy empty key/value cache): no layout
+        tensors = [t for t in node.args[0] if not (tensor_meta(t).dim() == 1 and tensor_meta(t).numel() == 0
+                                                   and val.dim() > 1)]
         dim = (node.args[1] if len(node.args) > 1 else 0) % val.dim()
         first = next(self.res.sharding(t) for t in tensors if not self.res.sharding(t).is_replicated)
         needs: dict[fx.Node, Sharding] = {}

@@ -111,3 +111,70 @@ def test_evaluation_on_every_rank_gives_each_rank_its_rows(grid, distributed):
         w, g = want[rank], got[rank]
         assert rel_err(g["logits"], w["logits"]) < 1e-5 and rel_err(g["last"], w["last"]) < 1e-5, (grid, rank)
         assert g["loss"] == pytest.approx(w["loss"], rel=1e-5) and g["none"] is None, (grid, rank)
+
+
+class EvalExits(torch.nn.Module):
+    """Captured in training; in evaluation it branches on data (an early exit), which torch.export cannot
+    trace on fake tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = torch.nn.Linear(16, 64), torch.nn.Linear(64, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc1(x).relu()
+        if not self.training and bool(h.mean() > 10):
+            return h[:, :16]
+        return self.fc2(h)
+
+
+def uncapturable_eval_worker() -> dict:
+    import logging
+
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("autopar").addHandler(handler)
+    torch.manual_seed(0)
+    serial = EvalExits()
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), data=1):
+        model = EvalExits()
+    x = torch.randn(4, 16)
+    out: dict = {}
+
+    def evaluate(n: int) -> float:
+        model.eval(), serial.eval()
+        with torch.no_grad():
+            xs = torch.randn(n, 16)
+            return rel_err(model(xs), serial(xs))
+
+    out["before"] = evaluate(4)  # before any plan: whole on every rank
+    out["plan_after_eval"] = autopar.plan_of(model) is not None
+    model.train(), serial.train()
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, serial)]
+    losses = []
+    for _ in range(2):  # training still gets the plan
+        for m, opt in zip((model, serial), opts):
+            loss = m(x).square().mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    out["losses"] = max(abs(a - b) for a, b in zip(losses[::2], losses[1::2]))
+    out["split"] = all(autopar.runtime.parameters.local_of(p).numel() < p.numel() for p in model.parameters()
+                       if p.dim() == 2)
+    out["after"] = max(evaluate(4), evaluate(6))  # under the plan: gathered whole for those calls
+    out["warnings"] = [r for r in records if "runs the whole model on every rank" in r]
+    return out
+
+
+def test_an_uncapturable_evaluation_falls_back_for_that_call_only(distributed):
+    """The fallback is said once per cause, costs what it says, and is not permanent (issue 16)."""
+    for rank, got in enumerate(distributed(uncapturable_eval_worker, 2)):
+        assert got["before"] < 1e-6 and got["after"] < 1e-6, got
+        assert not got["plan_after_eval"], got
+        assert got["losses"] < 1e-6 and got["split"], got
+        if rank == 0:
+            assert len(got["warnings"]) == 2, got["warnings"]  # before the plan, and (gathering) under it
+            assert "gets no tensor parallelism" in got["warnings"][0] and "gathers every parameter" in got["warnings"][1]
