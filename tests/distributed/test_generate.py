@@ -68,6 +68,17 @@ def test_generate_matches_serial_on_two_ranks(distributed, name, tensor):
     _check(distributed(generate_worker, 2, name, tensor, 1, ("greedy", "padded"), 4, timeout=600))
 
 
+def test_generate_matches_serial_with_depth(distributed):
+    """Depth splits the batch (as data does): the cache comes in split by rows."""
+    _check(distributed(generate_worker, 2, "llama", (1, 1, 2), 1, ("greedy", "padded"), 4, timeout=600))
+
+
+@pytest.mark.xfail(strict=True, reason="issue 16: StaticCache with the batch split (data or depth): HF's "
+                   "in-place index_copy_ into the cache meets rows of another size in the captured graph")
+def test_generate_with_a_static_cache_and_the_batch_split(distributed):
+    _check(distributed(generate_worker, 2, "llama", (1, 1, 2), 1, ("static cache",), 2, timeout=600))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "qwen2"])
 def test_generate_matches_serial_at_221(distributed, name):
