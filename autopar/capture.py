@@ -15,13 +15,17 @@ import copy
 import logging
 import sys
 import threading
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import sympy
 import torch
 import torch.utils._pytree as pytree
 from torch import fx, nn
+# export's own check of inputs against an ExportedProgram's ranges and shared symbols (torch-internal: the
+# public path, ExportedProgram.module(), would wrap the graph autopar rewrites)
+from torch._export.utils import _check_input_constraints_for_graph as check_input_constraints_for_graph
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
@@ -50,6 +54,59 @@ class Captured:
     user_leaves: tuple[int, ...]
     """For each USER placeholder, its index among the flattened (args, kwargs) leaves."""
     constants: dict[str, Any]
+    accepts: Callable[[list[Any]], bool] | None = None
+    """Captured with dynamic dims: whether input leaves of these sizes fit the graph (None: static)."""
+
+
+def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
+    """A check that input leaves fit a graph captured with symbolic sizes: export's own input check (each
+    dim static or in its symbol's range, symbols that must agree agree), then the guards export recorded on
+    the inputs (relations such as mask length = cache length + 1). autopar runs the graph module, not the
+    ExportedProgram, so nothing else would check them."""
+    sig = ep.graph_signature
+    users = [n for n, spec in zip([n for n in ep.graph.nodes if n.op == "placeholder"], sig.input_specs)
+             if spec.kind is ExportInputKind.USER_INPUT]
+    vals = [n.meta.get("val") for n in users]
+    ranges = dict(ep.range_constraints)
+    env = next((d.node.shape_env for v in vals if isinstance(v, torch.Tensor) for d in v.shape
+                if isinstance(d, torch.SymInt)), None)
+    symbols = {}
+    for i, v in enumerate(vals):
+        if isinstance(v, torch.Tensor):
+            for d, size in enumerate(v.shape):
+                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
+                    symbols.setdefault(size.node.expr, (i, d))
+
+    class _P:  # what the check reads of a placeholder
+        def __init__(self, val: Any) -> None:
+            self.meta = {"val": val}
+
+    fakes = [_P(v) for v in vals]
+
+    names = list(symbols)
+    where = [symbols[n] for n in names]
+    compiled: list[Any] = []
+
+    def guards() -> Any:
+        """Read at the first check, after autopar's passes ran on the graph: a pass that fixed a size
+        (``int()`` of a symbolic one) left its guard here too."""
+        if not compiled:
+            exprs = [env.replace(g.expr) for g in env.guards] if env is not None else []
+            exprs = [g for g in exprs if g.free_symbols and g.free_symbols <= set(names)]
+            compiled.append(sympy.lambdify(names, sympy.And(*exprs), modules=[{"Min": min, "Max": max}, "math"])
+                            if exprs else None)
+        return compiled[0]
+
+    def accepts(leaves: list[Any]) -> bool:
+        try:
+            check_input_constraints_for_graph(
+                fakes, [((pytree.SequenceKey(0), pytree.SequenceKey(i)), x) for i, x in enumerate(leaves)], ranges)
+        except RuntimeError:
+            return False
+        check = guards()
+        return check is None or bool(check(*(int(leaves[i].shape[d]) for i, d in where)))
+
+    return accepts
 
 
 def meta_shadow(model: nn.Module) -> nn.Module:
@@ -81,9 +138,46 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
     return copy.deepcopy(shadow, memo), out
 
 
+def sequence_dims(model: nn.Module, leaves: list[Any]) -> dict[int, dict[int, Any]]:
+    """The input dims an evaluation call of an HF generating model is captured with as symbolic sizes
+    (leaf index -> {dim: Dim.AUTO}): the sequence dim of token ids, masks and positions (dim 1 of 2-D
+    tensors) and of key/value cache tensors (dim 2 of 4-D ones). One graph then serves every prompt length
+    and every decode step; export keeps static whatever the model fixes, and ``Captured.accepts`` says
+    which sizes a graph takes. Empty for other models (each input shape is captured)."""
+    if not getattr(model, "can_generate", lambda: False)():
+        return {}
+    out: dict[int, dict[int, Any]] = {}
+    for i, x in enumerate(leaves):
+        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point():
+            out[i] = {2: torch.export.Dim.AUTO}
+        elif isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] > 1:
+            out[i] = {1: torch.export.Dim.AUTO}
+    return out
+
+
+def _flat_export(copy_: nn.Module, fake_leaves: list[Any], in_spec: pytree.TreeSpec,
+                 dynamic: Mapping[int, dict[int, Any]]) -> Any:
+    """Exports ``copy_`` called on the flattened input leaves with ``dynamic`` as export's dynamic shapes.
+
+    The throwaway copy's class becomes a subclass whose forward takes the leaves and rebuilds (args,
+    kwargs): export takes no dynamic shapes for a forward's ``**kwargs`` (HF's ``return_dict``), and one
+    spec per leaf fits any signature. Parameter names do not change; the user inputs are the leaves in
+    order, as with a plain export.
+    """
+    cls = type(copy_)
+
+    def forward(self: nn.Module, *flat: Any) -> Any:
+        args, kwargs = pytree.tree_unflatten(list(flat), in_spec)
+        return cls.forward(self, *args, **kwargs)
+
+    copy_.__class__ = type(cls.__name__, (cls,), {"forward": forward})
+    dims = tuple(dynamic.get(i) for i in range(len(fake_leaves)))
+    return torch.export.export(copy_, tuple(fake_leaves), strict=False, dynamic_shapes=(dims,))
+
+
 def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict[str, bool],
             batch: BatchInfo | None, split: Mapping[int, int] | None = None,
-            device: torch.device | str = "cpu") -> Captured:
+            device: torch.device | str = "cpu", dynamic: Mapping[int, dict[int, Any]] | None = None) -> Captured:
     """Exports ``shadow`` on fake copies of the given (already batch-sliced) inputs.
 
     Parameters, buffers and inputs are fake tensors on ``device`` (the device the model runs on): no
@@ -95,13 +189,17 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         requires_grad: parameter FQN -> whether the real parameter needs a gradient.
         batch: how the batch was split, recorded on the graph; None when nothing is split.
         split: the input leaves that hold the batch: leaf index -> its batch dim.
+        dynamic: input dims captured as symbolic sizes: leaf index -> {dim: Dim} (``sequence_dims``).
     """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     copy_, fake_leaves = _fake_copy(shadow, leaves, device)
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, in_spec)
     try:
         with cache_outputs(copy_, "use_cache" in fake_kwargs):
-            ep = torch.export.export(copy_, tuple(fake_args), dict(fake_kwargs), strict=False)
+            if not dynamic:
+                ep = torch.export.export(copy_, tuple(fake_args), dict(fake_kwargs), strict=False)
+            else:
+                ep = _flat_export(copy_, fake_leaves, in_spec, dynamic)
     except Exception as e:
         raise CaptureError(
             f"torch.export could not capture {type(shadow).__name__} ({type(e).__name__}: "
@@ -134,7 +232,8 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
             info = InputInfo(kind, spec.target, False)
         node.meta["autopar"] = info
     gm.meta["autopar_batch"] = batch
-    return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants))
+    accepts = _acceptor(ep) if dynamic else None
+    return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants), accepts)
 
 
 def _drop_export_asserts(gm: fx.GraphModule) -> None:
@@ -292,7 +391,8 @@ def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int, names: 
 
 def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: Mapping[int, int],
                   sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool],
-                  segments: tuple[int, ...] = (), device: torch.device | str = "cpu") -> Captured:
+                  segments: tuple[int, ...] = (), device: torch.device | str = "cpu",
+                  dynamic: Mapping[int, dict[int, Any]] | None = None) -> Captured:
     """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows along their
     batch dim (``segments``: per-rank batches, the rows each member of the shard fed)."""
     local = []
@@ -304,7 +404,8 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
         local.append(x)
     args, kwargs = pytree.tree_unflatten(local, spec)
     batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
-    return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device)
+    return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device,
+                   dynamic=dynamic)
 
 
 # Per-block attributes that name the block's position, not its behaviour.

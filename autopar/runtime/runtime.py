@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
-                             register_hf_caches, split_batch_leaves)
+                             register_hf_caches, sequence_dims, split_batch_leaves)
 from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
@@ -43,6 +43,7 @@ from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_con
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import estimate_memory
+from passes.analysis.graph_facts import hinted
 from passes.analysis.make_plan import make_plan
 from passes.analysis.report import estimate_step
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
@@ -57,7 +58,9 @@ from passes.split_stages import split_stages
 log = logging.getLogger(__name__)
 
 MAX_EXECUTABLES = 64
-"""Compiled graphs kept per model (one per input signature: shapes, dtypes, training or not)."""
+"""Input signatures (shapes, dtypes, training or not) whose compiled graphs a model keeps."""
+GRAPHS_PER_KEY = 8
+"""Graphs kept for one signature with symbolic sizes (export fixed a size another call does not have)."""
 
 PASSES = (split_batch, shard_linears, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
@@ -79,6 +82,8 @@ class Executable:
     """pipeline > 1: this rank's stages."""
     split: dict[int, int] = dataclasses.field(default_factory=dict)
     """Input leaves split by batch rows: leaf index -> its batch dim."""
+    accepts: Callable[[list[Any]], bool] | None = None
+    """Captured with symbolic sizes: whether it takes input leaves of these sizes (None: static)."""
 
 
 class ParallelRuntime:
@@ -103,8 +108,8 @@ class ParallelRuntime:
             model.register_state_dict_post_hook(state_dict_post_hook)  # DCP sees every box of fused pieces
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.plan: Plan | None = None
-        self.executables: OrderedDict[Any, Executable] = OrderedDict()
-        """Compiled graphs by input signature, least recently used first (at most ``MAX_EXECUTABLES``)."""
+        self.executables: OrderedDict[Any, list[Executable]] = OrderedDict()
+        """Compiled graphs by input signature (dynamic dims as None), least recently used first."""
         self.uncaptured: set[Any] = set()
         """Signatures of evaluation calls that could not be captured (run whole on every rank)."""
         self._syncs: list[GradSync] = []
@@ -156,14 +161,19 @@ class ParallelRuntime:
             return self._run_data_parallel(args, kwargs), None, ()
         split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards, names, declared)
         sizes = self.config.batch_sizes(global_batch) if split else ()
-        key = (spec, self._training(), global_batch,
-               tuple(_signature(x) for x in leaves), local_outputs)
-        exe = self.executables.get(key)
+        # evaluation of a generating model: sequence dims symbolic, one graph for every length (a key holds
+        # the graphs captured for it; the first that accepts these sizes runs, else one more is captured)
+        dynamic = sequence_dims(self._model(), leaves) if not grad and not local_outputs \
+            and self.config.pipeline == 1 else {}
+        static = (spec, self._training(), global_batch, tuple(_signature(x) for x in leaves), local_outputs)
+        key = (spec, self._training(), global_batch, tuple(_signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
+               local_outputs) if dynamic else static
+        exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
         if exe is None:
             if key in self.uncaptured:  # an evaluation call that could not be captured before
                 return self._forward_local(args, kwargs), None, ()
             try:
-                exe = self._compile(leaves, spec, split, sizes, local_outputs)
+                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic)
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
@@ -172,9 +182,7 @@ class ParallelRuntime:
                     return self._forward_local(args, kwargs), None, ()
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
-            self._keep(key, exe)
-        else:
-            self.executables.move_to_end(key)
+            self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
         local = [scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x for i, x in enumerate(leaves)]
         return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
 
@@ -216,7 +224,7 @@ class ParallelRuntime:
             return pytree.tree_map(lambda t: own_output(t, None, self.mesh, rows, member),
                                    self._forward_whole(args, kwargs))
         key = ("per-rank", spec, self._training(), rows, tuple(_signature(x) for x in local))
-        exe = self.executables.get(key)
+        exe = self._find(key, local, {}, ())
         if exe is None:
             try:
                 exe = self._compile(local, spec, split, sizes, per_rank=(rows, member))
@@ -270,10 +278,32 @@ class ParallelRuntime:
 
     # ---- fallback: no graph ---------------------------------------------------------------------
 
+    def _find(self, key: Any, leaves: list[Any], split: dict[int, int], sizes: tuple[int, ...]) -> Executable | None:
+        """The compiled graph for ``key`` that takes these inputs (a graph captured with symbolic sizes is
+        checked against this rank's rows), most recently used first; None if there is none."""
+        graphs = self.executables.get(key)
+        if not graphs:
+            return None
+        self.executables.move_to_end(key)
+        local = None
+        for exe in reversed(graphs):
+            if exe.accepts is None:
+                return exe
+            if local is None:  # the graph holds this rank's rows
+                rows = sizes[self.mesh.index("batch")] if split else 0
+                local = [x.narrow(split[i], 0, rows) if i in split else x for i, x in enumerate(leaves)]
+            if exe.accepts(local):
+                return exe
+        return None
+
     def _keep(self, key: Any, exe: Executable) -> None:
-        """Caches a compiled graph; beyond ``MAX_EXECUTABLES`` the least recently used is dropped (one
-        warning: each new input shape costs a capture)."""
-        self.executables[key] = exe
+        """Caches a compiled graph: at most ``GRAPHS_PER_KEY`` per input signature (dynamic sizes that
+        another graph had to take) and ``MAX_EXECUTABLES`` signatures, the least recently used dropped
+        first (one warning: each new input shape costs a capture)."""
+        graphs = self.executables.setdefault(key, [])
+        graphs.append(exe)
+        del graphs[:-GRAPHS_PER_KEY]
+        self.executables.move_to_end(key)
         if len(self.executables) > MAX_EXECUTABLES:
             self.executables.popitem(last=False)
             if "evict" not in self._warned and self.mesh.rank == 0:
@@ -366,19 +396,32 @@ class ParallelRuntime:
     # ---- compiling --------------------------------------------------------------------------------
 
     def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
-                 sizes: tuple[int, ...], index: int, segments: tuple[int, ...] = ()) -> Captured:
+                 sizes: tuple[int, ...], index: int, segments: tuple[int, ...] = (),
+                 dynamic: dict[int, dict[int, Any]] | None = None) -> Captured:
         self.shadow.train(self._training())
         requires_grad = {name: p.requires_grad for name, p in self.params.items()}
         return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
-                             segments=segments, device=self.mesh.device)
+                             segments=segments, device=self.mesh.device, dynamic=dynamic)
 
     def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], local_outputs: bool = False,
-                 per_rank: tuple[tuple[int, ...], int] | None = None) -> Executable:
-        """``per_rank``: (each member's rows, this rank's member index) under per-rank batches."""
+                 per_rank: tuple[tuple[int, ...], int] | None = None,
+                 dynamic: dict[int, dict[int, Any]] | None = None) -> Executable:
+        """``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
+        input dims captured as symbolic sizes (``sequence_dims``); if that capture fails, or the graph
+        computes numbers from the batch, these sizes are captured as they are."""
         index = self.mesh.index("batch") if split else 0
         segments = per_rank[0] if per_rank is not None and split else ()
-        captured = self._capture(leaves, spec, split, sizes, index, segments)
+        captured = None
+        if dynamic:
+            try:
+                captured = self._capture(leaves, spec, split, sizes, index, segments, dynamic)
+                if split and whole_constants(captured.gm, analyze_batch(captured.gm)):
+                    captured = None
+            except CaptureError as e:
+                log.debug("autopar: capture with symbolic sequence sizes failed (%s); capturing these sizes", e)
+        if captured is None:
+            captured = self._capture(leaves, spec, split, sizes, index, segments)
         if split:
             self._find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
         if self.plan is None:
@@ -386,11 +429,13 @@ class ParallelRuntime:
             # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
             plan = None
             if per_rank is None or self.mesh.rank == 0:
-                canonical = captured if index == 0 else self._capture(leaves, spec, split, sizes, 0, segments)
-                plan = make_plan(canonical.gm, self.config)
-                plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
-                if self.config.pipeline > 1:
-                    plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
+                canonical = captured if index == 0 else self._capture(
+                    leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
+                with hinted(canonical.gm):  # plans and estimates see the capture's example sizes
+                    plan = make_plan(canonical.gm, self.config)
+                    plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
+                    if self.config.pipeline > 1:
+                        plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
             if per_rank is not None:
                 box = [plan]
                 dist.broadcast_object_list(box, src=0, group=self.mesh.control)
@@ -419,7 +464,8 @@ class ParallelRuntime:
                               self._finish_grads)
             if self.store.held is None:
                 self.store.hold(program.readers())
-        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split)
+        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
+                          captured.accepts)
 
     def _find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
                               split: dict[int, int], sizes: tuple[int, ...], index: int,
@@ -535,7 +581,7 @@ class ParallelRuntime:
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._training(), global_batch // m, tuple(_signature(x) for x in micro))
-        exe = self.executables.get(key)
+        exe = self._find(key, micro, {}, ())
         if exe is None:
             exe = self._compile(micro, spec, split, micro_sizes, True)
             self._keep(key, exe)
@@ -689,9 +735,10 @@ def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Ten
     return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)
 
 
-def _signature(x: Any) -> Any:
+def _signature(x: Any, dynamic: dict[int, Any] | None = None) -> Any:
     if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), x.dtype, x.requires_grad)
+        shape = tuple(None if dynamic and d in dynamic else s for d, s in enumerate(x.shape))
+        return ("tensor", shape, x.dtype, x.requires_grad)
     try:
         hash(x)
     except TypeError:

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import carries_grad, module_of, tensor_inputs, tensor_meta
@@ -705,21 +706,27 @@ def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: Batch
     step = bd.factor * _prod(src[bd.dim + 1:])
     acc = 1
     for d, size in enumerate(dst):
-        if acc == outer:
+        if _known(acc == outer):
             stride = _prod(dst[d + 1:])
-            if size % rows == 0 and step % stride == 0 and size * stride == extent:
-                return BatchDim(d, size // rows)
+            if _known(size % rows == 0) and _known(step % stride == 0) and _known(size * stride == extent):
+                return BatchDim(d, int(size // rows))
         acc *= size
-        if acc > outer:
+        if _known(acc > outer):
             break
     return None
 
 
-def _prod(sizes: Any) -> int:
+def _prod(sizes: Any) -> Any:
+    """The product, symbolic where a size is (int() would specialize a dynamic graph's sizes)."""
     out = 1
     for s in sizes:
-        out *= int(s)
+        out *= s
     return out
+
+
+def _known(cond: Any) -> bool:
+    """Whether a size comparison holds for every value of its symbols (no guard is added)."""
+    return statically_known_true(cond) if isinstance(cond, torch.SymBool) else bool(cond)
 
 
 # ---- constants that scale with the batch ------------------------------------------------------------

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 from passes.ir import InputKind, input_info
 
@@ -146,3 +151,49 @@ def carries_grad(node: fx.Node, requires_grad: dict[fx.Node, bool]) -> bool:
     vals = vals if isinstance(vals, (list, tuple)) else (vals,)
     return (any(requires_grad.get(i, False) for i in tensor_inputs(node))
             and any(isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex()) for v in vals))
+
+
+
+def _hint(v: Any) -> Any:
+    """A SymInt's example value (its size at capture), without adding a guard."""
+    return optimization_hint(v) if isinstance(v, torch.SymInt) else v
+
+
+def _is_symbolic(val: Any) -> bool:
+    for v in pytree.tree_leaves(val):
+        if isinstance(v, torch.SymInt):
+            return True
+        if isinstance(v, torch.Tensor) and any(isinstance(s, torch.SymInt) for s in (*v.shape, *v.stride())):
+            return True
+    return False
+
+
+def _concrete(v: Any) -> Any:
+    if isinstance(v, torch.SymInt):
+        return _hint(v)
+    if isinstance(v, torch.Tensor):
+        t = torch.empty_strided([_hint(s) for s in v.shape], [_hint(s) for s in v.stride()], dtype=v.dtype,
+                                device="meta")
+        return t.requires_grad_(v.requires_grad) if t.is_floating_point() or t.is_complex() else t
+    return v
+
+
+@contextlib.contextmanager
+def hinted(gm: fx.GraphModule) -> Iterator[None]:
+    """While inside, every node of ``gm`` (and its subgraphs) whose recorded value has symbolic sizes (a
+    capture with dynamic dims) records an example-sized meta tensor instead: plans and estimates see the
+    capture's sizes and add no guards."""
+    saved = []
+    for sub in gm.modules():
+        if not isinstance(sub, fx.GraphModule):
+            continue
+        for n in sub.graph.nodes:
+            val = n.meta.get("val")
+            if val is not None and _is_symbolic(val):
+                saved.append((n, val))
+                n.meta["val"] = pytree.tree_map(_concrete, val)
+    try:
+        yield
+    finally:
+        for n, val in saved:
+            n.meta["val"] = val

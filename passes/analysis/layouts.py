@@ -237,7 +237,10 @@ class _Rules:
         mapped = _map_through_view(tuple(xt.shape), tuple(val.shape), s)
         if mapped is None or not self.divides(mapped):
             return None
-        return _Decision(mapped, {x: s}, (node.target, (x, self.local_shape(val.shape, mapped)), node.kwargs))
+        sizes = list(node.args[1])  # the view's own sizes (symbolic ones stay graph nodes): only the split dim changes
+        if sizes[mapped.dim] != -1:
+            sizes[mapped.dim] = mapped.full_size // self.n(mapped)
+        return _Decision(mapped, {x: s}, (node.target, (x, sizes), node.kwargs))
 
     def expand(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)

@@ -244,7 +244,7 @@ def vocab_run(grid: tuple | None, mutate: bool = False) -> dict:
     out = _train(model, lambda m, i: m(*data[i]), _full_grads if grid else _serial_grads)
     out["final"] = _final(model, grid)
     if grid is not None:
-        exe = next(iter(runtime_of(model).executables.values()))
+        exe = next(iter(runtime_of(model).executables.values()))[0]
         out["vocab_parallel"] = sum(isinstance(getattr(n.target, "__self__", None), ops.VocabCrossEntropyOp)
                                     for n in exe.gm.graph.nodes)
         autopar.reset_comm_stats()
