@@ -14,6 +14,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
     python -m benchmarks --models llama --world-sizes 2 4 --grids t2x1x1 p2 --steps 10
     python -m benchmarks --size small --models gpt2     # GPT-2 124M (heavy on CPU: meant for GPUs)
     python -m benchmarks --readme                        # also rewrites README.md's results section
+    python -m benchmarks --inference                     # generate() latency (benchmarks/inference.py)
 """
 
 from __future__ import annotations
@@ -135,6 +136,12 @@ def _update_readme(text: str, command: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--inference" in argv:  # generate() latency: benchmarks/inference.py
+        from benchmarks import inference
+
+        argv.remove("--inference")
+        return inference.main(argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -171,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "logs").mkdir(exist_ok=True)
 
-    command = "python -m benchmarks" + "".join(f" {shlex.quote(a)}" for a in (argv if argv is not None else sys.argv[1:]))
+    command = "python -m benchmarks" + "".join(f" {shlex.quote(a)}" for a in argv)
     progress = _Progress(sum(len(s) for _, _, s in plan))
     jobs = [run_job(model, world, systems, args, args.out, progress) for model, world, systems in plan]
     progress.close()
