@@ -33,7 +33,7 @@ import ctypes.util
 import inspect
 import os
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
-from autopar.runtime.mapped import FileMaps, release_pages
+from autopar.runtime.mapped import FileMaps, MappedConversion
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -230,27 +230,6 @@ class InitCall:
     def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.fn(tensor, *self.rest, **self.kwargs)
-
-
-class MappedConversion:
-    """A recorded ``.to(dtype/device)`` of a memory-mapped tensor, replayed a chunk at a time: each chunk's
-    file pages are unmapped once converted, so a rank holds the converted tensor, not the source too."""
-
-    __name__ = "to (memory-mapped)"
-    CHUNK = 1 << 20  # elements
-
-    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
-        self.dtype, self.device = dtype, device
-
-    def __call__(self, source: torch.Tensor) -> torch.Tensor:
-        out = torch.empty(source.shape, dtype=self.dtype, device=self.device)
-        flat, into = source.reshape(-1), out.view(-1)
-        maps = FileMaps()
-        for start in range(0, flat.numel(), self.CHUNK):
-            chunk = flat[start:start + self.CHUNK]
-            into[start:start + self.CHUNK].copy_(chunk)
-            release_pages(chunk, maps)
-        return out
 
 
 class Deferred:

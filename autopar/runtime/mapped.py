@@ -140,3 +140,24 @@ def file_fingerprint(t: torch.Tensor, where: tuple[str, int]) -> torch.Tensor:
             out[2] += piece.sum()
             out[3] += piece.square().sum()
     return out
+
+
+class MappedConversion:
+    """A recorded ``.to(dtype/device)`` of a memory-mapped tensor, replayed a chunk at a time: each chunk's
+    file pages are unmapped once converted, so a rank holds the converted tensor, not the source too."""
+
+    __name__ = "to (memory-mapped)"
+    CHUNK = 1 << 20  # elements
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+
+    def __call__(self, source: torch.Tensor) -> torch.Tensor:
+        out = torch.empty(source.shape, dtype=self.dtype, device=self.device)
+        flat, into = source.reshape(-1), out.view(-1)
+        maps = FileMaps()
+        for start in range(0, flat.numel(), self.CHUNK):
+            chunk = flat[start:start + self.CHUNK]
+            into[start:start + self.CHUNK].copy_(chunk)
+            release_pages(chunk, maps)
+        return out

@@ -11,8 +11,6 @@ import dataclasses
 import logging
 import operator
 import weakref
-from collections import OrderedDict
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,7 +26,9 @@ from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
 from autopar.runtime.checkpoint import state_dict_post_hook
+from autopar.runtime import executables
 from autopar.runtime.deferred import Deferred, Sink
+from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.parameters import Absent, ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
@@ -49,7 +49,7 @@ from passes.analysis.report import estimate_step
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
                        reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad,
                        vocab_cross_entropy)
-from passes.runner import PassRecord, run_passes
+from passes.runner import run_passes
 from passes.insert_checkpoints import insert_checkpoints
 from passes.shard_linears import shard_linears
 from passes.split_batch import split_batch
@@ -57,33 +57,9 @@ from passes.split_stages import split_stages
 
 log = logging.getLogger(__name__)
 
-MAX_EXECUTABLES = 64
-"""Input signatures (shapes, dtypes, training or not) whose compiled graphs a model keeps."""
-GRAPHS_PER_KEY = 8
-"""Graphs kept for one signature with symbolic sizes (export fixed a size another call does not have)."""
-
 PASSES = (split_batch, shard_linears, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
 PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
-
-
-@dataclass
-class Executable:
-    """One compiled graph for one input signature."""
-
-    gm: fx.GraphModule
-    inputs: tuple[tuple[InputKind, str], ...]
-    out_spec: pytree.TreeSpec
-    constants: dict[str, Any]
-    records: tuple[PassRecord, ...]
-    output_specs: list[Any]
-    """Per output leaf: its GatherOutputSpec (how the rank's value is laid out), or None if whole."""
-    program: Program | None = None
-    """pipeline > 1: this rank's stages."""
-    split: dict[int, int] = dataclasses.field(default_factory=dict)
-    """Input leaves split by batch rows: leaf index -> its batch dim."""
-    accepts: Callable[[list[Any]], bool] | None = None
-    """Captured with symbolic sizes: whether it takes input leaves of these sizes (None: static)."""
 
 
 class ParallelRuntime:
@@ -108,8 +84,8 @@ class ParallelRuntime:
             model.register_state_dict_post_hook(state_dict_post_hook)  # DCP sees every box of fused pieces
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.plan: Plan | None = None
-        self.executables: OrderedDict[Any, list[Executable]] = OrderedDict()
-        """Compiled graphs by input signature (dynamic dims as None), least recently used first."""
+        self.executables = Executables()
+        """Compiled graphs by input signature (autopar/runtime/executables.py)."""
         self.uncaptured: set[Any] = set()
         """Signatures of evaluation calls that could not be captured (run whole on every rank)."""
         self._syncs: list[GradSync] = []
@@ -165,8 +141,8 @@ class ParallelRuntime:
         # the graphs captured for it; the first that accepts these sizes runs, else one more is captured)
         dynamic = sequence_dims(self._model(), leaves) if not grad and not local_outputs \
             and self.config.pipeline == 1 else {}
-        static = (spec, self._training(), global_batch, tuple(_signature(x) for x in leaves), local_outputs)
-        key = (spec, self._training(), global_batch, tuple(_signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
+        static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
+        key = (spec, self._training(), global_batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
                local_outputs) if dynamic else static
         exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
         if exe is None:
@@ -223,7 +199,7 @@ class ParallelRuntime:
         if self.fallback:
             return pytree.tree_map(lambda t: own_output(t, None, self.mesh, rows, member),
                                    self._forward_whole(args, kwargs))
-        key = ("per-rank", spec, self._training(), rows, tuple(_signature(x) for x in local))
+        key = ("per-rank", spec, self._training(), rows, tuple(signature(x) for x in local))
         exe = self._find(key, local, {}, ())
         if exe is None:
             try:
@@ -279,37 +255,20 @@ class ParallelRuntime:
     # ---- fallback: no graph ---------------------------------------------------------------------
 
     def _find(self, key: Any, leaves: list[Any], split: dict[int, int], sizes: tuple[int, ...]) -> Executable | None:
-        """The compiled graph for ``key`` that takes these inputs (a graph captured with symbolic sizes is
-        checked against this rank's rows), most recently used first; None if there is none."""
-        graphs = self.executables.get(key)
-        if not graphs:
-            return None
-        self.executables.move_to_end(key)
-        local = None
-        for exe in reversed(graphs):
-            if exe.accepts is None:
-                return exe
-            if local is None:  # the graph holds this rank's rows
-                rows = sizes[self.mesh.index("batch")] if split else 0
-                local = [x.narrow(split[i], 0, rows) if i in split else x for i, x in enumerate(leaves)]
-            if exe.accepts(local):
-                return exe
-        return None
+        """The compiled graph for ``key`` that takes these inputs (a graph with symbolic sizes is checked
+        against this rank's rows of the batch)."""
+        rows = sizes[self.mesh.index("batch")] if split else 0
+        return self.executables.find(key, lambda: [x.narrow(split[i], 0, rows) if i in split else x
+                                                   for i, x in enumerate(leaves)])
 
     def _keep(self, key: Any, exe: Executable) -> None:
-        """Caches a compiled graph: at most ``GRAPHS_PER_KEY`` per input signature (dynamic sizes that
-        another graph had to take) and ``MAX_EXECUTABLES`` signatures, the least recently used dropped
-        first (one warning: each new input shape costs a capture)."""
-        graphs = self.executables.setdefault(key, [])
-        graphs.append(exe)
-        del graphs[:-GRAPHS_PER_KEY]
-        self.executables.move_to_end(key)
-        if len(self.executables) > MAX_EXECUTABLES:
-            self.executables.popitem(last=False)
+        """Caches a compiled graph; one warning the first time a signature has to go (each new input shape
+        then costs a capture)."""
+        if self.executables.keep(key, exe):
             if "evict" not in self._warned and self.mesh.rank == 0:
                 log.warning("autopar: %s was called with more than %d input signatures; the least recently used "
                             "compiled graphs are dropped and captured again when met. Pad inputs to a few lengths "
-                            "to avoid the captures.", type(self._model()).__name__, MAX_EXECUTABLES)
+                            "to avoid the captures.", type(self._model()).__name__, executables.MAX_EXECUTABLES)
             self._warned.add("evict")
 
     def _eval_fall_back(self, error: CaptureError, key: Any) -> None:
@@ -580,7 +539,7 @@ class ParallelRuntime:
                                                        self.inputs.batch_dims)
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
-        key = ("pipeline", spec, self._training(), global_batch // m, tuple(_signature(x) for x in micro))
+        key = ("pipeline", spec, self._training(), global_batch // m, tuple(signature(x) for x in micro))
         exe = self._find(key, micro, {}, ())
         if exe is None:
             exe = self._compile(micro, spec, split, micro_sizes, True)
@@ -733,17 +692,6 @@ def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Ten
     if dtype is None or dtype == grad.dtype:  # clone: autograd may hand the same buffer to other consumers
         return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
     return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)
-
-
-def _signature(x: Any, dynamic: dict[int, Any] | None = None) -> Any:
-    if isinstance(x, torch.Tensor):
-        shape = tuple(None if dynamic and d in dynamic else s for d, s in enumerate(x.shape))
-        return ("tensor", shape, x.dtype, x.requires_grad)
-    try:
-        hash(x)
-    except TypeError:
-        return ("object", repr(x))
-    return ("value", type(x), x)
 
 
 def retarget_device(value: Any, device: torch.device) -> Any:

@@ -88,13 +88,13 @@ def test_generate_matches_serial_at_221(distributed, name):
 def bounded_worker() -> dict:
     import logging
 
-    from autopar.runtime import runtime
+    from autopar.runtime import executables
 
     records: list[str] = []
     handler = logging.Handler()
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     logging.getLogger("autopar").addHandler(handler)
-    runtime.MAX_EXECUTABLES = 2
+    executables.MAX_EXECUTABLES = 2
     torch.manual_seed(0)
     serial = zoo.build_model("llama").eval()
     torch.manual_seed(0)
