@@ -65,3 +65,18 @@ def test_benchmark_rejects_a_grid_that_does_not_fill_the_world(tmp_path):
     assert "autopar grid 't2x2x2' needs 8 ranks" in done.stderr
     done = _bench("--world-sizes", "2", "--grids", "x2", "--out", str(tmp_path))
     assert done.returncode == 2 and "bad autopar grid 'x2'" in done.stderr
+
+
+@pytest.mark.slow
+def test_inference_benchmark_times_every_system_with_serial_tokens(tmp_path):
+    done = _bench("--inference", "--models", "llama", "--world-sizes", "2", "--grids", "t2x1x1", "--tokens", "4",
+                  "--prompt", "6", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    job = json.loads((tmp_path / "inference-llama-w2.json").read_text())
+    systems = {s["system"]: s for s in job["systems"]}
+    assert list(systems) == ["serial", "dtensor-tp", "autopar:t2x1x1"]
+    for s in systems.values():
+        assert s["tokens_equal_serial"], s
+        assert 0 < s["warm_per_token_s"] and 0 < s["cold_first_token_s"] and 0 < s["new_length_first_token_s"]
+    table = (tmp_path / "inference.md").read_text()
+    assert "| llama | 2 | autopar:t2x1x1 |" in table and table in done.stdout
