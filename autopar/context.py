@@ -24,7 +24,8 @@ from autopar.runtime import collectives as C
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import AgreementError, ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
-from autopar.runtime.deferred import Deferred, release_freed_memory
+from autopar.memory import release_freed_memory
+from autopar.runtime.deferred import Deferred
 from autopar.runtime.mapped import FileMaps, file_fingerprint
 from autopar.runtime.pending import Pending, make_pending, materialize_whole
 from autopar.runtime.mesh import Mesh

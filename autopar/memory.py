@@ -20,10 +20,29 @@ class _MallInfo2(ctypes.Structure):
                  "keepcost")]
 
 
+def _load_libc() -> Any:
+    try:
+        path = ctypes.util.find_library("c")
+        return ctypes.CDLL(path, use_errno=True) if path else None
+    except OSError:
+        return None
+
+
+LIBC = _load_libc()
+"""The C library (None where there is none to load): glibc's heap statistics, malloc_trim, madvise."""
+
+
+def release_freed_memory() -> None:
+    """Hands freed heap pages back to the system (glibc's malloc_trim; nothing elsewhere). A whole tensor
+    freed while smaller long-lived ones (pieces, recorded states) were allocated after it leaves a hole
+    glibc keeps resident: replaying GPT-2 (774 MiB) kept 1.3 GiB resident per rank without this."""
+    trim = getattr(LIBC, "malloc_trim", None)
+    if trim is not None:
+        trim(0)
+
+
 def _heap_reader() -> Any:
-    path = ctypes.util.find_library("c")
-    libc = ctypes.CDLL(path) if path else None
-    fn = getattr(libc, "mallinfo2", None)
+    fn = getattr(LIBC, "mallinfo2", None)
     if fn is None:
         return None
     fn.restype = _MallInfo2

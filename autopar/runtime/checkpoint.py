@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.errors import CheckpointError
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent, local_indices, local_of, local_piece, make_dtensor, runs
+from autopar.runtime.absent import Absent
+from autopar.runtime.parameters import local_indices, local_of, local_piece, make_dtensor, runs
 
 SCALAR_STATE = frozenset({"step", "eta", "mu"})
 """Optimizer state entries that are scalars whatever the parameter's shape (torch.optim's ``step``, ASGD's)."""

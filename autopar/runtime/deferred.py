@@ -28,8 +28,6 @@ Until then the model's parameters and buffers are ``Pending`` tensors (autopar/r
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import inspect
 import os
 import sys
@@ -44,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from autopar.errors import AutoparError
+from autopar.memory import release_freed_memory
 from autopar.runtime.mapped import FileMaps, MappedConversion
 
 aten = torch.ops.aten
@@ -80,20 +79,6 @@ OVERWRITES = frozenset({
     aten.random_.default, getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default, aten.cauchy_.default,
     aten.log_normal_.default, aten.geometric_.default, aten.bernoulli_.float, aten.copy_.default,
 })
-
-
-def _load_trim() -> Callable[[], None]:
-    try:
-        trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
-        return lambda: None
-    return lambda: trim(0) and None
-
-
-#: Hands freed heap pages back to the system (glibc's malloc_trim). A whole tensor freed while smaller
-#: long-lived ones (pieces, recorded states) were allocated after it leaves a hole glibc keeps resident:
-#: replaying GPT-2 (774 MiB) kept 1.3 GiB resident per rank without this.
-release_freed_memory = _load_trim()
 
 
 def value_device(device: torch.device | None) -> torch.device:

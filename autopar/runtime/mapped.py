@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import bisect
 import ctypes
-import ctypes.util
 import os
 from dataclasses import dataclass
 
 import torch
+
+from autopar.memory import LIBC
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MADV_DONTNEED = 4
@@ -96,27 +97,18 @@ def _pristine(ptr: int, nbytes: int) -> bool:
         os.close(fd)
 
 
-def _load_madvise() -> object | None:
-    try:
-        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-
-
-_madvise = _load_madvise()
-
-
 def release_pages(t: torch.Tensor, maps: FileMaps) -> None:
     """Unmaps the resident pages of a file-backed tensor still equal to its file (cutting a piece out of
     it touched them: a column piece touches every row): they stay in the page cache, shared, and a later
     read faults them back from the file. Pages shared with a neighbouring tensor are left alone."""
-    if _madvise is None or maps.region(t) is None:
+    madvise = getattr(LIBC, "madvise", None)
+    if madvise is None or maps.region(t) is None:
         return
     ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
     start = -(-ptr // PAGE) * PAGE
     end = (ptr + nbytes) // PAGE * PAGE
     if end > start:
-        _madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
+        madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
 
 
 def file_fingerprint(t: torch.Tensor, where: tuple[str, int]) -> torch.Tensor:

@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar.errors import AutoparError
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent
+from autopar.runtime.absent import Absent
 
 aten = torch.ops.aten
 

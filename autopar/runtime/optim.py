@@ -26,7 +26,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
-from autopar.runtime.parameters import Absent, make_dtensor, owner_of
+from autopar.runtime.absent import Absent
+from autopar.runtime.parameters import make_dtensor, owner_of
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,

@@ -46,12 +46,14 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
-from autopar.errors import CheckpointError, ParameterError, PlanError, StateDictError
+from autopar.errors import PlanError, StateDictError
 from autopar.runtime import collectives as C
-from autopar.runtime.deferred import Deferred, Sink, release_freed_memory
+from autopar.memory import release_freed_memory
+from autopar.runtime.absent import Absent
+from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.mapped import FileMaps, release_pages
 from autopar.runtime.pending import is_pending
-from autopar.runtime.mesh import WAYS_TO_SAVE, Mesh
+from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 
 aten = torch.ops.aten
@@ -201,9 +203,6 @@ def replace_local(t: DTensor, local: torch.Tensor) -> None:
     t._local_tensor = local
 
 
-_LIKE = frozenset({aten.zeros_like.default, aten.empty_like.default, aten.ones_like.default, aten.full_like.default})
-
-
 def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     """This rank's piece of a full (serial) parameter tensor (a view where possible); ``placements`` gives
     its DTensor layout (tests/unit/test_param_layouts.py holds the two equal)."""
@@ -235,58 +234,6 @@ def own_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     if piece.untyped_storage().data_ptr() == full.untyped_storage().data_ptr():
         piece = piece.clone()
     return piece
-
-
-class Absent(torch.Tensor):
-    """The local tensor of a parameter that other pipeline ranks hold: no storage.
-
-    Shapes and dtype are the holder's, so the DTensor around it is well formed. Checkpoints skip it
-    (DCP writes and reads nothing for it); any computation raises ``ParameterError``.
-    """
-
-    @staticmethod
-    def __new__(cls, shape: Sequence[int], dtype: torch.dtype, device: torch.device, name: str,
-                holders: tuple[int, ...]) -> Absent:
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
-        r.param_name, r.holders = name, holders
-        return r
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        if func in (aten.detach.default, aten.alias.default):
-            return args[0]
-        if func in _LIKE:  # a gradient or optimizer state laid out like the parameter (DCP's state init)
-            a = args[0]
-            return Absent(a.shape, (kwargs or {}).get("dtype") or a.dtype, a.device, a.param_name, a.holders)
-        if func is aten.copy_.default and isinstance(args[1], Absent):
-            return args[0]
-        what = next(a for a in args if isinstance(a, Absent))
-        raise ParameterError(
-            f"parameter {what.param_name!r} lives on pipeline rank(s) {', '.join(map(str, what.holders))}, not on this "
-            f"rank, so {func.__name__} cannot run on it here. Under pipeline parallelism each rank holds only its "
-            "stages' parameters: use autopar.full_state_dict(model) (on every rank) for the whole model, or "
-            "torch.distributed.checkpoint, which reads and writes each stage's parameters on the rank holding them.")
-
-    def __repr__(self) -> str:  # type: ignore[override]
-        return f"Absent({self.param_name!r}, held by pipeline rank(s) {self.holders})"
-
-    def __reduce_ex__(self, protocol: object) -> object:
-        raise CheckpointError(
-            f"torch.save (or pickle) of parameter {self.param_name!r} (or its gradient or optimizer state) on a rank "
-            f"that does not hold it: pipeline rank(s) {', '.join(map(str, self.holders))} hold it, so this rank has "
-            f"only a placeholder and the value would be lost. {WAYS_TO_SAVE}")
-
-    # torch.distributed.checkpoint's _Checkpointable protocol: this rank writes and reads nothing.
-    def __create_write_items__(self, fqn: str, obj: Any) -> list:
-        return []
-
-    def __create_chunk_list__(self) -> list:
-        return []
-
-    def __get_tensor_shard__(self, index: Any) -> torch.Tensor:
-        raise ParameterError(f"this rank holds no piece of {self.param_name!r} (pipeline rank(s) {self.holders} do).")
 
 
 _owners: dict[int, weakref.ref] = {}

@@ -30,7 +30,8 @@ from autopar.runtime import executables
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.parameters import Absent, ParamStore, local_of, local_view
+from autopar.runtime.absent import Absent
+from autopar.runtime.parameters import ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
