@@ -367,3 +367,29 @@ def test_ranks_loading_different_checkpoints_all_get_rank_0s(distributed, tmp_pa
     for rank, (same, error) in enumerate(distributed(different_checkpoints_worker, 4, str(tmp_path))):
         assert same
         assert "ranks [3] loaded other values than rank 0" in error and f"rank{rank}/llama/" in error, error
+
+
+def dcp_before_first_call_worker(path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 2, 1)):
+        model = FC_Net(num_layers=2, hidden=64, image_size=4)
+    state = model.state_dict()
+    dcp.load(state, checkpoint_id=path)  # before the first call: the parameters are built whole, with a warning
+    model.load_state_dict(state)
+    model(torch.randn(4, 1, 4, 4))
+    full = autopar.full_state_dict(model)
+    torch.manual_seed(5)
+    serial = FC_Net(num_layers=2, hidden=64, image_size=4)
+    return all(torch.equal(full[k], v) for k, v in serial.state_dict().items())
+
+
+def test_dcp_load_before_the_first_call_loads_serial_values(distributed, tmp_path):
+    """The README's claim: DCP reading into a model not yet called works (built whole on each rank)."""
+    import torch.distributed.checkpoint as dcp
+
+    torch.manual_seed(5)
+    dcp.save(FC_Net(num_layers=2, hidden=64, image_size=4).state_dict(), checkpoint_id=str(tmp_path / "ckpt"),
+             no_dist=True)
+    assert all(distributed(dcp_before_first_call_worker, 4, str(tmp_path / "ckpt")))
