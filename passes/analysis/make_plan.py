@@ -10,8 +10,13 @@ Roles. An output head (a matmul whose result reaches a model output through no o
 split over its output features only (vocabulary-parallel: OUT_ROW/OUT_COL), so logits come out
 split over the vocabulary with no forward communication. A weight tied to an embedding table is the
 head's weight: the table is split over the vocabulary on the same axis. Other embedding tables are
-split over their features (hidden-parallel: no forward communication). A fused projection whose
-output is split apart (q/k/v, gate/up) keeps each piece sharded on its own (``out_parts``).
+split over their features (hidden-parallel: no forward communication, but the activations leave the
+table split over the hidden dim) or over the vocabulary (one all-reduce, the activations leave it
+whole): each table takes the split, axis included, whose plan sends the fewest bytes. At row = 2 this
+picks Megatron's alternation for a Llama (whole activations between blocks, one all-reduce per
+attention and per MLP) where the hidden split led every q/k/v and gate/up to all-reduce its output.
+A fused projection whose output is split apart (q/k/v, gate/up) keeps each piece sharded on its own
+(``out_parts``).
 """
 
 from __future__ import annotations
@@ -175,6 +180,7 @@ class _Planner:
         self.reasons: dict[str, str] = {}
         self.parts: dict[str, tuple[int, ...]] = {}
         self.tied: set[str] = set()
+        self.table_splits: dict[str, tuple[EmbeddingMode, str]] = {}  # chosen by choose(); else the first option
         for m in self.matches:
             num_lookups = len(lookups.get(m.weight, ()))
             matmul_uses = uses.get(m.weight, 1) - num_lookups
@@ -239,14 +245,22 @@ class _Planner:
             return EmbeddingMode.REPLICATED, "", "tied to an output head that stays replicated"
         if weight in self.feasible:
             return EmbeddingMode.REPLICATED, "", "also read by a matmul"
-        axes = sorted(("row", "col"), key=lambda a: -self.config.size(a))
-        for mode, size in ((EmbeddingMode.HIDDEN, dim), (EmbeddingMode.VOCAB, num)):
-            for axis in axes:
-                if self.config.size(axis) > 1 and size % self.config.size(axis) == 0:
-                    return mode, axis, ""
+        options = self.table_options(weight)
+        if options:
+            return (*self.table_splits.get(weight, options[0]), "")
         if self.config.row == self.config.col == 1:
             return EmbeddingMode.REPLICATED, "", "no row or col split"
         return EmbeddingMode.REPLICATED, "", f"neither {dim} features nor {num} rows divide by row or col"
+
+    def table_options(self, weight: str) -> list[tuple[EmbeddingMode, str]]:
+        """The splits an embedding table read only by lookups can take: hidden first, larger axis first."""
+        if weight in self.tied or weight in self.feasible:
+            return []
+        table = tensor_meta(self.lookups[weight][0].args[0])
+        num, dim = int(table.shape[0]), int(table.shape[1])
+        axes = sorted(("row", "col"), key=lambda a: -self.config.size(a))
+        return [(mode, axis) for mode, size in ((EmbeddingMode.HIDDEN, dim), (EmbeddingMode.VOCAB, num))
+                for axis in axes if self.config.size(axis) > 1 and size % self.config.size(axis) == 0]
 
     def cost(self, roots: dict[str, Orientation]) -> tuple:
         res, chosen = self.propagate(roots)
@@ -255,6 +269,22 @@ class _Planner:
         return total_bytes(coll), len(res.conversions)
 
     def choose(self) -> Plan:
+        """Each table's split by the bytes of the plan it leads to (the matmuls' roots decided for each),
+        tables in graph order, ties to the first option (hidden-parallel)."""
+        for weight in self.lookups:
+            options = self.table_options(weight)
+            if len(options) < 2:
+                continue
+            costs = []
+            for split in options:
+                self.table_splits[weight] = split
+                costs.append(self.cost(self.choose_roots()))
+            self.table_splits[weight] = options[min(range(len(options)), key=lambda i: (*costs[i], i))]
+        _, chosen = self.propagate(self.choose_roots())
+        return self.plan(chosen)
+
+    def choose_roots(self) -> dict[str, Orientation]:
+        """Orientations of the matmuls whose input is replicated, greedily in graph order (module docstring)."""
         roots: dict[str, Orientation] = {}
         res, _ = self.propagate(roots)
         decided: set[str] = set()
@@ -269,8 +299,7 @@ class _Planner:
             # Fewest bytes, then fewest re-layouts (they still cost a copy at degree 1), then the first option.
             best = min(options, key=lambda o: (*self.cost({**roots, **dict.fromkeys(group, o)}), options.index(o)))
             roots.update(dict.fromkeys(group, best))
-        _, chosen = self.propagate(roots)
-        return self.plan(chosen)
+        return roots
 
     def plan(self, chosen: dict[str, Orientation]) -> Plan:
         matmuls = {}
