@@ -30,7 +30,7 @@ from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
 from autopar.errors import CaptureError, InputError
-from passes.ir import BatchInfo, InputInfo, InputKind
+from passes.ir import BatchInfo, InputInfo, InputKind, Sharding
 
 log = logging.getLogger(__name__)
 _warned = threading.local()
@@ -177,7 +177,8 @@ def _flat_export(copy_: nn.Module, fake_leaves: list[Any], in_spec: pytree.TreeS
 
 def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict[str, bool],
             batch: BatchInfo | None, split: Mapping[int, int] | None = None,
-            device: torch.device | str = "cpu", dynamic: Mapping[int, dict[int, Any]] | None = None) -> Captured:
+            device: torch.device | str = "cpu", dynamic: Mapping[int, dict[int, Any]] | None = None,
+            arrived: Mapping[int, Sharding] | None = None) -> Captured:
     """Exports ``shadow`` on fake copies of the given (already batch-sliced) inputs.
 
     Parameters, buffers and inputs are fake tensors on ``device`` (the device the model runs on): no
@@ -190,6 +191,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         batch: how the batch was split, recorded on the graph; None when nothing is split.
         split: the input leaves that hold the batch: leaf index -> its batch dim.
         dynamic: input dims captured as symbolic sizes: leaf index -> {dim: Dim} (``sequence_dims``).
+        arrived: input leaves that arrive as this rank's piece (``autopar.runtime.kept``): index -> layout.
     """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     copy_, fake_leaves = _fake_copy(shadow, leaves, device)
@@ -225,7 +227,8 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
             leaf = leaves[index]
             is_tensor = isinstance(leaf, torch.Tensor)
             dim = (split or {}).get(index) if batch is not None else None
-            info = InputInfo(kind, str(index), bool(is_tensor and leaf.requires_grad), dim is not None, dim or 0)
+            info = InputInfo(kind, str(index), bool(is_tensor and leaf.requires_grad), dim is not None, dim or 0,
+                             (arrived or {}).get(index))
         elif kind is InputKind.PARAMETER:
             info = InputInfo(kind, spec.target, requires_grad.get(spec.target, True))
         else:
@@ -298,6 +301,26 @@ def register_hf_caches(model: nn.Module) -> None:
     except ImportError:  # older transformers: the export then fails with a clear CaptureError
         return
     register_cache_pytrees_for_model(model)
+
+
+def state_outputs(out_spec: pytree.TreeSpec) -> frozenset[int]:
+    """The output leaves (flat positions) inside an HF key/value cache object: state the caller passes
+    back in, which autopar keeps split between calls (``autopar.runtime.kept``)."""
+    kept: set[int] = set()
+
+    def walk(spec: pytree.TreeSpec, start: int, inside: bool) -> None:
+        inside = inside or (spec.type is not None and spec.type.__module__.startswith("transformers.")
+                            and "Cache" in spec.type.__name__)
+        if spec.is_leaf():
+            if inside:
+                kept.add(start)
+            return
+        for child in spec.children():
+            walk(child, start, inside)
+            start += child.num_leaves
+
+    walk(out_spec, 0, False)
+    return frozenset(kept)
 
 
 def input_names(args: tuple, kwargs: dict) -> list[int | str]:
@@ -392,7 +415,8 @@ def microbatch_leaves(leaves: list[Any], config: Any, microbatches: int, names: 
 def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, split: Mapping[int, int],
                   sizes: tuple[int, ...], index: int, *, requires_grad: dict[str, bool],
                   segments: tuple[int, ...] = (), device: torch.device | str = "cpu",
-                  dynamic: Mapping[int, dict[int, Any]] | None = None) -> Captured:
+                  dynamic: Mapping[int, dict[int, Any]] | None = None,
+                  arrived: Mapping[int, Sharding] | None = None) -> Captured:
     """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows along their
     batch dim (``segments``: per-rank batches, the rows each member of the shard fed)."""
     local = []
@@ -405,7 +429,7 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
     args, kwargs = pytree.tree_unflatten(local, spec)
     batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
     return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device,
-                   dynamic=dynamic)
+                   dynamic=dynamic, arrived=arrived)
 
 
 # Per-block attributes that name the block's position, not its behaviour.

@@ -34,6 +34,9 @@ class InputInfo:
     """True for user inputs that hold the batch: each rank receives its slice of it."""
     batch_dim: int = 0
     """With ``batch_split``: the dim holding the batch (0 unless declared: auto_parallelize(batch_dims=...))."""
+    sharding: Sharding | None = None
+    """A user input that arrives as this rank's piece (a key/value cache an earlier call returned split by
+    heads, ``GatherOutputSpec.keep_split``): how it is split. None: whole on every rank."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,6 +173,9 @@ class GatherOutputSpec:
     batch_state: str = "split"
     """"split" (this rank's rows), "whole" (computed from the whole batch, e.g. a loss inside forward) or
     "none" (computed without the batch): how its gradient is shared between the batch ranks."""
+    keep_split: bool = False
+    """Returned as this rank's piece of a sharded tensor (a DTensor) instead of gathered: state the caller
+    passes back in (a key/value cache), which the next call then reads in place."""
 
 
 class UnboundOpError(RuntimeError):

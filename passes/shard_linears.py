@@ -8,7 +8,10 @@ bias placeholders directly; every embedding table it shards is read by one
 splits) take this rank's local sizes; a sum/mean over a split dim is followed by
 ``passes.ir.reduce_partial``; every edge whose shardings differ goes through one
 ``passes.ir.convert_layout`` per (producer, sharding); every tensor output goes through one
-``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch).
+``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch). The outputs at
+the positions in ``gm.meta["autopar_kept_outputs"]`` (state the caller passes back, such as a key/value
+cache), when split over one axis in one piece and not split by batch rows, are kept split
+(``GatherOutputSpec.keep_split``): the next call takes them as they are.
 ``node.meta["val"]`` keeps the logical (unsharded) value. At every degree 1 the emitted graph computes the same numbers.
 
 Before -> After (FC_Net block, tensor=(2, 2, 1))::
@@ -28,7 +31,7 @@ from torch import fx
 
 from autopar.config import Plan
 from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
-from passes.analysis.layouts import LayoutResult, output_node
+from passes.analysis.layouts import LayoutResult, kept_split, output_node
 from passes.analysis.make_plan import layouts_for
 from passes.ir import (
     REPLICATED,
@@ -51,6 +54,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
     res, by_node = layouts_for(gm, plan)
     graph = gm.graph
     output = output_node(gm)
+    kept = kept_split(gm, res)  # (before any rewrite: res knows the captured nodes)
     notes: list[str] = []
 
     for node, (target, args, kwargs) in res.local_args.items():
@@ -118,7 +122,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
             sharding = res.sharding(original)
         if producer not in gathered:
             with graph.inserting_before(output):
-                spec = _output_spec(res, original, sharding)
+                spec = _output_spec(res, original, sharding, original in kept)
                 gathered[producer] = graph.call_function(gather_output, (producer, spec))
             gathered[producer].meta["val"] = producer.meta.get("val")
         output.replace_input_with(producer, gathered[producer])
@@ -127,10 +131,10 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
     return PassResult(gm, changed, tuple(notes))
 
 
-def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding) -> GatherOutputSpec:
+def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding, keep: bool = False) -> GatherOutputSpec:
     """How a model output is laid out on this rank: its feature sharding, and where it holds the batch."""
     if res.batch is None:
-        return GatherOutputSpec(sharding, False, batch_state="none")
+        return GatherOutputSpec(sharding, False, batch_state="none", keep_split=keep)
     bd = res.batch.batch_dim(node)
     if bd is not None:
         return GatherOutputSpec(sharding, True, bd.dim, bd.factor, "split")

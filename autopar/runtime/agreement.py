@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from autopar.config import AGREEMENT_BYTES
 from autopar.errors import AgreementError, InputError
@@ -79,7 +80,7 @@ def describe(kind: float, leaves: list[Any], spec: Any, split: dict[int, int], *
         s1 = s2 = 0.0
         with torch.no_grad():
             for i, x in enumerate(leaves):
-                if isinstance(x, torch.Tensor) and x.numel():
+                if isinstance(x, torch.Tensor) and x.numel() and not isinstance(x, DTensor):  # a cache we split
                     v = torch.nan_to_num(x.detach().double(), nan=0.0, posinf=1e300, neginf=-1e300)
                     s1 += (i + 1) * float(v.sum())
                     s2 += (i + 1) * float(v.square().sum())

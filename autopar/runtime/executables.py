@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.utils._pytree as pytree
 from torch import fx
+from torch.distributed.tensor import DTensor
 
 from passes.ir import InputKind
 
@@ -54,6 +55,8 @@ def signature(x: Any, dynamic: dict[int, Any] | None = None) -> Any:
     """One input leaf's part of a signature; the dims in ``dynamic`` are None."""
     if isinstance(x, torch.Tensor):
         shape = tuple(None if dynamic and d in dynamic else s for d, s in enumerate(x.shape))
+        if isinstance(x, DTensor):  # a cache returned split: the graph reads its local piece
+            return ("dtensor", shape, x.dtype, x.requires_grad, tuple(x.placements))
         return ("tensor", shape, x.dtype, x.requires_grad)
     try:
         hash(x)

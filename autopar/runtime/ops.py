@@ -14,6 +14,7 @@ import torch
 from autopar.runtime import collectives as C
 from autopar.config import EmbeddingMode, split_chunks
 from autopar.errors import InputError
+from autopar.runtime.kept import kept_output
 from autopar.runtime.mesh import Mesh
 from passes.ir import (
     BatchReduceSpec,
@@ -365,6 +366,8 @@ class GatherOutputOp:
         self.spec, self.mesh, self.batch_sizes = spec, mesh, batch_sizes
 
     def __call__(self, x: torch.Tensor, gather_features: bool = True) -> torch.Tensor:
+        if self.spec.keep_split and gather_features:  # a cache the next call reads split (autopar.runtime.kept)
+            return kept_output(x, self.mesh, self.spec.sharding)
         if not self.spec.sharding.is_replicated and gather_features:
             x = _Gather.apply(x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:

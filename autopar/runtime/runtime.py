@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
-                             register_hf_caches, sequence_dims, split_batch_leaves)
+                             register_hf_caches, sequence_dims, split_batch_leaves, state_outputs)
 from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
@@ -30,6 +30,7 @@ from autopar.runtime import executables
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.kept import arrived_inputs, whole, wrap_generate
 from autopar.runtime.absent import Absent
 from autopar.runtime.parameters import ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
@@ -77,6 +78,8 @@ class ParallelRuntime:
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
         register_hf_caches(model)  # before any call flattens its inputs
+        if getattr(model, "can_generate", lambda: False)():  # its cache comes back split (kept.py)
+            model.generate = wrap_generate(model.generate)
         self.store = ParamStore(model, config, mesh, pending)
         self.params = self.store.params
         if self.store.dtensors:
@@ -124,6 +127,7 @@ class ParallelRuntime:
         if not grad and self.pure_data:  # like DDP's module in evaluation: this rank's inputs, no collective
             return self._forward_local(args, kwargs), None, ()
         leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, arrived = arrived_inputs(leaves, self.mesh)  # a cache an earlier call returned split
         names = input_names(args, kwargs)
         declared = self.inputs.batch_dims
         mode, every = (GLOBAL, None) if example else self.calls.check(
@@ -137,6 +141,9 @@ class ParallelRuntime:
         if self.fallback:
             return self._run_data_parallel(args, kwargs), None, ()
         split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards, names, declared)
+        if arrived and (split or self.config.pipeline > 1 or grad or local_outputs):  # kept only for such calls
+            leaves = [whole(x) if i in arrived else x for i, x in enumerate(leaves)]
+            arrived = {}
         sizes = self.config.batch_sizes(global_batch) if split else ()
         # evaluation of a generating model: sequence dims symbolic, one graph for every length (a key holds
         # the graphs captured for it; the first that accepts these sizes runs, else one more is captured)
@@ -148,19 +155,20 @@ class ParallelRuntime:
         exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
         if exe is None:
             if key in self.uncaptured:  # an evaluation call that could not be captured before
-                return self._forward_local(args, kwargs), None, ()
+                return self._forward_local(*whole((args, kwargs))), None, ()
             try:
-                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic)
+                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic, arrived=arrived)
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
                 if not grad:  # this call only: training calls are still captured and get the plan
                     self._eval_fall_back(e, key)
-                    return self._forward_local(args, kwargs), None, ()
+                    return self._forward_local(*whole((args, kwargs))), None, ()
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
             self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
-        local = [scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x for i, x in enumerate(leaves)]
+        local = [scatter_batch(x, self.mesh, sizes, split[i]) if i in split else local_of(x) if i in arrived else x
+                 for i, x in enumerate(leaves)]
         return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
 
     def _execute(self, exe: Executable, flat: list[Any]) -> Any:
@@ -357,16 +365,20 @@ class ParallelRuntime:
 
     def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], index: int, segments: tuple[int, ...] = (),
-                 dynamic: dict[int, dict[int, Any]] | None = None) -> Captured:
+                 dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None) -> Captured:
         self.shadow.train(self._training())
         requires_grad = {name: p.requires_grad for name, p in self.params.items()}
-        return capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
-                             segments=segments, device=self.mesh.device, dynamic=dynamic)
+        captured = capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                                 segments=segments, device=self.mesh.device, dynamic=dynamic, arrived=arrived)
+        if not torch.is_grad_enabled() and self.config.pipeline == 1:  # a cache comes back split (kept.py)
+            captured.gm.meta["autopar_kept_outputs"] = state_outputs(captured.out_spec)
+        return captured
 
     def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], local_outputs: bool = False,
                  per_rank: tuple[tuple[int, ...], int] | None = None,
-                 dynamic: dict[int, dict[int, Any]] | None = None) -> Executable:
+                 dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
+                 ) -> Executable:
         """``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
         input dims captured as symbolic sizes (``sequence_dims``); if that capture fails, or the graph
         computes numbers from the batch, these sizes are captured as they are."""
@@ -375,13 +387,13 @@ class ParallelRuntime:
         captured = None
         if dynamic:
             try:
-                captured = self._capture(leaves, spec, split, sizes, index, segments, dynamic)
+                captured = self._capture(leaves, spec, split, sizes, index, segments, dynamic, arrived)
                 if split and whole_constants(captured.gm, analyze_batch(captured.gm)):
                     captured = None
             except CaptureError as e:
                 log.debug("autopar: capture with symbolic sequence sizes failed (%s); capturing these sizes", e)
         if captured is None:
-            captured = self._capture(leaves, spec, split, sizes, index, segments)
+            captured = self._capture(leaves, spec, split, sizes, index, segments, arrived=arrived)
         if split:
             self._find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
         if self.plan is None:

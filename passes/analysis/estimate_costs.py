@@ -45,7 +45,7 @@ from passes.analysis.graph_facts import (
     rows_of,
     tensor_meta,
 )
-from passes.analysis.layouts import LayoutResult, output_node
+from passes.analysis.layouts import LayoutResult, kept_split, output_node
 from passes.ir import BatchInfo, Sharding, input_info, vocab_cross_entropy
 
 
@@ -281,8 +281,9 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
         out += matmul_collectives(m, orientation, res.requires_grad[m.x], res.requires_grad[w_node], config)
     seen: set[fx.Node] = set()
     pooled = len(batch.segments) if batch is not None and batch.segments else 0
+    kept = kept_split(gm, res)  # returned split (a key/value cache): no gather
     for producer in output.all_input_nodes:
-        if producer in seen or tensor_meta(producer) is None:
+        if producer in seen or producer in kept or tensor_meta(producer) is None:
             continue
         seen.add(producer)
         bd = res.batch.batch_dim(producer) if res.batch is not None else None

@@ -114,7 +114,7 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         val = tensor_meta(node)
         if node.op == "placeholder":
             info = input_info(node)
-            res.shardings[node] = REPLICATED
+            res.shardings[node] = info.sharding if info is not None and info.sharding is not None else REPLICATED
             res.requires_grad[node] = bool(info and info.requires_grad)
             res.batch_split[node] = bool(batch is not None and info and info.batch_split)
             continue
@@ -161,6 +161,18 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         if not res.sharding(out).is_replicated:
             res.conversions.setdefault((out_node, out), REPLICATED)
     return res
+
+
+def kept_split(gm: fx.GraphModule, res: LayoutResult) -> set[fx.Node]:
+    """The output producers returned split, not gathered: at the positions in ``gm.meta["autopar_kept_outputs"]``
+    (state the caller passes back in, such as a key/value cache), split over one axis in one piece, the
+    batch not split (``GatherOutputSpec.keep_split``)."""
+    at = gm.meta.get("autopar_kept_outputs", frozenset())
+    if not at or res.batch is not None:
+        return set()
+    out = output_node(gm).args[0]
+    return {n for i, n in enumerate(out) if i in at and isinstance(n, fx.Node)
+            and not res.sharding(n).is_replicated and len(res.sharding(n).parts) == 1}
 
 
 class _Rules:
@@ -417,6 +429,13 @@ class _Rules:
                              float(args.get("label_smoothing", 0.0)), s.full_size)
         return _Decision(REPLICATED, {x: s, target: REPLICATED}, (vocab_cross_entropy, (x, target, spec), {}))
 
+    def size(self, node: fx.Node) -> _Decision | None:
+        """``x.size(d)`` of a dim that is not split: the local tensor's size is the whole's (no gather)."""
+        x, s, xt = self.x(node)
+        if len(node.args) < 2 or node.args[1] % xt.dim() == s.dim:
+            return None
+        return _Decision(REPLICATED, {x: s})
+
     def reduce(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)
         dims = node.args[1] if len(node.args) > 1 else None
@@ -451,6 +470,7 @@ _HANDLERS: dict[Any, Callable[[_Rules, fx.Node], _Decision | None]] = {
     aten.layer_norm.default: _Rules.layer_norm,
     **{t: _Rules.reduce for t in _REDUCE},
     aten.cross_entropy_loss.default: _Rules.cross_entropy,
+    aten.sym_size.int: _Rules.size,
 }
 
 
