@@ -646,6 +646,18 @@ class _Rules:
         kind = "loss_mean" if int(_arg(node, "reduction", 1)) == 1 else "loss_sum"
         raise _Reduce(Reduction(kind, bx))
 
+    def index_copy(self, node: fx.Node) -> BatchDim:
+        """``x.index_copy_(dim, index, source)`` (HF's StaticCache update): rows stay rows when the copy runs
+        along another dim and ``x`` holds the source's rows (split as they are, or made for this rank's rows
+        inside forward)."""
+        x, dim, index, src = node.args[:4]
+        bs, bx, xt, st = self.bd(src), self.bd(x), tensor_meta(x), tensor_meta(src)
+        if bs is None or self.bd(index) is not None or xt is None or st is None or xt.dim() != st.dim():
+            raise _Gather()
+        if dim % xt.dim() == bs.dim or bx not in (None, bs) or xt.shape[bs.dim] != st.shape[bs.dim]:
+            raise _Gather()
+        return bs
+
     def unknown(self, node: fx.Node) -> Any:
         """An op without a rule: fine when it keeps the rows where they are and works along another dim."""
         if _has_arg(node, "dim"):
@@ -683,6 +695,8 @@ _HANDLERS: dict[Any, Callable[[_Rules, fx.Node], Any]] = {
     aten.bmm.default: _Rules.matmul,
     aten.matmul.default: _Rules.matmul,
     aten.scaled_dot_product_attention.default: _Rules.attention,
+    aten.index_copy.default: _Rules.index_copy,
+    aten.index_copy_.default: _Rules.index_copy,
     **{t: _Rules.rows_at_zero for t in _ROWS_AT_ZERO},
     **{t: _Rules.layer_norm for t in _LAYER_NORMS},
     **{t: _Rules.batch_norm for t in _BATCH_NORMS},
