@@ -138,12 +138,15 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
     return copy.deepcopy(shadow, memo), out
 
 
-def sequence_dims(model: nn.Module, leaves: list[Any]) -> dict[int, dict[int, Any]]:
+def sequence_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None
+                  ) -> dict[int, dict[int, Any]]:
     """The input dims an evaluation call of an HF generating model is captured with as symbolic sizes
     (leaf index -> {dim: Dim.AUTO}): the sequence dim of token ids, masks and positions (dim 1 of 2-D
-    tensors) and of key/value cache tensors (dim 2 of 4-D ones). One graph then serves every prompt length
-    and every decode step; export keeps static whatever the model fixes, and ``Captured.accepts`` says
-    which sizes a graph takes. Empty for other models (each input shape is captured)."""
+    tensors) and of key/value cache tensors (dim 2 of 4-D ones), and the batch dim of the leaves in
+    ``rows`` (leaf -> batch dim: given when the batch is not split over ranks). One graph then serves
+    every prompt length, batch size and decode step; export keeps static whatever the model fixes (and
+    size 1: a call of size 1 is captured as it is), and ``Captured.accepts`` says which sizes a graph takes. Empty for
+    other models (each input shape is captured)."""
     if not getattr(model, "can_generate", lambda: False)():
         return {}
     out: dict[int, dict[int, Any]] = {}
@@ -152,6 +155,9 @@ def sequence_dims(model: nn.Module, leaves: list[Any]) -> dict[int, dict[int, An
             out[i] = {2: torch.export.Dim.AUTO}
         elif isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] > 1:
             out[i] = {1: torch.export.Dim.AUTO}
+    for i, d in (rows or {}).items():
+        if leaves[i].shape[d] > 1:  # (export specializes size 1, with a warning)
+            out.setdefault(i, {})[d] = torch.export.Dim.AUTO
     return out
 
 

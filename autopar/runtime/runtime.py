@@ -140,15 +140,19 @@ class ParallelRuntime:
             return self._run_per_rank(args, kwargs, leaves, spec, every), None, ()
         if self.fallback:
             return self._run_data_parallel(args, kwargs), None, ()
-        split, global_batch = split_batch_leaves(leaves, self.config.num_batch_shards, names, declared)
+        shards = self.config.num_batch_shards
+        if not grad and self.config.pipeline == 1 and 0 < batch_leaves(leaves, names, declared)[1] < shards:
+            shards = 1  # an evaluation batch with fewer rows than data x depth: every batch rank runs it whole
+        split, global_batch = split_batch_leaves(leaves, shards, names, declared)
         if arrived and (split or self.config.pipeline > 1 or grad or local_outputs):  # kept only for such calls
             leaves = [whole(x) if i in arrived else x for i, x in enumerate(leaves)]
             arrived = {}
         sizes = self.config.batch_sizes(global_batch) if split else ()
-        # evaluation of a generating model: sequence dims symbolic, one graph for every length (a key holds
-        # the graphs captured for it; the first that accepts these sizes runs, else one more is captured)
-        dynamic = sequence_dims(self._model(), leaves) if not grad and not local_outputs \
-            and self.config.pipeline == 1 else {}
+        # evaluation of a generating model: sequence dims (and an unsplit batch) symbolic, one graph for every
+        # length and batch size (a key holds the graphs captured for it; the first that accepts these sizes
+        # runs, else one more is captured)
+        dynamic = sequence_dims(self._model(), leaves, {} if split else batch_leaves(leaves, names, declared)[0]) \
+            if not grad and not local_outputs and self.config.pipeline == 1 else {}
         static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
         key = (spec, self._training(), global_batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
                local_outputs) if dynamic else static

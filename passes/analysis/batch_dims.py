@@ -213,6 +213,11 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
             _track_row_index(facts, node, rows)
         if node.target in _MARKERS:
             rules.marker(node)
+        elif node.target is aten.sym_size.int and split_ins and node.args[1] % tensor_meta(node.args[0]).dim() \
+                != facts.batch_dim(node.args[0]).dim:  # a symbolic length, not rows: the same on every rank
+            facts.dims[node] = None
+            facts.states[node] = State.NONE
+            continue
         elif not split_ins or node.op != "call_function":
             facts.dims[node] = None if node.target is not operator.getitem else rules.getitem(node)
             if node.op != "call_function" and split_ins:  # a subgraph (higher-order op) or module call
