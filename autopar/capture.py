@@ -25,7 +25,6 @@ import torch.utils._pytree as pytree
 from torch import fx, nn
 # export's own check of inputs against an ExportedProgram's ranges and shared symbols (torch-internal: the
 # public path, ExportedProgram.module(), would wrap the graph autopar rewrites)
-from torch._export.utils import _check_input_constraints_for_graph as check_input_constraints_for_graph
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
@@ -59,32 +58,40 @@ class Captured:
 
 
 def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
-    """A check that input leaves fit a graph captured with symbolic sizes: export's own input check (each
-    dim static or in its symbol's range, symbols that must agree agree), then the guards export recorded on
-    the inputs (relations such as mask length = cache length + 1). autopar runs the graph module, not the
-    ExportedProgram, so nothing else would check them."""
+    """A check that input leaves fit a graph captured with symbolic sizes: each dim static or in its
+    symbol's range, symbols that must agree agree, sizes that are expressions of symbols (``s0 + 1``) equal
+    them (export's own input check, compiled once: it costs a sympy substitution per dim and call), then
+    the guards export recorded on the inputs (relations such as mask length = cache length + 1). autopar
+    runs the graph module, not the ExportedProgram, so nothing else would check them."""
     sig = ep.graph_signature
     users = [n for n, spec in zip([n for n in ep.graph.nodes if n.op == "placeholder"], sig.input_specs)
              if spec.kind is ExportInputKind.USER_INPUT]
     vals = [n.meta.get("val") for n in users]
-    ranges = dict(ep.range_constraints)
     env = next((d.node.shape_env for v in vals if isinstance(v, torch.Tensor) for d in v.shape
                 if isinstance(d, torch.SymInt)), None)
-    symbols = {}
+    symbols: dict[sympy.Symbol, tuple[int, int]] = {}
+    static: list[tuple[int, int, int]] = []  # (leaf, dim, size)
+    derived: list[tuple[int, int, sympy.Expr]] = []
     for i, v in enumerate(vals):
-        if isinstance(v, torch.Tensor):
-            for d, size in enumerate(v.shape):
-                if isinstance(size, torch.SymInt) and isinstance(size.node.expr, sympy.Symbol):
-                    symbols.setdefault(size.node.expr, (i, d))
-
-    class _P:  # what the check reads of a placeholder
-        def __init__(self, val: Any) -> None:
-            self.meta = {"val": val}
-
-    fakes = [_P(v) for v in vals]
-
+        if not isinstance(v, torch.Tensor):
+            continue
+        for d, size in enumerate(v.shape):
+            if not isinstance(size, torch.SymInt):
+                static.append((i, d, int(size)))
+            elif isinstance(size.node.expr, sympy.Symbol) and size.node.expr not in symbols:
+                symbols[size.node.expr] = (i, d)
+            else:
+                derived.append((i, d, size.node.expr))
     names = list(symbols)
     where = [symbols[n] for n in names]
+    bounds = []
+    for n in names:
+        r = ep.range_constraints.get(n)
+        lo = int(r.lower) if r is not None and isinstance(r.lower, sympy.Integer) else 0  # (int_oo: unbounded)
+        hi = int(r.upper) if r is not None and isinstance(r.upper, sympy.Integer) else None
+        bounds.append((lo, hi))
+    modules = [{"Min": min, "Max": max}, "math"]
+    sizes_of = [(i, d, sympy.lambdify(names, e, modules=modules)) for i, d, e in derived]
     compiled: list[Any] = []
 
     def guards() -> Any:
@@ -93,18 +100,19 @@ def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
         if not compiled:
             exprs = [env.replace(g.expr) for g in env.guards] if env is not None else []
             exprs = [g for g in exprs if g.free_symbols and g.free_symbols <= set(names)]
-            compiled.append(sympy.lambdify(names, sympy.And(*exprs), modules=[{"Min": min, "Max": max}, "math"])
-                            if exprs else None)
+            compiled.append(sympy.lambdify(names, sympy.And(*exprs), modules=modules) if exprs else None)
         return compiled[0]
 
     def accepts(leaves: list[Any]) -> bool:
-        try:
-            check_input_constraints_for_graph(
-                fakes, [((pytree.SequenceKey(0), pytree.SequenceKey(i)), x) for i, x in enumerate(leaves)], ranges)
-        except RuntimeError:
+        if any(leaves[i].shape[d] != size for i, d, size in static):
+            return False
+        values = [int(leaves[i].shape[d]) for i, d in where]
+        if any(v < lo or (hi is not None and v > hi) for v, (lo, hi) in zip(values, bounds, strict=True)):
+            return False
+        if any(int(leaves[i].shape[d]) != int(size(*values)) for i, d, size in sizes_of):
             return False
         check = guards()
-        return check is None or bool(check(*(int(leaves[i].shape[d]) for i, d in where)))
+        return check is None or bool(check(*values))
 
     return accepts
 
