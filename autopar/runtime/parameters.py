@@ -179,8 +179,8 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
     """What the emitted graph reads for parameter ``p``: its local tensor, differentiably (the gradient
     comes back as a DTensor with ``p``'s placements)."""
     if isinstance(p, DTensor):
-        if isinstance(p._local_tensor, Absent):  # bound but never read: another pipeline rank's stage
-            return p._local_tensor
+        if isinstance(p._local_tensor, Absent) or not torch.is_grad_enabled():  # (Absent: bound but never
+            return p._local_tensor  # read, another pipeline rank's stage; no_grad: no autograd Function per call)
         return _LocalPiece.apply(p)
     return p
 
