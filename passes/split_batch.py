@@ -27,7 +27,8 @@ from torch import fx
 
 from autopar.config import Plan
 from autopar.errors import PlanError
-from passes.analysis.batch_dims import CLASS_LOSSES, BatchDim, BatchFacts, Reduction, analyze_batch
+from passes.analysis.batch_dims import BatchDim, BatchFacts, Reduction, analyze_batch
+from passes.analysis.batch_rules import CLASS_LOSSES
 from passes.analysis.graph_facts import module_of, tensor_meta
 from passes.ir import BatchReduceSpec, GatherRowsSpec, batch_reduce, gather_rows, scatter_rows
 from passes.runner import PassResult

@@ -22,53 +22,32 @@ on both sides need no marker; only the ops between the two sides do (``passes.ir
 ``scatter_rows``, ``batch_reduce``, and the outputs' ``gather_output``).
 
 Pure: a function of the graph and its recorded batch split.
+
+The per-op rules are in ``passes.analysis.batch_rules``.
 """
 
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
 import torch
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autopar.errors import PlanError
+from passes.analysis.batch_rules import VIEWS, BatchDim, Gather, Reduce, Reduction, Rules, map_batch_through_view
 from passes.analysis.graph_facts import carries_grad, module_of, tensor_inputs, tensor_meta
 from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad, vocab_cross_entropy
 
 aten = torch.ops.aten
 
 
-@dataclass(frozen=True, slots=True)
-class BatchDim:
-    """Where a SPLIT tensor holds the batch: dim ``dim``, whose size is (this rank's rows) x ``factor``,
-    rows outermost (``(B, T, C) -> (B*T, C)`` gives dim 0, factor T)."""
-
-    dim: int
-    factor: int = 1
-
-
 class State(StrEnum):
     SPLIT = "split"
     WHOLE = "whole"
     NONE = "none"
-
-
-@dataclass(frozen=True, slots=True)
-class Reduction:
-    """A reduction over the batch dim that a partial sum completes."""
-
-    kind: str
-    """"sum", "mean" (over ``dims``), or the loss op's reduction: "loss_sum", "loss_mean"."""
-    batch: BatchDim
-    """Where the reduced input holds the batch."""
-    dims: tuple[int, ...] = ()
-    """sum/mean: the reduced dims (the batch dim among them)."""
-    keepdim: bool = False
 
 
 @dataclass
@@ -109,84 +88,10 @@ def _describe(node: fx.Node) -> str:
     return f"op {name} in module '{module_of(node) or '<root>'}'"
 
 
-# ---- the op families ------------------------------------------------------------------------------
-
-_VIEWS = frozenset({aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.squeeze.dim,
-                    aten.squeeze.dims, aten.squeeze.default, aten.unsqueeze.default, aten.flatten.using_ints,
-                    aten.unflatten.int, aten.view_as.default, aten.reshape_as.default})
-_TRANSPOSES = frozenset({aten.t.default, aten.transpose.int, aten.permute.default, aten.numpy_T.default,
-                         aten.movedim.int})
-_SOFTMAX_LIKE = frozenset({aten.softmax.int, aten._softmax.default, aten.log_softmax.int,
-                           aten._log_softmax.default, aten.cumsum.default, aten.cumprod.default,
-                           aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
-                           aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
-                           aten.topk.default, aten.kthvalue.default, aten.flip.default, aten.roll.default})
-_SUM_MEAN = {aten.sum.default: "sum", aten.mean.default: "mean", aten.sum.dim_IntList: "sum",
-             aten.mean.dim: "mean"}
-#: Losses whose reduction over the batch is a sum of per-element terms (mean: divided by their number).
-ELEMENTWISE_LOSSES = frozenset({aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
-                                aten.huber_loss.default, aten.binary_cross_entropy.default,
-                                aten.binary_cross_entropy_with_logits.default, aten.kl_div.default,
-                                aten.soft_margin_loss.default})
-#: Losses over class scores (N, C, ...): mean divides by the valid targets' count (or weight).
-CLASS_LOSSES = frozenset({aten.cross_entropy_loss.default, aten.nll_loss.default, aten.nll_loss_nd.default,
-                          aten.nll_loss_forward.default, aten.nll_loss2d.default, aten.nll_loss2d_forward.default})
-_ROWS_AT_ZERO = frozenset({aten.convolution.default, aten.conv1d.default, aten.conv2d.default,
-                           aten.conv3d.default, aten.max_pool2d.default, aten.max_pool1d.default,
-                           aten.avg_pool2d.default, aten.avg_pool1d.default, aten.adaptive_avg_pool2d.default,
-                           aten.adaptive_avg_pool1d.default, aten.max_pool2d_with_indices.default,
-                           aten.group_norm.default, aten.native_group_norm.default,
-                           aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pixel_shuffle.default})
-_LAYER_NORMS = frozenset({aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default})
-_BATCH_NORMS = frozenset({aten.batch_norm.default, aten._native_batch_norm_legit.default,
-                          aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default})
-_LAYOUT_PRESERVING = frozenset({
-    aten.clone.default, aten.detach.default, aten.alias.default, aten._to_copy.default, aten.to.dtype,
-    aten.to.dtype_layout, aten.to.device, aten.contiguous.default, aten.dropout.default, aten.type_as.default,
-    aten.lift_fresh_copy.default, aten.native_dropout.default, aten.bernoulli.p, aten.bernoulli.default,
-    aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
-    aten.rand_like.default, aten.randn_like.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
-    aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.fill.Scalar,
-    aten._assert_tensor_metadata.default,
-})
 _MARKERS = (batch_reduce, gather_rows, scatter_rows, sum_grad, vocab_cross_entropy)
 
 
-def _is_pointwise(node: fx.Node) -> bool:
-    t = node.target
-    return isinstance(t, torch._ops.OpOverload) and (t in _LAYOUT_PRESERVING or torch.Tag.pointwise in t.tags)
-
-
-def _arg(node: fx.Node, name: str, default: Any = None) -> Any:
-    """The value of the op's argument ``name`` (positional or keyword), or its schema default."""
-    schema = getattr(node.target, "_schema", None)
-    if schema is None:
-        return default
-    for i, a in enumerate(schema.arguments):
-        if a.name == name:
-            if i < len(node.args):
-                return node.args[i]
-            if name in node.kwargs:
-                return node.kwargs[name]
-            return a.default_value if a.has_default_value() else default
-    return default
-
-
-def _has_arg(node: fx.Node, name: str) -> bool:
-    schema = getattr(node.target, "_schema", None)
-    return schema is not None and any(a.name == name for a in schema.arguments)
-
-
 # ---- the walk ---------------------------------------------------------------------------------------
-
-
-class _Gather(Exception):
-    """The op works along the batch dim: gather its inputs' rows."""
-
-
-class _Reduce(Exception):
-    def __init__(self, reduction: Reduction) -> None:
-        self.reduction = reduction
 
 
 def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
@@ -195,7 +100,7 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
     batch = gm.meta.get("autopar_batch")
     rows = batch.local_sizes[batch.index] if batch is not None else 0
     facts.local_rows = rows
-    rules = _Rules(facts, rows)
+    rules = Rules(facts, rows)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             info = input_info(node)
@@ -226,10 +131,10 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
         else:
             try:
                 facts.dims[node] = rules.decide(node)
-            except _Reduce as r:
+            except Reduce as r:
                 facts.reductions[node] = r.reduction
                 facts.dims[node] = None
-            except _Gather:
+            except Gather:
                 facts.gathers[node] = {i: facts.batch_dim(i) for i in split_ins}
                 facts.dims[node] = _scattered(facts, node, split_ins[0])
         facts.states[node] = _state_of(facts, node, ins)
@@ -259,23 +164,13 @@ def _track_row_index(facts: BatchFacts, node: fx.Node, rows: int) -> None:
         return
     if t in _INDEX_KEEPING:
         facts.row_index[node] = d
-    elif t in _VIEWS or t is aten.expand.default:
+    elif t in VIEWS or t is aten.expand.default:
         if t is aten.expand.default:
             mapped = BatchDim(d + val.dim() - st.dim(), 1) if val.shape[d + val.dim() - st.dim()] == rows else None
         else:
             mapped = map_batch_through_view(tuple(st.shape), tuple(val.shape), BatchDim(d, 1), rows)
         if mapped is not None and mapped.factor == 1:
             facts.row_index[node] = mapped.dim
-
-
-def _uniform_rows(node: fx.Node, dim: int) -> bool:
-    """An ``expand`` of a size-1 dim: every row along ``dim`` holds the same values (RoBERTa's buffered
-    token type ids, expanded to the batch)."""
-    if node.target is not aten.expand.default:
-        return False
-    src, val = tensor_meta(node.args[0]), tensor_meta(node)
-    d = dim - (val.dim() - src.dim())
-    return d < 0 or src.shape[d] == 1
 
 
 def _scattered(facts: BatchFacts, node: fx.Node, first: fx.Node) -> Any:
@@ -306,446 +201,6 @@ def _state_of(facts: BatchFacts, node: fx.Node, ins: list[fx.Node]) -> State:
     if any(facts.state(i) is not State.NONE for i in ins):
         return State.WHOLE
     return State.NONE
-
-
-class _Rules:
-    def __init__(self, facts: BatchFacts, rows: int) -> None:
-        self.facts, self.rows = facts, rows
-
-    def bd(self, node: Any) -> BatchDim | None:
-        return self.facts.batch_dim(node)
-
-    def getitem(self, node: fx.Node) -> Any:
-        src = self.facts.dims.get(node.args[0])
-        return src[node.args[1]] if isinstance(src, tuple) and isinstance(node.args[1], int) else None
-
-    def marker(self, node: fx.Node) -> None:
-        if node.target is sum_grad:
-            self.facts.dims[node] = self.facts.dims.get(node.args[0])
-        elif node.target is scatter_rows:
-            spec = node.args[1]
-            self.facts.dims[node] = BatchDim(spec.dim, spec.factor)
-        elif node.target is vocab_cross_entropy and node.args[-1].reduction == 0:  # per row, as the loss it replaced
-            self.facts.dims[node] = self.facts.dims.get(node.args[0])
-        else:  # batch_reduce, gather_rows: whole
-            self.facts.dims[node] = None
-
-    def decide(self, node: fx.Node) -> Any:
-        t = node.target
-        if t is operator.getitem:
-            return self.getitem(node)
-        handler = _HANDLERS.get(t)
-        if handler is not None:
-            return handler(self, node)
-        if t in ELEMENTWISE_LOSSES or t in CLASS_LOSSES:
-            return self.loss(node)
-        if t in _SOFTMAX_LIKE:
-            return self.along_dim(node)
-        if _is_pointwise(node):
-            return self.pointwise(node)
-        if _has_arg(node, "reduction") and int(_arg(node, "reduction", 1)) != 0:
-            raise _Gather()
-        return self.unknown(node)
-
-    # ---- rules ----------------------------------------------------------------------------------
-
-    def pointwise(self, node: fx.Node) -> Any:
-        vals = node.meta.get("val")
-        if isinstance(vals, (list, tuple)):  # native_dropout: (output, mask), both laid out like the input
-            outs = [self._aligned(node, v) if isinstance(v, torch.Tensor) else None for v in vals]
-            return tuple(outs)
-        return self._aligned(node, vals)
-
-    def _aligned(self, node: fx.Node, val: torch.Tensor) -> BatchDim:
-        target = None
-        for i in tensor_inputs(node):
-            bd, t = self.bd(i), tensor_meta(i)
-            if bd is None or t is None:
-                continue
-            d = bd.dim + val.dim() - t.dim()
-            if d < 0 or val.shape[d] != t.shape[bd.dim]:
-                raise _Gather()
-            cand = BatchDim(d, bd.factor)
-            if target is not None and cand != target:
-                raise _Gather()
-            target = cand
-        if target is None:
-            raise _Gather()
-        return target
-
-    def view(self, node: fx.Node) -> BatchDim:
-        x = node.args[0]
-        bd, xt, val = self.bd(x), tensor_meta(x), tensor_meta(node)
-        mapped = map_batch_through_view(tuple(xt.shape), tuple(val.shape), bd, self.rows)
-        if mapped is None:
-            raise _Gather()
-        return mapped
-
-    def expand(self, node: fx.Node) -> BatchDim:
-        x = node.args[0]
-        bd, xt, val = self.bd(x), tensor_meta(x), tensor_meta(node)
-        d = bd.dim + val.dim() - xt.dim()
-        if val.shape[d] != xt.shape[bd.dim]:
-            raise _Gather()
-        return BatchDim(d, bd.factor)
-
-    def transpose(self, node: fx.Node) -> BatchDim:
-        x = node.args[0]
-        bd, nd = self.bd(x), tensor_meta(x).dim()
-        t = node.target
-        if t in (aten.t.default, aten.numpy_T.default):
-            perm = list(range(nd))[::-1]
-        elif t is aten.permute.default:
-            perm = [d % nd for d in node.args[1]]
-        elif t is aten.movedim.int:
-            src, dst = node.args[1] % nd, node.args[2] % nd
-            perm = [d for d in range(nd) if d != src]
-            perm.insert(dst, src)
-        else:
-            a, b = node.args[1] % nd, node.args[2] % nd
-            perm = list(range(nd))
-            perm[a], perm[b] = perm[b], perm[a]
-        return BatchDim(perm.index(bd.dim), bd.factor)
-
-    def slice(self, node: fx.Node) -> BatchDim:
-        x = node.args[0]
-        bd, xt = self.bd(x), tensor_meta(x)
-        dim = _arg(node, "dim", 0) % xt.dim()
-        if dim == bd.dim:
-            start, end, step = _arg(node, "start"), _arg(node, "end"), _arg(node, "step", 1)
-            if (start or 0) != 0 or (end is not None and end < xt.shape[dim]) or step != 1:
-                raise _Gather()
-        return bd
-
-    def select(self, node: fx.Node) -> BatchDim:
-        x = node.args[0]
-        bd, xt = self.bd(x), tensor_meta(x)
-        dim = node.args[1] % xt.dim()
-        if dim == bd.dim:
-            raise _Gather()
-        return BatchDim(bd.dim - (dim < bd.dim), bd.factor)
-
-    def index(self, node: fx.Node) -> BatchDim:
-        """Advanced indexing ``x[i0, i1, ...]``: rows stay rows when the batch dim is not indexed, when it is
-        indexed by ``arange(rows)`` (``row_index``), or when the indices themselves are this rank's rows."""
-        x, indices = node.args[0], list(node.args[1])
-        xbd, val = self.bd(x), tensor_meta(node)
-        used = [d for d, i in enumerate(indices) if i is not None]
-        metas = [tensor_meta(indices[d]) for d in used]
-        if not used or any(m is None for m in metas) or val is None:
-            raise _Gather()
-        nb = max(m.dim() for m in metas)
-        adjacent = used == list(range(used[0], used[-1] + 1))
-        start = used[0] if adjacent else 0
-
-        def kept(d: int) -> int:  # where a dim of x that no index touches lands
-            if adjacent:
-                return d if d < used[0] else d - len(used) + nb
-            return nb + d - sum(u < d for u in used)
-
-        target = None
-        cands = []
-        if xbd is not None:
-            if xbd.dim in used:
-                idx = indices[xbd.dim]
-                ri = self.facts.row_index.get(idx)
-                if ri is None or xbd.factor != 1:
-                    raise _Gather()
-                cands.append(BatchDim(start + ri + nb - tensor_meta(idx).dim(), 1))
-            else:
-                cands.append(BatchDim(kept(xbd.dim), xbd.factor))
-        for d in used:
-            ibd = self.bd(indices[d])
-            if ibd is not None:
-                cands.append(BatchDim(start + ibd.dim + nb - tensor_meta(indices[d]).dim(), ibd.factor))
-        for cand in cands:
-            if target is not None and cand != target:
-                raise _Gather()
-            target = cand
-        if target is None or target.dim >= val.dim() or val.shape[target.dim] != self.rows * target.factor:
-            raise _Gather()
-        return target
-
-    def gather(self, node: fx.Node) -> BatchDim:
-        """``gather(x, dim, index)``: row-wise along any dim but the rows' when x and index share them."""
-        x, dim, index = node.args[:3]
-        xbd, ibd, xt = self.bd(x), self.bd(index), tensor_meta(x)
-        if ibd is None or dim % xt.dim() == ibd.dim or xbd not in (None, ibd):
-            raise _Gather()
-        if xbd is None and xt.shape[ibd.dim] != 1 and not _uniform_rows(x, ibd.dim):
-            raise _Gather()  # x would have to hold the rows too
-        return ibd
-
-    def split(self, node: fx.Node) -> tuple:
-        x = node.args[0]
-        bd, xt = self.bd(x), tensor_meta(x)
-        dim = _arg(node, "dim", 0) % xt.dim()
-        if dim == bd.dim:
-            raise _Gather()
-        vals = node.meta.get("val")
-        if node.target is aten.unbind.int:
-            return tuple(BatchDim(bd.dim - (dim < bd.dim), bd.factor) for _ in vals)
-        return tuple(bd for _ in vals)
-
-    def cat(self, node: fx.Node) -> BatchDim:
-        tensors = list(node.args[0])
-        val = tensor_meta(node)
-        dim = _arg(node, "dim", 0) % val.dim()
-        target = None
-        for t in tensors:
-            bd = self.bd(t)
-            if bd is None:
-                continue
-            if node.target is aten.stack.default:
-                bd = BatchDim(bd.dim + (dim <= bd.dim), bd.factor)
-            elif bd.dim == dim:
-                raise _Gather()
-            if target is not None and bd != target:
-                raise _Gather()
-            target = bd
-        return target
-
-    def embedding(self, node: fx.Node) -> BatchDim:
-        weight, ids = node.args[0], node.args[1]
-        if self.bd(weight) is not None:
-            raise _Gather()
-        return self.bd(ids)
-
-    def linear(self, node: fx.Node) -> BatchDim:
-        x = node.args[0]
-        bd, xt = self.bd(x), tensor_meta(x)
-        if bd is None or bd.dim == xt.dim() - 1 or any(self.bd(i) is not None for i in node.args[1:3]):
-            raise _Gather()
-        return bd
-
-    def addmm(self, node: fx.Node) -> BatchDim:
-        bias, a, b = node.args[:3]
-        rows = self.bd(a)
-        if rows is None or rows.dim != 0 or self.bd(b) is not None or self.bd(bias) not in (None, rows):
-            raise _Gather()
-        return rows
-
-    def matmul(self, node: fx.Node) -> BatchDim:
-        a, b = node.args[:2]
-        at, bt, val = tensor_meta(a), tensor_meta(b), tensor_meta(node)
-        if at is None or bt is None or at.dim() < 2 or bt.dim() < 2:
-            raise _Gather()
-        nd = val.dim()
-        target = None
-        for x, t, which in ((a, at, "a"), (b, bt, "b")):
-            bd = self.bd(x)
-            if bd is None:
-                continue
-            contracted = t.dim() - 1 if which == "a" else t.dim() - 2
-            if bd.dim == contracted:
-                raise _Gather()
-            if which == "a" and bd.dim == t.dim() - 2:
-                cand = BatchDim(nd - 2, bd.factor)
-            elif which == "b" and bd.dim == t.dim() - 1:
-                cand = BatchDim(nd - 1, bd.factor)
-            else:
-                cand = BatchDim(bd.dim + nd - t.dim(), bd.factor)
-                if val.shape[cand.dim] != t.shape[bd.dim]:
-                    raise _Gather()
-            if target is not None and cand != target:
-                raise _Gather()
-            target = cand
-        return target
-
-    def attention(self, node: fx.Node) -> BatchDim:
-        q = node.args[0]
-        nd = tensor_meta(q).dim()
-        target = None
-        for i in tensor_inputs(node):
-            bd, t = self.bd(i), tensor_meta(i)
-            if bd is None or t is None:
-                continue
-            d = bd.dim + nd - t.dim()
-            if d >= nd - 2 or d < 0:
-                raise _Gather()
-            cand = BatchDim(d, bd.factor)
-            if target is not None and cand != target:
-                raise _Gather()
-            target = cand
-        return target
-
-    def rows_at_zero(self, node: fx.Node) -> Any:
-        bd = self.bd(node.args[0])
-        if bd is None or bd.dim != 0 or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
-            raise _Gather()
-        vals = node.meta.get("val")
-        return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
-
-    def layer_norm(self, node: fx.Node) -> Any:
-        x = node.args[0]
-        bd, xt = self.bd(x), tensor_meta(x)
-        shape = node.args[1]
-        if bd is None or bd.dim >= xt.dim() - len(shape) or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
-            raise _Gather()
-        vals = node.meta.get("val")
-        return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
-
-    def batch_norm(self, node: fx.Node) -> Any:
-        training = node.target is not aten._native_batch_norm_legit_no_training.default and bool(
-            _arg(node, "training", False))
-        if training:  # batch statistics mix the rows
-            raise _Gather()
-        return self.rows_at_zero(node)
-
-    def reduce(self, node: fx.Node) -> Any:
-        x = node.args[0]
-        bd, xt = self.bd(x), tensor_meta(x)
-        kind = _SUM_MEAN[node.target]
-        if node.target in (aten.sum.default, aten.mean.default):
-            dims, keepdim = tuple(range(xt.dim())), False
-        else:
-            raw = _arg(node, "dim")
-            dims = tuple(range(xt.dim())) if not raw else tuple(sorted(d % xt.dim() for d in raw))
-            keepdim = bool(_arg(node, "keepdim", False))
-        if bd.dim in dims:
-            if _arg(node, "dtype") is not None and not tensor_meta(node).is_floating_point():
-                raise _Gather()
-            raise _Reduce(Reduction(kind, bd, dims, keepdim))
-        return BatchDim(bd.dim if keepdim else bd.dim - sum(d < bd.dim for d in dims), bd.factor)
-
-    def along_dim(self, node: fx.Node) -> Any:
-        """Ops with a ``dim`` argument (softmax, cumsum, sort, max over a dim, ...): fine along any other dim."""
-        x = node.args[0]
-        bd, xt, vals = self.bd(x), tensor_meta(x), node.meta.get("val")
-        if bd is None or xt is None or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
-            raise _Gather()
-        raw = _arg(node, "dim")
-        if raw is None or (isinstance(raw, (list, tuple)) and not raw):
-            raise _Gather()
-        dims = tuple(sorted(d % xt.dim() for d in (raw if isinstance(raw, (list, tuple)) else (raw,))))
-        if bd.dim in dims:
-            raise _Gather()
-        outs = []
-        for v in (vals if isinstance(vals, (list, tuple)) else (vals,)):
-            if not isinstance(v, torch.Tensor):
-                outs.append(None)
-                continue
-            d = bd.dim if v.dim() == xt.dim() else bd.dim - sum(d < bd.dim for d in dims)
-            if v.dim() <= d or v.shape[d] != xt.shape[bd.dim]:
-                raise _Gather()
-            outs.append(BatchDim(d, bd.factor))
-        return tuple(outs) if isinstance(vals, (list, tuple)) else outs[0]
-
-    def loss(self, node: fx.Node) -> Any:
-        x, target = node.args[0], node.args[1]
-        bx, bt = self.bd(x), self.bd(target)
-        others = [i for i in tensor_inputs(node) if i not in (x, target)]
-        if bx is None or bx.dim != 0 or any(self.bd(i) is not None for i in others):
-            raise _Gather()
-        if node.target in CLASS_LOSSES:
-            if bt is None or bt.dim != 0 or bt.factor != bx.factor:
-                raise _Gather()
-        elif bt is not None and bt != bx:
-            raise _Gather()
-        if int(_arg(node, "reduction", 1)) == 0:  # per element: rows stay rows
-            vals = node.meta.get("val")
-            return tuple(bx if isinstance(v, torch.Tensor) and v.dim() else None for v in vals) \
-                if isinstance(vals, (list, tuple)) else bx
-        if node.target in ELEMENTWISE_LOSSES and (bt is None or tensor_meta(target).shape != tensor_meta(x).shape):
-            raise _Gather()  # broadcast targets: count the elements the serial mean divides by differently
-        kind = "loss_mean" if int(_arg(node, "reduction", 1)) == 1 else "loss_sum"
-        raise _Reduce(Reduction(kind, bx))
-
-    def index_copy(self, node: fx.Node) -> BatchDim:
-        """``x.index_copy_(dim, index, source)`` (HF's StaticCache update): rows stay rows when the copy runs
-        along another dim and ``x`` holds the source's rows (split as they are, or made for this rank's rows
-        inside forward)."""
-        x, dim, index, src = node.args[:4]
-        bs, bx, xt, st = self.bd(src), self.bd(x), tensor_meta(x), tensor_meta(src)
-        if bs is None or self.bd(index) is not None or xt is None or st is None or xt.dim() != st.dim():
-            raise _Gather()
-        if dim % xt.dim() == bs.dim or bx not in (None, bs) or xt.shape[bs.dim] != st.shape[bs.dim]:
-            raise _Gather()
-        return bs
-
-    def unknown(self, node: fx.Node) -> Any:
-        """An op without a rule: fine when it keeps the rows where they are and works along another dim."""
-        if _has_arg(node, "dim"):
-            return self.along_dim(node)
-        split = [i for i in tensor_inputs(node) if self.bd(i) is not None]
-        vals = node.meta.get("val")
-        if len(split) != 1 or not isinstance(vals, torch.Tensor):
-            raise _Gather()
-        bd, t = self.bd(split[0]), tensor_meta(split[0])
-        if t is None or vals.dim() != t.dim() or vals.shape[bd.dim] != t.shape[bd.dim] or bd.dim != 0:
-            raise _Gather()
-        return bd
-
-
-_HANDLERS: dict[Any, Callable[[_Rules, fx.Node], Any]] = {
-    **{t: _Rules.view for t in _VIEWS},
-    aten.expand.default: _Rules.expand,
-    aten.expand_as.default: _Rules.expand,
-    **{t: _Rules.transpose for t in _TRANSPOSES},
-    aten.slice.Tensor: _Rules.slice,
-    aten.select.int: _Rules.select,
-    aten.index.Tensor: _Rules.index,
-    aten.gather.default: _Rules.gather,
-    aten.split.Tensor: _Rules.split,
-    aten.split_with_sizes.default: _Rules.split,
-    aten.chunk.default: _Rules.split,
-    aten.unbind.int: _Rules.split,
-    aten.tensor_split.sections: _Rules.split,
-    aten.cat.default: _Rules.cat,
-    aten.stack.default: _Rules.cat,
-    aten.embedding.default: _Rules.embedding,
-    aten.linear.default: _Rules.linear,
-    aten.addmm.default: _Rules.addmm,
-    aten.mm.default: _Rules.matmul,
-    aten.bmm.default: _Rules.matmul,
-    aten.matmul.default: _Rules.matmul,
-    aten.scaled_dot_product_attention.default: _Rules.attention,
-    aten.index_copy.default: _Rules.index_copy,
-    aten.index_copy_.default: _Rules.index_copy,
-    **{t: _Rules.rows_at_zero for t in _ROWS_AT_ZERO},
-    **{t: _Rules.layer_norm for t in _LAYER_NORMS},
-    **{t: _Rules.batch_norm for t in _BATCH_NORMS},
-    **{t: _Rules.reduce for t in _SUM_MEAN},
-}
-
-
-def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: BatchDim, rows: int) -> BatchDim | None:
-    """Where the rows of dim ``bd.dim`` of shape ``src`` lie in the view ``dst``, or None when the view
-    does not keep them the outermost part of one dim (it splits them, or merges an outer dim into them).
-
-    In the contiguous layout a row spans ``bd.factor * inner`` elements (``inner``: the dims after the
-    batch dim). The rows lie in dst dim ``d`` when the dims before ``d`` hold exactly the dims before
-    the batch dim, dim ``d`` spans exactly the batch dim's elements, and a row is a whole number of
-    dim-``d`` steps.
-    """
-    if rows <= 0:
-        return None
-    outer = _prod(src[:bd.dim])
-    extent = src[bd.dim] * _prod(src[bd.dim + 1:])
-    step = bd.factor * _prod(src[bd.dim + 1:])
-    acc = 1
-    for d, size in enumerate(dst):
-        if _known(acc == outer):
-            stride = _prod(dst[d + 1:])
-            if _known(size % rows == 0) and _known(step % stride == 0) and _known(size * stride == extent):
-                return BatchDim(d, int(size // rows))
-        acc *= size
-        if _known(acc > outer):
-            break
-    return None
-
-
-def _prod(sizes: Any) -> Any:
-    """The product, symbolic where a size is (int() would specialize a dynamic graph's sizes)."""
-    out = 1
-    for s in sizes:
-        out *= s
-    return out
-
-
-def _known(cond: Any) -> bool:
-    """Whether a size comparison holds for every value of its symbols (no guard is added)."""
-    return statically_known_true(cond) if isinstance(cond, torch.SymBool) else bool(cond)
 
 
 # ---- constants that scale with the batch ------------------------------------------------------------

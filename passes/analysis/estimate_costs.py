@@ -37,7 +37,8 @@ from autopar.config import (
     ParamPlan,
     collective_bytes,
 )
-from passes.analysis.batch_dims import CLASS_LOSSES, BatchDim, BatchFacts
+from passes.analysis.batch_dims import BatchDim, BatchFacts
+from passes.analysis.batch_rules import CLASS_LOSSES
 from passes.analysis.graph_facts import (
     MatmulMatch,
     module_of,
