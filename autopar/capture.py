@@ -148,23 +148,29 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
 
 def sequence_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None
                   ) -> dict[int, dict[int, Any]]:
-    """The input dims an evaluation call of an HF generating model is captured with as symbolic sizes
-    (leaf index -> {dim: Dim.AUTO}): the sequence dim of token ids, masks and positions (dim 1 of 2-D
-    tensors) and of key/value cache tensors (dim 2 of 4-D ones), and the batch dim of the leaves in
-    ``rows`` (leaf -> batch dim: given when the batch is not split over ranks). One graph then serves
-    every prompt length, batch size and decode step; export keeps static whatever the model fixes (and
-    size 1: a call of size 1 is captured as it is), and ``Captured.accepts`` says which sizes a graph takes. Empty for
-    other models (each input shape is captured)."""
-    if not getattr(model, "can_generate", lambda: False)():
-        return {}
+    """The input dims an evaluation call is captured with as symbolic sizes (leaf index -> {dim: Dim.AUTO}),
+    so that one graph serves every size of them:
+
+    - the batch dim of the leaves in ``rows`` (leaf -> batch dim: given when the batch is not split over
+      ranks), for every model;
+    - the sequence dim of token ids and masks (dim 1 of 2-D integer tensors); for HF generating models
+      also of float 2-D tensors and of key/value cache tensors (dim 2 of 4-D ones), so one graph serves
+      every prompt length and decode step.
+
+    Size 1 stays static (a call of size 1 is captured as it is: export would specialize it, with a
+    warning); export keeps static whatever the model fixes, and ``Captured.accepts`` says which sizes a
+    graph takes."""
+    generating = getattr(model, "can_generate", lambda: False)()
     out: dict[int, dict[int, Any]] = {}
     for i, x in enumerate(leaves):
-        if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point():
+        if not isinstance(x, torch.Tensor):
+            continue
+        if generating and x.dim() == 4 and x.is_floating_point():
             out[i] = {2: torch.export.Dim.AUTO}
-        elif isinstance(x, torch.Tensor) and x.dim() == 2 and x.shape[1] > 1:
+        elif x.dim() == 2 and x.shape[1] > 1 and (generating or not x.is_floating_point()):
             out[i] = {1: torch.export.Dim.AUTO}
     for i, d in (rows or {}).items():
-        if leaves[i].shape[d] > 1:  # (export specializes size 1, with a warning)
+        if leaves[i].shape[d] > 1:
             out.setdefault(i, {})[d] = torch.export.Dim.AUTO
     return out
 

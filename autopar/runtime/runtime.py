@@ -90,8 +90,8 @@ class ParallelRuntime:
         self.plan: Plan | None = None
         self.executables = Executables()
         """Compiled graphs by input signature (autopar/runtime/executables.py)."""
-        self.uncaptured: set[Any] = set()
-        """Signatures of evaluation calls that could not be captured (run whole on every rank)."""
+        self.uncaptured: dict[Any, str] = {}
+        """Signatures of evaluation calls that could not be captured (run whole on every rank): why not."""
         self._syncs: list[GradSync] = []
         """Gradient sync of the parameters (pipeline = 1): one per process group."""
         self._leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
@@ -159,6 +159,7 @@ class ParallelRuntime:
         exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
         if exe is None:
             if key in self.uncaptured:  # an evaluation call that could not be captured before
+                self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
                 return self._forward_local(*whole((args, kwargs))), None, ()
             try:
                 exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic, arrived=arrived)
@@ -287,8 +288,10 @@ class ParallelRuntime:
     def _eval_fall_back(self, error: CaptureError, key: Any) -> None:
         """An evaluation call before any plan that cannot be captured: it (and later calls with the same
         signature) runs the whole model on every rank; the next training call is captured as usual."""
-        self.uncaptured.add(key)
-        reason = str(error).split(". autopar needs")[0]
+        self.uncaptured[key] = reason = str(error).split(". autopar needs")[0]
+        self._say_eval_fallback(reason)
+
+    def _say_eval_fallback(self, reason: str) -> None:
         cost = ("gathers every parameter whole on every rank for the call" if self.store.dtensors and self.plan
                 else "gets no tensor parallelism")
         if (reason, cost) not in self._warned and self.mesh.rank == 0:

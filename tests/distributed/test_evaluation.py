@@ -178,3 +178,34 @@ def test_an_uncapturable_evaluation_falls_back_for_that_call_only(distributed):
         if rank == 0:
             assert len(got["warnings"]) == 2, got["warnings"]  # before the plan, and (gathering) under it
             assert "gets no tensor parallelism" in got["warnings"][0] and "gathers every parameter" in got["warnings"][1]
+
+
+def shapes_worker(name: str) -> dict:
+    from autopar.context import runtime_of
+    from autopar.examples import zoo
+
+    torch.manual_seed(0)
+    serial = zoo.build_model(name).eval()
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1)):
+        model = zoo.build_model(name)
+    model.eval()
+    runtime = runtime_of(model)
+    errors, graphs = [], {}
+    with torch.no_grad():
+        for rows, length in [(2, 5), (3, 7), (4, 6), (5, 3), (2, 12), (1, 9)]:
+            args = zoo.example_inputs(name, batch=rows, seq=length)
+            got, want = zoo.logits_of(model(*args)), zoo.logits_of(serial(*args))
+            errors.append(rel_err(got, want))
+            graphs[rows, length] = sum(len(g) for g in runtime.executables.values())
+    return {"error": max(errors), "graphs": graphs}
+
+
+@pytest.mark.parametrize("name", ["nanogpt", "bert"])
+def test_one_graph_serves_every_batch_size_and_length_in_evaluation(distributed, name):
+    """An evaluation call is captured with a symbolic batch dim (when the batch is not split) and symbolic
+    token-id lengths (dim 1 of 2-D integer inputs): batch sizes 2..5 and lengths 3..12 take one graph
+    (each shape was a capture of about a second), 1 row its own."""
+    for got in distributed(shapes_worker, 2, name, timeout=600):
+        assert got["error"] < 1e-5, got
+        assert got["graphs"][2, 12] == 1 and got["graphs"][1, 9] == 2, got
