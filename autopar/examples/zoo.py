@@ -30,6 +30,9 @@ _HF: dict[str, tuple[str, str, dict[str, Any]]] = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
               dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                    num_attention_heads=HEADS, num_key_value_heads=2, max_position_embeddings=POSITIONS)),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM",  # q/k norms over each head
+              dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
+                   num_attention_heads=HEADS, num_key_value_heads=2, head_dim=8, max_position_embeddings=POSITIONS)),
     "gemma": ("GemmaConfig", "GemmaForCausalLM",
               dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=FFN, num_hidden_layers=LAYERS,
                    num_attention_heads=HEADS, num_key_value_heads=1, head_dim=8,

@@ -64,7 +64,7 @@ def test_generate_matches_serial_tensor_parallel(distributed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2"])
+@pytest.mark.parametrize("name", ["llama", "gpt2", "qwen2", "qwen3"])
 @pytest.mark.parametrize("tensor", [(2, 1, 1), (1, 2, 1)])
 def test_generate_matches_serial_on_two_ranks(distributed, name, tensor):
     _check(distributed(generate_worker, 2, name, tensor, 1, ("greedy", "padded"), 4, timeout=600))
@@ -87,7 +87,7 @@ def test_generate_with_a_static_cache_data_and_tensor(distributed):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["gpt2", "qwen2"])
+@pytest.mark.parametrize("name", ["gpt2", "qwen2", "qwen3"])
 def test_generate_matches_serial_at_221(distributed, name):
     _check(distributed(generate_worker, 4, name, (2, 2, 1), 1, ("greedy",), 4, timeout=600))
 
