@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import operator
 import weakref
 from typing import Any
 
@@ -37,10 +36,11 @@ from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
 from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
-from autopar.runtime.ops import (BatchReduceOp, ConvertOp, EmbeddingOp, GatherFeaturesOp, GatherOutputOp, GatherRowsOp,
-                                 MatmulOp, ReduceOp, ScatterRowsOp, SumGradOp, VocabCrossEntropyOp, gather_rows_world,
-                                 scatter_batch)
-from autopar.runtime.per_rank import SegmentReduceOp, own_output, pool_rows
+from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
+from autopar.runtime.fallback import (data_parallel_sync, fallback_reason, forward_local, forward_whole, run_data_parallel,
+                                      say_eval_fallback)
+from autopar.runtime.ops import scatter_batch
+from autopar.runtime.per_rank import own_output, pool_rows
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
@@ -48,9 +48,7 @@ from passes.analysis.estimate_memory import estimate_memory
 from passes.analysis.graph_facts import hinted
 from passes.analysis.make_plan import make_plan
 from passes.analysis.report import estimate_step
-from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
-                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad,
-                       vocab_cross_entropy)
+from passes.ir import InputKind, input_info
 from passes.runner import run_passes
 from passes.insert_checkpoints import insert_checkpoints
 from passes.shard_linears import shard_linears
@@ -180,7 +178,7 @@ class ParallelRuntime:
         """Runs ``exe`` on its placeholders' values; returns the outputs in the model's structure."""
         dtype = half_dtype(self.memory.precision)
         if exe.program is not None:
-            values = dict(zip(_placeholders(exe.gm), flat))
+            values = dict(zip(placeholders(exe.gm), flat))
             out = exe.program.run_sequential(values)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         if dtype is None:
@@ -230,14 +228,8 @@ class ParallelRuntime:
         return pytree.tree_unflatten([own_output(t, s, self.mesh, rows, member) for t, s in zip(flat, specs)], out_spec)
 
     def _forward_local(self, args: tuple, kwargs: dict) -> Any:
-        """The user's forward on this rank's inputs and whole parameters, under the precision's autocast
-        (data parallelism, or an evaluation call that could not be captured)."""
-        dtype = half_dtype(self.memory.precision)
-        if dtype is None:
-            return self._forward_whole(args, kwargs)
-        with torch.autocast(self.mesh.device.type, dtype=dtype):
-            out = self._forward_whole(args, kwargs)
-        return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
+        """The user's forward on this rank's inputs and whole parameters (``fallback.forward_local``)."""
+        return forward_local(self._forward_whole, self.memory.precision, self.mesh.device, args, kwargs)
 
     def _agree_on_overflow_after_backward(self, outputs: list[Any]) -> None:
         """fp16: when any rank's gradients overflow, every rank's do, so torch.amp.GradScaler skips the
@@ -288,85 +280,26 @@ class ParallelRuntime:
     def _eval_fall_back(self, error: CaptureError, key: Any) -> None:
         """An evaluation call before any plan that cannot be captured: it (and later calls with the same
         signature) runs the whole model on every rank; the next training call is captured as usual."""
-        self.uncaptured[key] = reason = str(error).split(". autopar needs")[0]
+        self.uncaptured[key] = reason = fallback_reason(error)
         self._say_eval_fallback(reason)
 
     def _say_eval_fallback(self, reason: str) -> None:
-        cost = ("gathers every parameter whole on every rank for the call" if self.store.dtensors and self.plan
-                else "gets no tensor parallelism")
-        if (reason, cost) not in self._warned and self.mesh.rank == 0:
-            log.warning("autopar: %s; this evaluation call (and any with the same input shapes) runs the whole model "
-                        "on every rank: each rank computes the whole batch, and it %s. Training calls are still "
-                        "captured and parallelized.", reason, cost)
-        self._warned.add((reason, cost))
+        say_eval_fallback(reason, bool(self.store.dtensors and self.plan), self._warned, self.mesh.rank)
 
     def _fall_back(self, error: CaptureError) -> None:
         """The model cannot be captured: every rank runs it whole on its share of the batch (DDP)."""
         self.fallback = True
-        world = self.config.world_size
-        if self.mesh.rank == 0:
-            log.warning("autopar: %s; falling back to data parallelism over all %d ranks (no tensor "
-                        "parallelism for this model).", str(error).split(". autopar needs")[0], world)
-        params = {id(p): p for p in self.params.values() if p.requires_grad}
-        if world > 1 and params:
-            self._syncs.append(GradSync(list(params.values()), None, world, enabled=self.sync_enabled))
+        sync = data_parallel_sync(error, self.params, self.mesh.rank, self.config.world_size, self.sync_enabled)
+        if sync is not None:
+            self._syncs.append(sync)
 
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
-        world = self.config.world_size
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        split, batch = batch_leaves(leaves, input_names(args, kwargs), self.inputs.batch_dims)
-        if not split or batch < world:  # fewer rows than ranks: every rank runs them all (equal gradients)
-            return self._forward_whole(args, kwargs)
-        flat = ParallelConfig(data=world)
-        sizes = flat.batch_sizes(batch)
-        start = sum(sizes[:self.mesh.rank])
-        local = [x.narrow(split[i], start, sizes[self.mesh.rank]) if i in split else x for i, x in enumerate(leaves)]
-        local_args, local_kwargs = pytree.tree_unflatten(local, spec)
-        try:
-            out = self._forward_whole(local_args, local_kwargs)
-        except (RuntimeError, ValueError, IndexError) as e:
-            names = input_names(args, kwargs)
-            which = ", ".join(f"{names[i]!r} (dim {d}, shape {tuple(leaves[i].shape)})" for i, d in sorted(split.items()))
-            raise InputError(
-                f"{type(self._model()).__name__} failed on this rank's share of the batch ({type(e).__name__}: "
-                f"{str(e).splitlines()[0]}). autopar split these inputs as the batch: {which}. If one of them holds "
-                "no batch (its dim 0 only equals the batch size), declare it with auto_parallelize(batch_dims="
-                "{input: None}); if the model needs whole batches, feed each rank its own (batch='per-rank').") from e
-        rows = sizes[self.mesh.rank]
-
-        def gathered(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor):
-                return t
-            if t.dim() and t.shape[0] == rows:
-                return gather_rows_world(t, sizes)
-            if t.requires_grad:  # a loss computed inside forward from this rank's rows only
-                raise InputError(
-                    f"{type(self._model()).__name__} could not be captured, so autopar runs it whole on each rank's "
-                    f"share of the global batch; it returned a tensor of shape {tuple(t.shape)} that is not one row per "
-                    "sample (a loss inside forward?), and autopar cannot tell how to combine the ranks' values. "
-                    "Compute the loss outside the model, or feed each rank its own batch (batch='per-rank') as "
-                    "under DDP.")
-            return t
-
-        return pytree.tree_map(gathered, out)
+        return run_data_parallel(self._forward_whole, self._model(), self.mesh, self.config.world_size,
+                                 self.inputs.batch_dims, args, kwargs)
 
     def _forward_whole(self, args: tuple, kwargs: dict) -> Any:
-        """The user's forward on a whole copy of the model: this rank's (parameters still replicated), or
-        under a plan one gathered for the call (evaluation only; a collective)."""
-        if not self.store.dtensors:
-            return self.original_forward(*args, **kwargs)
-        model = self._model()
-        if self.plan is not None:
-            with torch.no_grad():
-                views = self.store.full_state_dict(dict(self.params))
-        else:
-            views = {name: local_view(p) for name, p in self.params.items()}
-        wrapper = model.__dict__.pop("forward", None)  # call the user's forward, not ours
-        try:
-            return torch.func.functional_call(model, views, args, kwargs, tie_weights=False)
-        finally:
-            if wrapper is not None:
-                model.forward = wrapper
+        """The user's forward on a whole copy of the model (``fallback.forward_whole``)."""
+        return forward_whole(self._model(), self.store, self.plan is not None, self.original_forward, args, kwargs)
 
     # ---- compiling --------------------------------------------------------------------------------
 
@@ -426,8 +359,9 @@ class ParallelRuntime:
             if note not in self._warned and self.mesh.rank == 0:
                 log.warning("autopar: %s (correct, but that op is not data-parallel).", note)
             self._warned.add(note)
-        output_specs = [_gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
-        self._bind(gm, sizes, local_outputs, per_rank)
+        output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
+        bind_markers(gm, self.mesh, sizes, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
+                     local_outputs, per_rank)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
         for name, value in captured.constants.items():
@@ -439,7 +373,7 @@ class ParallelRuntime:
             constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
         program = None
         if pipelined:
-            program = Program(gm, lambda n: _travels(n, split), self.mesh, half_dtype(self.memory.precision),
+            program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
                               self._finish_grads)
             if self.store.held is None:
                 self.store.hold(program.readers())
@@ -566,7 +500,7 @@ class ParallelRuntime:
             self._keep(key, exe)
         local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
-        values = dict(zip(_placeholders(exe.gm), self._graph_inputs(exe, local)))
+        values = dict(zip(placeholders(exe.gm), self._graph_inputs(exe, local)))
         return exe, values, global_batch, sizes
 
     def _graph_inputs(self, exe: Executable, local: list[Any]) -> list[Any]:
@@ -600,47 +534,6 @@ class ParallelRuntime:
             obj = getattr(obj, part, None)
         return obj if isinstance(obj, torch.Tensor) else None
 
-    def _bind(self, gm: fx.GraphModule, sizes: tuple[int, ...], local_outputs: bool = False,
-              per_rank: tuple[tuple[int, ...], int] | None = None) -> None:
-        """Replaces marker ops with implementations over this rank's groups; meta devices with ours."""
-        mesh, device = self.mesh, self.mesh.device
-        reduce = half_dtype(self.memory.reduce_dtype)
-        if per_rank is not None:  # outputs: features gathered here, own rows taken by _run_per_rank
-            local_outputs = False
-        makers = {  # marker -> implementation, from the marker's last argument (its spec)
-            sharded_matmul: lambda spec: MatmulOp(spec, mesh, reduce).__call__,
-            convert_layout: lambda spec: ConvertOp(spec, mesh).__call__,
-            gather_output: lambda spec: _identity if local_outputs else GatherOutputOp(spec, mesh, sizes).__call__,
-            sharded_embedding: lambda spec: EmbeddingOp(spec, mesh).__call__,
-            sum_grad: lambda axis: SumGradOp(axis, mesh).__call__,
-            reduce_partial: lambda spec: ReduceOp(spec, mesh).__call__,
-            batch_reduce: lambda spec: BatchReduceOp(spec, mesh, sizes).__call__,
-            gather_rows: lambda spec: GatherRowsOp(spec, mesh, sizes).__call__,
-            scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, sizes).__call__,
-            vocab_cross_entropy: lambda spec: VocabCrossEntropyOp(spec, mesh).__call__,
-        }
-        if per_rank is not None:
-            rows, member = per_rank
-            makers[gather_output] = lambda spec: GatherFeaturesOp(spec, mesh).__call__
-            makers[batch_reduce] = lambda spec: SegmentReduceOp(spec, mesh, rows, member).__call__
-            makers[gather_rows] = makers[scatter_rows] = lambda spec: _pooled_rows_refused
-            if self.config.pipeline > 1 and any(n.target is batch_reduce for m in gm.modules()
-                                                if isinstance(m, fx.GraphModule) for n in m.graph.nodes):
-                raise PlanError("a loss inside forward under per-rank batches with pipeline parallelism: the last "
-                                "stage computes every member's loss, and autopar does not yet send each rank its own. "
-                                "Compute the loss outside the model, or use pipeline=1.")
-        for sub in gm.modules():  # gm itself, then subgraphs of higher-order ops (no_grad regions)
-            if not isinstance(sub, fx.GraphModule):
-                continue
-            for node in sub.graph.nodes:
-                make = makers.get(node.target)
-                if make is not None:
-                    node.target, node.args = make(node.args[-1]), node.args[:-1]
-                elif node.op == "call_function":
-                    node.args = retarget_device(node.args, device)
-                    node.kwargs = retarget_device(node.kwargs, device)
-            sub.recompile()
-
     # ---- parameters -------------------------------------------------------------------------------
 
     def _adopt(self, plan: Plan) -> None:
@@ -669,37 +562,6 @@ class ParallelRuntime:
         return self.store.full_grads()
 
 
-def _identity(x: torch.Tensor) -> torch.Tensor:
-    return x
-
-
-def _pooled_rows_refused(x: torch.Tensor) -> torch.Tensor:
-    raise PlanError("the model works along the batch dim (e.g. batch statistics or a softmax over rows) and is fed a "
-                    "batch per rank, which the ranks splitting the model pool: under DDP each rank would see only its "
-                    "own rows. Use a grid whose tensor and pipeline degrees are 1 for this model, or feed the same "
-                    "global batch on every rank (batch='global').")
-
-
-def _placeholders(gm: fx.GraphModule) -> list[fx.Node]:
-    return [n for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def _gather_spec(gm: fx.GraphModule, a: Any) -> Any:
-    """The GatherOutputSpec of one output of ``gm`` (looking inside a pipeline stage), or None."""
-    if isinstance(a, fx.Node) and a.op == "call_function" and a.target is operator.getitem \
-            and a.args[0].op == "call_module":
-        stage = gm.get_submodule(str(a.args[0].target))
-        a = stage.graph.output_node().args[0][a.args[1]]
-    return a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
-
-
-def _travels(node: fx.Node, split: dict[int, int]) -> bool:
-    """Pipeline: batch-split inputs are sent from stage to stage; everything else is bound locally."""
-    info = input_info(node)
-    return info is not None and info.kind is InputKind.USER and int(info.target) in split
-
-
-
 def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
     """Adds ``local`` (this rank's piece) to ``p.grad``, making it when there is none."""
     if p.grad is None:
@@ -712,16 +574,3 @@ def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Ten
     if dtype is None or dtype == grad.dtype:  # clone: autograd may hand the same buffer to other consumers
         return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
     return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)
-
-
-def retarget_device(value: Any, device: torch.device) -> Any:
-    if isinstance(value, torch.device) and value.type == "meta":
-        return device
-    if isinstance(value, (tuple, list)):
-        return type(value)(retarget_device(v, device) for v in value)
-    if isinstance(value, dict):
-        return {k: retarget_device(v, device) for k, v in value.items()}
-    return value
-
-
-

@@ -11,7 +11,7 @@ from torch import fx
 from autopar.capture import capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.runtime.runtime import retarget_device
+from autopar.runtime.binding import retarget_device
 from autopar.trace import plan_model
 from passes.ir import InputKind, input_info
 from passes.split_stages import split_stages
