@@ -67,6 +67,29 @@ def arrived_inputs(leaves: list[Any], mesh: Mesh) -> tuple[list[Any], dict[int, 
     return out, arrived
 
 
+def is_cache(x: Any) -> bool:
+    """An HF key/value cache object (DynamicCache, StaticCache, ...)."""
+    t = type(x)
+    return t.__module__.startswith("transformers.") and "Cache" in t.__name__
+
+
+def carry_cache(args: tuple, kwargs: dict, out: Any) -> Any:
+    """Serial's in-place cache: HF's forward updates the cache object it is given and returns that object.
+    autopar's graph returns a new one (built from its outputs); this moves its state into the object the
+    caller passed (so ``model(x, past_key_values=cache)`` leaves ``cache`` filled, as serial) and returns
+    that object in its place. Nothing when no single cache went in, or one of another type came out."""
+    given = [v for v in (*args, *kwargs.values()) if is_cache(v)]
+    if len(given) != 1 or not isinstance(out, dict):  # (HF's ModelOutput is a dict)
+        return out
+    cache = given[0]
+    returned = [k for k, v in out.items() if is_cache(v)]
+    if len(returned) != 1 or out[returned[0]] is cache or type(out[returned[0]]) is not type(cache):
+        return out
+    cache.__dict__.update(vars(out[returned[0]]))
+    out[returned[0]] = cache
+    return out
+
+
 def whole(tree: Any) -> Any:
     """``tree`` with every DTensor made whole (for a call that runs the user's forward itself)."""
     return pytree.tree_map(lambda x: x.full_tensor() if isinstance(x, DTensor) else x, tree)

@@ -29,7 +29,7 @@ from autopar.runtime import executables
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.kept import arrived_inputs, whole, wrap_generate
+from autopar.runtime.kept import arrived_inputs, carry_cache, whole, wrap_generate
 from autopar.runtime.absent import Absent
 from autopar.runtime.parameters import ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
@@ -110,7 +110,7 @@ class ParallelRuntime:
         return self.no_sync_depth == 0 and getattr(self._model(), "require_backward_grad_sync", True) is not False
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.run(args, kwargs)[0]
+        return carry_cache(args, kwargs, self.run(args, kwargs)[0])  # the cache passed in is updated, as serial
 
     def run(self, args: tuple, kwargs: dict, *, local_outputs: bool = False,
             example: bool = False) -> tuple[Any, list[Any], tuple[int, ...]]:

@@ -215,6 +215,10 @@ def test_one_capture_serves_every_batch_size(distributed):
 
 
 def decode_worker(name: str, tensor: tuple) -> dict:
+    import copy
+
+    from transformers import DynamicCache
+
     from autopar.runtime.collectives import comm_calls, reset_comm_stats
 
     torch.manual_seed(0)
@@ -238,6 +242,16 @@ def decode_worker(name: str, tensor: tuple) -> dict:
     out["logits"] = float((got.logits - want.logits).abs().max())
     keys = got.past_key_values.layers[0].keys
     out["split"] = isinstance(keys, DTensor) and keys.to_local().shape[1] * 2 == keys.shape[1]
+    # HF's cache is updated in place: the object passed in is filled and returned (the prefix-cache recipe
+    # deep-copies it and generates on); a new object came back and the caller's stayed empty
+    caches = [DynamicCache(), DynamicCache()]
+    with torch.no_grad():
+        same = [m(ids, past_key_values=c, use_cache=True).past_key_values is c for m, c in zip((model, serial), caches)]
+    out["in place"] = all(same) and caches[0].get_seq_length() == caches[1].get_seq_length() == ids.shape[1]
+    longer = torch.cat([ids, step], 1)
+    out["prefix reuse"] = torch.equal(
+        *(m.generate(longer, past_key_values=copy.deepcopy(c), max_new_tokens=4, do_sample=False)
+          for m, c in zip((model, serial), caches)))
     out["cache"] = max(float((a.full_tensor() - b).abs().max())
                        for la, lb in zip(got.past_key_values.layers, want.past_key_values.layers, strict=True)
                        for a, b in ((la.keys, lb.keys), (la.values, lb.values)))
@@ -254,7 +268,7 @@ def test_decode_runs_megatrons_collectives(distributed, tensor):
     and a gather of the whole cache per layer and step."""
     layers = 2
     for got in distributed(decode_worker, 2, "llama", tensor, timeout=600):
-        assert got["greedy"] and got["beams"] and got["split"], got
+        assert got["greedy"] and got["beams"] and got["split"] and got["in place"] and got["prefix reuse"], got
         assert got["logits"] < 1e-5 and got["cache"] < 1e-5, got
         calls = {k: v for k, v in got["calls"].items() if v}
         assert calls == {"all_reduce": 1 + 2 * layers, "all_gather": 2}, calls
