@@ -21,13 +21,23 @@ MODES = {
 }
 
 
-def generate_worker(name: str, tensor: tuple, data: int, modes: tuple[str, ...], tokens: int) -> dict:
+def serial_and_parallel(name: str, tensor: tuple, data: int = 1) -> tuple:
+    """The zoo model built serially and inside auto_parallelize with the same seed, both in eval mode."""
     torch.manual_seed(0)
     serial = zoo.build_model(name).eval()
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=tensor, data=data):
         model = zoo.build_model(name)
-    model.eval()
+    return serial, model.eval()
+
+
+def graph_count(model: torch.nn.Module) -> int:
+    """Compiled graphs the model keeps, over every input signature."""
+    return sum(len(g) for g in runtime_of(model).executables.values())
+
+
+def generate_worker(name: str, tensor: tuple, data: int, modes: tuple[str, ...], tokens: int) -> dict:
+    serial, model = serial_and_parallel(name, tensor, data)
     ids = torch.randint(1, 100, (2, 8))
     mask = torch.ones(2, 8, dtype=torch.long)
     mask[1, :3] = 0  # the second prompt is 5 tokens, left-padded
@@ -102,12 +112,7 @@ def bounded_worker() -> dict:
     handler.emit = lambda r: records.append(r.getMessage())  # type: ignore[method-assign]
     logging.getLogger("autopar").addHandler(handler)
     executables.MAX_EXECUTABLES = 2
-    torch.manual_seed(0)
-    serial = zoo.build_model("llama").eval()
-    torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=(2, 1, 1)):
-        model = zoo.build_model("llama")
-    model.eval()
+    serial, model = serial_and_parallel("llama", (2, 1, 1))
     errors, kept = [], []
     with torch.no_grad():
         ids = torch.randint(1, 100, (3, 6))  # (lengths and batch sizes share graphs: other inputs do not)
@@ -127,16 +132,7 @@ def test_the_compiled_graph_cache_is_bounded(distributed):
 
 
 def lengths_worker(name: str, tensor: tuple, longest: int = 64) -> dict:
-    torch.manual_seed(0)
-    serial = zoo.build_model(name).eval()
-    torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=tensor):
-        model = zoo.build_model(name)
-    model.eval()
-    runtime = runtime_of(model)
-
-    def graphs() -> int:
-        return sum(len(g) for g in runtime.executables.values())
+    serial, model = serial_and_parallel(name, tensor)
 
     errors = []
     with torch.no_grad():
@@ -144,11 +140,12 @@ def lengths_worker(name: str, tensor: tuple, longest: int = 64) -> dict:
             ids = torch.randint(1, 100, (2, length))
             got, want = model(ids, use_cache=False).logits, serial(ids, use_cache=False).logits
             errors.append(float((got - want).abs().max()))
-    after_lengths = graphs()
+    after_lengths = graph_count(model)
     ids = torch.randint(1, 100, (2, 8))
     tokens = torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False),
                          serial.generate(ids, max_new_tokens=16, do_sample=False))
-    return {"error": max(errors), "lengths": after_lengths, "generate": graphs() - after_lengths, "tokens": tokens}
+    return {"error": max(errors), "lengths": after_lengths, "generate": graph_count(model) - after_lengths,
+            "tokens": tokens}
 
 
 @pytest.mark.parametrize("name", ["llama", "gpt2"])
@@ -173,16 +170,7 @@ def test_every_length_is_right_with_depth(distributed):
 
 
 def batches_worker(name: str, tensor: tuple) -> dict:
-    torch.manual_seed(0)
-    serial = zoo.build_model(name).eval()
-    torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=tensor):
-        model = zoo.build_model(name)
-    model.eval()
-    runtime = runtime_of(model)
-
-    def graphs() -> int:
-        return sum(len(g) for g in runtime.executables.values())
+    serial, model = serial_and_parallel(name, tensor)
 
     errors, counts, tokens = [], {}, []
     with torch.no_grad():
@@ -190,12 +178,12 @@ def batches_worker(name: str, tensor: tuple) -> dict:
             ids = torch.randint(1, 100, (rows, length))
             got, want = model(ids, use_cache=False).logits, serial(ids, use_cache=False).logits
             errors.append(float((got - want).abs().max()))
-            counts[rows, length] = graphs()
+            counts[rows, length] = graph_count(model)
     for rows in (1, 4, 3, 2):
         ids = torch.randint(1, 100, (rows, 6))
         tokens.append(torch.equal(model.generate(ids, max_new_tokens=5, do_sample=False),
                                   serial.generate(ids, max_new_tokens=5, do_sample=False)))
-        counts[f"generate {rows}"] = graphs()
+        counts[f"generate {rows}"] = graph_count(model)
     return {"error": max(errors), "counts": counts, "tokens": tokens}
 
 
@@ -221,12 +209,7 @@ def decode_worker(name: str, tensor: tuple) -> dict:
 
     from autopar.runtime.collectives import comm_calls, reset_comm_stats
 
-    torch.manual_seed(0)
-    serial = zoo.build_model(name).eval()
-    torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=tensor):
-        model = zoo.build_model(name)
-    model.eval()
+    serial, model = serial_and_parallel(name, tensor)
     ids = torch.randint(1, 100, (2, 8))
     out = {"greedy": torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
                                  serial.generate(ids, max_new_tokens=6, do_sample=False))}
