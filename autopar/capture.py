@@ -146,7 +146,7 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
     return copy.deepcopy(shadow, memo), out
 
 
-def sequence_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None
+def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None
                   ) -> dict[int, dict[int, Any]]:
     """The input dims an evaluation call is captured with as symbolic sizes (leaf index -> {dim: Dim.AUTO}),
     so that one graph serves every size of them:
@@ -210,7 +210,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         requires_grad: parameter FQN -> whether the real parameter needs a gradient.
         batch: how the batch was split, recorded on the graph; None when nothing is split.
         split: the input leaves that hold the batch: leaf index -> its batch dim.
-        dynamic: input dims captured as symbolic sizes: leaf index -> {dim: Dim} (``sequence_dims``).
+        dynamic: input dims captured as symbolic sizes: leaf index -> {dim: Dim} (``symbolic_dims``).
         arrived: input leaves that arrive as this rank's piece (``autopar.runtime.kept``): index -> layout.
     """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
@@ -323,14 +323,18 @@ def register_hf_caches(model: nn.Module) -> None:
     register_cache_pytrees_for_model(model)
 
 
+def is_cache_type(t: type | None) -> bool:
+    """An HF key/value cache class (DynamicCache, StaticCache, ...)."""
+    return t is not None and t.__module__.startswith("transformers.") and "Cache" in t.__name__
+
+
 def state_outputs(out_spec: pytree.TreeSpec) -> frozenset[int]:
     """The output leaves (flat positions) inside an HF key/value cache object: state the caller passes
     back in, which autopar keeps split between calls (``autopar.runtime.kept``)."""
     kept: set[int] = set()
 
     def walk(spec: pytree.TreeSpec, start: int, inside: bool) -> None:
-        inside = inside or (spec.type is not None and spec.type.__module__.startswith("transformers.")
-                            and "Cache" in spec.type.__name__)
+        inside = inside or is_cache_type(spec.type)
         if spec.is_leaf():
             if inside:
                 kept.add(start)
@@ -392,12 +396,14 @@ def batch_leaves(leaves: list[Any], names: Sequence[int | str] | None = None,
 
 
 def split_batch_leaves(leaves: list[Any], num_shards: int, names: Sequence[int | str] | None = None,
-                       declared: Mapping[int | str, int | None] | None = None) -> tuple[dict[int, int], int]:
-    """Which input leaves are split as the global batch (``batch_leaves``), and its size.
+                       declared: Mapping[int | str, int | None] | None = None,
+                       found: tuple[dict[int, int], int] | None = None) -> tuple[dict[int, int], int]:
+    """Which input leaves are split as the global batch (``batch_leaves``, or ``found``: its result), and
+    its size.
 
     Nothing is split when ``num_shards`` is 1.
     """
-    split, batch = batch_leaves(leaves, names, declared)
+    split, batch = found if found is not None else batch_leaves(leaves, names, declared)
     if num_shards == 1 or not split:
         return {}, 0
     if batch < num_shards:

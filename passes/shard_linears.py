@@ -122,7 +122,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
             sharding = res.sharding(original)
         if producer not in gathered:
             with graph.inserting_before(output):
-                spec = _output_spec(res, original, sharding, original in kept)
+                spec = _output_spec(res, original, sharding, original in kept and not sharding.is_replicated)
                 gathered[producer] = graph.call_function(gather_output, (producer, spec))
             gathered[producer].meta["val"] = producer.meta.get("val")
         output.replace_input_with(producer, gathered[producer])

@@ -1,7 +1,7 @@
 """Compiled graphs of one parallel model, by input signature.
 
 A signature is the inputs' structure, shapes, dtypes, whether they need gradients, training or not (and
-the global batch); a dim captured as a symbolic size (``autopar.capture.sequence_dims``) is None in it,
+the global batch); a dim captured as a symbolic size (``autopar.capture.symbolic_dims``) is None in it,
 and several graphs may then share one signature: each says which sizes it takes (``accepts``), and a
 call runs the most recently used one that takes its sizes. The cache is bounded, least recently used
 first out.

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from autopar.capture import is_cache_type
 from autopar.config import Layout
 from autopar.runtime.mesh import Mesh
 from passes.ir import Sharding
@@ -32,10 +33,7 @@ def kept_output(x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> DTensor:
     """This rank's piece ``x`` of an output split as ``sharding``, as a DTensor of the whole."""
     device_mesh = mesh.param_mesh()
     placements = [Shard(sharding.dim) if axis == sharding.axis else Replicate() for axis in device_mesh.mesh_dim_names]
-    shape = list(x.shape)
-    shape[sharding.dim] = sharding.full_size
-    return DTensor.from_local(x, device_mesh, placements, run_check=False, shape=torch.Size(shape),
-                              stride=torch.empty(shape, device="meta").stride())
+    return DTensor.from_local(x, device_mesh, placements, run_check=False)  # (an even split: kept_split)
 
 
 def arrived_sharding(x: Any, mesh: Mesh) -> Sharding | None:
@@ -67,22 +65,16 @@ def arrived_inputs(leaves: list[Any], mesh: Mesh) -> tuple[list[Any], dict[int, 
     return out, arrived
 
 
-def is_cache(x: Any) -> bool:
-    """An HF key/value cache object (DynamicCache, StaticCache, ...)."""
-    t = type(x)
-    return t.__module__.startswith("transformers.") and "Cache" in t.__name__
-
-
 def carry_cache(args: tuple, kwargs: dict, out: Any) -> Any:
     """Serial's in-place cache: HF's forward updates the cache object it is given and returns that object.
     autopar's graph returns a new one (built from its outputs); this moves its state into the object the
     caller passed (so ``model(x, past_key_values=cache)`` leaves ``cache`` filled, as serial) and returns
     that object in its place. Nothing when no single cache went in, or one of another type came out."""
-    given = [v for v in (*args, *kwargs.values()) if is_cache(v)]
+    given = [v for v in (*args, *kwargs.values()) if is_cache_type(type(v))]
     if len(given) != 1 or not isinstance(out, dict):  # (HF's ModelOutput is a dict)
         return out
     cache = given[0]
-    returned = [k for k, v in out.items() if is_cache(v)]
+    returned = [k for k, v in out.items() if is_cache_type(type(v))]
     if len(returned) != 1 or out[returned[0]] is cache or type(out[returned[0]]) is not type(cache):
         return out
     cache.__dict__.update(vars(out[returned[0]]))

@@ -20,7 +20,7 @@ from torch.distributed.tensor import DTensor
 
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
-                             register_hf_caches, sequence_dims, split_batch_leaves, state_outputs)
+                             register_hf_caches, symbolic_dims, split_batch_leaves, state_outputs)
 from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
@@ -138,10 +138,11 @@ class ParallelRuntime:
             return self._run_per_rank(args, kwargs, leaves, spec, every), None, ()
         if self.fallback:
             return self._run_data_parallel(args, kwargs), None, ()
+        found = batch_leaves(leaves, names, declared)
         shards = self.config.num_batch_shards
-        if not grad and self.config.pipeline == 1 and 0 < batch_leaves(leaves, names, declared)[1] < shards:
+        if not grad and self.config.pipeline == 1 and 0 < found[1] < shards:
             shards = 1  # an evaluation batch with fewer rows than data x depth: every batch rank runs it whole
-        split, global_batch = split_batch_leaves(leaves, shards, names, declared)
+        split, global_batch = split_batch_leaves(leaves, shards, names, declared, found)
         if arrived and (split or self.config.pipeline > 1 or grad or local_outputs):  # kept only for such calls
             leaves = [whole(x) if i in arrived else x for i, x in enumerate(leaves)]
             arrived = {}
@@ -149,7 +150,7 @@ class ParallelRuntime:
         # evaluation of a generating model: sequence dims (and an unsplit batch) symbolic, one graph for every
         # length and batch size (a key holds the graphs captured for it; the first that accepts these sizes
         # runs, else one more is captured)
-        dynamic = sequence_dims(self._model(), leaves, {} if split else batch_leaves(leaves, names, declared)[0]) \
+        dynamic = symbolic_dims(self._model(), leaves, {} if split else found[0]) \
             if not grad and not local_outputs and self.config.pipeline == 1 else {}
         static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
         key = (spec, self._training(), global_batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
@@ -320,7 +321,7 @@ class ParallelRuntime:
                  dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
                  ) -> Executable:
         """``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
-        input dims captured as symbolic sizes (``sequence_dims``); if that capture fails, or the graph
+        input dims captured as symbolic sizes (``symbolic_dims``); if that capture fails, or the graph
         computes numbers from the batch, these sizes are captured as they are."""
         index = self.mesh.index("batch") if split else 0
         segments = per_rank[0] if per_rank is not None and split else ()

@@ -271,16 +271,19 @@ class _Planner:
     def choose(self) -> Plan:
         """Each table's split by the bytes of the plan it leads to (the matmuls' roots decided for each),
         tables in graph order, ties to the first option (hidden-parallel)."""
+        roots = None
         for weight in self.lookups:
             options = self.table_options(weight)
             if len(options) < 2:
                 continue
-            costs = []
+            trials = []
             for split in options:
                 self.table_splits[weight] = split
-                costs.append(self.cost(self.choose_roots()))
-            self.table_splits[weight] = options[min(range(len(options)), key=lambda i: (*costs[i], i))]
-        _, chosen = self.propagate(self.choose_roots())
+                trial = self.choose_roots()
+                trials.append((self.cost(trial), trial))
+            best = min(range(len(options)), key=lambda i: (*trials[i][0], i))
+            self.table_splits[weight], roots = options[best], trials[best][1]  # (later tables decide on top)
+        _, chosen = self.propagate(self.choose_roots() if roots is None else roots)
         return self.plan(chosen)
 
     def choose_roots(self) -> dict[str, Orientation]:
