@@ -10,7 +10,7 @@ splits) take this rank's local sizes; a sum/mean over a split dim is followed by
 ``passes.ir.convert_layout`` per (producer, sharding); every tensor output goes through one
 ``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch). The outputs at
 the positions in ``gm.meta["autopar_kept_outputs"]`` (state the caller passes back, such as a key/value
-cache), when split over one axis in one piece and not split by batch rows, are kept split
+cache), when split over one axis in one piece or by batch rows split evenly, are kept split
 (``GatherOutputSpec.keep_split``): the next call takes them as they are.
 ``node.meta["val"]`` keeps the logical (unsharded) value. At every degree 1 the emitted graph computes the same numbers.
 
@@ -122,7 +122,8 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
             sharding = res.sharding(original)
         if producer not in gathered:
             with graph.inserting_before(output):
-                spec = _output_spec(res, original, sharding, original in kept and not sharding.is_replicated)
+                keep = original in kept and (not sharding.is_replicated or res.batch is not None)
+                spec = _output_spec(res, original, sharding, keep)
                 gathered[producer] = graph.call_function(gather_output, (producer, spec))
             gathered[producer].meta["val"] = producer.meta.get("val")
         output.replace_input_with(producer, gathered[producer])
@@ -137,7 +138,7 @@ def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding, keep: boo
         return GatherOutputSpec(sharding, False, batch_state="none", keep_split=keep)
     bd = res.batch.batch_dim(node)
     if bd is not None:
-        return GatherOutputSpec(sharding, True, bd.dim, bd.factor, "split")
+        return GatherOutputSpec(sharding, True, bd.dim, bd.factor, "split", keep_split=keep)
     return GatherOutputSpec(sharding, False, batch_state=res.batch.state(node).value)
 
 

@@ -2,9 +2,10 @@
 
 HF's ``generate`` feeds each step the cache the previous step returned. Gathering it whole at every
 output costs a collective over the whole cache per layer and step, and the next call only slices it
-again. So an evaluation graph returns its cache tensors as DTensors (the global shape, this rank's
-heads as the local piece, on the parameters' mesh: ``GatherOutputSpec.keep_split``), and a call that
-gets one of them back reads the local piece in place (``InputInfo.sharding``): decode runs no gather.
+again. So an evaluation graph returns its cache tensors as DTensors (the global shape; the local piece
+is this rank's heads, and its batch rows when data or depth split the batch evenly; on the parameters'
+mesh: ``GatherOutputSpec.keep_split``), and a call that gets one of them back reads the local piece in
+place (``InputInfo.sharding`` for the heads, its rows as the call's batch split): decode runs no gather.
 
 A DTensor from elsewhere (another mesh, or a placement autopar does not make) is made whole first.
 Code that reads the cache sees a DTensor: ``.full_tensor()`` gives the whole tensor; HF's own cache
@@ -15,7 +16,8 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,40 +31,88 @@ from autopar.runtime.mesh import Mesh
 from passes.ir import Sharding
 
 
-def kept_output(x: torch.Tensor, mesh: Mesh, sharding: Sharding) -> DTensor:
-    """This rank's piece ``x`` of an output split as ``sharding``, as a DTensor of the whole."""
+BATCH_AXES = ("data", "depth")
+"""The parameter mesh's axes that split the batch (in this order: the batch index, ParallelConfig.batch_index)."""
+
+
+@dataclass(frozen=True)
+class Arrived:
+    """How an input that autopar returned split (``kept_output``) is laid out on this rank."""
+
+    sharding: Sharding | None
+    """Its split heads (features) over row or col; None: whole over the tensor axes."""
+    batch_dim: int | None
+    """The dim holding this rank's batch rows (an even split over data x depth); None: every row."""
+
+
+def kept_output(x: torch.Tensor, mesh: Mesh, sharding: Sharding, batch_dim: int | None = None) -> DTensor:
+    """This rank's piece ``x`` of an output split as ``sharding`` (and, with ``batch_dim``, holding this rank's
+    rows of a batch split evenly over data x depth), as a DTensor of the whole."""
     device_mesh = mesh.param_mesh()
-    placements = [Shard(sharding.dim) if axis == sharding.axis else Replicate() for axis in device_mesh.mesh_dim_names]
-    return DTensor.from_local(x, device_mesh, placements, run_check=False)  # (an even split: kept_split)
+
+    def place(axis: str) -> Shard | Replicate:
+        if batch_dim is not None and axis in BATCH_AXES:
+            return Shard(batch_dim)  # (nested left to right: the rank's chunk is its batch index)
+        return Shard(sharding.dim) if axis == sharding.axis else Replicate()
+
+    placements = [place(axis) for axis in device_mesh.mesh_dim_names]
+    return DTensor.from_local(x, device_mesh, placements, run_check=False)  # (even splits: kept_split)
 
 
-def arrived_sharding(x: Any, mesh: Mesh) -> Sharding | None:
+def arrived_sharding(x: Any, mesh: Mesh) -> Arrived | None:
     """How an input that autopar returned split (``kept_output``) is laid out; None for anything else."""
     if not isinstance(x, DTensor) or x.device_mesh is not mesh.param_mesh():
         return None
-    split = [(axis, p) for axis, p in zip(x.device_mesh.mesh_dim_names, x.placements, strict=True)
-             if not isinstance(p, Replicate)]
-    if len(split) != 1 or split[0][0] not in ("row", "col") or not isinstance(split[0][1], Shard):
+    placed = dict(zip(x.device_mesh.mesh_dim_names, x.placements, strict=True))
+    rows = {placed[axis] for axis in BATCH_AXES}
+    if len(rows) != 1:
         return None
-    (axis, placement), = split
-    dim = placement.dim % x.dim()
-    if x.shape[dim] % mesh.size(axis):
+    row, = rows
+    batch_dim = None
+    if isinstance(row, Shard):
+        batch_dim = row.dim % x.dim()
+        if x.shape[batch_dim] % mesh.size("batch"):
+            return None
+    elif not isinstance(row, Replicate):
         return None
-    return Sharding(Layout(axis), dim, (int(x.shape[dim]),))
+    split = [(axis, p) for axis, p in placed.items() if axis not in BATCH_AXES and not isinstance(p, Replicate)]
+    sharding = None
+    if split:
+        if len(split) != 1 or split[0][0] not in ("row", "col") or not isinstance(split[0][1], Shard):
+            return None
+        (axis, placement), = split
+        dim = placement.dim % x.dim()
+        if x.shape[dim] % mesh.size(axis) or dim == batch_dim:
+            return None
+        sharding = Sharding(Layout(axis), dim, (int(x.shape[dim]),))
+    if sharding is None and batch_dim is None:
+        return None
+    return Arrived(sharding, batch_dim)
 
 
-def arrived_inputs(leaves: list[Any], mesh: Mesh) -> tuple[list[Any], dict[int, Sharding]]:
+def arrived_inputs(leaves: list[Any], mesh: Mesh) -> tuple[list[Any], dict[int, Arrived]]:
     """The leaves with every DTensor autopar cannot take split made whole, and the split ones' layouts."""
     arrived, out = {}, []
     for i, x in enumerate(leaves):
         if isinstance(x, DTensor):
-            s = arrived_sharding(x, mesh)
-            if s is None:
+            a = arrived_sharding(x, mesh)
+            if a is None:
                 x = x.full_tensor()
             else:
-                arrived[i] = s
+                arrived[i] = a
         out.append(x)
     return out, arrived
+
+
+def read_in_place(leaves: list[Any], arrived: Mapping[int, Arrived], split: Mapping[int, int],
+                  sizes: tuple[int, ...], kept: bool) -> tuple[list[Any], dict[int, Arrived]]:
+    """The arrived leaves this call reads as they are (``kept``: a call whose graph keeps its state split, an
+    evaluation without a pipeline); the others made whole. A leaf is read in place when its rows are split as
+    the call splits the batch (or, with no batch split, it holds every row), the split even."""
+    even = len(set(sizes)) <= 1
+    taken = {i: a for i, a in arrived.items()
+             if kept and a.batch_dim == split.get(i) and (a.batch_dim is None or even)}
+    return [whole(x) if i in arrived and i not in taken else x for i, x in enumerate(leaves)], taken
 
 
 def carry_cache(args: tuple, kwargs: dict, out: Any) -> Any:

@@ -367,7 +367,7 @@ class GatherOutputOp:
 
     def __call__(self, x: torch.Tensor, gather_features: bool = True) -> torch.Tensor:
         if self.spec.keep_split and gather_features:  # a cache the next call reads split (autopar.runtime.kept)
-            return kept_output(x, self.mesh, self.spec.sharding)
+            return kept_output(x, self.mesh, self.spec.sharding, self.spec.batch_dim if self.spec.batch_split else None)
         if not self.spec.sharding.is_replicated and gather_features:
             x = _Gather.apply(x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:

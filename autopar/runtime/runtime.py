@@ -29,7 +29,7 @@ from autopar.runtime import executables
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.kept import arrived_inputs, carry_cache, whole, wrap_generate
+from autopar.runtime.kept import arrived_inputs, carry_cache, read_in_place, whole, wrap_generate
 from autopar.runtime.absent import Absent
 from autopar.runtime.parameters import ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
@@ -143,10 +143,10 @@ class ParallelRuntime:
         if not grad and self.config.pipeline == 1 and 0 < found[1] < shards:
             shards = 1  # an evaluation batch with fewer rows than data x depth: every batch rank runs it whole
         split, global_batch = split_batch_leaves(leaves, shards, names, declared, found)
-        if arrived and (split or self.config.pipeline > 1 or grad or local_outputs):  # kept only for such calls
-            leaves = [whole(x) if i in arrived else x for i, x in enumerate(leaves)]
-            arrived = {}
         sizes = self.config.batch_sizes(global_batch) if split else ()
+        if arrived:  # read in place where this call's graph takes them split, else made whole
+            leaves, arrived = read_in_place(leaves, arrived, split, sizes,
+                                            not grad and not local_outputs and self.config.pipeline == 1)
         # evaluation of a generating model: sequence dims (and an unsplit batch) symbolic, one graph for every
         # length and batch size (a key holds the graphs captured for it; the first that accepts these sizes
         # runs, else one more is captured)
@@ -161,7 +161,8 @@ class ParallelRuntime:
                 self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
                 return self._forward_local(*whole((args, kwargs))), None, ()
             try:
-                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic, arrived=arrived)
+                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic,
+                                    arrived={i: a.sharding for i, a in arrived.items() if a.sharding is not None})
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
@@ -171,7 +172,7 @@ class ParallelRuntime:
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
             self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
-        local = [scatter_batch(x, self.mesh, sizes, split[i]) if i in split else local_of(x) if i in arrived else x
+        local = [local_of(x) if i in arrived else scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x
                  for i, x in enumerate(leaves)]
         return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
 
@@ -265,7 +266,11 @@ class ParallelRuntime:
         """The compiled graph for ``key`` that takes these inputs (a graph with symbolic sizes is checked
         against this rank's rows of the batch)."""
         rows = sizes[self.mesh.index("batch")] if split else 0
-        return self.executables.find(key, lambda: [x.narrow(split[i], 0, rows) if i in split else x
+
+        def narrow(x: torch.Tensor, dim: int) -> torch.Tensor:  # (sizes only; a DTensor's narrow would gather)
+            return torch.empty(x.shape, dtype=x.dtype, device="meta").narrow(dim, 0, rows)
+
+        return self.executables.find(key, lambda: [narrow(x, split[i]) if i in split else x
                                                    for i, x in enumerate(leaves)])
 
     def _keep(self, key: Any, exe: Executable) -> None:

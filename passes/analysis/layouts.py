@@ -165,14 +165,28 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
 
 def kept_split(gm: fx.GraphModule, res: LayoutResult) -> set[fx.Node]:
     """The output producers returned split, not gathered: at the positions in ``gm.meta["autopar_kept_outputs"]``
-    (state the caller passes back in, such as a key/value cache), split over one axis in one piece, the
-    batch not split (``GatherOutputSpec.keep_split``)."""
+    (state the caller passes back in, such as a key/value cache), split over one axis in one piece, or
+    holding this rank's rows of a batch split evenly (one entry per row), or both
+    (``GatherOutputSpec.keep_split``)."""
     at = gm.meta.get("autopar_kept_outputs", frozenset())
-    if not at or res.batch is not None:
+    if not at:
         return set()
+    info = gm.meta.get("autopar_batch")
+    even = info is None or (len(set(info.local_sizes)) == 1 and not info.segments)
     out = output_node(gm).args[0]
-    return {n for i, n in enumerate(out) if i in at and isinstance(n, fx.Node)
-            and not res.sharding(n).is_replicated and len(res.sharding(n).parts) == 1}
+    kept = set()
+    for i, n in enumerate(out):
+        if i not in at or not isinstance(n, fx.Node):
+            continue
+        s = res.sharding(n)
+        if not s.is_replicated and len(s.parts) != 1:
+            continue
+        rows = res.batch.batch_dim(n) if res.batch is not None else None
+        if res.batch is not None and (rows is None or rows.factor != 1 or not even):
+            continue  # (the batch is split: kept only with its rows split evenly)
+        if rows is not None or not s.is_replicated:
+            kept.add(n)
+    return kept
 
 
 class _Rules:

@@ -202,14 +202,15 @@ def test_one_capture_serves_every_batch_size(distributed):
         assert got["error"] < 1e-5 and all(got["tokens"]), got
 
 
-def decode_worker(name: str, tensor: tuple) -> dict:
+def decode_worker(name: str, tensor: tuple, data: int = 1) -> dict:
     import copy
 
+    import torch.distributed as dist
     from transformers import DynamicCache
 
     from autopar.runtime.collectives import comm_calls, reset_comm_stats
 
-    serial, model = serial_and_parallel(name, tensor)
+    serial, model = serial_and_parallel(name, tensor, data)
     ids = torch.randint(1, 100, (2, 8))
     out = {"greedy": torch.equal(model.generate(ids, max_new_tokens=6, do_sample=False),
                                  serial.generate(ids, max_new_tokens=6, do_sample=False))}
@@ -224,7 +225,8 @@ def decode_worker(name: str, tensor: tuple) -> dict:
         want = serial(step, past_key_values=want.past_key_values, use_cache=True)
     out["logits"] = float((got.logits - want.logits).abs().max())
     keys = got.past_key_values.layers[0].keys
-    out["split"] = isinstance(keys, DTensor) and keys.to_local().shape[1] * 2 == keys.shape[1]
+    # each rank holds its heads and its batch rows: 1/world of the cache
+    out["split"] = isinstance(keys, DTensor) and keys.to_local().numel() * dist.get_world_size() == keys.numel()
     # HF's cache is updated in place: the object passed in is filled and returned (the prefix-cache recipe
     # deep-copies it and generates on); a new object came back and the caller's stayed empty
     caches = [DynamicCache(), DynamicCache()]
@@ -241,6 +243,16 @@ def decode_worker(name: str, tensor: tuple) -> dict:
     return out
 
 
+def _check_decode(results: list[dict], calls: dict) -> None:
+    for got in results:
+        assert got["greedy"] and got["beams"] and got["split"] and got["in place"] and got["prefix reuse"], got
+        assert got["logits"] < 1e-5 and got["cache"] < 1e-5, got
+        assert {k: v for k, v in got["calls"].items() if v} == calls, got["calls"]
+
+
+LAYERS, MATMULS = 2, 2 * 7 + 1  # the zoo's tiny Llama: q/k/v/o and gate/up/down per layer, and the head
+
+
 @pytest.mark.parametrize("tensor", [(2, 1, 1), (1, 2, 1)])
 def test_decode_runs_megatrons_collectives(distributed, tensor):
     """At tensor degree 2 without depth a decode step runs Megatron's collectives and no more: one
@@ -249,9 +261,20 @@ def test_decode_runs_megatrons_collectives(distributed, tensor):
     heads between steps (a DTensor; beam search reorders it), equal to serial's whole. Before: 16
     all-reduces (the embedding split by features led every q/k/v and gate/up projection to all-reduce)
     and a gather of the whole cache per layer and step."""
-    layers = 2
-    for got in distributed(decode_worker, 2, "llama", tensor, timeout=600):
-        assert got["greedy"] and got["beams"] and got["split"] and got["in place"] and got["prefix reuse"], got
-        assert got["logits"] < 1e-5 and got["cache"] < 1e-5, got
-        calls = {k: v for k, v in got["calls"].items() if v}
-        assert calls == {"all_reduce": 1 + 2 * layers, "all_gather": 2}, calls
+    _check_decode(distributed(decode_worker, 2, "llama", tensor, timeout=600),
+                  {"all_reduce": 1 + 2 * LAYERS, "all_gather": 2})
+
+
+def test_decode_keeps_the_cache_split_by_rows_with_depth(distributed):
+    """Depth splits the batch: the cache stays split by rows between steps (a DTensor sharded over data x
+    depth). A decode step gathers the depth-split weights (one per matmul), the logits' rows and the call
+    check's few bytes; it gathered every layer's cache too (21 all-gathers, 48 KB; now 17, 46 KB)."""
+    _check_decode(distributed(decode_worker, 2, "llama", (1, 1, 2), timeout=600), {"all_gather": MATMULS + 2})
+
+
+@pytest.mark.slow
+def test_decode_keeps_the_cache_split_by_rows_and_heads(distributed):
+    """data 2 x tensor (2,1,1): each rank keeps its heads of its rows. Megatron's all-reduces, then the
+    logits gathered over features and over rows, and the call check (it gathered the cache: 11 all-gathers)."""
+    _check_decode(distributed(decode_worker, 4, "llama", (2, 1, 1), 2, timeout=600),
+                  {"all_reduce": 1 + 2 * LAYERS, "all_gather": 3})
