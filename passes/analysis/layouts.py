@@ -450,6 +450,35 @@ class _Rules:
             return None
         return _Decision(REPLICATED, {x: s})
 
+    def index_copy(self, node: fx.Node) -> _Decision | None:
+        """``cache.index_copy_(dim, positions, new)`` (HF's StaticCache update) with the cache and the new
+        keys split alike along another dim (their heads): a local copy, in place on this rank's piece. A
+        cache the graph makes (``torch.zeros`` at the first update) and only this copy reads is made split
+        like the new keys: it was decided replicated before its user was seen, and nothing else read that."""
+        dst, dim, index, src = node.args[:4]
+        dt, st = tensor_meta(dst), tensor_meta(src)
+        if dt is None or st is None or dt.dim() != st.dim() or not isinstance(index, fx.Node):
+            return None
+        dim %= dt.dim()
+        ds, ss = self.res.sharding(dst), self.res.sharding(src)
+        if ds.is_replicated and not ss.is_replicated and ss.dim != dim and self._fresh(dst, node, ss):
+            size = list(dst.args[0])
+            size[ss.dim] = ss.full_size // self.n(ss)
+            self.res.shardings[dst] = ds = ss
+            self.res.local_args[dst] = (dst.target, (size, *dst.args[1:]), dict(dst.kwargs))
+        if ds.is_replicated or ds.dim == dim or len(ds.parts) != 1 or st.shape[ds.dim] != ds.full_size:
+            return None
+        return _Decision(ds, {dst: ds, src: ds, index: REPLICATED})
+
+    def _fresh(self, dst: fx.Node, user: fx.Node, s: Sharding) -> bool:
+        """``dst`` is a zero/empty/full tensor the graph makes, ``user`` its only reader, and ``s`` splits it."""
+        if dst.target not in _FACTORIES or len(dst.users) != 1 or dst.args[0] is None:
+            return False
+        size = dst.args[0]
+        return (0 <= s.dim < len(size) and len(s.parts) == 1 and isinstance(size[s.dim], int)
+                and size[s.dim] == s.full_size and self.divides(s) and user in dst.users
+                and int(tensor_meta(user.args[3]).shape[s.dim]) == s.full_size)
+
     def reduce(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)
         dims = node.args[1] if len(node.args) > 1 else None
@@ -485,7 +514,10 @@ _HANDLERS: dict[Any, Callable[[_Rules, fx.Node], _Decision | None]] = {
     **{t: _Rules.reduce for t in _REDUCE},
     aten.cross_entropy_loss.default: _Rules.cross_entropy,
     aten.sym_size.int: _Rules.size,
+    aten.index_copy_.default: _Rules.index_copy,
+    aten.index_copy.default: _Rules.index_copy,
 }
+_FACTORIES = frozenset({aten.zeros.default, aten.empty.memory_format, aten.full.default, aten.ones.default})
 
 
 def _clamp(i: int, size: int) -> int:
