@@ -88,6 +88,8 @@ class ParallelRuntime:
         self.plan: Plan | None = None
         self.executables = Executables()
         """Compiled graphs by input signature (autopar/runtime/executables.py)."""
+        self.shapes_met: set[Any] = set()
+        """Keys (symbolic sizes) a training call was captured for with its own sizes: the next is symbolic."""
         self.uncaptured: dict[Any, str] = {}
         """Signatures of evaluation calls that could not be captured (run whole on every rank): why not."""
         self._syncs: list[GradSync] = []
@@ -147,11 +149,12 @@ class ParallelRuntime:
         if arrived:  # read in place where this call's graph takes them split, else made whole
             leaves, arrived = read_in_place(leaves, arrived, split, sizes,
                                             not grad and not local_outputs and self.config.pipeline == 1)
-        # evaluation of a generating model: sequence dims (and an unsplit batch) symbolic, one graph for every
-        # length and batch size (a key holds the graphs captured for it; the first that accepts these sizes
-        # runs, else one more is captured)
+        # sequence dims (and an unsplit batch) symbolic, one graph for every length and batch size (a key holds
+        # the graphs captured for it; the first that accepts these sizes runs, else one more is captured).
+        # Training captures its first shape as it is and goes symbolic when a second shape meets the key (as
+        # torch.compile's automatic dynamic shapes): a script with one shape pays no symbolic capture.
         dynamic = symbolic_dims(self._model(), leaves, {} if split else found[0]) \
-            if not grad and not local_outputs and self.config.pipeline == 1 else {}
+            if not local_outputs and self.config.pipeline == 1 else {}
         static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
         key = (spec, self._training(), global_batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
                local_outputs) if dynamic else static
@@ -161,7 +164,9 @@ class ParallelRuntime:
                 self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
                 return self._forward_local(*whole((args, kwargs))), None, ()
             try:
-                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=dynamic,
+                symbolic = dynamic if not grad or key in self.shapes_met else {}
+                self.shapes_met.add(key)
+                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=symbolic,
                                     arrived={i: a.sharding for i, a in arrived.items() if a.sharding is not None})
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
