@@ -15,7 +15,7 @@ from typing import Any
 _EXPORTS = {
     "AutoparError": "autopar.errors",
     "ParallelConfig": "autopar.config",
-    "Plan": "autopar.config",
+    "Plan": "autopar.decisions",
     "auto_parallelize": "autopar.context",
     "comm_stats": "autopar.runtime.collectives",
     "full_optimizer_state_dict": "autopar.context",

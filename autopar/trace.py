@@ -23,7 +23,8 @@ from torch import nn
 
 from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              repeated_blocks, split_batch_leaves, truncated_blocks)
-from autopar.config import MemoryConfig, ParallelConfig, Plan
+from autopar.config import MemoryConfig, ParallelConfig
+from autopar.decisions import Plan
 from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan

@@ -4,7 +4,7 @@
 collective that DDP's reducer, FSDP2, DTensor, torch pipelining and autopar issue, because they all end
 in the dispatcher's ``c10d`` ops (process-group collectives) or ``_c10d_functional`` ops (DTensor's
 functional collectives), and it counts each under the ring formulas of
-``autopar.config.collective_bytes``: the same accounting as ``autopar.comm_stats()``, applied to the
+``autopar.decisions.collective_bytes``: the same accounting as ``autopar.comm_stats()``, applied to the
 peers' own calls. (torch's ``CommDebugMode`` sees the same ops but reports only how many.) It is also
 autopar's ``PeakMemory``: on CPU glibc's ``mallinfo2`` after every op, which counts every live
 allocation of the process (tensors of any system, DDP's C++ buckets and gloo's buffers included)
@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from autopar.config import collective_bytes
+from autopar.decisions import collective_bytes
 from autopar.memory import PeakMemory
 
 # c10d op -> (kind, how its message size is read). Message = output for all-gather, input for
-# reduce-scatter, the tensor otherwise (autopar.config.collective_bytes).
+# reduce-scatter, the tensor otherwise (autopar.decisions.collective_bytes).
 _C10D = {
     "allreduce_": ("all_reduce", "tensors"),
     "allreduce_coalesced_": ("all_reduce", "tensors"),

@@ -1,5 +1,5 @@
 """autopar's compiler: pure functions over torch.fx graphs.
 
-Imports only torch, torch.fx, networkx and autopar's leaves (autopar.config, autopar.errors); never
-process groups, ranks or environment variables. Every pass runs in a plain single-process pytest.
+Imports only torch, torch.fx, networkx and autopar's leaves (autopar.config, autopar.decisions,
+autopar.errors); never process groups, ranks or environment variables. Every pass runs in a plain single-process pytest.
 """

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from passes.analysis.estimate_memory import segment_names
 from passes.outline import outline
 from passes.runner import PassResult

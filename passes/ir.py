@@ -12,7 +12,7 @@ from enum import StrEnum
 
 from torch import fx
 
-from autopar.config import EmbeddingMode, Layout, Orientation
+from autopar.decisions import EmbeddingMode, Layout, Orientation
 
 
 class InputKind(StrEnum):
@@ -245,7 +245,7 @@ def gather_output(x, spec: GatherOutputSpec):
 # those names resolvable so graphs holding specs recompile and print as runnable code.
 for _obj in (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec):
-    _module = "autopar.config" if _obj in (Layout, Orientation, EmbeddingMode) else __name__
+    _module = "autopar.decisions" if _obj in (Layout, Orientation, EmbeddingMode) else __name__
     fx.graph._register_custom_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
 
 

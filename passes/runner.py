@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from autopar.errors import PlanError
 
 log = logging.getLogger(__name__)

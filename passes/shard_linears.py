@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
 from passes.analysis.layouts import LayoutResult, kept_split, output_node
 from passes.analysis.make_plan import layouts_for

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.batch_dims import BatchDim, BatchFacts, Reduction, analyze_batch
 from passes.analysis.batch_rules import CLASS_LOSSES

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.estimate_memory import block_of, segment_names
 from passes.analysis.graph_facts import module_of

@@ -1,6 +1,6 @@
 """Counted collectives. Every byte autopar sends goes through here and lands in ``comm_stats()``.
 
-Bytes are what this rank sends under ring algorithms (``autopar.config.collective_bytes``),
+Bytes are what this rank sends under ring algorithms (``autopar.decisions.collective_bytes``),
 counted from the tensors actually passed, so the count is the same on gloo (which emulates
 reduce-scatter with all-reduce) and NCCL. Groups of one are skipped and count nothing.
 """
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.config import COLLECTIVE_KINDS, collective_bytes
+from autopar.decisions import COLLECTIVE_KINDS, collective_bytes
 
 
 class _CommStats:

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autopar.capture import is_cache_type
-from autopar.config import Layout
+from autopar.decisions import Layout
 from autopar.runtime.mesh import Mesh
 from passes.ir import Sharding
 

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from autopar.runtime import collectives as C
-from autopar.config import EmbeddingMode, split_chunks
+from autopar.decisions import EmbeddingMode, split_chunks
 from autopar.errors import InputError
 from autopar.runtime.kept import kept_output
 from autopar.runtime.mesh import Mesh

@@ -45,7 +45,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from autopar.config import ParallelConfig, ParamKind, ParamPlan, Plan
+from autopar.config import ParallelConfig
+from autopar.decisions import ParamKind, ParamPlan, Plan
 from autopar.errors import PlanError, StateDictError
 from autopar.runtime import collectives as C
 from autopar.memory import release_freed_memory

@@ -21,7 +21,8 @@ from torch.distributed.tensor import DTensor
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              register_hf_caches, symbolic_dims, split_batch_leaves, state_outputs)
-from autopar.config import InputConfig, MemoryConfig, MemoryPlan, ParallelConfig, PipelineConfig, Plan
+from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
+from autopar.decisions import MemoryPlan, Plan
 from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
 from autopar.runtime.checkpoint import state_dict_post_hook

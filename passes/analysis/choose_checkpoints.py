@@ -24,7 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from autopar.config import MemoryPlan
+from autopar.decisions import MemoryPlan
 from autopar.errors import PlanError
 from passes.analysis.estimate_memory import MemoryProfile, SegmentCost
 

@@ -22,7 +22,7 @@ from typing import Sequence
 import torch
 from torch import fx
 
-from autopar.config import PipelinePlan, Plan, StagePlan
+from autopar.decisions import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import AGREEMENT, Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import shard_fraction, segment_names

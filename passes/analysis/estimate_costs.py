@@ -29,14 +29,8 @@ from typing import Any
 
 from torch import fx
 
-from autopar.config import (
-    AGREEMENT_BYTES,
-    EmbeddingMode,
-    Orientation,
-    ParallelConfig,
-    ParamPlan,
-    collective_bytes,
-)
+from autopar.config import AGREEMENT_BYTES, ParallelConfig
+from autopar.decisions import EmbeddingMode, Orientation, ParamPlan, collective_bytes
 from passes.analysis.batch_dims import BatchDim, BatchFacts
 from passes.analysis.batch_rules import CLASS_LOSSES
 from passes.analysis.graph_facts import (

@@ -40,7 +40,7 @@ import torch.utils._pytree as pytree
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
 from passes.ir import Sharding, input_info

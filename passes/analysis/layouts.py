@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.config import EmbeddingMode, Layout, Orientation
+from autopar.decisions import EmbeddingMode, Layout, Orientation
 from passes.analysis.batch_dims import BatchFacts, State, analyze_batch
 from passes.analysis.graph_facts import MatmulMatch, carries_grad, param_name, tensor_inputs, tensor_meta
 from passes.ir import REPLICATED, ReduceSpec, Sharding, VocabLossSpec, input_info, last_dim, vocab_cross_entropy

@@ -28,16 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
-from autopar.config import (
-    EmbeddingMode,
-    EmbeddingPlan,
-    MatmulPlan,
-    Orientation,
-    ParallelConfig,
-    ParamKind,
-    ParamPlan,
-    Plan,
-)
+from autopar.config import ParallelConfig
+from autopar.decisions import EmbeddingMode, EmbeddingPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import list_collectives, total_bytes
 from passes.analysis.graph_facts import (

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from passes.analysis.choose_stages import ChainSegment
 from passes.analysis.estimate_costs import Collective, axis_size
 

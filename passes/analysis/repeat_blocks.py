@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
-from autopar.config import Plan
+from autopar.decisions import Plan
 from passes.analysis.make_plan import replicated_notes
 from passes.analysis.choose_stages import ChainSegment
 from passes.analysis.estimate_memory import MemoryProfile, static_memory

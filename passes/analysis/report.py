@@ -14,7 +14,7 @@ from typing import Sequence
 
 from torch import fx
 
-from autopar.config import Orientation, Plan
+from autopar.decisions import Orientation, Plan
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
     Collective,

@@ -51,7 +51,7 @@ def _overflow_on_rank_0() -> dict:
     import torch.distributed as dist
 
     import autopar
-    from autopar.config import ParamKind
+    from autopar.decisions import ParamKind
 
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=(2, 1, 1), precision="fp16"):

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.config import AGREEMENT_BYTES, Orientation, ParallelConfig
+from autopar.config import AGREEMENT_BYTES, ParallelConfig
+from autopar.decisions import Orientation
 from autopar.trace import plan_model
 
 M, K, N, B = 8, 16, 32, 4  # batch rows, in features, out features, bytes per float32

@@ -7,7 +7,8 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
-from autopar.config import Layout, Orientation, ParallelConfig
+from autopar.config import ParallelConfig
+from autopar.decisions import Layout, Orientation
 from autopar.runtime.ops import ConvertOp, GatherOutputOp, MatmulOp
 from autopar.examples.fc_net import FC_Net
 from passes.analysis.make_plan import make_plan

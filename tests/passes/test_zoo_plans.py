@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.config import EmbeddingMode, Orientation, ParallelConfig, ParamKind
+from autopar.config import ParallelConfig
+from autopar.decisions import EmbeddingMode, Orientation, ParamKind
 from autopar.examples import zoo
 from autopar.trace import coverage_gaps, format_report, main, plan_model
 

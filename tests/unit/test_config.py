@@ -2,7 +2,8 @@ from fractions import Fraction
 
 import pytest
 
-from autopar.config import Layout, MemoryConfig, Orientation, ParallelConfig, collective_bytes
+from autopar.config import MemoryConfig, ParallelConfig
+from autopar.decisions import Layout, Orientation, collective_bytes
 from autopar.errors import AutoparError, ConfigError
 
 

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ALLOWED_AUTOPAR = {"autopar.config", "autopar.errors"}
+ALLOWED_AUTOPAR = {"autopar.config", "autopar.decisions", "autopar.errors"}
 
 
 def _imports(path: Path) -> set[str]:

@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch.distributed.tensor import Shard
 
-from autopar.config import MESH_AXES, Orientation, ParallelConfig, ParamKind, ParamPlan
+from autopar.config import MESH_AXES, ParallelConfig
+from autopar.decisions import Orientation, ParamKind, ParamPlan
 from autopar.runtime.parameters import DIMS, local_indices, local_piece, placements
 
 
