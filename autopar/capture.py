@@ -94,13 +94,15 @@ def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
     sizes_of = [(i, d, sympy.lambdify(names, e, modules=modules)) for i, d, e in derived]
     compiled: list[Any] = []
 
-    def guards() -> Any:
-        """Read at the first check, after autopar's passes ran on the graph: a pass that fixed a size
-        (``int()`` of a symbolic one) left its guard here too."""
+    def guards() -> tuple[Any, list[tuple[int, int]]]:
+        """Read at the first check, after autopar's analyses and passes ran on the graph: one that fixed a
+        size (``int()`` of a symbolic one, or a comparison: the batch analysis's entries per row) left its
+        guard here, or replaced the symbol by its value (then the graph takes that value only)."""
         if not compiled:
             exprs = [env.replace(g.expr) for g in env.guards] if env is not None else []
             exprs = [g for g in exprs if g.free_symbols and g.free_symbols <= set(names)]
-            compiled.append(sympy.lambdify(names, sympy.And(*exprs), modules=modules) if exprs else None)
+            fixed = [(k, int(r)) for k, n in enumerate(names) if env is not None and (r := env.replace(n)).is_number]
+            compiled.append((sympy.lambdify(names, sympy.And(*exprs), modules=modules) if exprs else None, fixed))
         return compiled[0]
 
     def accepts(leaves: list[Any]) -> bool:
@@ -111,7 +113,9 @@ def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
             return False
         if any(int(leaves[i].shape[d]) != int(size(*values)) for i, d, size in sizes_of):
             return False
-        check = guards()
+        check, fixed = guards()
+        if any(values[k] != value for k, value in fixed):
+            return False
         return check is None or bool(check(*values))
 
     return accepts
@@ -148,7 +152,7 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
 
 def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None
                   ) -> dict[int, dict[int, Any]]:
-    """The input dims an evaluation call is captured with as symbolic sizes (leaf index -> {dim: Dim.AUTO}),
+    """The input dims a call is captured with as symbolic sizes (leaf index -> {dim: Dim.AUTO}),
     so that one graph serves every size of them:
 
     - the batch dim of the leaves in ``rows`` (leaf -> batch dim: given when the batch is not split over

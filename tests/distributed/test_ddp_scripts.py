@@ -30,26 +30,28 @@ CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bia
 GRIDS = {"d4": ((1, 1, 1), 4), "t211-d2": ((2, 1, 1), 2), "t221": ((2, 2, 1), 1), "t112-d2": ((1, 1, 2), 2)}
 
 
-def _batches(rank: int, steps: int, rows: int = 4, seq: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _batches(rank: int, steps: int, rows: int = 4, seq: int = 16, lengths: tuple[int, ...] = ()
+             ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``lengths``: the sequence length of each micro-step (the same on every rank), else ``seq``."""
     g = torch.Generator().manual_seed(100 + rank)  # nanoGPT: seed_offset = rank
     out = []
-    for _ in range(steps * ACCUMULATE):
-        x = torch.randint(0, 128, (rows, seq), generator=g)
-        y = torch.randint(0, 128, (rows, seq), generator=g)
+    for i in range(steps * ACCUMULATE):
+        x = torch.randint(0, 128, (rows, lengths[i] if lengths else seq), generator=g)
+        y = torch.randint(0, 128, x.shape, generator=g)
         if rank == 1:
             y[0, :7] = -1  # ignored targets on one rank only: its mean has another denominator
         out.append((x, y))
     return out
 
 
-def _train(model, spelling: str, grads_of, steps: int = 3) -> dict:
+def _train(model, spelling: str, grads_of, steps: int = 3, lengths: tuple[int, ...] = ()) -> dict:
     # nanoGPT's groups (weight decay for parameters of 2+ dims) with eps 1e-6: with the default 1e-8, AdamW
     # divides a gradient entry that is ~1e-8 by itself, and its roundoff (1e-10 under any other summation
     # order, DDP's own buckets included) moved one weight by 1e-5 in 3 steps.
     groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
               {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
     opt = torch.optim.AdamW(groups, lr=1e-2, betas=(0.9, 0.95), eps=1e-6)
-    data = _batches(dist.get_rank(), steps)
+    data = _batches(dist.get_rank(), steps, lengths=lengths)
     losses, logits = [], None
     for step in range(steps):
         for micro in range(ACCUMULATE):
@@ -74,11 +76,13 @@ def _train(model, spelling: str, grads_of, steps: int = 3) -> dict:
     return {"losses": losses, "logits": logits, "grads": grads}
 
 
-def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync", unscaled: bool = False) -> dict:
+def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync", unscaled: bool = False,
+               lengths: tuple[int, ...] = ()) -> dict:
     torch.manual_seed(0)
     if grid is None:
         module = NanoGPT(GPTConfig(**CONFIG))
-        out = _train(DDP(module), spelling, lambda: {n: p.grad.clone() for n, p in module.named_parameters()})
+        out = _train(DDP(module), spelling, lambda: {n: p.grad.clone() for n, p in module.named_parameters()},
+                     lengths=lengths)
         out["final"] = {k: v.clone() for k, v in module.state_dict().items()}
         return out
     if unscaled:  # the mutation: gradients summed over the ranks instead of DDP's average
@@ -88,8 +92,10 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
     tensor, data = grid
     with autopar.auto_parallelize(tensor=tensor, data=data):
         model = NanoGPT(GPTConfig(**CONFIG))
-    out = _train(model, spelling, lambda: {k: v.clone() for k, v in runtime_of(model).full_grads().items()})
+    out = _train(model, spelling, lambda: {k: v.clone() for k, v in runtime_of(model).full_grads().items()},
+                 lengths=lengths)
     out["final"] = autopar.full_state_dict(model)
+    out["graphs"] = sum(len(v) for v in runtime_of(model).executables.values())
     return out
 
 
@@ -97,6 +103,20 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
 def test_ddp_script_with_loss_in_forward_matches_ddp(grid, distributed):
     want = distributed(ddp_worker, 4, None)
     got = distributed(ddp_worker, 4, GRIDS[grid], "no_sync" if grid == "t221" else "require_backward_grad_sync")
+    _check_against_ddp(grid, got, want)
+
+
+def test_ddp_script_with_a_new_length_each_step(distributed):
+    """Per-rank batches whose length changes at every micro-step (the same on every rank): DDP's numbers.
+    Per-rank batches capture each length (``graphs``); symbolic lengths are for a global batch."""
+    lengths = (9, 14, 6, 11, 16, 5)
+    want = distributed(ddp_worker, 4, None, lengths=lengths)
+    got = distributed(ddp_worker, 4, GRIDS["t211-d2"], lengths=lengths)
+    _check_against_ddp("t211-d2", got, want)
+    assert all(g["graphs"] == len(lengths) for g in got), [g["graphs"] for g in got]
+
+
+def _check_against_ddp(grid: str, got: list[dict], want: list[dict]) -> None:
     for rank in range(4):
         g, w = got[rank], want[rank]
         for a, b in zip(g["losses"], w["losses"], strict=True):  # each rank's own loss, as DDP prints it
