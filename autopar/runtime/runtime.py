@@ -46,7 +46,7 @@ from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_con
 from passes.analysis.choose_checkpoints import plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import estimate_memory
-from passes.analysis.graph_facts import hinted
+from passes.analysis.graph_facts import hinted, sizes_fixed
 from passes.analysis.make_plan import make_plan
 from passes.analysis.report import estimate_step
 from passes.ir import InputKind, input_info
@@ -91,6 +91,8 @@ class ParallelRuntime:
         """Compiled graphs by input signature (autopar/runtime/executables.py)."""
         self.shapes_met: set[Any] = set()
         """Keys (symbolic sizes) a training call was captured for with its own sizes: the next is symbolic."""
+        self.shapes_fixed: set[Any] = set()
+        """Keys whose symbolic capture failed or had its sizes fixed: captured with their own sizes."""
         self.uncaptured: dict[Any, str] = {}
         """Signatures of evaluation calls that could not be captured (run whole on every rank): why not."""
         self._syncs: list[GradSync] = []
@@ -165,10 +167,12 @@ class ParallelRuntime:
                 self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
                 return self._forward_local(*whole((args, kwargs))), None, ()
             try:
-                symbolic = dynamic if not grad or key in self.shapes_met else {}
+                symbolic = dynamic if (not grad or key in self.shapes_met) and key not in self.shapes_fixed else {}
                 self.shapes_met.add(key)
                 exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=symbolic,
                                     arrived={i: a.sharding for i, a in arrived.items() if a.sharding is not None})
+                if symbolic and exe.accepts is None:  # symbolic sizes failed or were fixed: not tried again
+                    self.shapes_fixed.add(key)
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
@@ -340,7 +344,9 @@ class ParallelRuntime:
         if dynamic:
             try:
                 captured = self._capture(leaves, spec, split, sizes, index, segments, dynamic, arrived)
-                if split and whole_constants(captured.gm, analyze_batch(captured.gm)):
+                # the graph computes numbers from the batch, or the batch analysis fixed a length (entries
+                # per row of per-token values): these sizes are captured as they are
+                if split and (whole_constants(captured.gm, analyze_batch(captured.gm)) or sizes_fixed(captured.gm)):
                     captured = None
             except CaptureError as e:
                 log.debug("autopar: capture with symbolic sequence sizes failed (%s); capturing these sizes", e)

@@ -178,6 +178,17 @@ def _concrete(v: Any) -> Any:
     return v
 
 
+def sizes_fixed(gm: fx.GraphModule) -> bool:
+    """Whether an analysis fixed a symbolic input size of ``gm`` (a comparison that made torch's shape
+    environment replace the symbol by the capture's value): the graph then takes that size only."""
+    for n in gm.graph.nodes:
+        val = n.meta.get("val") if n.op == "placeholder" else None
+        if isinstance(val, torch.Tensor) and any(isinstance(s, torch.SymInt) and s.node.expr.is_number
+                                                 for s in val.shape):
+            return True
+    return False
+
+
 @contextlib.contextmanager
 def hinted(gm: fx.GraphModule) -> Iterator[None]:
     """While inside, every node of ``gm`` (and its subgraphs) whose recorded value has symbolic sizes (a
