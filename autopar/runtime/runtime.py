@@ -277,8 +277,9 @@ class ParallelRuntime:
         against this rank's rows of the batch)."""
         rows = sizes[self.mesh.index("batch")] if split else 0
 
-        def narrow(x: torch.Tensor, dim: int) -> torch.Tensor:  # (sizes only; a DTensor's narrow would gather)
-            return torch.empty(x.shape, dtype=x.dtype, device="meta").narrow(dim, 0, rows)
+        def narrow(x: torch.Tensor, dim: int) -> torch.Tensor:  # (sizes only: a DTensor's narrow would gather)
+            x = torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, DTensor) else x
+            return x.narrow(dim, 0, rows)
 
         return self.executables.find(key, lambda: [narrow(x, split[i]) if i in split else x
                                                    for i, x in enumerate(leaves)])

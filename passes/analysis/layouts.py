@@ -461,7 +461,8 @@ class _Rules:
             return None
         dim %= dt.dim()
         ds, ss = self.res.sharding(dst), self.res.sharding(src)
-        if ds.is_replicated and not ss.is_replicated and ss.dim != dim and self._fresh(dst, node, ss):
+        if (ds.is_replicated and not ss.is_replicated and ss.dim != dim and st.shape[ss.dim] == ss.full_size
+                and self._fresh(dst, ss)):
             size = list(dst.args[0])
             size[ss.dim] = ss.full_size // self.n(ss)
             self.res.shardings[dst] = ds = ss
@@ -470,14 +471,13 @@ class _Rules:
             return None
         return _Decision(ds, {dst: ds, src: ds, index: REPLICATED})
 
-    def _fresh(self, dst: fx.Node, user: fx.Node, s: Sharding) -> bool:
-        """``dst`` is a zero/empty/full tensor the graph makes, ``user`` its only reader, and ``s`` splits it."""
+    def _fresh(self, dst: fx.Node, s: Sharding) -> bool:
+        """``dst`` is a zero/empty/full tensor the graph makes, read by one op only, and ``s`` splits it."""
         if dst.target not in _FACTORIES or len(dst.users) != 1 or dst.args[0] is None:
             return False
         size = dst.args[0]
         return (0 <= s.dim < len(size) and len(s.parts) == 1 and isinstance(size[s.dim], int)
-                and size[s.dim] == s.full_size and self.divides(s) and user in dst.users
-                and int(tensor_meta(user.args[3]).shape[s.dim]) == s.full_size)
+                and size[s.dim] == s.full_size and self.divides(s))
 
     def reduce(self, node: fx.Node) -> _Decision | None:
         x, s, xt = self.x(node)
