@@ -100,6 +100,10 @@ def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
         guard here, or replaced the symbol by its value (then the graph takes that value only)."""
         if not compiled:
             exprs = [env.replace(g.expr) for g in env.guards] if env is not None else []
+            # a symbol the environment replaced (by its value, or by another symbol's expression: two sizes an
+            # analysis compared and found equal) must equal what replaced it
+            exprs += [sympy.Eq(n, r) for n in names if env is not None and (r := env.replace(n)) != n
+                      and not r.is_number]
             exprs = [g for g in exprs if g.free_symbols and g.free_symbols <= set(names)]
             fixed = [(k, int(r)) for k, n in enumerate(names) if env is not None and (r := env.replace(n)).is_number]
             compiled.append((sympy.lambdify(names, sympy.And(*exprs), modules=modules) if exprs else None, fixed))
@@ -150,8 +154,8 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
     return copy.deepcopy(shadow, memo), out
 
 
-def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None
-                  ) -> dict[int, dict[int, Any]]:
+def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None,
+                  split: bool = False) -> dict[int, dict[int, Any]]:
     """The input dims a call is captured with as symbolic sizes (leaf index -> {dim: Dim.AUTO}),
     so that one graph serves every size of them:
 
@@ -163,7 +167,9 @@ def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] |
 
     Size 1 stays static (a call of size 1 is captured as it is: export would specialize it, with a
     warning); export keeps static whatever the model fixes, and ``Captured.accepts`` says which sizes a
-    graph takes."""
+    graph takes. With ``split`` (data x depth split the batch, each rank's graph sees its rows) the rows of
+    every batch leaf are one symbol, as they are one number: the batch analysis follows them through the
+    inputs alike (export would give each input its own)."""
     generating = getattr(model, "can_generate", lambda: False)()
     out: dict[int, dict[int, Any]] = {}
     for i, x in enumerate(leaves):
@@ -173,9 +179,10 @@ def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] |
             out[i] = {2: torch.export.Dim.AUTO}
         elif x.dim() == 2 and x.shape[1] > 1 and (generating or not x.is_floating_point()):
             out[i] = {1: torch.export.Dim.AUTO}
+    together = torch.export.Dim("rows", min=2)
     for i, d in (rows or {}).items():
-        if leaves[i].shape[d] > 1:
-            out.setdefault(i, {})[d] = torch.export.Dim.AUTO
+        if split or leaves[i].shape[d] > 1:
+            out.setdefault(i, {})[d] = together if split else torch.export.Dim.AUTO
     return out
 
 

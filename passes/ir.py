@@ -136,7 +136,8 @@ class BatchReduceSpec:
 
     mean: bool
     factor: int = 1
-    """Entries of dim 0 per batch row (a (B*T, ...) tensor of per-token values: T)."""
+    """Entries of dim 0 per batch row (a (B*T, ...) tensor of per-token values: T); 0 where that is a
+    symbolic length (the runtime counts them at each call, as it does for every bound batch op)."""
     count_per_row: int | None = None
     """mean without a ``counts`` tensor: the serial mean divides by (entries of dim 0) x this."""
 

@@ -138,7 +138,7 @@ def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding, keep: boo
         return GatherOutputSpec(sharding, False, batch_state="none", keep_split=keep)
     bd = res.batch.batch_dim(node)
     if bd is not None:
-        return GatherOutputSpec(sharding, True, bd.dim, bd.factor, "split", keep_split=keep)
+        return GatherOutputSpec(sharding, True, bd.dim, bd.static_factor(), "split", keep_split=keep)
     return GatherOutputSpec(sharding, False, batch_state=res.batch.state(node).value)
 
 

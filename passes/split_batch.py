@@ -50,7 +50,7 @@ def split_batch(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     gathered: dict[tuple[fx.Node, GatherRowsSpec], fx.Node] = {}
     for consumer, producers in facts.gathers.items():
         for producer, bd in producers.items():
-            spec = GatherRowsSpec(bd.dim, bd.factor)
+            spec = GatherRowsSpec(bd.dim, bd.static_factor())
             key = (producer, spec)
             if key not in gathered:
                 with gm.graph.inserting_after(producer):
@@ -105,7 +105,7 @@ def _call(graph: fx.Graph, target: Any, args: tuple, like: fx.Node, val: Any = N
 
 def _scatter_outputs(graph: fx.Graph, node: fx.Node, bd: BatchDim, facts: BatchFacts) -> None:
     """Users of a gathered op's output read this rank's rows of it (per getitem for tuple outputs)."""
-    spec = GatherRowsSpec(bd.dim, bd.factor)
+    spec = GatherRowsSpec(bd.dim, bd.static_factor())
     dims = facts.dims.get(node)
     if isinstance(dims, tuple):
         for user in list(node.users):
@@ -131,13 +131,14 @@ def _rewrite_reduction(graph: fx.Graph, node: fx.Node, r: Reduction) -> None:
             values, counts, per_row = _class_loss_values(graph, node, r)
         else:
             values, counts, per_row = _elementwise_loss_values(graph, node, r)
-        spec = BatchReduceSpec(r.kind in ("mean", "loss_mean"), r.batch.factor, per_row)
+        spec = BatchReduceSpec(r.kind in ("mean", "loss_mean"), r.batch.static_factor(), per_row)
         out_val = val if val is not None else node.meta["val"][0]
         reduced = _call(graph, batch_reduce, (values, counts, spec), node, torch.empty(
             tuple(tensor_meta(values).shape[1:]), dtype=out_val.dtype, device="meta"))
         result = reduced
         if tuple(tensor_meta(reduced).shape) != tuple(out_val.shape):
-            result = _call(graph, aten.reshape.default, (reduced, list(out_val.shape)), node, out_val)
+            result = _call(graph, aten.reshape.default, (reduced, _sizes(graph, reduced, out_val.shape, node)), node,
+                           out_val)
     if val is not None:
         node.replace_all_uses_with(result)
         return
@@ -149,10 +150,25 @@ def _rewrite_reduction(graph: fx.Graph, node: fx.Node, r: Reduction) -> None:
         else:
             with graph.inserting_before(user):
                 total = counts if counts is not None else _constant_counts(graph, values, per_row, node)
-                weight = _call(graph, batch_reduce, (total, None, BatchReduceSpec(False, r.batch.factor)), node,
+                weight = _call(graph, batch_reduce, (total, None, BatchReduceSpec(False, r.batch.static_factor())), node,
                                user.meta["val"])
             user.replace_all_uses_with(weight)
         graph.erase_node(user)
+
+
+def _sizes(graph: fx.Graph, source: fx.Node, shape: Any, like: fx.Node) -> list[Any]:
+    """``shape`` as a reshape's argument: its numbers, and for each symbolic size (a graph captured for every
+    length) a node reading it off ``source``, which has that size (a SymInt would be printed into the code)."""
+    have = list(tensor_meta(source).shape)
+    out: list[Any] = []
+    for size in shape:
+        known = size.node.maybe_as_int() if isinstance(size, torch.SymInt) else size
+        if known is not None:
+            out.append(int(known))
+            continue
+        dim = next(d for d, h in enumerate(have) if isinstance(h, torch.SymInt) and h.node.expr == size.node.expr)
+        out.append(_call(graph, aten.sym_size.int, (source, dim), like, size))
+    return out
 
 
 def _meta(shape: Any, dtype: torch.dtype) -> torch.Tensor:
@@ -177,7 +193,7 @@ def _sum_over(graph: fx.Graph, x: fx.Node, dims: list[int], like: fx.Node, keepd
     return _call(graph, aten.sum.dim_IntList, (x, dims, keepdim), like, _meta(shape, t.dtype))
 
 
-def _sum_mean_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx.Node, None, int]:
+def _sum_mean_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx.Node, fx.Node | None, int | None]:
     x = node.args[0]
     t = tensor_meta(x)
     dtype = node.kwargs.get("dtype")
@@ -185,11 +201,8 @@ def _sum_mean_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx.N
         x = _call(graph, aten._to_copy.default, (x,), node, _meta(t.shape, dtype))
         x.kwargs = {"dtype": dtype}
     others = [d for d in r.dims if d != r.batch.dim]
-    per_row = 1
-    for d in others:
-        per_row *= int(t.shape[d])
-    y = _sum_over(graph, x, others, node, keepdim=True)
-    return _rows_first(graph, y, r.batch, node), None, per_row
+    y = _rows_first(graph, _sum_over(graph, x, others, node, keepdim=True), r.batch, node)
+    return _per_row(graph, y, node.args[0], others, node, r.kind == "mean")
 
 
 def _per_entry(graph: fx.Graph, node: fx.Node, per: fx.Node) -> fx.Node:
@@ -223,13 +236,34 @@ def _with_reduction_none(graph: fx.Graph, node: fx.Node) -> fx.Node:
     return per
 
 
-def _elementwise_loss_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx.Node, None, int]:
+def _elementwise_loss_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx.Node, Any, int | None]:
     per = _with_reduction_none(graph, node)
-    t = tensor_meta(per)
-    per_row = 1
-    for s in t.shape[1:]:
-        per_row *= int(s)
-    return _per_entry(graph, node, per), None, per_row
+    return _per_row(graph, _per_entry(graph, node, per), per, range(1, tensor_meta(per).dim()), node,
+                    r.kind == "loss_mean")
+
+
+def _per_row(graph: fx.Graph, values: fx.Node, source: fx.Node, dims: Any, like: fx.Node, mean: bool
+             ) -> tuple[fx.Node, fx.Node | None, int | None]:
+    """(values, counts, count per row) for a mean whose count per entry of ``values`` is the product of
+    ``source``'s sizes along ``dims``: a number, or where one of them is a symbolic length, a ``counts`` node
+    holding that product for each entry (``int()`` would fix the length the graph was captured for)."""
+    sizes = [tensor_meta(source).shape[d] for d in dims]
+    if all(not isinstance(s, torch.SymInt) or s.node.maybe_as_int() is not None for s in sizes):
+        per_row = 1
+        for s in sizes:
+            per_row *= int(s)
+        return values, None, per_row
+    if not mean:  # a sum needs no count
+        return values, None, None
+    product: Any = 1
+    for d, s in zip(dims, sizes):
+        size = _call(graph, aten.sym_size.int, (source, d), like, s)
+        product = size if product == 1 else _call(graph, operator.mul, (product, size), like,
+                                                   product.meta["val"] * s)
+    t = tensor_meta(values)
+    entries = _call(graph, aten.sym_size.int, (values, 0), like, t.shape[0])
+    counts = _call(graph, aten.new_full.default, (values, [entries], product), like, _meta((t.shape[0],), t.dtype))
+    return values, counts, None
 
 
 def _class_loss_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx.Node, fx.Node | None, int | None]:
@@ -242,10 +276,7 @@ def _class_loss_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx
     if r.kind != "loss_mean":
         return values, None, None
     if tt.is_floating_point():  # class probabilities: the mean is over every entry
-        per_row = 1
-        for s in tensor_meta(per).shape[1:]:
-            per_row *= int(s)
-        return values, None, per_row
+        return _per_row(graph, values, per, range(1, tensor_meta(per).dim()), node, True)
     ignore = int(_ignore_index(node))
     dtype = tensor_meta(per).dtype
     valid = _call(graph, aten.ne.Scalar, (target, ignore), node, _meta(tt.shape, torch.bool))
@@ -256,7 +287,8 @@ def _class_loss_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx
         safe = _call(graph, aten.clamp_min.default, (target, 0), node, _meta(tt.shape, tt.dtype))
         flat = _call(graph, aten.reshape.default, (safe, [-1]), node, _meta((tt.numel(),), tt.dtype))
         picked = _call(graph, aten.index_select.default, (weight, 0, flat), node, _meta((tt.numel(),), dtype))
-        shaped = _call(graph, aten.reshape.default, (picked, list(tt.shape)), node, _meta(tt.shape, dtype))
+        shaped = _call(graph, aten.reshape.default, (picked, _sizes(graph, target, tt.shape, node)), node,
+                       _meta(tt.shape, dtype))
         counts = _call(graph, aten.mul.Tensor, (counts, shaped), node, _meta(tt.shape, dtype))
     return values, _per_entry(graph, node, counts), None
 

@@ -16,38 +16,39 @@ from torch import fx
 
 from autopar.errors import PlanError
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import (BatchReduceOp, ConvertOp, EmbeddingOp, GatherFeaturesOp, GatherOutputOp, GatherRowsOp,
-                                 MatmulOp, ReduceOp, ScatterRowsOp, SumGradOp, VocabCrossEntropyOp)
+from autopar.runtime.ops import (BatchReduceOp, BatchRows, ConvertOp, EmbeddingOp, GatherFeaturesOp, GatherOutputOp,
+                                 GatherRowsOp, MatmulOp, ReduceOp, ScatterRowsOp, SumGradOp, VocabCrossEntropyOp)
 from autopar.runtime.per_rank import SegmentReduceOp
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
                        reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad,
                        vocab_cross_entropy)
 
 
-def bind_markers(gm: fx.GraphModule, mesh: Mesh, sizes: tuple[int, ...], reduce: torch.dtype | None, pipeline: int,
+def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.dtype | None, pipeline: int,
                  local_outputs: bool = False, per_rank: tuple[tuple[int, ...], int] | None = None) -> None:
     """Replaces marker ops with implementations over this rank's groups; meta devices with ours.
 
-    ``reduce``: the dtype gradients are reduced in (None: their own); ``pipeline``: the pipeline degree."""
+    ``rows``: each batch shard's rows, which the runtime sets before each run; ``reduce``: the dtype gradients
+    are reduced in (None: their own); ``pipeline``: the pipeline degree."""
     device = mesh.device
     if per_rank is not None:  # outputs: features gathered here, own rows taken by ParallelRuntime._run_per_rank
         local_outputs = False
     makers = {  # marker -> implementation, from the marker's last argument (its spec)
         sharded_matmul: lambda spec: MatmulOp(spec, mesh, reduce).__call__,
         convert_layout: lambda spec: ConvertOp(spec, mesh).__call__,
-        gather_output: lambda spec: _identity if local_outputs else GatherOutputOp(spec, mesh, sizes).__call__,
+        gather_output: lambda spec: _identity if local_outputs else GatherOutputOp(spec, mesh, rows).__call__,
         sharded_embedding: lambda spec: EmbeddingOp(spec, mesh).__call__,
         sum_grad: lambda axis: SumGradOp(axis, mesh).__call__,
         reduce_partial: lambda spec: ReduceOp(spec, mesh).__call__,
-        batch_reduce: lambda spec: BatchReduceOp(spec, mesh, sizes).__call__,
-        gather_rows: lambda spec: GatherRowsOp(spec, mesh, sizes).__call__,
-        scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, sizes).__call__,
+        batch_reduce: lambda spec: BatchReduceOp(spec, mesh, rows).__call__,
+        gather_rows: lambda spec: GatherRowsOp(spec, mesh, rows).__call__,
+        scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, rows).__call__,
         vocab_cross_entropy: lambda spec: VocabCrossEntropyOp(spec, mesh).__call__,
     }
     if per_rank is not None:
-        rows, member = per_rank
+        members, member = per_rank
         makers[gather_output] = lambda spec: GatherFeaturesOp(spec, mesh).__call__
-        makers[batch_reduce] = lambda spec: SegmentReduceOp(spec, mesh, rows, member).__call__
+        makers[batch_reduce] = lambda spec: SegmentReduceOp(spec, mesh, members, member).__call__
         makers[gather_rows] = makers[scatter_rows] = lambda spec: _pooled_rows_refused
         if pipeline > 1 and any(n.target is batch_reduce for m in gm.modules()
                                 if isinstance(m, fx.GraphModule) for n in m.graph.nodes):

@@ -49,6 +49,8 @@ class Executable:
     """Input leaves split by batch rows: leaf index -> its batch dim."""
     accepts: Callable[[list[Any]], bool] | None = None
     """Captured with symbolic sizes: whether it takes input leaves of these sizes (None: static)."""
+    rows: Any = None
+    """The ``ops.BatchRows`` its batch ops read: each batch shard's rows, set before each run."""
 
 
 def signature(x: Any, dynamic: dict[int, Any] | None = None) -> Any:

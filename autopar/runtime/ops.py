@@ -355,6 +355,19 @@ class ConvertOp:
         return x
 
 
+class BatchRows:
+    """Each batch shard's rows in the current call, read by a graph's batch ops when they run. The runtime
+    sets them before each run: a graph captured with a symbolic row count serves every batch size."""
+
+    def __init__(self, sizes: tuple[int, ...]) -> None:
+        self.sizes = sizes
+
+    def entries(self, x: torch.Tensor, dim: int, mesh: Mesh, whole: bool = False) -> int:
+        """Entries per row along ``dim`` of ``x`` (this rank's rows, or with ``whole`` every shard's)."""
+        rows = sum(self.sizes) if whole else self.sizes[mesh.index("batch")]
+        return x.shape[dim] // rows
+
+
 class GatherOutputOp:
     """A model output made full on every rank: features gathered, then the batch's rows (global batch).
 
@@ -362,16 +375,19 @@ class GatherOutputOp:
     batch rank, and so is the caller's gradient of it; backward keeps it on one batch rank so that the
     batch ranks' parts of every gradient behind it sum to it once (``passes.analysis.batch_dims``)."""
 
-    def __init__(self, spec: GatherOutputSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
-        self.spec, self.mesh, self.batch_sizes = spec, mesh, batch_sizes
+    def __init__(self, spec: GatherOutputSpec, mesh: Mesh, rows: BatchRows) -> None:
+        self.spec, self.mesh, self.rows = spec, mesh, rows
 
     def __call__(self, x: torch.Tensor, gather_features: bool = True) -> torch.Tensor:
-        if self.spec.keep_split and gather_features:  # a cache the next call reads split (autopar.runtime.kept)
+        sizes = self.rows.sizes
+        if self.spec.keep_split and gather_features and (not self.spec.batch_split or len(set(sizes)) == 1):
+            # a cache the next call reads split (autopar.runtime.kept); rows are kept where they split evenly
             return kept_output(x, self.mesh, self.spec.sharding, self.spec.batch_dim if self.spec.batch_split else None)
         if not self.spec.sharding.is_replicated and gather_features:
             x = _Gather.apply(x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:
-            return _GatherRows.apply(x, self.mesh, self.batch_sizes, self.spec.batch_dim, self.spec.batch_factor)
+            dim = self.spec.batch_dim
+            return _GatherRows.apply(x, self.mesh, sizes, dim, self.rows.entries(x, dim, self.mesh))
         if self.mesh.size("batch") > 1 and x.requires_grad:
             return _OnOneBatchRank.apply(x, self.mesh)
         return x
@@ -440,9 +456,8 @@ class BatchReduceOp:
     """A bound ``passes.ir.batch_reduce`` (global batch): one all-reduce of this rank's partial sums and
     count over data x depth."""
 
-    def __init__(self, spec: BatchReduceSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
-        self.spec, self.mesh = spec, mesh
-        self.entries = sum(batch_sizes) * spec.factor if batch_sizes else None
+    def __init__(self, spec: BatchReduceSpec, mesh: Mesh, rows: BatchRows) -> None:
+        self.spec, self.mesh, self.rows = spec, mesh, rows
 
     def __call__(self, values: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         total = values.sum(0)
@@ -454,7 +469,8 @@ class BatchReduceOp:
             total = _BatchSum.apply(total, self.mesh)
         if not self.spec.mean:
             return total
-        entries = self.entries if self.entries is not None else values.shape[0]
+        sizes = self.rows.sizes  # entries: every shard's rows x this rank's entries per row
+        entries = sum(sizes) * self.rows.entries(values, 0, self.mesh) if sizes else values.shape[0]
         return total / (entries * (self.spec.count_per_row or 1))
 
 
@@ -462,27 +478,30 @@ class GatherRowsOp:
     """A bound ``passes.ir.gather_rows``: the whole batch's rows on every batch rank; backward sums the
     gradient's parts over the batch ranks and keeps this rank's rows."""
 
-    def __init__(self, spec: GatherRowsSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
-        self.spec, self.mesh, self.sizes = spec, mesh, batch_sizes
+    def __init__(self, spec: GatherRowsSpec, mesh: Mesh, rows: BatchRows) -> None:
+        self.spec, self.mesh, self.rows = spec, mesh, rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mesh.size("batch") == 1:
             return x
-        return _GatherRows.apply(x, self.mesh, self.sizes, self.spec.dim, self.spec.factor, True)
+        dim = self.spec.dim
+        return _GatherRows.apply(x, self.mesh, self.rows.sizes, dim, self.rows.entries(x, dim, self.mesh), True)
 
 
 class ScatterRowsOp:
     """A bound ``passes.ir.scatter_rows``: this rank's rows of a whole-batch tensor; backward places their
     gradient in zeros (this rank's part of the whole tensor's gradient). No communication."""
 
-    def __init__(self, spec: GatherRowsSpec, mesh: Mesh, batch_sizes: tuple[int, ...]) -> None:
-        self.spec, self.mesh, self.sizes = spec, mesh, batch_sizes
+    def __init__(self, spec: GatherRowsSpec, mesh: Mesh, rows: BatchRows) -> None:
+        self.spec, self.mesh, self.rows = spec, mesh, rows
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.mesh.size("batch") == 1:
             return x
-        start, stop = _rows_bounds(self.sizes, self.spec.factor, self.mesh.index("batch"))
-        return _ScatterRows.apply(x, self.spec.dim, start, stop)
+        dim = self.spec.dim
+        factor = self.rows.entries(x, dim, self.mesh, whole=True)
+        start, stop = _rows_bounds(self.rows.sizes, factor, self.mesh.index("batch"))
+        return _ScatterRows.apply(x, dim, start, stop)
 
 
 class _ScatterRows(torch.autograd.Function):

@@ -106,8 +106,9 @@ def own_output(x: Any, spec: GatherOutputSpec | None, mesh: Mesh, rows: tuple[in
     if not isinstance(x, torch.Tensor):
         return x
     scale = 1.0 / mesh.config.world_size
-    if spec is not None and spec.batch_split and len(rows) > 1:
-        return _OwnRows.apply(x, mesh, rows, member, spec.batch_dim, spec.batch_factor, scale)
+    if spec is not None and spec.batch_split and len(rows) > 1:  # (entries per row: a length, when symbolic)
+        factor = x.shape[spec.batch_dim] // sum(rows)
+        return _OwnRows.apply(x, mesh, rows, member, spec.batch_dim, factor, scale)
     if not x.requires_grad:
         return x
     summed = len(rows) > 1 and (spec is None or spec.batch_state == "none")
@@ -146,7 +147,7 @@ class SegmentReduceOp:
         self.spec, self.mesh, self.rows, self.member = spec, mesh, rows, member
 
     def __call__(self, values: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
-        f = self.spec.factor
+        f = values.shape[0] // sum(self.rows)  # entries per row (a length, in a graph captured for every one)
         denominators = None
         if self.spec.mean:
             if counts is not None:

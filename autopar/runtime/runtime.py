@@ -40,7 +40,7 @@ from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
 from autopar.runtime.fallback import (data_parallel_sync, fallback_reason, forward_local, forward_whole, run_data_parallel,
                                       say_eval_fallback)
-from autopar.runtime.ops import scatter_batch
+from autopar.runtime.ops import BatchRows, scatter_batch
 from autopar.runtime.per_rank import own_output, pool_rows
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
 from passes.analysis.choose_checkpoints import plan_memory
@@ -156,10 +156,15 @@ class ParallelRuntime:
         # the graphs captured for it; the first that accepts these sizes runs, else one more is captured).
         # Training captures its first shape as it is and goes symbolic when a second shape meets the key (as
         # torch.compile's automatic dynamic shapes): a script with one shape pays no symbolic capture.
-        dynamic = symbolic_dims(self._model(), leaves, {} if split else found[0]) \
-            if not local_outputs and self.config.pipeline == 1 else {}
+        # Where data x depth split the batch, each rank's rows are symbolic when every shard has two or more
+        # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
+        rows_symbolic = not split or min(sizes) > 1
+        dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split)) \
+            if self.config.pipeline == 1 else {}
         static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
-        key = (spec, self._training(), global_batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
+        batch = ("split", len(sizes)) if rows_symbolic and any(d in dynamic.get(i, {}) for i, d in split.items()) \
+            else global_batch
+        key = (spec, self._training(), batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
                local_outputs) if dynamic else static
         exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
         if exe is None:
@@ -184,6 +189,7 @@ class ParallelRuntime:
             self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
         local = [local_of(x) if i in arrived else scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x
                  for i, x in enumerate(leaves)]
+        exe.rows.sizes = sizes
         return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
 
     def _execute(self, exe: Executable, flat: list[Any]) -> Any:
@@ -223,12 +229,22 @@ class ParallelRuntime:
         if self.fallback:
             return pytree.tree_map(lambda t: own_output(t, None, self.mesh, rows, member),
                                    self._forward_whole(args, kwargs))
-        key = ("per-rank", spec, self._training(), rows, tuple(signature(x) for x in local))
-        exe = self._find(key, local, {}, ())
+        # lengths symbolic as for a global batch (training: from the second shape on); each member's rows stay
+        # numbers (the members' losses are cut by them)
+        dynamic = symbolic_dims(self._model(), local) if self.config.pipeline == 1 else {}
+        static = ("per-rank", spec, self._training(), rows, tuple(signature(x) for x in local))
+        key = ("per-rank", spec, self._training(), rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
+               ) if dynamic else static
+        exe = self._find(key, local, {}, ()) or (self._find(static, local, {}, ()) if dynamic else None)
         if exe is None:
             try:
-                exe = self._compile(local, spec, split, sizes, per_rank=(rows, member))
-                self._keep(key, exe)
+                grad = torch.is_grad_enabled()
+                symbolic = dynamic if (not grad or key in self.shapes_met) and key not in self.shapes_fixed else {}
+                self.shapes_met.add(key)
+                exe = self._compile(local, spec, split, sizes, per_rank=(rows, member), dynamic=symbolic)
+                if symbolic and exe.accepts is None:
+                    self.shapes_fixed.add(key)
+                self._keep(key if exe.accepts is not None else static, exe)
             except CaptureError as e:
                 if self.plan is not None or self.config.pipeline > 1:
                     raise
@@ -379,7 +395,8 @@ class ParallelRuntime:
                 log.warning("autopar: %s (correct, but that op is not data-parallel).", note)
             self._warned.add(note)
         output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
-        bind_markers(gm, self.mesh, sizes, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
+        rows = BatchRows(sizes)
+        bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
                      local_outputs, per_rank)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
@@ -397,7 +414,7 @@ class ParallelRuntime:
             if self.store.held is None:
                 self.store.hold(program.readers())
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts)
+                          captured.accepts, rows)
 
     def _find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
                               split: dict[int, int], sizes: tuple[int, ...], index: int,

@@ -37,7 +37,8 @@ import torch
 from torch import fx
 
 from autopar.errors import PlanError
-from passes.analysis.batch_rules import VIEWS, BatchDim, Gather, Reduce, Reduction, Rules, map_batch_through_view
+from passes.analysis.batch_rules import (VIEWS, BatchDim, Gather, Reduce, Reduction, Rules, known,
+                                        map_batch_through_view)
 from passes.analysis.graph_facts import carries_grad, module_of, tensor_inputs, tensor_meta
 from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad, vocab_cross_entropy
 
@@ -65,7 +66,6 @@ class BatchFacts:
     """``arange(rows)`` (and views of it): tensors enumerating this rank's rows along the given dim.
     Indexing a SPLIT tensor's rows with one (HF's masks: ``mask[arange(B)[:, None], ...]``) stays on
     this rank's rows."""
-    local_rows: int = 0
 
     def batch_dim(self, node: Any) -> BatchDim | None:
         d = self.dims.get(node) if isinstance(node, fx.Node) else None
@@ -98,13 +98,13 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
     """Follows the batch through ``gm`` (see the module docstring)."""
     facts = BatchFacts()
     batch = gm.meta.get("autopar_batch")
-    rows = batch.local_sizes[batch.index] if batch is not None else 0
-    facts.local_rows = rows
+    has_rows = batch is not None and batch.local_sizes[batch.index] > 0
+    rows = local_rows(gm) if has_rows else 0
     rules = Rules(facts, rows)
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             info = input_info(node)
-            split = bool(rows and info is not None and info.batch_split)
+            split = bool(has_rows and info is not None and info.batch_split)
             facts.dims[node] = BatchDim(info.batch_dim, 1) if split else None
             facts.states[node] = State.SPLIT if split else State.NONE
             facts.requires_grad[node] = bool(info and info.requires_grad)
@@ -114,12 +114,13 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
         ins = tensor_inputs(node)
         facts.requires_grad[node] = carries_grad(node, facts.requires_grad)
         split_ins = [i for i in ins if facts.state(i) is State.SPLIT]
-        if not split_ins and rows:
+        if not split_ins and has_rows:
             _track_row_index(facts, node, rows)
         if node.target in _MARKERS:
             rules.marker(node)
-        elif node.target is aten.sym_size.int and split_ins and node.args[1] % tensor_meta(node.args[0]).dim() \
-                != facts.batch_dim(node.args[0]).dim:  # a symbolic length, not rows: the same on every rank
+        elif node.target is aten.sym_size.int and split_ins:
+            # a symbolic length (the same on every rank), or this rank's row count: a number as the capture of
+            # one batch size has it (``whole_constants`` finds it where the serial model has the whole batch's)
             facts.dims[node] = None
             facts.states[node] = State.NONE
             continue
@@ -141,6 +142,19 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
     return facts
 
 
+def local_rows(gm: fx.GraphModule) -> Any:
+    """This rank's row count in ``gm``: a SymInt where the graph was captured for every batch size (the
+    batch dim of its split inputs symbolic), else the recorded number."""
+    batch = gm.meta["autopar_batch"]
+    for node in gm.graph.nodes:
+        info = input_info(node) if node.op == "placeholder" else None
+        if info is not None and info.batch_split:
+            size = tensor_meta(node).shape[info.batch_dim]
+            if isinstance(size, torch.SymInt) and size.node.maybe_as_int() is None:
+                return size
+    return batch.local_sizes[batch.index]
+
+
 _ARANGES = frozenset({aten.arange.default, aten.arange.start, aten.arange.start_step})
 _INDEX_KEEPING = frozenset({aten._to_copy.default, aten.to.dtype, aten.to.device, aten.to.dtype_layout,
                             aten.clone.default, aten.lift_fresh_copy.default, aten.alias.default, aten.detach.default})
@@ -152,7 +166,8 @@ def _track_row_index(facts: BatchFacts, node: fx.Node, rows: int) -> None:
         args = list(node.args)
         start, end, step = (0, args[0], 1) if t is aten.arange.default else (
             args[0], args[1], args[2] if len(args) > 2 else 1)
-        if start == 0 and step == 1 and end == rows:
+        end = end.meta.get("val") if isinstance(end, fx.Node) else end
+        if start == 0 and step == 1 and known(end == rows):
             facts.row_index[node] = 0
         return
     src = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
@@ -166,7 +181,8 @@ def _track_row_index(facts: BatchFacts, node: fx.Node, rows: int) -> None:
         facts.row_index[node] = d
     elif t in VIEWS or t is aten.expand.default:
         if t is aten.expand.default:
-            mapped = BatchDim(d + val.dim() - st.dim(), 1) if val.shape[d + val.dim() - st.dim()] == rows else None
+            mapped = BatchDim(d + val.dim() - st.dim(), 1) if known(val.shape[d + val.dim() - st.dim()] == rows) \
+                else None
         else:
             mapped = map_batch_through_view(tuple(st.shape), tuple(val.shape), BatchDim(d, 1), rows)
         if mapped is not None and mapped.factor == 1:
@@ -208,14 +224,25 @@ def _state_of(facts: BatchFacts, node: fx.Node, ins: list[fx.Node]) -> State:
 
 def whole_constants(gm: fx.GraphModule, facts: BatchFacts) -> bool:
     """Whether any op computed from the whole batch takes a number (``loss / x.size(0)`` does): such a
-    number may be this rank's row count, captured where the serial model had the whole batch's."""
+    number may be this rank's row count, captured where the serial model had the whole batch's. In a graph
+    captured for every batch size the row count is a symbol, and such an op takes a value made from it."""
+    rows = local_rows(gm) if gm.meta.get("autopar_batch") is not None else None
+    symbol = rows.node.expr if isinstance(rows, torch.SymInt) else None
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in facts.reductions or facts.state(node) is not State.WHOLE:
             continue
         leaves = [v for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))]
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in leaves):
             return True
+        if symbol is not None and any(_counts_rows(v, symbol) for v in leaves):
+            return True
     return False
+
+
+def _counts_rows(value: Any, symbol: Any) -> bool:
+    """Whether ``value`` (an op's argument) is a number computed from the row count ``symbol``."""
+    val = value.meta.get("val") if isinstance(value, fx.Node) else None
+    return isinstance(val, (torch.SymInt, torch.SymFloat)) and symbol in val.node.expr.free_symbols
 
 
 class BatchConstantError(PlanError):

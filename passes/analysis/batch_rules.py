@@ -27,7 +27,17 @@ class BatchDim:
     rows outermost (``(B, T, C) -> (B*T, C)`` gives dim 0, factor T)."""
 
     dim: int
-    factor: int = 1
+    factor: Any = 1
+    """An int, or a SymInt where a symbolic length is part of each row (a graph captured for every length)."""
+
+    def static_factor(self) -> int:
+        """The entries per row as a number, or 0 where they are symbolic: the runtime's batch ops count them
+        at each call (``int()`` would fix the length the graph was captured for)."""
+        f = self.factor
+        if isinstance(f, torch.SymInt):
+            known = f.node.maybe_as_int()
+            return 0 if known is None else int(known)
+        return int(f)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,7 +143,8 @@ def _uniform_rows(node: fx.Node, dim: int) -> bool:
 
 
 class Rules:
-    def __init__(self, facts: BatchFacts, rows: int) -> None:
+    def __init__(self, facts: BatchFacts, rows: Any) -> None:
+        """``rows``: this rank's row count, a SymInt in a graph captured for every batch size."""
         self.facts, self.rows = facts, rows
 
     def bd(self, node: Any) -> BatchDim | None:
@@ -286,7 +297,7 @@ class Rules:
             if target is not None and cand != target:
                 raise Gather()
             target = cand
-        if target is None or target.dim >= val.dim() or val.shape[target.dim] != self.rows * target.factor:
+        if target is None or target.dim >= val.dim() or not known(val.shape[target.dim] == self.rows * target.factor):
             raise Gather()
         return target
 
@@ -533,7 +544,7 @@ _HANDLERS: dict[Any, Callable[[Rules, fx.Node], Any]] = {
 }
 
 
-def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: BatchDim, rows: int) -> BatchDim | None:
+def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: BatchDim, rows: Any) -> BatchDim | None:
     """Where the rows of dim ``bd.dim`` of shape ``src`` lie in the view ``dst``, or None when the view
     does not keep them the outermost part of one dim (it splits them, or merges an outer dim into them).
 
@@ -542,19 +553,19 @@ def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: Batch
     the batch dim, dim ``d`` spans exactly the batch dim's elements, and a row is a whole number of
     dim-``d`` steps.
     """
-    if rows <= 0:
+    if not known(rows > 0):
         return None
     outer = _prod(src[:bd.dim])
     extent = src[bd.dim] * _prod(src[bd.dim + 1:])
     step = bd.factor * _prod(src[bd.dim + 1:])
     acc = 1
     for d, size in enumerate(dst):
-        if _known(acc == outer):
+        if known(acc == outer):
             stride = _prod(dst[d + 1:])
-            if _known(size % rows == 0) and _known(step % stride == 0) and _known(size * stride == extent):
-                return BatchDim(d, int(size // rows))
+            if known(size % rows == 0) and known(step % stride == 0) and known(size * stride == extent):
+                return BatchDim(d, _exact(size // rows))
         acc *= size
-        if _known(acc > outer):
+        if known(acc > outer):
             break
     return None
 
@@ -567,6 +578,14 @@ def _prod(sizes: Any) -> Any:
     return out
 
 
-def _known(cond: Any) -> bool:
+def _exact(size: Any) -> Any:
+    """A size as an int where it is one, else the SymInt (``int()`` would fix its symbols)."""
+    if isinstance(size, torch.SymInt):
+        known = size.node.maybe_as_int()
+        return size if known is None else int(known)
+    return int(size)
+
+
+def known(cond: Any) -> bool:
     """Whether a size comparison holds for every value of its symbols (no guard is added)."""
     return statically_known_true(cond) if isinstance(cond, torch.SymBool) else bool(cond)

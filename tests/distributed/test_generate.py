@@ -190,8 +190,9 @@ def batches_worker(name: str, tensor: tuple) -> dict:
 def test_one_capture_serves_every_batch_size(distributed):
     """Without data or depth the batch dim is symbolic too: batch sizes 2..5 and every length take one
     graph, 1 row its own (export specializes size 1); generate() of 4, 3 and 2 prompts share a prefill
-    and a decode graph. A 1-row prompt at depth (fewer rows than data x depth) runs whole on the batch
-    ranks: serial's tokens (it raised InputError)."""
+    and a decode graph. At depth each rank's rows are symbolic where every rank has two or more. A 1-row
+    prompt at depth (fewer rows than data x depth) runs whole on the batch ranks: serial's tokens (it raised
+    InputError)."""
     for got in distributed(batches_worker, 2, "llama", (2, 1, 1), timeout=600):
         counts = got["counts"]
         assert got["error"] < 1e-5 and all(got["tokens"]), got
@@ -199,7 +200,10 @@ def test_one_capture_serves_every_batch_size(distributed):
         assert counts["generate 2"] - counts["generate 4"] == 0, counts
         assert counts["generate 4"] - counts["generate 1"] <= 2, counts
     for got in distributed(batches_worker, 2, "llama", (1, 1, 2), timeout=600):
+        counts = got["counts"]
         assert got["error"] < 1e-5 and all(got["tokens"]), got
+        # rows split (2, 2) and (3, 2) share a graph of symbolic rows; a rank with one row is its own
+        assert counts[4, 6] == counts[5, 3] == counts[2, 12] == 3, counts
 
 
 def decode_worker(name: str, tensor: tuple, data: int = 1) -> dict:

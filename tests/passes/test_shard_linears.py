@@ -9,7 +9,7 @@ import torch.utils._pytree as pytree
 from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig
 from autopar.decisions import Layout, Orientation
-from autopar.runtime.ops import ConvertOp, GatherOutputOp, MatmulOp
+from autopar.runtime.ops import BatchRows, ConvertOp, GatherOutputOp, MatmulOp
 from autopar.examples.fc_net import FC_Net
 from passes.analysis.make_plan import make_plan
 from passes.ir import REPLICATED, ConvertSpec, Sharding, convert_layout, gather_output, sharded_matmul
@@ -115,7 +115,7 @@ def test_identity_at_degree_one_changes_no_number():
         elif n.target is convert_layout:
             n.target, n.args = ConvertOp(n.args[1], mesh).__call__, n.args[:1]
         elif n.target is gather_output:
-            n.target, n.args = GatherOutputOp(n.args[1], mesh, ()).__call__, n.args[:1]
+            n.target, n.args = GatherOutputOp(n.args[1], mesh, BatchRows(())).__call__, n.args[:1]
     gm.recompile()
     params = dict(model.named_parameters())
     # The runtime stores a sharded weight as its depth rank's rows of its block; at degree 1, the whole weight.

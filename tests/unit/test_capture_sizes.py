@@ -38,22 +38,58 @@ def test_a_graph_takes_only_the_sizes_export_allows():
     assert not _accepts(captured, 6, 7, 4)  # z's rows were fixed
 
 
-def test_a_size_an_analysis_fixes_after_capture_is_refused():
-    """The batch analysis of a split batch compares a symbolic length (entries per row of per-token values),
-    which makes torch's shape environment replace the symbol by its value. The graph must then take that
-    length only: the check read export's guards alone, and accepted every length."""
+def _nanogpt_split(rows_symbolic: bool):
+    """nanoGPT (its loss views the logits as (B*T, V)) captured as batch shard 0 of 2 with symbolic lengths
+    (and, with ``rows_symbolic``, symbolic rows), as the runtime captures it."""
     from autopar.capture import capture_shard, symbolic_dims
     from autopar.examples.nanogpt import GPTConfig, NanoGPT
-    from passes.analysis.batch_dims import analyze_batch
-    from passes.analysis.graph_facts import sizes_fixed
 
     model = NanoGPT(GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=2, n_embd=16, bias=False))
     x = torch.randint(0, 100, (4, 12))
     leaves, spec = torch.utils._pytree.tree_flatten(((x, x.clone()), {}))
-    captured = capture_shard(meta_shadow(model), leaves, spec, {0: 0, 1: 0}, (2, 2), 0, requires_grad={},
-                             dynamic=symbolic_dims(model, leaves))
-    assert not sizes_fixed(captured.gm)
-    analyze_batch(captured.gm)  # nanoGPT's loss: logits viewed as (B*T, V); (the check is read after it)
+    rows = {0: 0, 1: 0} if rows_symbolic else {}
+    return capture_shard(meta_shadow(model), leaves, spec, {0: 0, 1: 0}, (2, 2), 0, requires_grad={},
+                         dynamic=symbolic_dims(model, leaves, rows, split=True))
+
+
+def test_the_batch_analysis_keeps_lengths_and_rows_symbolic():
+    """The batch analysis of a split batch follows the rows through the per-token loss without fixing the
+    length or the rows (it compared them, and torch's shape environment replaced the length by its value)."""
+    from passes.analysis.batch_dims import analyze_batch
+    from passes.analysis.graph_facts import sizes_fixed
+
+    captured = _nanogpt_split(rows_symbolic=True)
+    facts = analyze_batch(captured.gm)
+    assert facts.reductions and not sizes_fixed(captured.gm)
+    for rows, length in ((2, 12), (2, 5), (3, 9), (7, 30)):
+        assert captured.accepts([torch.empty(rows, length, dtype=torch.long)] * 2), (rows, length)
+    assert not captured.accepts([torch.empty(1, 5, dtype=torch.long)] * 2)  # export's size-1 rule
+
+
+def test_a_size_an_analysis_fixes_after_capture_is_refused():
+    """An analysis that fixes a symbolic size after capture (``int()`` of it) leaves the graph taking that
+    size only: the check read export's guards alone, and accepted every length."""
+    from passes.analysis.graph_facts import sizes_fixed
+
+    captured = _nanogpt_split(rows_symbolic=False)
+    length = next(n for n in captured.gm.graph.nodes if n.op == "placeholder" and n.name.startswith("flat")
+                  ).meta["val"].shape[1]
+    int(length)  # as an analysis would
     assert sizes_fixed(captured.gm)
     assert not captured.accepts([torch.empty(2, 5, dtype=torch.long)] * 2)
     assert captured.accepts([torch.empty(2, 12, dtype=torch.long)] * 2)
+
+
+def test_sizes_an_analysis_finds_equal_after_capture_must_stay_equal():
+    """An analysis that compares two symbolic sizes with equal examples makes the shape environment replace
+    one by the other: the graph then takes equal sizes only (the check used to read export's guards, where
+    that replacement leaves nothing)."""
+    model = Sizes()
+    args = (torch.ones(3, 6, 4), torch.ones(3, 7, 1), torch.ones(2, 5))
+    captured = capture(meta_shadow(model), args, {}, requires_grad={"w": True}, batch=None,
+                       dynamic={0: {0: AUTO, 1: AUTO}, 1: {0: AUTO, 1: AUTO}, 2: {0: AUTO}})
+    rows, length = next(n for n in captured.gm.graph.nodes if n.op == "placeholder" and n.meta["val"].dim() == 3
+                        and n.meta["val"].shape[2] == 4).meta["val"].shape[:2]
+    bool(rows == length - 3)  # 3 == 6 - 3, as an analysis would compare them: one symbol replaces the other
+    assert captured.accepts([torch.ones(4, 7, 4), torch.ones(4, 8, 1), torch.ones(2, 5)])
+    assert not captured.accepts([torch.ones(5, 6, 4), torch.ones(5, 7, 1), torch.ones(2, 5)])
