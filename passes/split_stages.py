@@ -35,11 +35,16 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> PassResult:
     runs: list[list[fx.Node]] = [[] for _ in plan.pipeline.stages]
     seg_of = segment_names(gm)
     position = {n: i for i, n in enumerate(seg_of)}
+    stage = 0
     for node, seg in seg_of.items():
-        if seg not in stage_of:
+        if seg in stage_of:
+            stage = stage_of[seg]
+        elif not seg.startswith("<outside>"):
             raise PlanError(f"segment {seg!r} of the graph is in no pipeline stage of the plan. The model "
                             "changed after it was planned; build a new model inside auto_parallelize.")
-        runs[stage_of[seg]].append(node)
+        # else: nodes outside every block that the planned capture did not have there (a graph of another
+        # input signature, sizes read between blocks in a graph of symbolic sizes) join the stage before them
+        runs[stage].append(node)
     for k, nodes in enumerate(runs):
         if not nodes or position[nodes[-1]] - position[nodes[0]] != len(nodes) - 1:
             raise PlanError(f"pipeline stage {k}'s nodes are not consecutive in the graph; this is an autopar "

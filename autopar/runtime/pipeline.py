@@ -107,7 +107,7 @@ class StageAdapter(nn.Module):
 
     def forward(self, *received: Any) -> tuple[Any, ...]:
         env = dict(self.bound)
-        env.update(zip(self.spec.received, received))
+        env.update((v, _number(v, t)) for v, t in zip(self.spec.received, received))
         args = [env[a] for a in self.spec.call.args]
         if self.count_sends and self.spec.index > 0:  # PipelineStage sends these gradients back
             for t in received:
@@ -124,6 +124,9 @@ class StageAdapter(nn.Module):
         if self.is_last and self.precision is not None:  # outputs in fp32, as serially
             sent = tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in sent)
         if not self.is_last:
+            # a symbolic size a later stage reads (a graph captured for every length) travels as a 0-d tensor
+            sent = tuple(torch.tensor(t, device=self.device_type) if _is_size(v, t) else t
+                         for v, t in zip(self.spec.sent, sent))
             for v, t in zip(self.spec.sent, sent):
                 if not isinstance(t, torch.Tensor):
                     raise PlanError(f"value {v} ({type(t).__name__}) crosses pipeline boundary {self.spec.index}; "
@@ -132,6 +135,17 @@ class StageAdapter(nn.Module):
                 if self.count_sends:
                     C.count_send(t)
         return sent
+
+
+def _is_size(node: Any, value: Any) -> bool:
+    return isinstance(node, fx.Node) and isinstance(node.meta.get("val"), torch.SymInt) and isinstance(value, int)
+
+
+def _number(node: fx.Node, value: Any) -> Any:
+    """A received value as the stage reads it: a symbolic size arrives as a 0-d tensor (``_is_size``)."""
+    if isinstance(node.meta.get("val"), torch.SymInt) and isinstance(value, torch.Tensor):
+        return int(value)
+    return value
 
 
 # ---- the sequential path: a plain model(x) with stages on different ranks ---------------------------
@@ -150,6 +164,29 @@ def _meta(t: Any, grad: bool) -> Any:
     return ("value", t)
 
 
+def _sizes_of(values: tuple[Any, ...], device: torch.device) -> torch.Tensor:
+    """Every dim of the tensors among ``values``, in order: what a graph of symbolic sizes sends ahead of them
+    at each call (their number of dims is the graph's; their sizes are the call's)."""
+    dims = [d for v in values if isinstance(v, torch.Tensor) for d in v.shape]
+    return torch.tensor(dims, dtype=torch.int64, device=device)
+
+
+def _resized(metas: list[Any], sizes: torch.Tensor) -> list[Any]:
+    """``metas`` with the sizes ``_sizes_of`` gave."""
+    flat, out, at = sizes.tolist(), [], 0
+    for m in metas:
+        if isinstance(m, _Meta):
+            n = len(m.shape)
+            m = _Meta(tuple(flat[at:at + n]), m.dtype, m.requires_grad)
+            at += n
+        out.append(m)
+    return out
+
+
+def _size_count(metas: list[Any]) -> int:
+    return sum(len(m.shape) for m in metas if isinstance(m, _Meta))
+
+
 @dataclass
 class Link:
     """A boundary between two stages on two ranks: who sends, who receives, what travels."""
@@ -159,13 +196,17 @@ class Link:
     group: dist.ProcessGroup
     device: torch.device
     metas: dict[bool, list[Any]] = field(default_factory=dict)
-    """Per grad mode: each value's _Meta, sent once (shapes are fixed for one executable)."""
+    """Per grad mode: each value's _Meta, sent once (what travels is fixed for one executable)."""
+    symbolic: bool = False
+    """The executable serves many sizes: each call's sizes travel ahead of the values (one small send)."""
 
     def send(self, values: tuple[Any, ...], needs_grad: tuple[bool, ...]) -> None:
         key = torch.is_grad_enabled()
         if key not in self.metas:
             self.metas[key] = [_meta(v, g) for v, g in zip(values, needs_grad)]
             dist.send_object_list([self.metas[key]], dst=self.dst, group=self.group, device=self.device)
+        elif self.symbolic:
+            C.send(_sizes_of(values, self.device), self.dst, self.group)
         for v in values:
             if isinstance(v, torch.Tensor):
                 C.send(v, self.dst, self.group)
@@ -175,8 +216,13 @@ class Link:
         if key not in self.metas:
             box: list[Any] = [None]
             dist.recv_object_list(box, src=self.src, group=self.group, device=self.device)
-            self.metas[key] = box[0]
-        return _materialize(self.metas[key], self.device, lambda t: C.recv(t, self.src, self.group)), self.metas[key]
+            metas = self.metas[key] = box[0]
+        elif self.symbolic:
+            sizes = torch.empty(_size_count(self.metas[key]), dtype=torch.int64, device=self.device)
+            metas = _resized(self.metas[key], C.recv(sizes, self.src, self.group))
+        else:
+            metas = self.metas[key]
+        return _materialize(metas, self.device, lambda t: C.recv(t, self.src, self.group)), metas
 
 
 def _materialize(metas: list[Any], device: torch.device, fill: Callable[[torch.Tensor], torch.Tensor]) -> list[Any]:
@@ -278,11 +324,15 @@ class _FinalLink:
     at_end: Callable[[], None]
     metas: dict[bool, list[Any]] = field(default_factory=dict)
 
+    symbolic: bool = False
+
     def publish(self, values: tuple[Any, ...], needs: tuple[bool, ...]) -> None:
         key = torch.is_grad_enabled()
         if key not in self.metas:
             self.metas[key] = [_meta(v, g) for v, g in zip(values, needs)]
             dist.broadcast_object_list([self.metas[key]], src=self.src, group=self.group, device=self.device)
+        elif self.symbolic:
+            C.broadcast(_sizes_of(values, self.device), self.src, self.group, self.size)
         for v in values:
             if isinstance(v, torch.Tensor):
                 C.broadcast(v.contiguous(), self.src, self.group, self.size)
@@ -292,10 +342,14 @@ class _FinalLink:
         if key not in self.metas:
             box: list[Any] = [None]
             dist.broadcast_object_list(box, src=self.src, group=self.group, device=self.device)
-            self.metas[key] = box[0]
-        values = _materialize(self.metas[key], self.device,
-                              lambda t: C.broadcast(t, self.src, self.group, self.size))
-        return values, self.metas[key]
+            metas = self.metas[key] = box[0]
+        elif self.symbolic:
+            sizes = torch.empty(_size_count(self.metas[key]), dtype=torch.int64, device=self.device)
+            metas = _resized(self.metas[key], C.broadcast(sizes, self.src, self.group, self.size))
+        else:
+            metas = self.metas[key]
+        values = _materialize(metas, self.device, lambda t: C.broadcast(t, self.src, self.group, self.size))
+        return values, metas
 
     def at_end_of_backward(self) -> None:
         torch.autograd.Variable._execution_engine.queue_callback(self.at_end)
@@ -310,7 +364,8 @@ class Program:
     """This rank's stages of one compiled executable, for both paths."""
 
     def __init__(self, gm: fx.GraphModule, travels: Callable[[fx.Node], bool], mesh: Mesh,
-                 precision: torch.dtype | None, at_end_of_backward: Callable[[], None]) -> None:
+                 precision: torch.dtype | None, at_end_of_backward: Callable[[], None], symbolic: bool = False) -> None:
+        """``symbolic``: ``gm`` was captured with symbolic sizes; each call's sizes travel with its values."""
         self.specs = stage_specs(gm, travels)
         self.mesh = mesh
         self.num_ranks = mesh.size("pipeline")
@@ -323,9 +378,9 @@ class Program:
                          for s in self.specs if owner(s.index, self.num_ranks) == self.me}
         group = mesh.group("pipeline")
         self.links = [Link(mesh.peer(owner(k, self.num_ranks)), mesh.peer(owner(k + 1, self.num_ranks)), group,
-                           mesh.device) for k in range(num - 1)]
+                           mesh.device, symbolic=symbolic) for k in range(num - 1)]
         self.final = _FinalLink(mesh.peer(owner(num - 1, self.num_ranks)), group, self.num_ranks, mesh.device,
-                                at_end_of_backward)
+                                at_end_of_backward, symbolic=symbolic)
         self.schedule: Any = None
         """train_step's torch schedule over this rank's stages, built at its first step."""
         self.micro_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None

@@ -159,8 +159,7 @@ class ParallelRuntime:
         # Where data x depth split the batch, each rank's rows are symbolic when every shard has two or more
         # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
         rows_symbolic = not split or min(sizes) > 1
-        dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split)) \
-            if self.config.pipeline == 1 else {}
+        dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split))
         static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
         batch = ("split", len(sizes)) if rows_symbolic and any(d in dynamic.get(i, {}) for i, d in split.items()) \
             else global_batch
@@ -410,7 +409,7 @@ class ParallelRuntime:
         program = None
         if pipelined:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
-                              self._finish_grads)
+                              self._finish_grads, symbolic=captured.accepts is not None)
             if self.store.held is None:
                 self.store.hold(program.readers())
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,

@@ -171,6 +171,12 @@ def test_varying_shapes_through_train_step(distributed, tensor):
     _check(distributed(shapes_worker, 2, "llama", tensor, 1, SPLIT_SHAPES, train_step=True, timeout=600), graphs=2)
 
 
+def test_varying_shapes_through_a_pipeline(distributed):
+    """Pipeline 2 x data 2, plain calls (each runs every stage in order; the stages' boundaries carry each
+    call's sizes ahead of the values, and a size read past a boundary travels as a number): two graphs."""
+    _check(distributed(shapes_worker, 4, "llama", (1, 1, 1), 2, SPLIT_SHAPES, pipeline=2, timeout=600), graphs=2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2", "bert"])
 def test_varying_lengths_with_recomputation(distributed, name):
