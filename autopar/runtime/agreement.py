@@ -16,10 +16,11 @@ raises ``AgreementError`` naming the ranks and the fix.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +170,18 @@ class CallCheck:
         self.mode: str | None = None if batch == "auto" else batch
         self.members, self.pure_data = members, pure_data
         self._seen: set[Any] = set()
+        self._following: int | None = None
+        """Inside ``following()``: the calls made there so far."""
+
+    @contextlib.contextmanager
+    def following(self) -> Iterator[None]:
+        """Calls that follow from the first one's outputs alone, the same on every rank (a greedy
+        ``generate()``): the first is checked, and the rest are not (one collective less per decode step)."""
+        outer, self._following = self._following, 0
+        try:
+            yield
+        finally:
+            self._following = outer
 
     def check(self, leaves: list[Any], spec: Any, split: dict[int, int], grad: bool
               ) -> tuple[str, list[Descriptor] | None]:
@@ -178,6 +191,10 @@ class CallCheck:
             self._validate(previous)
         if self.mode == PER_RANK and self.pure_data:
             return PER_RANK, None
+        if self._following is not None:
+            self._following += 1
+            if self._following > 1 and self.mode == GLOBAL:
+                return GLOBAL, None
         key = (repr(spec), tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in leaves))
         new = key not in self._seen
         self._seen.add(key)

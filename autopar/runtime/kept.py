@@ -145,10 +145,29 @@ def generating() -> Iterator[None]:
         yield
 
 
-def wrap_generate(generate: Callable[..., Any]) -> Callable[..., Any]:
-    """``model.generate`` running under ``generating()``."""
+# generate() arguments that can make one rank's steps differ from another's (a clock, the caller's own code)
+_RANK_DEPENDENT = ("max_time", "stopping_criteria", "logits_processor", "prefix_allowed_tokens_fn", "streamer",
+                   "assistant_model", "synced_gpus", "negative_prompt_ids")
+
+
+def follows_from_logits(model: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether every call of this ``generate()`` after the first follows from the logits alone: greedy or beam
+    search with HF's own processors and no clock. The logits are the same on every rank (gathered whole), so
+    then are the tokens, the cache and when generation stops: every rank makes the same calls."""
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    if config is None:
+        return False
+    sampling = kwargs.get("do_sample", getattr(config, "do_sample", False))
+    return not sampling and getattr(config, "max_time", None) is None and not any(
+        kwargs.get(k) is not None for k in _RANK_DEPENDENT)
+
+
+def wrap_generate(model: Any, generate: Callable[..., Any],
+                  following: Callable[[], contextlib.AbstractContextManager]) -> Callable[..., Any]:
+    """``model.generate`` running under ``generating()``; when its steps follow from the logits alone, under
+    ``following()`` too (the runtime checks its first call against the other ranks, not every step)."""
     @functools.wraps(generate)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        with generating():
+        with generating(), following() if follows_from_logits(model, kwargs) else contextlib.nullcontext():
             return generate(*args, **kwargs)
     return wrapper

@@ -78,7 +78,7 @@ class ParallelRuntime:
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
         register_hf_caches(model)  # before any call flattens its inputs
         if getattr(model, "can_generate", lambda: False)():  # its cache comes back split (kept.py)
-            model.generate = wrap_generate(model.generate)
+            model.generate = wrap_generate(model, model.generate, self.calls.following)
         self.store = ParamStore(model, config, mesh, pending)
         self.params = self.store.params
         if self.store.dtensors:

@@ -306,6 +306,57 @@ def _check_decode(results: list[dict], calls: dict) -> None:
             assert {k: v for k, v in measured.items() if v} == calls, measured
 
 
+def checks_worker(name: str, tensor: tuple) -> dict:
+    from autopar.runtime.collectives import comm_calls, reset_comm_stats
+
+    serial, model = serial_and_parallel(name, tensor)
+    ids = torch.randint(1, 100, (2, 8))
+    model.generate(ids, max_new_tokens=2, do_sample=False)  # the prefill and decode graphs
+    out = {}
+    for mode, kwargs in (("greedy", {"do_sample": False}), ("beams", {"do_sample": False, "num_beams": 2}),
+                         ("sampling", {"do_sample": True, "top_k": 20})):
+        reset_comm_stats()
+        torch.manual_seed(1)
+        got = model.generate(ids, max_new_tokens=6, min_new_tokens=6, **kwargs)
+        calls = comm_calls()
+        torch.manual_seed(1)
+        want = serial.generate(ids, max_new_tokens=6, min_new_tokens=6, **kwargs)
+        out[mode] = (torch.equal(got, want), calls.get("all_gather", 0))
+    return out
+
+
+def test_greedy_generate_checks_its_first_call_only(distributed):
+    """Greedy and beam search follow from the logits alone, which are the same on every rank: the call check
+    runs at the prefill, not at every step (6 tokens: 6 logits gathers + 1 check, was 6 + 6). Sampling, whose
+    tokens the ranks' seeds decide, keeps a check per step."""
+    for got in distributed(checks_worker, 2, "llama", (2, 1, 1), timeout=600):
+        assert got["greedy"] == (True, 7) and got["beams"] == (True, 7) and got["sampling"] == (True, 12), got
+
+
+def rank0_generate_worker() -> str:
+    from autopar.errors import AgreementError
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), eval_timeout=3.0):
+        model = zoo.build_model("llama")
+    model.eval()
+    try:
+        if torch.distributed.get_rank() == 0:
+            model.generate(torch.randint(1, 100, (2, 8)), max_new_tokens=4, do_sample=False)
+        torch.distributed.barrier()
+        return "ok"
+    except AgreementError as e:
+        return str(e)
+    except RuntimeError as e:  # rank 1: rank 0 left the barrier's group
+        return f"{type(e).__name__}"
+
+
+def test_greedy_generate_on_rank_0_alone_raises(distributed):
+    """The check that greedy generate() keeps (its first call) still turns a rank-0-only generate into an
+    error instead of a hang."""
+    assert "run evaluation and sampling on every rank" in distributed(rank0_generate_worker, 2, timeout=120)[0]
+
+
 LAYERS, MATMULS = 2, 2 * 7 + 1  # the zoo's tiny Llama: q/k/v/o and gate/up/down per layer, and the head
 
 
