@@ -12,7 +12,9 @@ split over the vocabulary with no forward communication. A weight tied to an emb
 head's weight: the table is split over the vocabulary on the same axis. Other embedding tables are
 split over their features (hidden-parallel: no forward communication, but the activations leave the
 table split over the hidden dim) or over the vocabulary (one all-reduce, the activations leave it
-whole): each table takes the split, axis included, whose plan sends the fewest bytes. At row = 2 this
+whole), or, when smaller than the model's largest table (positions, token types), kept whole (no
+communication; Megatron keeps its position table so): each table takes the split, axis included, whose
+plan sends the fewest bytes. At row = 2 this
 picks Megatron's alternation for a Llama (whole activations between blocks, one all-reduce per
 attention and per MLP) where the hidden split led every q/k/v and gate/up to all-reduce its output.
 A fused projection whose output is split apart (q/k/v, gate/up) keeps each piece sharded on its own
@@ -239,20 +241,28 @@ class _Planner:
             return EmbeddingMode.REPLICATED, "", "also read by a matmul"
         options = self.table_options(weight)
         if options:
-            return (*self.table_splits.get(weight, options[0]), "")
+            mode, axis = self.table_splits.get(weight, options[0])
+            kept = "kept whole: smaller than the largest table, and whole its lookup needs no all-reduce (fewest bytes)"
+            return mode, axis, kept if mode is EmbeddingMode.REPLICATED else ""
         if self.config.row == self.config.col == 1:
             return EmbeddingMode.REPLICATED, "", "no row or col split"
         return EmbeddingMode.REPLICATED, "", f"neither {dim} features nor {num} rows divide by row or col"
 
     def table_options(self, weight: str) -> list[tuple[EmbeddingMode, str]]:
-        """The splits an embedding table read only by lookups can take: hidden first, larger axis first."""
+        """The splits an embedding table read only by lookups can take: hidden first, larger axis first; a
+        table smaller than the model's largest (positions, token types) may also stay whole, as Megatron
+        keeps its position table: its lookup then needs no all-reduce of its own."""
         if weight in self.tied or weight in self.feasible:
             return []
         table = tensor_meta(self.lookups[weight][0].args[0])
         num, dim = int(table.shape[0]), int(table.shape[1])
         axes = sorted(("row", "col"), key=lambda a: -self.config.size(a))
-        return [(mode, axis) for mode, size in ((EmbeddingMode.HIDDEN, dim), (EmbeddingMode.VOCAB, num))
-                for axis in axes if self.config.size(axis) > 1 and size % self.config.size(axis) == 0]
+        options = [(mode, axis) for mode, size in ((EmbeddingMode.HIDDEN, dim), (EmbeddingMode.VOCAB, num))
+                   for axis in axes if self.config.size(axis) > 1 and size % self.config.size(axis) == 0]
+        largest = max(tensor_meta(nodes[0].args[0]).numel() for nodes in self.lookups.values())
+        if options and table.numel() < largest:
+            options.append((EmbeddingMode.REPLICATED, ""))
+        return options
 
     def cost(self, roots: dict[str, Orientation]) -> tuple:
         res, chosen = self.propagate(roots)

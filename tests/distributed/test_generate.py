@@ -360,15 +360,16 @@ def test_greedy_generate_on_rank_0_alone_raises(distributed):
 LAYERS, MATMULS = 2, 2 * 7 + 1  # the zoo's tiny Llama: q/k/v/o and gate/up/down per layer, and the head
 
 
-@pytest.mark.parametrize("tensor", [(2, 1, 1), (1, 2, 1)])
-def test_decode_runs_megatrons_collectives(distributed, tensor):
+@pytest.mark.parametrize("name, tensor", [("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("gpt2", (2, 1, 1))])
+def test_decode_runs_megatrons_collectives(distributed, name, tensor):
     """At tensor degree 2 without depth a decode step runs Megatron's collectives and no more: one
     all-reduce per attention and per MLP, one for the vocabulary-parallel embedding, one gather of the
     step's logits and the call check (an all-gather of a few bytes). The key/value cache stays split by
     heads between steps (a DTensor; beam search reorders it), equal to serial's whole. Before: 16
     all-reduces (the embedding split by features led every q/k/v and gate/up projection to all-reduce)
-    and a gather of the whole cache per layer and step."""
-    _check_decode(distributed(decode_worker, 2, "llama", tensor, timeout=600),
+    and a gather of the whole cache per layer and step. GPT-2's position table stays whole, as Megatron keeps
+    it (split too, its lookup added an all-reduce of its own)."""
+    _check_decode(distributed(decode_worker, 2, name, tensor, timeout=600),
                   {"all_reduce": 1 + 2 * LAYERS, "all_gather": 2})
 
 
