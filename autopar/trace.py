@@ -155,7 +155,8 @@ def _is_meta(model: nn.Module) -> bool:
     return bool(tensors) and all(t.device.type == "meta" for t in tensors)
 
 
-def _load(path: str) -> Any:
+def load_model_file(path: str) -> Any:
+    """The module of ``MODEL.py[:NAME]`` (its ``build_model()`` / ``example_inputs()``, NAME passed to both)."""
     path, _, name = path.partition(":")
     file = Path(path)
     if not file.is_file():
@@ -185,17 +186,21 @@ class _Named:
         return self.module.example_inputs(self.name)
 
 
-def _with_batch(inputs: tuple, batch_size: int | None) -> tuple:
-    """Meta copies of ``inputs``; with ``batch_size``, tensors sharing the first tensor's dim 0 get it."""
+def meta_inputs(inputs: tuple, batch_size: int | None, seq: int | None = None) -> tuple:
+    """Meta copies of ``inputs``; with ``batch_size``, tensors sharing the first tensor's dim 0 get it; with
+    ``seq``, tensors of two or more dims sharing its dim 1 (the sequence) get that."""
     leaves, spec = pytree.tree_flatten(inputs)
     tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.dim() > 0]
     first = tensors[0].shape[0] if tensors else None
+    length = tensors[0].shape[1] if tensors and tensors[0].dim() > 1 else None
     out = []
     for x in leaves:
         if isinstance(x, torch.Tensor):
             shape = list(x.shape)
             if batch_size is not None and x.dim() > 0 and shape[0] == first:
                 shape[0] = batch_size
+            if seq is not None and x.dim() > 1 and shape[1] == length:
+                shape[1] = seq
             x = torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
         out.append(x)
     return pytree.tree_unflatten(out, spec)
@@ -326,11 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1))
-        module = _load(args.model)
+        module = load_model_file(args.model)
         with torch.device("meta"):
             model = module.build_model()
         inputs = module.example_inputs()
-        inputs = _with_batch(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
+        inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
         batch_size = leaves[0].shape[0] if leaves else 0
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,

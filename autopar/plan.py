@@ -1,0 +1,194 @@
+"""Ranks the grids a world size allows for a model before any device runs it: ``python -m autopar.plan``.
+
+    python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
+        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.."]
+        [--json FILE]
+
+Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
+(``autopar.trace.plan_model``: capture on meta, the plan, its exact collectives, the memory plan with the
+blocks to recompute under the device's memory, the pipeline's stages), and scored by the predicted step
+time on the described machine. The table lists the best ``--top`` plans and why each is slower than the
+best; plans that do not fit memory come last, with the memory they need. ``MODEL.py`` follows the trace
+CLI's convention: ``build_model()`` and ``example_inputs()`` (``:NAME`` is passed to both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import nn
+
+from autopar.errors import AutoparError, ConfigError, PlanError
+from autopar.trace import load_model_file, meta_inputs, plan_model
+from passes.analysis.search_plans import (DEGREES, Candidate, Machine, Scored, candidates, factorizations,
+                                          rank_plans, step_seconds, why_slower)
+
+BUILT_IN = ("h100-80gb", "a100-80gb", "cpu")
+
+
+def load_machine(spec: str, gpus_per_node: int | None = None) -> Machine:
+    """A built-in hardware description by name, or a JSON file of ``Machine``'s fields."""
+    if spec in BUILT_IN:
+        text = resources.files("autopar").joinpath("hardware", f"{spec}.json").read_text()
+    elif Path(spec).is_file():
+        text = Path(spec).read_text()
+    else:
+        raise ConfigError(f"unknown hardware {spec!r}: use one of {', '.join(BUILT_IN)} or a JSON file with the "
+                          f"fields of autopar.plan.Machine")
+    try:
+        machine = Machine.from_json(text)
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"hardware description {spec!r} is not valid: {e}") from e
+    return machine if gpus_per_node is None else dataclasses.replace(machine, gpus_per_node=gpus_per_node)
+
+
+def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
+          checkpoint: str = "auto", precision: str = "fp32") -> Scored:
+    """One grid's plan and its predicted step on ``machine`` (rank 0's: every rank of a grid without a
+    pipeline does the same work; with one, rank 0 holds the first stages)."""
+    try:
+        plan, report = plan_model(model, inputs, candidate.config, checkpoint=checkpoint,
+                                  budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
+                                  microbatches=candidate.microbatches)
+    except AutoparError as e:
+        return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
+    memory = plan.memory
+    peak = memory.static_bytes + memory.activation_bytes
+    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    time = step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
+                        recompute_flops=memory.recompute_flops)
+    fits = memory.fits and peak <= machine.memory_bytes
+    reason = "" if fits else (f"needs {_gib(peak)} per device (with every block recomputed) of "
+                              f"{_gib(machine.memory_bytes)}")
+    return Scored(candidate, time, peak, fits, memory.recompute, reason)
+
+
+def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
+           checkpoint: str = "auto", precision: str = "fp32") -> list[Scored]:
+    """Every grid of ``world`` ranks scored and ranked (``rank_plans``); ``fixed`` degrees stay as given."""
+    batch = _batch_size(inputs)
+    grids = candidates(world, batch, fixed=fixed)
+    if not grids:
+        raise PlanError(f"no grid of {world} ranks fits a global batch of {batch} rows with {fixed or 'nothing'} "
+                        f"fixed: data x depth must be at most the batch. Grids of {world} ranks: "
+                        f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
+    return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision) for c in grids)
+
+
+def _grids(options: list[dict[str, int]]) -> str:
+    shown = [f"data={o['data']} pipeline={o['pipeline']} tensor={o['row']},{o['col']},{o['depth']}"
+             for o in options[:6]]
+    return "; ".join(shown) + (f"; ... ({len(options)} in all)" if len(options) > 6 else "")
+
+
+def _batch_size(inputs: tuple) -> int:
+    tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return int(tensors[0].shape[0]) if tensors else 1
+
+
+def parse_evaluate(text: str, world: int) -> Candidate:
+    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1"`` -> a Candidate (missing degrees 1)."""
+    fields: dict[str, int] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0}
+    for part in text.split():
+        key, _, value = part.partition("=")
+        try:
+            if key == "tensor":
+                fields["row"], fields["col"], fields["depth"] = (int(v) for v in value.split(","))
+            elif key in fields:
+                fields[key] = int(value)
+            else:
+                raise ValueError(key)
+        except ValueError:
+            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M'; {part!r} is not "
+                              "one of them") from None
+    fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
+    candidate = Candidate(**fields)
+    size = candidate.data * candidate.pipeline * candidate.row * candidate.col * candidate.depth
+    if size != world:
+        raise ConfigError(f"--evaluate's grid has {size} ranks ({candidate.describe()}), not --gpus {world}.")
+    return candidate
+
+
+def plan_json(s: Scored) -> dict[str, Any]:
+    c = s.candidate
+    return {"data": c.data, "pipeline": c.pipeline, "tensor": [c.row, c.col, c.depth],
+            "microbatches": c.microbatches, "schedule": "1f1b" if c.pipeline > 1 else None,
+            "checkpoint": list(s.recompute), "predicted_step_seconds": None if s.time is None else s.seconds,
+            "memory_bytes_per_device": s.memory_bytes, "fits": s.fits, **({"reason": s.reason} if s.reason else {})}
+
+
+def format_table(ranked: list[Scored], top: int, machine: Machine, world: int) -> str:
+    best = ranked[0]
+    lines = [f"{world} x {machine.name} ({machine.gpus_per_node} per node): {len(ranked)} grids, best first",
+             "", f"{'#':>3}  {'grid':<48} {'step':>10} {'memory':>10}  why slower than #1"]
+    for i, s in enumerate(ranked[:top], 1):
+        step = "-" if s.time is None else f"{s.seconds * 1e3:.3g} ms"
+        why = "" if i == 1 else why_slower(best, s)
+        lines.append(f"{i:>3}  {s.candidate.describe():<48} {step:>10} {_gib(s.memory_bytes):>10}  {why}")
+    if best.recompute:
+        lines.append(f"\n#1 recomputes {len(best.recompute)} blocks in backward to fit memory.")
+    if not best.fits:
+        lines.append(f"\nno grid fits: the closest needs {_gib(best.memory_bytes)} per device of "
+                     f"{_gib(machine.memory_bytes)}. Use more devices or a smaller batch.")
+    return "\n".join(lines)
+
+
+def _gib(n: float) -> str:
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m autopar.plan", description=__doc__.splitlines()[0])
+    parser.add_argument("model", help="MODEL.py[:NAME] defining build_model() and example_inputs()")
+    parser.add_argument("--gpus", type=int, required=True, help="world size: devices in all")
+    parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware description's")
+    parser.add_argument("--hardware", default="h100-80gb", help=f"{', '.join(BUILT_IN)} or a JSON file")
+    parser.add_argument("--global-batch", type=int, default=None, help="rows per step (default: example_inputs')")
+    parser.add_argument("--seq", type=int, default=None, help="sequence length (default: example_inputs')")
+    parser.add_argument("--top", type=int, default=10, help="plans to list (default 10)")
+    parser.add_argument("--evaluate", default=None, metavar="GRID",
+                        help='score this grid with the same model: "data=D pipeline=P tensor=R,C,D microbatches=M"')
+    parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    for degree in DEGREES:
+        parser.add_argument(f"--{degree}", type=int, default=None, help=f"fix the {degree} degree")
+    parser.add_argument("--json", metavar="FILE", help='also write {"plans": [...], "evaluated": {...}}')
+    args = parser.parse_args(argv)
+    try:
+        machine = load_machine(args.hardware, args.gpus_per_node)
+        module = load_model_file(args.model)
+        with torch.device("meta"):
+            model = module.build_model()
+        inputs = module.example_inputs()
+        inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.global_batch, args.seq)
+        fixed = {d: getattr(args, d) for d in DEGREES if getattr(args, d) is not None}
+        ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision)
+        evaluated = None
+        if args.evaluate:
+            evaluated = score(model, inputs, parse_evaluate(args.evaluate, args.gpus), machine,
+                              precision=args.precision)
+    except AutoparError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(format_table(ranked, args.top, machine, args.gpus))
+    if evaluated is not None:
+        step = "-" if evaluated.time is None else f"{evaluated.seconds * 1e3:.3g} ms"
+        print(f"\nevaluated: {evaluated.candidate.describe()}: {step}, {_gib(evaluated.memory_bytes)} per device"
+              + ("" if evaluated.fits else f" (does not fit: {evaluated.reason})")
+              + (f"; vs #1: {why_slower(ranked[0], evaluated)}" if evaluated.candidate != ranked[0].candidate else ""))
+    if args.json:
+        out = {"plans": [plan_json(s) for s in ranked[:args.top]],
+               "evaluated": plan_json(evaluated) if evaluated is not None else None}
+        Path(args.json).write_text(json.dumps(out, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,254 @@
+"""search_plans: which grid (data x pipeline x tensor row/col/depth) and micro-batches run a model fastest.
+
+The planner's pieces predict, for one grid, the exact bytes of every collective (``estimate_costs``),
+the memory per device and the blocks to recompute (``choose_checkpoints``) and the pipeline's stages
+(``choose_stages``). This module turns them into a step time on a described machine and searches the
+grids a world size allows:
+
+- ``Machine``: a device and its interconnect, as data (``autopar/hardware/*.json``): the matmul rate,
+  the memory, and bandwidth and latency within a node and between nodes. A collective runs within a
+  node when its group's ranks do (rank placement is row-major over data, pipeline, depth, row, col).
+- ``candidates``: every factorization of the world size into the five degrees (a degree the user gave
+  stays fixed), with micro-batch counts for pipelines.
+- ``step_seconds``: one rank's step: its matmul FLOPs (and recomputation) at the machine's rate, every
+  collective at its group's bandwidth plus latency, the pipeline's bubble, then the gradient sync.
+- ``rank_plans``: plans that fit memory first, fastest first; ``why_slower`` says in words what makes a
+  plan slower than the best (more communication, less compute split, a bubble, recomputation).
+
+Pure: the caller plans each candidate (it captures the model) and passes the results in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from autopar.config import MESH_AXES, ParallelConfig
+from autopar.decisions import Plan
+from passes.analysis.estimate_costs import Collective, matmul_split
+
+DEGREES = ("data", "pipeline", "row", "col", "depth")
+
+
+@dataclass(frozen=True, slots=True)
+class Machine:
+    """A device and its interconnect. Rates are what a step sustains, not peaks."""
+
+    name: str
+    flops_per_second: float
+    """Sustained matmul rate per device."""
+    memory_bytes: int
+    """Memory per device."""
+    intra_bytes_per_second: float
+    """Per-rank bandwidth of a collective whose group lies within one node (NVLink)."""
+    inter_bytes_per_second: float
+    """Per-rank bandwidth of a collective whose group spans nodes (InfiniBand / Ethernet)."""
+    intra_latency: float = 0.0
+    """Fixed seconds per collective within a node."""
+    inter_latency: float = 0.0
+    """Fixed seconds per collective across nodes."""
+    gpus_per_node: int = 8
+
+    @staticmethod
+    def from_dict(data: Mapping[str, Any]) -> Machine:
+        known = {f.name for f in dataclasses.fields(Machine)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown hardware fields {unknown}; expected some of {sorted(known)}")
+        return Machine(**data)
+
+    @staticmethod
+    def from_json(text: str) -> Machine:
+        return Machine.from_dict(json.loads(text))
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2) + "\n"
+
+    def link(self, config: ParallelConfig, axis: str) -> tuple[float, float]:
+        """(bytes per second, seconds per call) of a collective over ``axis`` ('batch': data x depth; 'a+b':
+        several axes) of ``config``: within a node when every rank of the group is."""
+        if axis == "world":  # (the per-call agreement: every rank)
+            axes: tuple[str, ...] = MESH_AXES
+        else:
+            axes = ("data", "depth") if axis == "batch" else tuple(a for a in axis.split("+") if a)
+        span = max((_stride(config, a) * config.size(a) for a in axes if config.size(a) > 1), default=1)
+        if span <= self.gpus_per_node:
+            return self.intra_bytes_per_second, self.intra_latency
+        return self.inter_bytes_per_second, self.inter_latency
+
+
+def _stride(config: ParallelConfig, axis: str) -> int:
+    """Ranks between neighbours along ``axis`` (row-major over MESH_AXES)."""
+    stride = 1
+    for a in reversed(MESH_AXES):
+        if a == axis:
+            return stride
+        stride *= config.size(a)
+    raise ValueError(f"unknown mesh axis {axis!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    data: int
+    pipeline: int
+    row: int
+    col: int
+    depth: int
+    microbatches: int = 1
+
+    @property
+    def config(self) -> ParallelConfig:
+        return ParallelConfig(self.data, self.row, self.col, self.depth, pipeline=self.pipeline)
+
+    @property
+    def tensor(self) -> tuple[int, int, int]:
+        return self.row, self.col, self.depth
+
+    def describe(self) -> str:
+        micro = f" microbatches={self.microbatches}" if self.pipeline > 1 else ""
+        return (f"data={self.data} pipeline={self.pipeline} tensor={self.row},{self.col},{self.depth}{micro}")
+
+
+def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None = None,
+               max_microbatches: int = 4) -> list[Candidate]:
+    """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
+    as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
+    ``max_microbatches`` micro-batches that divide each shard's rows."""
+    fixed = dict(fixed or {})
+    unknown = sorted(set(fixed) - set(DEGREES))
+    if unknown:
+        raise ValueError(f"unknown degrees {unknown}; expected some of {DEGREES}")
+    divisors = [d for d in range(1, world + 1) if world % d == 0]
+    out = []
+    for degrees in itertools.product(divisors, repeat=len(DEGREES)):
+        grid = dict(zip(DEGREES, degrees))
+        if _product(degrees) != world or any(grid[k] != v for k, v in fixed.items()):
+            continue
+        shards = grid["data"] * grid["depth"]
+        if global_batch < shards:
+            continue
+        if grid["pipeline"] == 1:
+            out.append(Candidate(**grid))
+            continue
+        rows = global_batch // shards
+        for k in range(1, max_microbatches + 1):
+            m = grid["pipeline"] * k
+            if global_batch % shards == 0 and rows % m == 0:
+                out.append(Candidate(**grid, microbatches=m))
+    return out
+
+
+def factorizations(world: int, fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
+    """The degree assignments ``candidates`` would try, ignoring the batch (for an error message)."""
+    return [dataclasses.asdict(c) for c in candidates(world, world ** 2, fixed=fixed, max_microbatches=1)]
+
+
+def _product(values: Iterable[int]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class StepTime:
+    """One rank's predicted step, in seconds, and its parts."""
+
+    compute: float
+    """Matmul FLOPs (recomputation included) at the machine's rate."""
+    communication: float
+    """Collectives during forward and backward (bytes at their link's bandwidth, plus latency)."""
+    bubble: float
+    """Time the pipeline's schedule leaves this rank idle."""
+    sync: float
+    """The gradient synchronization after backward."""
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.communication + self.bubble + self.sync
+
+
+def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
+                 machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0) -> StepTime:
+    """One rank's training step under ``machine``.
+
+    ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
+    share: split over data x depth and over the orientation's tensor axes); ``rank_flops`` replaces that sum
+    when the rank runs part of the model only (its pipeline stages). ``recompute_flops``: forward FLOPs this
+    rank recomputes in backward (the memory plan's)."""
+    config = plan.config
+    compute = rank_flops if rank_flops is not None else sum(
+        flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
+    compute = (compute + recompute_flops) / machine.flops_per_second
+
+    def seconds(c: Collective) -> float:
+        rate, latency = machine.link(config, "pipeline" if c.kind == "send" else c.axis)
+        return float(c.bytes) / rate + latency
+
+    comm = sum(seconds(c) for c in collectives if c.group_size > 1 and c.phase != "step")
+    sync = sum(seconds(c) for c in collectives if c.group_size > 1 and c.phase == "step")
+    bubble = 0.0
+    if plan.pipeline is not None and plan.pipeline.bubble_fraction < 1:
+        busy = compute + comm
+        bubble = busy / (1 - plan.pipeline.bubble_fraction) - busy
+    return StepTime(compute, comm, bubble, sync)
+
+
+@dataclass(frozen=True, slots=True)
+class Scored:
+    """A candidate grid with its plan's prediction."""
+
+    candidate: Candidate
+    time: StepTime | None
+    """None when it could not be planned (``reason`` says why)."""
+    memory_bytes: int
+    """Predicted peak per device (parameters, gradients, optimizer state, activations)."""
+    fits: bool
+    recompute: tuple[str, ...] = ()
+    """Blocks the memory plan recomputes."""
+    reason: str = ""
+    """Why it does not fit, or could not be planned."""
+
+    @property
+    def seconds(self) -> float:
+        return self.time.total if self.time is not None else float("inf")
+
+
+def rank_plans(scored: Iterable[Scored]) -> list[Scored]:
+    """Plans that fit memory first, then by predicted step time; ties to fewer tensor-parallel ranks, then
+    fewer pipeline stages (less to go wrong for the same time)."""
+    def key(s: Scored) -> tuple:
+        c = s.candidate
+        return (not s.fits, s.time is None, s.seconds, c.row * c.col * c.depth, c.pipeline, -c.data)
+    return sorted(scored, key=key)
+
+
+def why_slower(best: Scored, other: Scored) -> str:
+    """What costs ``other`` more than ``best``, in words (the largest difference first)."""
+    if other.time is None:
+        return other.reason or "could not be planned"
+    if not other.fits:
+        return other.reason or "does not fit in memory"
+    if best.time is None:
+        return ""
+    parts = []
+    for label, mine, theirs in (("compute", other.time.compute, best.time.compute),
+                                ("communication", other.time.communication, best.time.communication),
+                                ("pipeline bubble", other.time.bubble, best.time.bubble),
+                                ("gradient sync", other.time.sync, best.time.sync)):
+        if mine - theirs > 1e-12:
+            parts.append((mine - theirs, f"{label} +{_ms(mine - theirs)}"))
+    if not parts:
+        return "as fast (a tie broken toward fewer tensor and pipeline ranks)"
+    parts.sort(reverse=True)
+    if other.recompute and not best.recompute:
+        parts.append((0.0, f"recomputes {len(other.recompute)} blocks to fit"))
+    return ", ".join(p for _, p in parts)
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"

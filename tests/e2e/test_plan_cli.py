@@ -1,0 +1,62 @@
+"""End to end: ``python -m autopar.plan`` ranks the grids of a world size for a model file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from autopar.plan import main as plan_main
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = str(ROOT / "autopar" / "examples" / "fc_net.py")
+
+
+def test_plan_ranks_grids_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "plans.json"
+    assert plan_main([EXAMPLE, "--gpus", "4", "--hardware", "h100-80gb", "--global-batch", "64", "--top", "50",
+                      "--evaluate", "data=2 tensor=2,1,1", "--json", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "best first" in text and "why slower than #1" in text and "evaluated: data=2" in text
+    d = json.loads(out.read_text())
+    plans = d["plans"]
+    assert len(plans) >= 20  # every factorization of 4 over five degrees, pipelines with their micro-batches
+    for p in plans:
+        assert set(p) >= {"data", "pipeline", "tensor", "microbatches", "schedule", "checkpoint",
+                          "predicted_step_seconds", "memory_bytes_per_device", "fits"}
+        assert p["data"] * p["pipeline"] * p["tensor"][0] * p["tensor"][1] * p["tensor"][2] == 4
+    fitting = [p["predicted_step_seconds"] for p in plans if p["fits"]]
+    assert fitting == sorted(fitting) and plans[0]["fits"]
+    assert d["evaluated"]["data"] == 2 and d["evaluated"]["tensor"] == [2, 1, 1]
+    assert d["evaluated"]["predicted_step_seconds"] >= plans[0]["predicted_step_seconds"]
+
+
+def test_degrees_given_stay_and_a_plan_that_does_not_fit_says_what_it_needs(tmp_path, capsys):
+    assert plan_main([EXAMPLE, "--gpus", "4", "--hardware", "h100-80gb", "--row", "2", "--json",
+                      str(tmp_path / "a.json")]) == 0
+    assert all(p["tensor"][0] == 2 for p in json.loads((tmp_path / "a.json").read_text())["plans"])
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"name": "tiny", "flops_per_second": 1e12, "memory_bytes": 2**20,
+                                 "intra_bytes_per_second": 1e10, "inter_bytes_per_second": 1e9}))
+    capsys.readouterr()
+    assert plan_main([EXAMPLE, "--gpus", "2", "--hardware", str(small), "--json", str(tmp_path / "b.json")]) == 0
+    text = capsys.readouterr().out
+    assert "no grid fits: the closest needs" in text
+    plans = json.loads((tmp_path / "b.json").read_text())["plans"]
+    assert not any(p["fits"] for p in plans) and all("needs" in p["reason"] for p in plans)
+
+
+def test_plan_runs_as_module_and_reports_bad_input():
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    ok = subprocess.run([sys.executable, "-m", "autopar.plan", EXAMPLE, "--gpus", "2", "--hardware", "cpu"],
+                        capture_output=True, text=True, env=env, timeout=300)
+    assert ok.returncode == 0, ok.stderr
+    assert "data=2 pipeline=1 tensor=1,1,1" in ok.stdout
+    for args, message in ((["--hardware", "tpu"], "unknown hardware"),
+                          (["--evaluate", "data=4"], "not --gpus 2"),
+                          (["--global-batch", "1", "--data", "2"], "no grid of 2 ranks")):
+        bad = subprocess.run([sys.executable, "-m", "autopar.plan", EXAMPLE, "--gpus", "2", *args],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)

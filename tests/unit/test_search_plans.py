@@ -1,0 +1,104 @@
+"""The plan search's pure parts (``passes.analysis.search_plans``): the grids a world size allows, where a
+collective runs (within a node or across), the step time's parts, the ranking and its reasons."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from autopar.config import ParallelConfig
+from autopar.plan import BUILT_IN, load_machine
+from autopar.trace import plan_model
+from passes.analysis.search_plans import Candidate, Machine, Scored, StepTime, candidates, rank_plans, step_seconds, why_slower
+
+MACHINE = Machine("test", flops_per_second=1e12, memory_bytes=2**30, intra_bytes_per_second=1e11,
+                  inter_bytes_per_second=1e10, intra_latency=1e-5, inter_latency=1e-4, gpus_per_node=4)
+
+
+def test_candidates_are_every_grid_of_the_world_size():
+    grids = candidates(8, 8)
+    assert all(c.data * c.pipeline * c.row * c.col * c.depth == 8 for c in grids)
+    assert Candidate(8, 1, 1, 1, 1) in grids and Candidate(1, 1, 2, 2, 2) in grids
+    assert len({dataclasses.replace(c, microbatches=1) for c in grids}) == 35  # 5 degrees, 2^3: C(3+4, 4)
+    for c in grids:
+        if c.pipeline > 1:  # micro-batches: a multiple of the stages that divides each shard's rows
+            assert c.microbatches % c.pipeline == 0 and (8 // (c.data * c.depth)) % c.microbatches == 0, c
+
+
+def test_candidates_keep_given_degrees_and_need_a_row_per_shard():
+    assert all(c.row == 4 for c in candidates(8, 8, fixed={"row": 4}))
+    assert all(c.data * c.depth <= 2 for c in candidates(8, 2))
+    with pytest.raises(ValueError, match="unknown degrees"):
+        candidates(8, 8, fixed={"tensor": 2})
+
+
+def test_a_collective_runs_within_a_node_when_its_group_does():
+    config = ParallelConfig(2, 4, 1, 1)  # data 2 x row 4: row is innermost (4 ranks), data spans all 8
+    assert MACHINE.link(config, "row") == (1e11, 1e-5)
+    assert MACHINE.link(config, "data") == (1e10, 1e-4) and MACHINE.link(config, "batch") == (1e10, 1e-4)
+    assert dataclasses.replace(MACHINE, gpus_per_node=8).link(config, "data") == (1e11, 1e-5)
+
+
+class MLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(64, 256), nn.Linear(256, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+
+def _step(config: ParallelConfig, machine: Machine, recompute: float = 0.0) -> StepTime:
+    with torch.device("meta"):
+        model = MLP()
+    plan, report = plan_model(model, (torch.empty(16, 64, device="meta"),), config)
+    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    return step_seconds(report.collectives, layers, plan, machine, recompute_flops=recompute)
+
+
+def test_step_time_parts():
+    alone = _step(ParallelConfig(1, 1, 1, 1), MACHINE)
+    assert alone.communication == alone.sync == alone.bubble == 0 and alone.compute > 0
+    split = _step(ParallelConfig(1, 2, 1, 1), MACHINE)
+    assert split.compute == pytest.approx(alone.compute / 2) and split.communication > 0
+    data = _step(ParallelConfig(2, 1, 1, 1), MACHINE)
+    assert data.sync > 0  # the gradient sum after backward (forward: the call check and the output gather)
+    slower_links = dataclasses.replace(MACHINE, intra_bytes_per_second=1e9)
+    assert _step(ParallelConfig(1, 2, 1, 1), slower_links).communication > split.communication
+    assert _step(ParallelConfig(1, 1, 1, 1), MACHINE, recompute=1e9).compute == pytest.approx(alone.compute + 1e-3)
+
+
+def _scored(data: int, seconds: float, fits: bool = True, row: int = 1) -> Scored:
+    return Scored(Candidate(data, 1, row, 1, 1), StepTime(seconds, 0.0, 0.0, 0.0), 100, fits,
+                  reason="" if fits else "needs more")
+
+
+def test_plans_that_fit_come_first_then_the_fastest():
+    ranked = rank_plans([_scored(1, 1.0, fits=False), _scored(2, 3.0), _scored(4, 2.0)])
+    assert [s.candidate.data for s in ranked] == [4, 2, 1]
+    tie = rank_plans([_scored(1, 2.0, row=4), _scored(4, 2.0)])  # equal time: fewer tensor ranks first
+    assert tie[0].candidate.row == 1
+
+
+def test_why_a_plan_is_slower():
+    best = Scored(Candidate(4, 1, 1, 1, 1), StepTime(1.0, 0.0, 0.0, 0.1), 0, True)
+    other = Scored(Candidate(1, 1, 4, 1, 1), StepTime(1.0, 0.5, 0.0, 0.0), 0, True)
+    assert why_slower(best, other) == "communication +500 ms"
+    assert why_slower(best, _scored(1, 1.0, fits=False)) == "needs more"
+
+
+def test_built_in_hardware_loads_and_a_bad_file_is_refused(tmp_path):
+    for name in BUILT_IN:
+        machine = load_machine(name)
+        assert machine.name == name and machine.flops_per_second > 0 and machine.memory_bytes > 0
+    assert load_machine("h100-80gb", gpus_per_node=4).gpus_per_node == 4
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"name": "x", "flops": 1}')
+    from autopar.errors import ConfigError
+    with pytest.raises(ConfigError, match="not valid"):
+        load_machine(str(bad))
+    with pytest.raises(ConfigError, match="unknown hardware"):
+        load_machine("tpu-v9")
