@@ -7,6 +7,7 @@ Whatever happens inside the block, every hook is removed on the way out.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import threading
@@ -22,7 +23,7 @@ from torch.nn.modules import module as module_hooks
 
 from autopar.runtime import collectives as C
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
-from autopar.errors import AgreementError, ContextError, NotInitializedError
+from autopar.errors import AgreementError, ConfigError, ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
 from autopar.memory import release_freed_memory
 from autopar.runtime.deferred import Deferred
@@ -75,12 +76,12 @@ class _ModuleRecorder:
 
 
 @contextmanager
-def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = None, pipeline: int = 1,
+def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = None, pipeline: int | None = None,
                      microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
                      eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
-                     defer_init: bool = True) -> Iterator[ParallelConfig]:
+                     defer_init: bool = True, plan: str | None = None) -> Iterator[ParallelConfig | None]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -124,9 +125,14 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
             rank only its pieces, with serial's values bit for bit (autopar/runtime/deferred.py). Default
             True; False builds every parameter whole on every rank inside the block (for a model whose
             construction reads tensor data into Python, which DeferredInitError names).
+        plan: "auto": the degrees not given (``tensor``, ``data``, ``pipeline``, ``microbatches``) are
+            chosen at the end of the block by ``python -m autopar.plan``'s search for this machine: the
+            grid with the least predicted step time that fits the device's memory (the log names it and
+            the runners-up; ``plan_of(model)`` has its plan). Needs ``example_inputs`` (one global batch)
+            and one model in the block. Default None: the degrees as given (no arguments: data parallel).
 
     Yields:
-        The validated ParallelConfig.
+        The validated ParallelConfig (None with ``plan="auto"``: it is chosen after the block).
 
     After the block each model built inside it is the same object, now parallel: ``model(x)`` takes
     the same global batch on every rank and returns the full output on every rank (or, fed a batch per
@@ -138,13 +144,22 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
         raise NotInitializedError(
             "auto_parallelize needs torch.distributed: launch with torchrun (or call "
             "torch.distributed.init_process_group()) before entering it.")
-    config = ParallelConfig.from_user(tensor=tensor, data=data, world_size=dist.get_world_size(),
-                                      pipeline=pipeline)
+    if plan not in (None, "auto"):
+        raise ConfigError(f"plan={plan!r} is not an option: pass plan='auto' to choose the grid, or leave it out.")
+    if plan == "auto" and example_inputs is None:
+        raise ConfigError("plan='auto' needs example_inputs=(...): one global batch, the same on every rank, which "
+                          "the search plans every grid for. Pass it, or give tensor=/data=/pipeline= yourself.")
+    given = {k: v for k, v in (("data", data), ("pipeline", pipeline)) if v is not None}
+    if tensor is not None:
+        given.update(zip(("row", "col", "depth"), tuple(tensor)))
+    config = None if plan == "auto" else ParallelConfig.from_user(
+        tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
+        pipeline=1 if pipeline is None else pipeline)
     memory = MemoryConfig(checkpoint, precision, reduce_dtype)
     pipe = PipelineConfig(microbatches, schedule, chunks)
     inputs = InputConfig(batch, eval_timeout, batch_dims)
-    if pipeline > 1:
-        pipe.num_microbatches(pipeline)  # validates microbatches against the schedule before the block
+    if config is not None and config.pipeline > 1:
+        pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule before the block
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -166,10 +181,49 @@ def auto_parallelize(*, tensor: Sequence[int] = (1, 1, 1), data: int | None = No
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
     # a torch.device("meta") around the block is the model's, not autopar's
+    if config is None and roots:
+        config, pipe = _choose_grid(roots, example_inputs, given, memory, pipe)
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
         for model in roots:
             parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs,
                         deferred=deferred)
+
+
+def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
+                 pipe: PipelineConfig) -> tuple[ParallelConfig, PipelineConfig]:
+    """plan="auto": the best grid for the block's model (``autopar.plan.choose_grid``), rank 0's choice on
+    every rank; the degrees the user gave stay."""
+    from autopar.plan import choose_grid, why_slower
+
+    if len(roots) > 1:
+        raise ContextError(f"plan='auto' chooses one grid for one model; the block built {len(roots)} "
+                           f"({', '.join(type(m).__name__ for m in roots)}). Build one model per block, or give the "
+                           "degrees.")
+    world = dist.get_world_size()
+    fixed_micro = pipe.microbatches
+    box: list[Any] = [None]
+    if dist.get_rank() == 0:
+        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+        ranked = choose_grid(roots[0], inputs, world, fixed=given, precision=memory.precision,
+                             checkpoint=memory.checkpoint if isinstance(memory.checkpoint, str) else "auto")
+        if fixed_micro is not None:
+            ranked = [s for s in ranked if s.candidate.pipeline == 1 or s.candidate.microbatches == fixed_micro] \
+                or ranked
+        best = ranked[0]
+        box[0] = best.candidate
+        runners = "; ".join(f"{s.candidate.describe()} ({s.seconds * 1e3:.3g} ms: {why_slower(best, s)})"
+                            for s in ranked[1:3])
+        log.warning("autopar: plan='auto' chose %s for %s on %d ranks: predicted %.3g ms per step, %.3g MiB per "
+                    "device. Runners-up: %s.", best.candidate.describe(), type(roots[0]).__name__, world,
+                    best.seconds * 1e3, best.memory_bytes / 2**20, runners or "none")
+    dist.broadcast_object_list(box, src=0)
+    chosen = box[0]
+    config = ParallelConfig.from_user(tensor=chosen.tensor, data=chosen.data, world_size=world,
+                                      pipeline=chosen.pipeline)
+    if chosen.pipeline > 1:
+        pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
+        pipe.num_microbatches(chosen.pipeline)
+    return config, pipe
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from importlib import resources
 from pathlib import Path
@@ -27,6 +28,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.errors import AutoparError, ConfigError, PlanError
+from autopar.memory import device_budget
 from autopar.trace import load_model_file, meta_inputs, plan_model
 from passes.analysis.search_plans import (DEGREES, Candidate, Machine, Scored, candidates, factorizations,
                                           rank_plans, step_seconds, why_slower)
@@ -92,6 +94,33 @@ def _grids(options: list[dict[str, int]]) -> str:
 def _batch_size(inputs: tuple) -> int:
     tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
     return int(tensors[0].shape[0]) if tensors else 1
+
+
+def local_machine(world: int) -> Machine:
+    """This machine as the search sees it: the built-in description of its GPU (H100, A100; else H100's
+    figures) with the device's memory, or the CPU's with its memory shared by the ranks."""
+    gpu = torch.cuda.is_available()
+    name = torch.cuda.get_device_name() if gpu else ""
+    base = load_machine("a100-80gb" if "A100" in name else "h100-80gb" if gpu else "cpu")
+    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return dataclasses.replace(base, memory_bytes=device_budget(device, world), gpus_per_node=max(local, 1))
+
+
+def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
+                checkpoint: str = "auto", precision: str = "fp32") -> list[Scored]:
+    """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (one global
+    batch) on this machine, ranked; the first is the one to run. Raises PlanError when none fits memory,
+    with the closest."""
+    machine = local_machine(world)
+    inputs = meta_inputs(inputs, None)
+    ranked = search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision)
+    if not ranked[0].fits:
+        closest = "; ".join(f"{s.candidate.describe()}: {_gib(s.memory_bytes)}" for s in ranked[:3])
+        raise PlanError(f"no grid of {world} ranks fits {_gib(machine.memory_bytes)} per device for this model "
+                        f"and batch; the closest need {closest}. Use more devices, a smaller batch, or "
+                        "precision='bf16'.")
+    return ranked
 
 
 def parse_evaluate(text: str, world: int) -> Candidate:
