@@ -53,13 +53,13 @@ def load_machine(spec: str, gpus_per_node: int | None = None) -> Machine:
 
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
-          checkpoint: str = "auto", precision: str = "fp32") -> Scored:
+          checkpoint: str = "auto", precision: str = "fp32", captures: dict[Any, Any] | None = None) -> Scored:
     """One grid's plan and its predicted step on ``machine`` (rank 0's: every rank of a grid without a
     pipeline does the same work; with one, rank 0 holds the first stages)."""
     try:
         plan, report = plan_model(model, inputs, candidate.config, checkpoint=checkpoint,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
-                                  microbatches=candidate.microbatches)
+                                  microbatches=candidate.microbatches, captures=captures)
     except AutoparError as e:
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
     memory = plan.memory
@@ -82,7 +82,9 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
         raise PlanError(f"no grid of {world} ranks fits a global batch of {batch} rows with {fixed or 'nothing'} "
                         f"fixed: data x depth must be at most the batch. Grids of {world} ranks: "
                         f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
-    return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision) for c in grids)
+    captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
+    return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures)
+                      for c in grids)
 
 
 def _grids(options: list[dict[str, int]]) -> str:
@@ -176,8 +178,11 @@ def _gib(n: float) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m autopar.plan", description=__doc__.splitlines()[0])
-    parser.add_argument("model", help="MODEL.py[:NAME] defining build_model() and example_inputs()")
-    parser.add_argument("--gpus", type=int, required=True, help="world size: devices in all")
+    parser.add_argument("model", nargs="?", help="MODEL.py[:NAME] defining build_model() and example_inputs()")
+    parser.add_argument("--gpus", type=int, default=None, help="world size: devices in all")
+    parser.add_argument("--calibrate", metavar="FILE", default=None,
+                        help="measure this machine (matmul rate; all-reduces over --gpus ranks, default 2) and write "
+                             "its hardware description to FILE, for --hardware FILE")
     parser.add_argument("--gpus-per-node", type=int, default=None, help="default: the hardware description's")
     parser.add_argument("--hardware", default="h100-80gb", help=f"{', '.join(BUILT_IN)} or a JSON file")
     parser.add_argument("--global-batch", type=int, default=None, help="rows per step (default: example_inputs')")
@@ -190,6 +195,21 @@ def main(argv: list[str] | None = None) -> int:
         parser.add_argument(f"--{degree}", type=int, default=None, help=f"fix the {degree} degree")
     parser.add_argument("--json", metavar="FILE", help='also write {"plans": [...], "evaluated": {...}}')
     args = parser.parse_args(argv)
+    if args.calibrate:
+        from autopar.calibrate import calibrate, write
+
+        try:
+            machine = calibrate(args.gpus or 2)
+        except AutoparError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        write(machine, args.calibrate)
+        print(f"{args.calibrate}: {machine.flops_per_second / 1e9:.3g} GFLOP/s matmul, all-reduce "
+              f"{machine.intra_bytes_per_second / 1e9:.3g} GB/s + {machine.intra_latency * 1e6:.3g} us per call, "
+              f"{_gib(machine.memory_bytes)} per device")
+        return 0
+    if args.model is None or args.gpus is None:
+        parser.error("MODEL.py and --gpus are needed (or --calibrate FILE)")
     try:
         machine = load_machine(args.hardware, args.gpus_per_node)
         module = load_model_file(args.model)

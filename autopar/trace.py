@@ -45,7 +45,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
                kwargs: dict | None = None, repeat: bool = True, checkpoint: str | int = "auto",
                budget: int | None = None, precision: str = "fp32", pipeline: int = 1,
                microbatches: int = 1, chunks: int = 1, per_rank: bool = False,
-               batch_dims: dict[int | str, int | None] | None = None) -> tuple[Plan, StepReport]:
+               batch_dims: dict[int | str, int | None] | None = None,
+               captures: dict[Any, Any] | None = None) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch (or, with
     ``per_rank``, for ``inputs`` as every rank's own batch, DDP-style: ``auto_parallelize(batch="per-rank")``,
     every rank with as many rows). ``batch_dims`` is auto_parallelize's.
@@ -62,6 +63,9 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     them and the plan extended to the rest by name (passes/analysis/repeat_blocks.py): Llama-2-70B
     plans in seconds instead of exporting 80 layers. If the cut model does not capture, or its two
     last blocks are not planned alike, the whole model is captured instead.
+
+    ``captures``: a dict kept between calls for the same model and inputs (the plan search's): a capture
+    depends only on the rows each batch shard gets, so grids alike in that share it.
     """
     pipeline = max(pipeline, config.pipeline)
     if per_rank and pipeline > 1:
@@ -81,7 +85,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     if lists:
         try:
             with truncated_blocks(shadow, lists):
-                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank, batch_dims)
+                found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank, batch_dims,
+                                       _cache_for(captures, "cut"))
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar.trace: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
@@ -94,7 +99,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
                            repeat_chain(chain, repeats), loss, checkpoint, budget, pipeline, microbatches,
                            chunks, rank)
     plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
-                                                        batch_dims)
+                                                        batch_dims, _cache_for(captures, "whole"))
     return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank)
 
 
@@ -113,9 +118,14 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
     return plan, report
 
 
+def _cache_for(captures: dict[Any, Any] | None, which: str) -> dict[Any, Any] | None:
+    """The part of ``captures`` for the model cut to three blocks ("cut") or whole."""
+    return None if captures is None else captures.setdefault(which, {})
+
+
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
                    rank: int, dtype: torch.dtype | None = None, microbatches: int = 0, per_rank: bool = False,
-                   batch_dims: dict[int | str, int | None] | None = None
+                   batch_dims: dict[int | str, int | None] | None = None, captures: dict[Any, Any] | None = None
                    ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...], tuple[Collective, ...]]:
     """Captures and plans; with ``microbatches`` (pipelines) one micro-batch of this batch, as the
     runtime does, and also the pipeline chain and the loss's collectives."""
@@ -137,11 +147,21 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
         split, batch = split_batch_leaves(leaves, config.num_batch_shards, names, batch_dims)
         sizes = config.batch_sizes(batch) if split else ()
     requires_grad = {n: p.requires_grad for n, p in shadow.named_parameters(remove_duplicate=False)}
-    canonical = capture_shard(shadow, leaves, spec, split, sizes, 0, requires_grad=requires_grad, segments=segments)
+
+    def shard(index: int) -> Any:  # (the analyses only read the graph: a capture serves every grid alike)
+        key = (tuple(sorted(split.items())), sizes, index, segments)
+        if captures is not None and key in captures:
+            return captures[key]
+        captured = capture_shard(shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                                 segments=segments)
+        if captures is not None:
+            captures[key] = captured
+        return captured
+
+    canonical = shard(0)
     plan = make_plan(canonical.gm, config)
     index = config.batch_index(rank) if split else 0
-    mine = canonical if index == 0 else capture_shard(shadow, leaves, spec, split, sizes, index,
-                                                      requires_grad=requires_grad, segments=segments)
+    mine = canonical if index == 0 else shard(index)
     report = estimate_step(mine.gm, plan)
     chain, loss = (), ()
     if microbatches:

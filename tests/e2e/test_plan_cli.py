@@ -60,3 +60,16 @@ def test_plan_runs_as_module_and_reports_bad_input():
         bad = subprocess.run([sys.executable, "-m", "autopar.plan", EXAMPLE, "--gpus", "2", *args],
                              capture_output=True, text=True, env=env, timeout=300)
         assert bad.returncode == 2 and message in bad.stderr, (args, bad.stderr)
+
+
+def test_calibrate_writes_a_description_the_search_reads(tmp_path, capsys):
+    """--calibrate measures this machine (a GEMM; all-reduces over 2 forked gloo ranks, fitted as latency +
+    bytes / bandwidth) and writes a file --hardware takes."""
+    from autopar.plan import load_machine
+
+    out = tmp_path / "here.json"
+    assert plan_main(["--calibrate", str(out), "--gpus", "2"]) == 0
+    machine = load_machine(str(out))
+    assert machine.flops_per_second > 1e8 and machine.intra_bytes_per_second > 1e6 and 0 < machine.intra_latency < 0.1
+    assert plan_main([EXAMPLE, "--gpus", "2", "--hardware", str(out)]) == 0
+    assert "2 x calibrated" in capsys.readouterr().out
