@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from passes.analysis.choose_stages import Hardware
-from passes.analysis.report import estimate_step_seconds
+from autopar.memory import device_budget
+from passes.analysis.search_plans import Machine, step_seconds
 
 from autopar.memory import bytes_in_use
 from benchmarks.measure import Instrument, calibrate, slowest_median, timed
@@ -45,7 +45,7 @@ def _global_losses(shares: list[torch.Tensor], device: torch.device) -> list[flo
     return t.tolist()
 
 
-def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardware: Hardware
+def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardware: Machine
                ) -> dict[str, float | None]:
     """What ``python -m autopar.trace`` predicts for this rank: bytes sent per step, and the step time
     under this machine's calibrated rates."""
@@ -59,8 +59,10 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
         x = x.tensor_split(ctx.world)[ctx.rank]
     plan, report = plan_model(shadow, (x,), config, rank=ctx.rank, pipeline=grid.pipeline,
                               microbatches=ctx.microbatches if grid.pipeline > 1 else 1, per_rank=grid.per_rank)
-    return {"predicted_bytes": float(report.comm_bytes_per_step),
-            "predicted_seconds": estimate_step_seconds(report, plan, hardware)}
+    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    step = step_seconds(report.collectives, layers, plan, hardware, rank_flops=report.rank_flops,
+                        recompute_flops=plan.memory.recompute_flops if plan.memory is not None else 0.0)
+    return {"predicted_bytes": float(report.comm_bytes_per_step), "predicted_seconds": step.total}
 
 
 def _preload(bm: BenchModel, device: torch.device) -> None:
@@ -74,7 +76,7 @@ def _preload(bm: BenchModel, device: torch.device) -> None:
 
 
 def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup: int,
-               hardware: Hardware) -> dict[str, Any]:
+               hardware: Machine) -> dict[str, Any]:
     gc.collect()
     base = bytes_in_use(ctx.device)
     try:
@@ -130,8 +132,9 @@ def main(argv: list[str] | None = None) -> None:
     bm = bench_model(args.model, args.size)
     _preload(bm, device)
     rates = calibrate(device)
-    hardware = Hardware(rates["flops_per_second"], rates["bytes_per_second"], rates["bytes_per_second"],
-                        rates["collective_seconds"])
+    # the plan search's machine model on this run's rates (one node: every link alike)
+    hardware = Machine("measured", rates["flops_per_second"], device_budget(device, world), rates["bytes_per_second"],
+                       rates["bytes_per_second"], rates["collective_seconds"], rates["collective_seconds"], world)
     batches = [(x.to(device), y.to(device)) for x, y in bm.make_batches(args.warmup + args.steps + 1,
                                                                          args.batch or bm.batch)]
     report: dict[str, Any] = {"model": bm.name, "size": bm.size, "world": world, "batch": args.batch or bm.batch,

@@ -135,7 +135,7 @@ def slowest_median(times: list[float], device: torch.device) -> float:
 def calibrate(device: torch.device, repeats: int = 10) -> dict[str, float]:
     """This machine's rates as each rank sees them while every rank runs at once (shared cores
     included): a GEMM's FLOP rate, and an all-reduce's fixed cost and bandwidth over all ranks (the
-    bytes of ``collective_bytes``). The cost model's ``Hardware`` for predicting step times here."""
+    bytes of ``collective_bytes``): the plan search's ``Machine`` for predicting step times here."""
     world = dist.get_world_size()
     a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
     small, big = torch.zeros(1, device=device), torch.zeros(1 << 20, device=device)  # 4 B, 4 MiB

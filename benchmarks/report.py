@@ -6,9 +6,12 @@ memory and bytes per rank as measured by ``benchmarks.measure``.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
+
+from passes.analysis.search_plans import prediction_accuracy
 
 log = logging.getLogger(__name__)
 
@@ -146,10 +149,38 @@ def findings(jobs: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def accuracy(job: dict[str, Any]) -> dict[str, float] | None:
+    """How well the plan search's step model (``passes.analysis.search_plans``, on this run's calibrated
+    rates) predicts this job's autopar grids: mean absolute percentage error, Kendall's tau of the
+    predicted and measured orders, and the measured time of the grid it ranks first over the fastest
+    measured one. None with fewer than two predicted grids."""
+    rows = [(s["step_seconds"], _max(s, "predicted_seconds")) for s in job["systems"]
+            if s["status"] == "ok" and s["system"].startswith("autopar:")]
+    rows = [(m, p) for m, p in rows if p is not None]
+    if len(rows) < 2:
+        return None
+    return {**dataclasses.asdict(prediction_accuracy([p for _, p in rows], [m for m, _ in rows])), "grids": len(rows)}
+
+
+def accuracy_table(jobs: list[dict[str, Any]]) -> str:
+    lines = ["| model | ranks | autopar grids | mean abs. % error | Kendall tau | picked grid / fastest |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for job in jobs:
+        a = accuracy(job)
+        if a is not None:
+            lines.append(f"| {job['model']} | {job['world']} | {a['grids']} | {a['mape']:.0%} | {a['kendall_tau']:.2f} | "
+                         f"{a['picked_over_fastest']:.2f}x |")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def markdown(jobs: list[dict[str, Any]], command: str, machine: str) -> str:
     parts = [f"Command: `{command}`", "", f"Machine: {machine}", ""]
     for job in jobs:
         parts += [job_table(job), "", ratio_table(job), ""]
+    table = accuracy_table(jobs)
+    if table:
+        parts += ["The plan search's step model against the measured autopar grids (predictions on this run's "
+                  "calibrated rates):", "", table, ""]
     slow = findings(jobs)
     parts += ["Where autopar is slower than the peer with the same plan:", ""]
     parts += [f"- {line}" for line in slow] or ["- nowhere in this run."]

@@ -252,3 +252,32 @@ def why_slower(best: Scored, other: Scored) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> float:
+    """Kendall's tau-a of two scores of the same items (1: the same order, -1: reversed; ties count neither)."""
+    pairs = [(i, j) for i in range(len(a)) for j in range(i + 1, len(a))]
+    if not pairs:
+        return 1.0
+    agree = sum((a[i] - a[j]) * (b[i] - b[j]) > 0 for i, j in pairs)
+    disagree = sum((a[i] - a[j]) * (b[i] - b[j]) < 0 for i, j in pairs)
+    return (agree - disagree) / len(pairs)
+
+
+@dataclass(frozen=True, slots=True)
+class Accuracy:
+    mape: float
+    """Mean absolute error of the predictions as a share of the measured times."""
+    kendall_tau: float
+    """How alike the predicted and measured orders are."""
+    picked_over_fastest: float
+    """The measured time of the grid predicted fastest over the fastest measured (1: the right pick)."""
+
+
+def prediction_accuracy(predicted: Sequence[float], measured: Sequence[float]) -> Accuracy:
+    """How well predicted step times match measured ones over the same grids."""
+    if len(predicted) != len(measured) or not measured:
+        raise ValueError(f"{len(predicted)} predictions for {len(measured)} measurements")
+    picked = measured[min(range(len(predicted)), key=predicted.__getitem__)]
+    return Accuracy(sum(abs(p - m) / m for p, m in zip(predicted, measured)) / len(measured),
+                    kendall_tau(predicted, measured), picked / min(measured))

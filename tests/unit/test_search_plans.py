@@ -102,3 +102,15 @@ def test_built_in_hardware_loads_and_a_bad_file_is_refused(tmp_path):
         load_machine(str(bad))
     with pytest.raises(ConfigError, match="unknown hardware"):
         load_machine("tpu-v9")
+
+
+def test_prediction_accuracy():
+    """The figures the benchmark harness reports for the step model against measured grids."""
+    from passes.analysis.search_plans import kendall_tau, prediction_accuracy
+
+    assert kendall_tau([1, 2, 3], [10, 20, 30]) == 1.0 and kendall_tau([1, 2, 3], [3, 2, 1]) == -1.0
+    assert kendall_tau([1, 2, 3], [1, 3, 2]) == pytest.approx(1 / 3)
+    a = prediction_accuracy([1.0, 2.2, 2.8], [1.1, 2.0, 3.0])
+    assert a.mape == pytest.approx((0.1 / 1.1 + 0.2 / 2.0 + 0.2 / 3.0) / 3) and a.kendall_tau == 1.0
+    assert a.picked_over_fastest == 1.0
+    assert prediction_accuracy([2.0, 1.0], [1.0, 2.0]).picked_over_fastest == 2.0  # it picks the slower grid
