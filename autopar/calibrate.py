@@ -4,10 +4,16 @@ The built-in hardware descriptions (``autopar/hardware/*.json``) are published f
 instead, on this machine's device (CUDA if there is one, else the CPU):
 
 - the matmul rate: square float32 (bf16 on a GPU) GEMMs, the median of a few after a warm-up;
+- the optimizer's memory rate: an AdamW step over 16 MiB of parameters;
+- the elementwise rate: saved activation bytes per second of a chain of norms, activations and softmax,
+  forward and backward; and an operator's overhead (a chain of tiny ones);
 - the collectives: all-reduces of 1 KiB .. 4 MiB over ``ranks`` processes (NCCL on GPUs, else gloo),
   fitted as ``seconds = latency + bytes sent / bandwidth`` (bytes sent per rank as
-  ``decisions.collective_bytes`` counts them). Under torchrun the launched ranks measure; otherwise
-  ``ranks`` processes are forked here (file rendezvous, no port).
+  ``decisions.collective_bytes`` counts them); and ``collective_table``: all-reduce, all-gather,
+  reduce-scatter and send of 4 B .. 16 MiB per group size, as a step meets them (after compute, every
+  group at once), which the search prefers where a collective's kind and group were measured. Under
+  torchrun the launched ranks measure; otherwise ``ranks`` processes are forked here (file rendezvous,
+  no port).
 
 One node is measured, so its figures are both the within-node and the across-node link's.
 """
@@ -32,30 +38,102 @@ from autopar.memory import device_budget
 from passes.analysis.search_plans import Machine
 
 SIZES = (256, 4096, 65536, 1 << 20)  # float32 elements: 1 KiB .. 4 MiB
+TABLE_SIZES = (4, 4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20)
+"""Message bytes the collective table measures: 4 B .. 16 MiB."""
+TABLE_KINDS = ("all_reduce", "all_gather", "reduce_scatter", "send")
 
 
 def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def matmul_rate(device: torch.device | None = None, n: int | None = None, repeats: int = 5) -> float:
-    """Sustained FLOP/s of an ``n`` x ``n`` GEMM on ``device`` (median of ``repeats``)."""
+def lockstep_seconds(fn: Any, n: int, device: torch.device | None = None) -> float:
+    """Seconds per call of ``fn`` run ``n`` times after a warm-up; with a process group, on every rank at
+    once (a barrier first) and the slowest rank's time, as a step meets it where ranks share cores."""
+    device = device or _device()
+    together = dist.is_available() and dist.is_initialized()
+    fn()
+    if together:
+        dist.barrier()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(n):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    took = time.perf_counter() - start
+    if together:
+        box = torch.tensor([took], dtype=torch.float64, device=device if dist.get_backend() == "nccl" else "cpu")
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        took = box.item()
+    return took / n
+
+
+def matmul_rate(device: torch.device | None = None, n: int | None = None, repeats: int = 20) -> float:
+    """Sustained FLOP/s of an ``n`` x ``n`` GEMM on ``device`` (``lockstep_seconds``: with a process
+    group, every rank at once and the slowest one's rate)."""
     device = device or _device()
     gpu = device.type == "cuda"
     n = n or (8192 if gpu else 512)
     dtype = torch.bfloat16 if gpu else torch.float32
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for i in range(repeats + 1):
-        if gpu:
-            torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        if gpu:
-            torch.cuda.synchronize(device)
-        if i:  # the first is the warm-up
-            times.append(time.perf_counter() - start)
-    return 2 * n ** 3 / statistics.median(times)
+    return 2 * n ** 3 / lockstep_seconds(lambda: a @ b, repeats, device)
+
+
+def optimizer_rate(device: torch.device | None = None, numel: int = 1 << 22, repeats: int = 10) -> float:
+    """Memory bytes per second that an AdamW step sustains (``Machine.memory_bytes_per_second``: it
+    touches seven bytes per byte of parameter), ``lockstep_seconds`` as ``matmul_rate``."""
+    device = device or _device()
+    param = torch.nn.Parameter(torch.zeros(numel, device=device))
+    param.grad = torch.ones_like(param)
+    opt = torch.optim.AdamW([param], lr=1e-3)
+    return 7 * numel * 4 / lockstep_seconds(opt.step, repeats, device)
+
+
+def activation_rate(device: torch.device | None = None, rows: int = 512, repeats: int = 10) -> float:
+    """Saved activation bytes per second of forward + backward elementwise work
+    (``Machine.activation_bytes_per_second``): a chain of a transformer's non-matmul ops (layer and RMS
+    norm, tanh-GELU, SiLU, a product, softmax, residual adds) on ``rows`` x 1024, the bytes autograd saves
+    for it counted by a saved-tensor hook; ``lockstep_seconds`` as ``matmul_rate``."""
+    import torch.nn.functional as F
+
+    device = device or _device()
+    x = torch.randn(rows, 1024, device=device, requires_grad=True)
+    w = torch.ones(1024, device=device)
+
+    def chain() -> torch.Tensor:
+        h = F.layer_norm(x, (1024,), w, w)
+        a = F.gelu(h, approximate="tanh") * F.silu(h)
+        s = torch.softmax(a.view(rows, 8, 128), -1).view(rows, 1024)
+        r = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return (s + r + x).sum()
+
+    saved = [0]
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        chain().backward()
+    return saved[0] / lockstep_seconds(lambda: chain().backward(), repeats, device)
+
+
+def op_overhead(device: torch.device | None = None, ops: int = 64, repeats: int = 20) -> float:
+    """Seconds one operator costs beyond its arithmetic, forward and backward (``Machine.op_seconds``): a
+    chain of ``ops`` elementwise ops on 64 floats, forward and backward, per op; ``lockstep_seconds`` as
+    ``matmul_rate``."""
+    device = device or _device()
+    x = torch.randn(64, device=device, requires_grad=True)
+
+    def chain() -> None:
+        y = x
+        for k in range(ops // 2):
+            y = torch.tanh(y * (1.0 + k))
+        y.sum().backward()
+
+    return lockstep_seconds(chain, repeats, device) / ops
 
 
 def all_reduce_fit(group: Any = None, repeats: int = 5) -> tuple[float, float]:
@@ -82,6 +160,87 @@ def all_reduce_fit(group: Any = None, repeats: int = 5) -> tuple[float, float]:
     return box[0]
 
 
+Table = dict[str, dict[int, tuple[tuple[int, float], ...]]]
+
+
+def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES) -> tuple[Table, Table]:
+    """Seconds of each collective kind per group size and message, as a step meets them: every group of
+    the world at once, each call after a burst of compute, on a fresh buffer, less the compute's own
+    time, the slowest rank's. Two tables (``Machine.collectives`` and ``Machine.crossed_collectives``):
+    groups of consecutive ranks alone, and calls alternating between those and groups of the same size
+    that cross them (strided ranks: a 2D grid's rows and columns), where a rank's partner in one group
+    waits on its partner in the other. Every rank calls it and gets the same tables."""
+    device = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
+    world = dist.get_world_size()
+    a = torch.randn(128, 512, device=device)
+    b = torch.randn(512, 512, device=device)
+
+    def burst() -> None:
+        for _ in range(4):
+            a @ b
+
+    compute = lockstep_seconds(burst, 4 * repeats, device)
+
+    def points(kind: str, groups: list[Any], size: int) -> tuple[tuple[int, float], ...]:
+        out = []
+        for nbytes in sizes:
+            whole = max(nbytes // 4 // size, 1) * size  # elements: the message, whole across the group
+            bufs = [torch.ones(whole, device=device) for _ in range(2)]
+            piece = torch.ones(whole // size, device=device)
+            turn = [0]
+
+            def call() -> None:
+                burst()
+                x, group = bufs[turn[0] % 2], groups[turn[0] % len(groups)]
+                turn[0] += 1
+                if kind == "all_reduce":
+                    dist.all_reduce(x, group=group)
+                elif kind == "all_gather":
+                    dist.all_gather_into_tensor(x, piece, group=group)
+                elif kind == "reduce_scatter":
+                    dist.reduce_scatter_tensor(piece, x, group=group)
+                elif dist.get_rank(group) == 0:
+                    dist.send(x, dist.get_global_rank(group, 1) if group is not None else 1, group=group)
+                else:
+                    dist.recv(x, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+
+            calls = repeats * (4 if nbytes <= 1 << 20 else 1) * len(groups)  # small ones: cheap and noisier
+            out.append((whole * 4, max(lockstep_seconds(call, calls, device) - compute, 1e-6)))
+        return tuple(zip([b for b, _ in out], monotone([t for _, t in out])))
+
+    table: Table = {k: {} for k in TABLE_KINDS}
+    crossed: Table = {k: {} for k in TABLE_KINDS if k != "send"}
+    for size in [g for g in range(2, world + 1) if world % g == 0]:
+        made = []
+        if size < world:
+            stride = world // size
+            made = [dist.new_subgroups(size)[0], dist.new_subgroups_by_enumeration(
+                [[r for r in range(world) if r % stride == j] for j in range(stride)])[0]]
+        consecutive = made[0] if made else None
+        for kind in TABLE_KINDS:
+            if kind != "send" or size == 2:
+                table[kind][size] = points(kind, [consecutive], size)
+            if made and kind in crossed:
+                crossed[kind][size] = points(kind, made, size)
+        dist.barrier()
+        for group in made:
+            dist.destroy_process_group(group)
+    return {k: v for k, v in table.items() if v}, {k: v for k, v in crossed.items() if v}
+
+
+def monotone(values: list[float]) -> list[float]:
+    """The closest non-decreasing sequence (least squares: pool adjacent violators). A bigger message
+    never costs less; a noisy measurement that says so is averaged with its neighbours."""
+    blocks: list[list[float]] = []  # [sum, count]
+    for v in values:
+        blocks.append([v, 1])
+        while len(blocks) > 1 and blocks[-2][0] / blocks[-2][1] > blocks[-1][0] / blocks[-1][1]:
+            s, c = blocks.pop()
+            blocks[-1][0] += s
+            blocks[-1][1] += c
+    return [s / c for s, c in blocks for _ in range(int(c))]
+
+
 def _fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     """Least squares of seconds = latency + bytes / rate; a latency never below zero, a rate never infinite."""
     xs, ys = [p[0] for p in points], [p[1] for p in points]
@@ -100,18 +259,20 @@ def calibrate(ranks: int = 2, name: str = "calibrated") -> Machine:
         raise ConfigError(f"--gpus {ranks}: measuring collectives needs at least 2 ranks.")
     if dist.is_available() and dist.is_initialized():
         rate, latency = all_reduce_fit()
-        flops = matmul_rate()
+        table, crossed = collective_table()
+        flops, memory, saved, op = matmul_rate(), optimizer_rate(), activation_rate(), op_overhead()
         ranks = dist.get_world_size()
     else:
-        rate, latency, flops = _forked(ranks)
+        rate, latency, flops, memory, saved, op, table, crossed = _forked(ranks)
     device = _device()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     return Machine(name, flops_per_second=flops, memory_bytes=device_budget(device, local),
                    intra_bytes_per_second=rate, inter_bytes_per_second=rate, intra_latency=latency,
-                   inter_latency=latency, gpus_per_node=local)
+                   inter_latency=latency, gpus_per_node=local, collectives=table, crossed_collectives=crossed,
+                   memory_bytes_per_second=memory, activation_bytes_per_second=saved, op_seconds=op)
 
 
-def _forked(ranks: int) -> tuple[float, float, float]:
+def _forked(ranks: int) -> tuple[float, float, float, float, float, float, Table, Table]:
     """``all_reduce_fit`` on ``ranks`` processes forked from this one (gloo, or NCCL with a GPU each), and
     rank 0's matmul rate with the threads a rank has (one on a CPU, as OMP_NUM_THREADS=1 ranks run)."""
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "gloo"
@@ -141,7 +302,9 @@ def _measure(rank: int, ranks: int, backend: str, store: str, out: str) -> None:
             torch.cuda.set_device(rank)
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ranks)
         rate, latency = all_reduce_fit()
-        Path(out).write_bytes(pickle.dumps((rate, latency, matmul_rate())))
+        table, crossed = collective_table()
+        Path(out).write_bytes(pickle.dumps((rate, latency, matmul_rate(), optimizer_rate(), activation_rate(),
+                                            op_overhead(), table, crossed)))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (the parent reports the exit code)
         code = 1

@@ -31,7 +31,7 @@ from autopar.errors import AutoparError, ConfigError, PlanError
 from autopar.memory import device_budget
 from autopar.trace import load_model_file, meta_inputs, plan_model
 from passes.analysis.search_plans import (DEGREES, Candidate, Machine, Scored, candidates, factorizations,
-                                          rank_plans, step_seconds, why_slower)
+                                          plan_seconds, rank_plans, why_slower)
 
 BUILT_IN = ("h100-80gb", "a100-80gb", "cpu")
 
@@ -64,9 +64,7 @@ def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machin
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
     memory = plan.memory
     peak = memory.static_bytes + memory.activation_bytes
-    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
-    time = step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
-                        recompute_flops=memory.recompute_flops)
+    time = plan_seconds(plan, report, machine)
     fits = memory.fits and peak <= machine.memory_bytes
     reason = "" if fits else (f"needs {_gib(peak)} per device (with every block recomputed) of "
                               f"{_gib(machine.memory_bytes)}")

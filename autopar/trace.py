@@ -107,14 +107,25 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
             loss: tuple[Collective, ...], checkpoint: str | int, budget: int | None, pipeline: int,
             microbatches: int, chunks: int, rank: int) -> tuple[Plan, StepReport]:
     plan = dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget))
+    report = dataclasses.replace(report, rank_saved_bytes=sum(s.saved_bytes for s in profile.segments),
+                                 rank_update_bytes=profile.optimizer_bytes // 2,
+                                 rank_ops=sum(s.ops for s in profile.segments))
     if pipeline > 1:  # everything was captured for one micro-batch, as the runtime compiles it
         plan = dataclasses.replace(plan, pipeline=plan_pipeline(chain, pipeline, microbatches, chunks))
         step = [c for c in report.collectives if c.phase == "step"]
         me = plan.config.coords(rank)["pipeline"]
         colls = pipeline_collectives(chain, plan, step, loss, me, microbatches)
         rows = [dataclasses.replace(r, flops=r.flops * microbatches) for r in report.layers]
-        report = dataclasses.replace(summarize(rows, colls, report.num_parameters, plan),
-                                     rank_flops=pipeline_flops(chain, plan, me, microbatches))
+        pipe = plan.pipeline
+        mine = [st for k, st in enumerate(pipe.stages) if k % (len(pipe.stages) // pipe.chunks_per_rank) == me]
+        saved = {s.name: s.saved_bytes for s in profile.segments}
+        ops = {s.name: s.ops for s in profile.segments}
+        trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
+        report = dataclasses.replace(
+            summarize(rows, colls, report.num_parameters, plan), rank_flops=pipeline_flops(chain, plan, me, microbatches),
+            rank_saved_bytes=microbatches * sum(saved.get(name, 0) for st in mine for name in st.segments),
+            rank_ops=microbatches * sum(ops.get(name, 0) for st in mine for name in st.segments),
+            rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable))
     return plan, report
 
 
@@ -163,6 +174,11 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     index = config.batch_index(rank) if split else 0
     mine = canonical if index == 0 else shard(index)
     report = estimate_step(mine.gm, plan)
+    if per_rank and not split and config.num_batch_shards > 1:
+        # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
+        rows = [dataclasses.replace(r, flops=r.flops * config.num_batch_shards) for r in report.layers]
+        report = dataclasses.replace(summarize(rows, report.collectives, report.num_parameters, plan),
+                                     largest_param_bytes=report.largest_param_bytes)
     chain, loss = (), ()
     if microbatches:
         chain = pipeline_chain(mine.gm, plan, report.collectives)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.memory import device_budget
-from passes.analysis.search_plans import Machine, step_seconds
+from passes.analysis.search_plans import Machine, plan_seconds
 
 from autopar.memory import bytes_in_use
 from benchmarks.measure import Instrument, calibrate, slowest_median, timed
@@ -59,9 +59,7 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
         x = x.tensor_split(ctx.world)[ctx.rank]
     plan, report = plan_model(shadow, (x,), config, rank=ctx.rank, pipeline=grid.pipeline,
                               microbatches=ctx.microbatches if grid.pipeline > 1 else 1, per_rank=grid.per_rank)
-    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
-    step = step_seconds(report.collectives, layers, plan, hardware, rank_flops=report.rank_flops,
-                        recompute_flops=plan.memory.recompute_flops if plan.memory is not None else 0.0)
+    step = plan_seconds(plan, report, hardware)
     return {"predicted_bytes": float(report.comm_bytes_per_step), "predicted_seconds": step.total}
 
 
@@ -133,8 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     _preload(bm, device)
     rates = calibrate(device)
     # the plan search's machine model on this run's rates (one node: every link alike)
-    hardware = Machine("measured", rates["flops_per_second"], device_budget(device, world), rates["bytes_per_second"],
-                       rates["bytes_per_second"], rates["collective_seconds"], rates["collective_seconds"], world)
+    hardware = Machine("measured", rates["flops_per_second"], device_budget(device, world),
+                       intra_bytes_per_second=rates["bytes_per_second"], inter_bytes_per_second=rates["bytes_per_second"],
+                       intra_latency=rates["collective_seconds"], inter_latency=rates["collective_seconds"],
+                       gpus_per_node=world, memory_bytes_per_second=rates["memory_bytes_per_second"],
+                       activation_bytes_per_second=rates["activation_bytes_per_second"], op_seconds=rates["op_seconds"],
+                       collectives=rates["collectives"], crossed_collectives=rates["crossed_collectives"])
     batches = [(x.to(device), y.to(device)) for x, y in bm.make_batches(args.warmup + args.steps + 1,
                                                                          args.batch or bm.batch)]
     report: dict[str, Any] = {"model": bm.name, "size": bm.size, "world": world, "batch": args.batch or bm.batch,

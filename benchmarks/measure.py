@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from autopar.calibrate import (activation_rate, collective_table, lockstep_seconds, matmul_rate, op_overhead,
+                               optimizer_rate)
 from autopar.decisions import collective_bytes
 from autopar.memory import PeakMemory
 
@@ -132,25 +134,19 @@ def slowest_median(times: list[float], device: torch.device) -> float:
     return statistics.median(t.tolist())
 
 
-def calibrate(device: torch.device, repeats: int = 10) -> dict[str, float]:
+def calibrate(device: torch.device, repeats: int = 10) -> dict[str, Any]:
     """This machine's rates as each rank sees them while every rank runs at once (shared cores
-    included): a GEMM's FLOP rate, and an all-reduce's fixed cost and bandwidth over all ranks (the
-    bytes of ``collective_bytes``): the plan search's ``Machine`` for predicting step times here."""
+    included; ``autopar.calibrate``, every rate the slowest rank's): a GEMM's FLOP rate, an all-reduce's
+    fixed cost and bandwidth over all ranks (the bytes of ``collective_bytes``), an AdamW step's memory
+    rate, the elementwise work's rate per saved activation byte, an operator's overhead and the tables of collectives per group: the plan search's ``Machine`` for predicting step times
+    here."""
     world = dist.get_world_size()
-    a, b = torch.randn(256, 1024, device=device), torch.randn(1024, 1024, device=device)
     small, big = torch.zeros(1, device=device), torch.zeros(1 << 20, device=device)  # 4 B, 4 MiB
-
-    def seconds(fn: Callable[[], Any], n: int) -> float:
-        fn()
-        took, _ = timed(lambda: [fn() for _ in range(n)], device)
-        return took / n
-
-    gemm = seconds(lambda: a @ b, repeats)
-    latency = seconds(lambda: dist.all_reduce(small), 4 * repeats)
-    transfer = seconds(lambda: dist.all_reduce(big), repeats)
-    rates = torch.tensor([2 * 256 * 1024 * 1024 / gemm, latency,
-                          float(collective_bytes("all_reduce", world, big.numel() * 4)) / max(transfer - latency, 1e-9)],
-                         dtype=torch.float64, device=device)
-    dist.all_reduce(rates)  # the ranks' mean
-    flops, latency, bandwidth = (rates / world).tolist()
-    return {"flops_per_second": flops, "collective_seconds": latency, "bytes_per_second": bandwidth}
+    latency = lockstep_seconds(lambda: dist.all_reduce(small), 4 * repeats, device)
+    transfer = lockstep_seconds(lambda: dist.all_reduce(big), repeats, device)
+    bandwidth = float(collective_bytes("all_reduce", world, big.numel() * 4)) / max(transfer - latency, 1e-9)
+    table, crossed = collective_table()
+    return {"flops_per_second": matmul_rate(device), "collective_seconds": latency, "bytes_per_second": bandwidth,
+            "memory_bytes_per_second": optimizer_rate(device), "activation_bytes_per_second": activation_rate(device),
+            "op_seconds": op_overhead(device),
+            "collectives": table, "crossed_collectives": crossed}

@@ -159,17 +159,24 @@ def accuracy(job: dict[str, Any]) -> dict[str, float] | None:
     rows = [(m, p) for m, p in rows if p is not None]
     if len(rows) < 2:
         return None
-    return {**dataclasses.asdict(prediction_accuracy([p for _, p in rows], [m for m, _ in rows])), "grids": len(rows)}
+    return {**dataclasses.asdict(prediction_accuracy([p for _, p in rows], [m for m, _ in rows])), "grids": len(rows),
+            "abs_errors": [abs(p - m) / m for m, p in rows]}
 
 
 def accuracy_table(jobs: list[dict[str, Any]]) -> str:
     lines = ["| model | ranks | autopar grids | mean abs. % error | Kendall tau | picked grid / fastest |",
              "|---|---:|---:|---:|---:|---:|"]
+    every = [a for job in jobs if (a := accuracy(job)) is not None]
     for job in jobs:
         a = accuracy(job)
         if a is not None:
             lines.append(f"| {job['model']} | {job['world']} | {a['grids']} | {a['mape']:.0%} | {a['kendall_tau']:.2f} | "
                          f"{a['picked_over_fastest']:.2f}x |")
+    if len(every) > 1:  # every grid's error; tau within each job (orders across models say little); the worst pick
+        errors = [e for a in every for e in a["abs_errors"]]
+        lines.append(f"| every grid | | {len(errors)} | {sum(errors) / len(errors):.0%} | "
+                     f"{sum(a['kendall_tau'] for a in every) / len(every):.2f} (mean) | "
+                     f"{max(a['picked_over_fastest'] for a in every):.2f}x (worst) |")
     return "\n".join(lines) if len(lines) > 2 else ""
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
+import operator
 import re
 from dataclasses import dataclass
 from fractions import Fraction
@@ -62,6 +63,8 @@ class SegmentCost:
     input_bytes: int
     peak_bytes: int
     flops: int
+    ops: int = 0
+    """Operators its forward calls (each with its backward: a step's dispatch overhead)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -272,8 +275,11 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
+    ops = dict.fromkeys(order, 0)
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     for node, seg in seg_of.items():
+        if node.op == "call_function" and node.target is not operator.getitem:
+            ops[seg] += 1
         if node in rec.largest:
             peak[seg] = max(peak[seg], 2 * rec.largest[node] * shard_fraction(res.sharding(node), sizes))
         for arg in node.all_input_nodes:
@@ -295,7 +301,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                                    config.size(o.in_axis) * config.size(o.out_axis))
 
     segments = tuple(SegmentCost(name, not name.startswith("<"), int(saved[name]), int(inputs[name]),
-                                 int(peak[name]), int(flops[name])) for name in order)
+                                 int(peak[name]), int(flops[name]), ops[name]) for name in order)
     # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
     # the largest output and to need two more in its backward, as cross-entropy on logits does.
     outputs = _output_bytes(gm)

@@ -66,6 +66,14 @@ class StepReport:
     stages); None: its share of every row."""
     largest_param_bytes: int = 0
     """The largest parameter, whole: what deferred construction holds at once besides the pieces."""
+    rank_saved_bytes: int = 0
+    """Activation bytes this rank saves for backward in one step (its stages' under a pipeline, every
+    micro-batch): written in forward and read in backward, the step's elementwise traffic at least."""
+    rank_update_bytes: int = 0
+    """Bytes (fp32) of the trainable parameters this rank's optimizer updates."""
+    rank_ops: int = 0
+    """Operators this rank's forwards call in one step (every micro-batch of its stages under a
+    pipeline), each with its backward."""
 
     @property
     def construction_bytes_per_rank(self) -> int:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import json
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -30,6 +31,7 @@ from typing import Any
 from autopar.config import MESH_AXES, ParallelConfig
 from autopar.decisions import Plan
 from passes.analysis.estimate_costs import Collective, matmul_split
+from passes.analysis.report import StepReport
 
 DEGREES = ("data", "pipeline", "row", "col", "depth")
 
@@ -52,6 +54,26 @@ class Machine:
     inter_latency: float = 0.0
     """Fixed seconds per collective across nodes."""
     gpus_per_node: int = 8
+    memory_bytes_per_second: float = 0.0
+    """Sustained memory bandwidth of the optimizer's update (AdamW touches seven bytes per byte of
+    parameter: reads parameter, gradient and two moments, writes three); 0: the update is not timed."""
+    activation_bytes_per_second: float = 0.0
+    """Saved activation bytes per second of forward + backward elementwise work (norms, activations,
+    softmax: ``--calibrate`` times a chain of them); 0: half the memory rate (each saved byte written in
+    forward and read in backward)."""
+    op_seconds: float = 0.0
+    """Seconds an operator costs beyond its arithmetic, forward and backward (dispatch and autograd, on
+    small tensors: ``--calibrate`` times a chain of them); 0: not timed (a GPU's launches overlap)."""
+    collectives: Mapping[str, Mapping[int, tuple[tuple[int, float], ...]]] | None = None
+    """Measured seconds of one collective within a node, by kind and group size: (message bytes,
+    seconds) points, message as ``decisions.collective_bytes`` reads it (``--calibrate`` writes them).
+    Where a collective's kind and group were measured this replaces bandwidth and latency: a small
+    machine's collectives are far from linear in bytes (gloo changes algorithm with size, and ranks
+    sharing cores wait for one another's time slices)."""
+    crossed_collectives: Mapping[str, Mapping[int, tuple[tuple[int, float], ...]]] | None = None
+    """As ``collectives``, measured with calls alternating between crossing groups of that size (a 2D
+    grid's rows and columns): a grid with more than one tensor axis meets its forward and backward
+    collectives so (a rank's partner in one group waits on its partner in the other)."""
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> Machine:
@@ -59,6 +81,12 @@ class Machine:
         unknown = sorted(set(data) - known)
         if unknown:
             raise ValueError(f"unknown hardware fields {unknown}; expected some of {sorted(known)}")
+        data = dict(data)
+        for key in ("collectives", "crossed_collectives"):
+            if data.get(key) is not None:
+                data[key] = {kind: {int(g): tuple((int(b), float(t)) for b, t in points)
+                                    for g, points in groups.items()}
+                             for kind, groups in data[key].items()}
         return Machine(**data)
 
     @staticmethod
@@ -79,6 +107,38 @@ class Machine:
         if span <= self.gpus_per_node:
             return self.intra_bytes_per_second, self.intra_latency
         return self.inter_bytes_per_second, self.inter_latency
+
+    def seconds(self, config: ParallelConfig, c: Collective) -> float:
+        """One collective of ``config``'s: the measured points of its kind and group size where its group
+        lies within a node (interpolated in log-log, extrapolated at the measured bandwidth), else its
+        link's bandwidth and latency."""
+        axis = "pipeline" if c.kind == "send" else c.axis
+        rate, latency = self.link(config, axis)
+        crossed = c.phase != "step" and sum(config.size(a) > 1 for a in ("row", "col", "depth")) > 1
+        points = None
+        if crossed:
+            points = (self.crossed_collectives or {}).get(c.kind, {}).get(c.group_size)
+        points = points or (self.collectives or {}).get(c.kind, {}).get(c.group_size)
+        if not points or rate != self.intra_bytes_per_second or latency != self.intra_latency:
+            return float(c.bytes) / rate + latency
+        return interpolate(points, c.message_bytes)
+
+
+def interpolate(points: Sequence[tuple[int, float]], size: int) -> float:
+    """Seconds at ``size`` bytes from measured (bytes, seconds) points, sorted by bytes: log-log between
+    points; below the first, its time; above the last, the last's time plus the bytes beyond it at the
+    last two points' rate."""
+    if size <= points[0][0]:
+        return points[0][1]
+    for (b0, t0), (b1, t1) in zip(points, points[1:]):
+        if size <= b1:
+            if t0 <= 0 or t1 <= 0:
+                return t0 + (t1 - t0) * (size - b0) / (b1 - b0)
+            f = math.log(size / b0) / math.log(b1 / b0)
+            return t0 * (t1 / t0) ** f
+    (b0, t0), (b1, t1) = points[-2:] if len(points) > 1 else ((0, 0.0), points[-1])
+    per_byte = max(t1 - t0, 0.0) / (b1 - b0) if b1 > b0 else 0.0
+    return t1 + (size - b1) * per_byte
 
 
 def _stride(config: ParallelConfig, axis: str) -> int:
@@ -154,48 +214,90 @@ def _product(values: Iterable[int]) -> int:
     return out
 
 
+BUCKET_BYTES = 25 * 2**20
+"""The gradient sync's bucket cap (autopar.runtime.grad_sync, as DDP's)."""
+
+
+def bucketed(collectives: Iterable[Collective], cap: int = BUCKET_BYTES) -> list[Collective]:
+    """The gradient sync's collectives as the runtime issues them: one per parameter in the prediction,
+    packed in backward's order (the reverse) into buckets of at most ``cap`` bytes per group (a larger
+    tensor alone in its bucket), one collective per bucket."""
+    out: list[Collective] = []
+    open_: dict[tuple[str, str, int], Collective] = {}
+    for c in reversed(list(collectives)):
+        key = (c.kind, c.axis, c.group_size)
+        held = open_.get(key)
+        if held is not None and held.message_bytes + c.message_bytes <= cap:
+            open_[key] = dataclasses.replace(held, message_bytes=held.message_bytes + c.message_bytes,
+                                             where="gradient bucket")
+            continue
+        if held is not None:
+            out.append(held)
+        open_[key] = c
+    return out + list(open_.values())
+
+
 @dataclass(frozen=True, slots=True)
 class StepTime:
     """One rank's predicted step, in seconds, and its parts."""
 
     compute: float
-    """Matmul FLOPs (recomputation included) at the machine's rate."""
+    """Matmul FLOPs (recomputation included) at the machine's rate, the elementwise work (per saved
+    activation byte) and each operator's overhead."""
     communication: float
     """Collectives during forward and backward (bytes at their link's bandwidth, plus latency)."""
     bubble: float
     """Time the pipeline's schedule leaves this rank idle."""
     sync: float
     """The gradient synchronization after backward."""
+    optimizer: float = 0.0
+    """The optimizer's update of this rank's parameters."""
 
     @property
     def total(self) -> float:
-        return self.compute + self.communication + self.bubble + self.sync
+        return self.compute + self.communication + self.bubble + self.sync + self.optimizer
 
 
 def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
-                 machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0) -> StepTime:
+                 machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0,
+                 optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0) -> StepTime:
     """One rank's training step under ``machine``.
 
     ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
     share: split over data x depth and over the orientation's tensor axes); ``rank_flops`` replaces that sum
     when the rank runs part of the model only (its pipeline stages). ``recompute_flops``: forward FLOPs this
-    rank recomputes in backward (the memory plan's)."""
+    rank recomputes in backward (the memory plan's). ``optimizer_bytes``: the trainable parameters' bytes
+    (fp32) this rank updates. ``saved_bytes``: activations this rank saves for backward (written in
+    forward, read in backward: the elementwise work, at the machine's activation or memory rate).
+    ``ops``: operators this rank's forwards call (each with its backward), at ``op_seconds`` each."""
     config = plan.config
     compute = rank_flops if rank_flops is not None else sum(
         flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
     compute = (compute + recompute_flops) / machine.flops_per_second
+    compute += ops * machine.op_seconds
+    if machine.activation_bytes_per_second:
+        compute += saved_bytes / machine.activation_bytes_per_second
+    elif machine.memory_bytes_per_second:
+        compute += 2 * saved_bytes / machine.memory_bytes_per_second
 
-    def seconds(c: Collective) -> float:
-        rate, latency = machine.link(config, "pipeline" if c.kind == "send" else c.axis)
-        return float(c.bytes) / rate + latency
-
-    comm = sum(seconds(c) for c in collectives if c.group_size > 1 and c.phase != "step")
-    sync = sum(seconds(c) for c in collectives if c.group_size > 1 and c.phase == "step")
+    comm = sum(machine.seconds(config, c) for c in collectives if c.group_size > 1 and c.phase != "step")
+    sync = sum(machine.seconds(config, c) for c in bucketed(c for c in collectives if c.phase == "step")
+               if c.group_size > 1)
     bubble = 0.0
     if plan.pipeline is not None and plan.pipeline.bubble_fraction < 1:
         busy = compute + comm
         bubble = busy / (1 - plan.pipeline.bubble_fraction) - busy
-    return StepTime(compute, comm, bubble, sync)
+    update = 7 * optimizer_bytes / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
+    return StepTime(compute, comm, bubble, sync, update)
+
+
+def plan_seconds(plan: Plan, report: StepReport, machine: Machine) -> StepTime:
+    """``step_seconds`` of a planned grid from its step report (``autopar.trace.plan_model``'s)."""
+    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
+                        recompute_flops=plan.memory.recompute_flops if plan.memory is not None else 0.0,
+                        optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
+                        ops=report.rank_ops)
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,7 +341,8 @@ def why_slower(best: Scored, other: Scored) -> str:
     for label, mine, theirs in (("compute", other.time.compute, best.time.compute),
                                 ("communication", other.time.communication, best.time.communication),
                                 ("pipeline bubble", other.time.bubble, best.time.bubble),
-                                ("gradient sync", other.time.sync, best.time.sync)):
+                                ("gradient sync", other.time.sync, best.time.sync),
+                                ("optimizer update", other.time.optimizer, best.time.optimizer)):
         if mine - theirs > 1e-12:
             parts.append((mine - theirs, f"{label} +{_ms(mine - theirs)}"))
     if not parts:

@@ -63,13 +63,19 @@ def test_plan_runs_as_module_and_reports_bad_input():
 
 
 def test_calibrate_writes_a_description_the_search_reads(tmp_path, capsys):
-    """--calibrate measures this machine (a GEMM; all-reduces over 2 forked gloo ranks, fitted as latency +
-    bytes / bandwidth) and writes a file --hardware takes."""
+    """--calibrate measures this machine (a GEMM, an AdamW step, a chain of elementwise ops, an op's
+    overhead; all-reduces over 2 forked gloo ranks fitted as latency + bytes / bandwidth, and the table
+    of each collective kind by message size) and writes a file --hardware takes."""
     from autopar.plan import load_machine
 
     out = tmp_path / "here.json"
     assert plan_main(["--calibrate", str(out), "--gpus", "2"]) == 0
     machine = load_machine(str(out))
     assert machine.flops_per_second > 1e8 and machine.intra_bytes_per_second > 1e6 and 0 < machine.intra_latency < 0.1
+    assert machine.memory_bytes_per_second > 1e8 and machine.activation_bytes_per_second > 1e7
+    assert 0 < machine.op_seconds < 1e-3
+    for kind in ("all_reduce", "all_gather", "reduce_scatter", "send"):
+        points = machine.collectives[kind][2]  # 2 ranks: groups of 2, nothing crosses
+        assert len(points) == 7 and all(t1 >= t0 > 0 for (_, t0), (_, t1) in zip(points, points[1:])), (kind, points)
     assert plan_main([EXAMPLE, "--gpus", "2", "--hardware", str(out)]) == 0
     assert "2 x calibrated" in capsys.readouterr().out

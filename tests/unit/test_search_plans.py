@@ -114,3 +114,82 @@ def test_prediction_accuracy():
     assert a.mape == pytest.approx((0.1 / 1.1 + 0.2 / 2.0 + 0.2 / 3.0) / 3) and a.kendall_tau == 1.0
     assert a.picked_over_fastest == 1.0
     assert prediction_accuracy([2.0, 1.0], [1.0, 2.0]).picked_over_fastest == 2.0  # it picks the slower grid
+
+
+def test_measured_collectives_replace_bandwidth_and_latency_within_a_node():
+    """A calibrated machine's table of collectives (autopar.calibrate.collective_table) prices a collective
+    by its kind, group size and message: interpolated in log-log, extrapolated at the last points' rate;
+    with more than one tensor axis, the crossed table. Across nodes, the link's bandwidth still rules."""
+    from passes.analysis.estimate_costs import Collective
+    from passes.analysis.search_plans import interpolate
+
+    points = ((4, 1e-3), (1024, 2e-3), (1 << 20, 8e-3))
+    assert interpolate(points, 1) == 1e-3 and interpolate(points, 1024) == 2e-3
+    assert 2e-3 < interpolate(points, 32768) < 8e-3
+    assert interpolate(points, 2 << 20) == pytest.approx(8e-3 + (1 << 20) * 6e-3 / ((1 << 20) - 1024))
+    table = {"all_reduce": {2: points}}
+    machine = dataclasses.replace(MACHINE, collectives=table,
+                                  crossed_collectives={"all_reduce": {2: ((4, 5e-3), (1 << 20, 9e-3))}})
+    c = Collective("all_reduce", "row", 2, 1024, "forward", "x")
+    assert machine.seconds(ParallelConfig(1, 2, 1, 1), c) == 2e-3
+    assert machine.seconds(ParallelConfig(1, 2, 2, 1), c) > 5e-3  # rows and columns: the crossed table
+    assert machine.seconds(ParallelConfig(1, 2, 2, 1), dataclasses.replace(c, phase="step")) == 2e-3
+    spans = ParallelConfig(1, 2, 1, 1)  # a 4-rank group over 1-GPU nodes: not measured within a node
+    assert dataclasses.replace(machine, gpus_per_node=1).seconds(spans, c) == pytest.approx(
+        float(c.bytes) / MACHINE.inter_bytes_per_second + MACHINE.inter_latency)
+    assert machine.seconds(ParallelConfig(1, 2, 1, 1), dataclasses.replace(c, kind="all_gather")) == pytest.approx(
+        float(dataclasses.replace(c, kind="all_gather").bytes) / 1e11 + 1e-5)  # kind not measured
+    again = Machine.from_json(machine.to_json())  # JSON's string keys come back as group sizes
+    assert again.collectives == table and again.seconds(ParallelConfig(1, 2, 1, 1), c) == 2e-3
+
+
+def test_gradient_sync_is_priced_in_buckets():
+    """GradSync packs gradients into 25 MiB buckets per group: 52 small all-reduces are one or two calls."""
+    from passes.analysis.estimate_costs import Collective
+    from passes.analysis.search_plans import BUCKET_BYTES, bucketed
+
+    grads = [Collective("all_reduce", "data", 4, 1 << 20, "step", f"p{i}") for i in range(40)]
+    depth = [Collective("all_reduce", "depth", 2, 4, "step", "q")]
+    out = bucketed(grads + depth)
+    assert sorted((c.axis, c.message_bytes) for c in out) == [
+        ("data", 15 << 20), ("data", 25 << 20), ("depth", 4)]
+    assert bucketed([Collective("all_reduce", "data", 4, 2 * BUCKET_BYTES, "step", "big")])[0].message_bytes == \
+        2 * BUCKET_BYTES  # a tensor over the cap alone in its bucket
+
+
+def test_the_optimizer_and_activation_traffic_are_priced_at_the_memory_rate():
+    plain = _step(ParallelConfig(1, 1, 1, 1), MACHINE)
+    with torch.device("meta"):
+        model = MLP()
+    plan, report = plan_model(model, (torch.empty(16, 64, device="meta"),), ParallelConfig(1, 1, 1, 1))
+    assert report.rank_update_bytes == 4 * sum(p.numel() for p in model.parameters())
+    assert report.rank_saved_bytes > 0
+    from passes.analysis.search_plans import plan_seconds
+
+    timed = plan_seconds(plan, report, dataclasses.replace(MACHINE, memory_bytes_per_second=1e9))
+    assert timed.optimizer == pytest.approx(7 * report.rank_update_bytes / 1e9)
+    assert timed.compute == pytest.approx(plain.compute + 2 * report.rank_saved_bytes / 1e9)
+    assert plan_seconds(plan, report, MACHINE).optimizer == 0  # no memory rate: not timed
+
+
+def test_per_rank_batches_count_every_ranks_rows():
+    """batch='per-rank' (DDP-style): each rank's batch is its own, so the step's FLOPs are every rank's;
+    a rank computes what serial computes on its batch, not a shard of it (mutation: unscaled rows give a
+    quarter of the compute)."""
+    with torch.device("meta"):
+        model = MLP()
+    x = torch.empty(16, 64, device="meta")
+    serial = _step(ParallelConfig(1, 1, 1, 1), MACHINE)
+    plan, report = plan_model(model, (x,), ParallelConfig(4, 1, 1, 1), per_rank=True)
+    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    assert step_seconds(report.collectives, layers, plan, MACHINE).compute == pytest.approx(serial.compute)
+
+
+def test_a_measured_table_never_says_a_bigger_message_is_cheaper():
+    """--calibrate's noisy points are made non-decreasing by least squares (pool adjacent violators):
+    mutation: a running maximum would carry one slow outlier to every larger size."""
+    from autopar.calibrate import monotone
+
+    assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
+    assert monotone([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert monotone([1.0, 9.0, 2.0, 3.0, 10.0]) == pytest.approx([1.0, 14 / 3, 14 / 3, 14 / 3, 10.0])
