@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 import sys
 from importlib import resources
@@ -27,11 +28,12 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autopar.config import ParallelConfig
 from autopar.errors import AutoparError, ConfigError, PlanError
 from autopar.memory import device_budget
-from autopar.trace import load_model_file, meta_inputs, plan_model
+from autopar.trace import SLOWEST, load_model_file, meta_inputs, plan_model
 from passes.analysis.search_plans import (DEGREES, Candidate, Machine, Scored, candidates, factorizations,
-                                          plan_seconds, rank_plans, why_slower)
+                                          plan_seconds, rank_plans, screen, shape_of, why_slower)
 
 BUILT_IN = ("h100-80gb", "a100-80gb", "cpu")
 
@@ -54,15 +56,15 @@ def load_machine(spec: str, gpus_per_node: int | None = None) -> Machine:
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
           checkpoint: str = "auto", precision: str = "fp32", captures: dict[Any, Any] | None = None) -> Scored:
-    """One grid's plan and its predicted step on ``machine`` (rank 0's: every rank of a grid without a
-    pipeline does the same work; with one, rank 0 holds the first stages)."""
+    """One grid's plan and its predicted step on ``machine``: rank 0's without a pipeline (every rank does
+    the same work), else the rank whose stages compute most."""
     try:
-        plan, report = plan_model(model, inputs, candidate.config, checkpoint=checkpoint,
+        plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
                                   microbatches=candidate.microbatches, captures=captures)
     except AutoparError as e:
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
-    memory = plan.memory
+    memory = report.rank_memory or plan.memory  # a pipeline rank holds its stages only
     peak = memory.static_bytes + memory.activation_bytes
     time = plan_seconds(plan, report, machine)
     fits = memory.fits and peak <= machine.memory_bytes
@@ -71,9 +73,20 @@ def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machin
     return Scored(candidate, time, peak, fits, memory.recompute, reason)
 
 
+KEEP = 8
+"""Grids the search plans exactly when there are more: the closed-form screen's best (at most)."""
+NEAR = 1.5
+MIN_KEEP = 4
+"""Of those, the ones the screen puts within NEAR times its best, and at least MIN_KEEP."""
+SCREENED = "not planned"
+
+
 def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
-           checkpoint: str = "auto", precision: str = "fp32") -> list[Scored]:
-    """Every grid of ``world`` ranks scored and ranked (``rank_plans``); ``fixed`` degrees stay as given."""
+           checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP) -> list[Scored]:
+    """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
+    than ``keep`` grids (None: plan every one), the closed-form screen (``search_plans.screen``, from one
+    plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly; the rest
+    follow, unplanned, with their screened time as the reason."""
     batch = _batch_size(inputs)
     grids = candidates(world, batch, fixed=fixed)
     if not grids:
@@ -81,8 +94,25 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
                         f"fixed: data x depth must be at most the batch. Grids of {world} ranks: "
                         f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
     captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
+    rest: list[Scored] = []
+    if keep is not None and len(grids) > keep:
+        # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
+        # grid's, which the screen likely keeps), else on one rank
+        shards = world if batch % world == 0 else 1
+        _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none",
+                              precision=precision, captures=captures)
+        shape = shape_of(probe, shards)
+        screened = sorted(((*screen(shape, c, machine), c) for c in grids),
+                          key=lambda t: (t[1] > machine.memory_bytes, t[0]))
+        near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
+        keep = min(keep, max(near, MIN_KEEP))
+        grids = [c for *_, c in screened[:keep]]
+        rest = [Scored(c, None, memory, memory <= machine.memory_bytes,
+                       reason=f"{SCREENED}: " + (f"the screen predicts {seconds * 1e3:.3g} ms" if seconds < math.inf else
+                                               f"{c.pipeline} stages for {shape.segments} segments"))
+                for seconds, memory, c in screened[keep:]]
     return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures)
-                      for c in grids)
+                      for c in grids) + rest
 
 
 def _grids(options: list[dict[str, int]]) -> str:
@@ -156,7 +186,9 @@ def plan_json(s: Scored) -> dict[str, Any]:
 
 def format_table(ranked: list[Scored], top: int, machine: Machine, world: int) -> str:
     best = ranked[0]
-    lines = [f"{world} x {machine.name} ({machine.gpus_per_node} per node): {len(ranked)} grids, best first",
+    planned = sum(not s.reason.startswith(SCREENED) for s in ranked)
+    how = "" if planned == len(ranked) else f" ({planned} planned exactly, the others ranked by the closed-form screen)"
+    lines = [f"{world} x {machine.name} ({machine.gpus_per_node} per node): {len(ranked)} grids{how}, best first",
              "", f"{'#':>3}  {'grid':<48} {'step':>10} {'memory':>10}  why slower than #1"]
     for i, s in enumerate(ranked[:top], 1):
         step = "-" if s.time is None else f"{s.seconds * 1e3:.3g} ms"
@@ -189,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evaluate", default=None, metavar="GRID",
                         help='score this grid with the same model: "data=D pipeline=P tensor=R,C,D microbatches=M"')
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--keep", type=int, default=KEEP,
+                        help=f"grids to plan exactly, the closed-form screen's best (default {KEEP})")
+    parser.add_argument("--exhaustive", action="store_true", help="plan every grid exactly (slow at scale)")
     for degree in DEGREES:
         parser.add_argument(f"--{degree}", type=int, default=None, help=f"fix the {degree} degree")
     parser.add_argument("--json", metavar="FILE", help='also write {"plans": [...], "evaluated": {...}}')
@@ -216,7 +251,8 @@ def main(argv: list[str] | None = None) -> int:
         inputs = module.example_inputs()
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.global_batch, args.seq)
         fixed = {d: getattr(args, d) for d in DEGREES if getattr(args, d) is not None}
-        ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision)
+        ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision,
+                        keep=None if args.exhaustive else max(args.keep, 1))
         evaluated = None
         if args.evaluate:
             evaluated = score(model, inputs, parse_evaluate(args.evaluate, args.gpus), machine,

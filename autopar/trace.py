@@ -24,7 +24,7 @@ from torch import nn
 from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              repeated_blocks, split_batch_leaves, truncated_blocks)
 from autopar.config import MemoryConfig, ParallelConfig
-from autopar.decisions import Plan
+from autopar.decisions import MemoryPlan, Plan
 from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
@@ -39,6 +39,11 @@ from passes.analysis.repeat_blocks import (Repeat, repeat_chain, repeat_memory, 
 from passes.analysis.report import StepReport, estimate_step, summarize
 
 log = logging.getLogger(__name__)
+
+
+SLOWEST = -1
+"""``plan_model(rank=SLOWEST)``: under a pipeline, the rank whose stages compute the most matmul FLOPs
+(batch and tensor coordinates 0); else rank 0."""
 
 
 def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank: int = 0,
@@ -67,6 +72,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     ``captures``: a dict kept between calls for the same model and inputs (the plan search's): a capture
     depends only on the rows each batch shard gets, so grids alike in that share it.
     """
+    slowest = rank == SLOWEST
+    rank = 0 if slowest else rank
     pipeline = max(pipeline, config.pipeline)
     if per_rank and pipeline > 1:
         raise ConfigError("the trace models a pipeline's train_step, which takes one global batch; per_rank "
@@ -97,23 +104,28 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             full = repeat_plan(plan, repeats)
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
                            repeat_chain(chain, repeats), loss, checkpoint, budget, pipeline, microbatches,
-                           chunks, rank)
+                           chunks, rank, slowest)
     plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
                                                         batch_dims, _cache_for(captures, "whole"))
-    return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank)
+    return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank,
+                   slowest)
 
 
 def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
             loss: tuple[Collective, ...], checkpoint: str | int, budget: int | None, pipeline: int,
-            microbatches: int, chunks: int, rank: int) -> tuple[Plan, StepReport]:
+            microbatches: int, chunks: int, rank: int, slowest: bool = False) -> tuple[Plan, StepReport]:
     plan = dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget))
     report = dataclasses.replace(report, rank_saved_bytes=sum(s.saved_bytes for s in profile.segments),
                                  rank_update_bytes=profile.optimizer_bytes // 2,
-                                 rank_ops=sum(s.ops for s in profile.segments))
+                                 rank_ops=sum(s.ops for s in profile.segments),
+                                 segments=sum(s.name not in ("<shared>", "<loss>") for s in profile.segments))
     if pipeline > 1:  # everything was captured for one micro-batch, as the runtime compiles it
         plan = dataclasses.replace(plan, pipeline=plan_pipeline(chain, pipeline, microbatches, chunks))
         step = [c for c in report.collectives if c.phase == "step"]
         me = plan.config.coords(rank)["pipeline"]
+        if slowest:  # the pipeline rank with the most matmul FLOPs (the bottleneck of a step)
+            ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
+            me = max(range(ranks), key=lambda r: pipeline_flops(chain, plan, r, microbatches))
         colls = pipeline_collectives(chain, plan, step, loss, me, microbatches)
         rows = [dataclasses.replace(r, flops=r.flops * microbatches) for r in report.layers]
         pipe = plan.pipeline
@@ -125,8 +137,29 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
             summarize(rows, colls, report.num_parameters, plan), rank_flops=pipeline_flops(chain, plan, me, microbatches),
             rank_saved_bytes=microbatches * sum(saved.get(name, 0) for st in mine for name in st.segments),
             rank_ops=microbatches * sum(ops.get(name, 0) for st in mine for name in st.segments),
-            rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable))
+            rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable), segments=report.segments,
+            largest_param_bytes=report.largest_param_bytes,
+            rank_memory=_stage_memory(profile, plan, mine, me, microbatches, checkpoint, budget))
     return plan, report
+
+
+def _stage_memory(profile: MemoryProfile, plan: Plan, mine: list[Any], me: int, microbatches: int,
+                  checkpoint: str | int, budget: int | None) -> MemoryPlan:
+    """Pipeline rank ``me``'s memory: its stages' parameters, gradients and optimizer state, and their
+    activations for the micro-batches 1F1B keeps in flight there (the first rank: one per stage; the
+    last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's)."""
+    ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
+    inflight = max(min(microbatches, ranks - me), 1)
+    names = {name for st in mine for name in st.segments} | {"<shared>"} | ({"<loss>"} if me == ranks - 1 else set())
+    share = sum(st.param_bytes for st in mine) / profile.param_bytes if profile.param_bytes else 1.0
+    stage = dataclasses.replace(
+        profile, segments=tuple(dataclasses.replace(s, saved_bytes=s.saved_bytes * inflight,
+                                                    input_bytes=s.input_bytes * inflight)
+                                for s in profile.segments if s.name in names),
+        param_bytes=int(profile.param_bytes * share), grad_bytes=int(profile.grad_bytes * share),
+        optimizer_bytes=int(profile.optimizer_bytes * share))
+    memory = plan_memory(stage, checkpoint, budget)
+    return dataclasses.replace(memory, recompute_flops=memory.recompute_flops * microbatches)
 
 
 def _cache_for(captures: dict[Any, Any] | None, which: str) -> dict[Any, Any] | None:

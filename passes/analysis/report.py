@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Sequence
+from typing import Any, Sequence
 
 from torch import fx
 
@@ -71,6 +71,12 @@ class StepReport:
     micro-batch): written in forward and read in backward, the step's elementwise traffic at least."""
     rank_update_bytes: int = 0
     """Bytes (fp32) of the trainable parameters this rank's optimizer updates."""
+    rank_memory: Any = None
+    """Under a pipeline, this rank's ``MemoryPlan`` (its stages' parameters and the micro-batches in flight
+    there; the plan's own ``memory`` counts the whole model, as the runtime still plans it); else None."""
+    segments: int = 0
+    """Links of the chain a pipeline is cut from (blocks and the runs between them): at most this many
+    stages."""
     rank_ops: int = 0
     """Operators this rank's forwards call in one step (every micro-batch of its stages under a
     pipeline), each with its backward."""

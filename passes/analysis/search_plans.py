@@ -294,10 +294,101 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
 def plan_seconds(plan: Plan, report: StepReport, machine: Machine) -> StepTime:
     """``step_seconds`` of a planned grid from its step report (``autopar.trace.plan_model``'s)."""
     layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    memory = report.rank_memory or plan.memory
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
-                        recompute_flops=plan.memory.recompute_flops if plan.memory is not None else 0.0,
+                        recompute_flops=memory.recompute_flops if memory is not None else 0.0,
                         optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
                         ops=report.rank_ops)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the screen needs of a model, from one plan on one rank (``shape_of``): its matmuls grouped by
+    (rows of the global batch, in features, out features, orientation parity) with their count and
+    FLOPs, and its parameters, saved activations and operators."""
+
+    matmuls: tuple[tuple[int, int, int, int, int, float], ...]
+    """(rows, in features k, out features n, 0 normal / 1 transposed, how many, FLOPs of all of them)."""
+    param_bytes: int
+    """Trainable parameters (fp32)."""
+    saved_bytes: int
+    """Activations saved for backward over the global batch."""
+    ops: int
+    segments: int
+    """Links a pipeline can be cut into (at most this many stages)."""
+
+
+def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
+    """A ModelShape from the step report of a plan whose only degree is data (``shards`` ranks: each
+    holds the whole model and 1/shards of the batch; 1: one rank). Matmuls alternate orientation as
+    Megatron pairs them (a column-split layer feeds a row-split one)."""
+    groups: dict[tuple[int, int, int, int], list[float]] = {}
+    for i, r in enumerate(report.layers):
+        rows = shards
+        for d in r.in_shape[:-1]:
+            rows *= d
+        key = (rows, r.in_shape[-1], r.out_shape[-1], i % 2)
+        count, flops = groups.get(key, [0, 0.0])
+        groups[key] = [count + 1, flops + r.flops]
+    return ModelShape(tuple((*k, int(c), f) for k, (c, f) in groups.items()), report.rank_update_bytes,
+                      report.rank_saved_bytes * shards, report.rank_ops, report.segments)
+
+
+def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int) -> float:
+    """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2)."""
+    config, shards = c.config, c.data * c.depth
+    micro = c.microbatches if c.pipeline > 1 else 1
+    total = 0.0
+    for rows, k, n, parity, count, _ in shape.matmuls:
+        transposed = parity ^ flip
+        a, b = (c.col, c.row) if transposed else (c.row, c.col)
+        m_d = max(rows // (shards * micro), 1)
+        calls = []
+        if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
+            w = n * k * 4 // (c.row * c.col)
+            calls += [Collective("all_gather", "depth", c.depth, w, "forward", ""),
+                      Collective("all_gather", "depth", c.depth, w, "backward", ""),
+                      Collective("reduce_scatter", "depth", c.depth, w, "backward", "")]
+        if b > 1:  # the output's partial sums
+            calls.append(Collective("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward", ""))
+        if a > 1:  # the input gradient's
+            calls.append(Collective("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward", ""))
+        total += count * micro / c.pipeline * sum(machine.seconds(config, x) for x in calls)
+    return total
+
+
+def screen(shape: ModelShape, candidate: Candidate, machine: Machine) -> tuple[float, int]:
+    """(predicted seconds, parameter, gradient and optimizer bytes per device) of ``candidate`` in closed
+    form: AxoNN's per-layer collectives (DESIGN-NOTES section 2) on even splits, without planning it.
+    Ranks grids for the search to plan the most promising exactly; not a plan's prediction."""
+    c, config = candidate, candidate.config
+    shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
+    if stages > max(shape.segments, 1):  # more stages than links to cut: not a plan
+        return math.inf, 0
+    micro = c.microbatches if stages > 1 else 1
+    compute = sum(f for *_, f in shape.matmuls) / (shards * tensor * stages) / machine.flops_per_second
+    compute += shape.ops * micro / stages * machine.op_seconds
+    if machine.activation_bytes_per_second:
+        compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
+    # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
+    # over row) the screen takes the cheaper
+    comm = min(_tensor_seconds(shape, candidate, machine, flip) for flip in (0, 1))
+    if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
+        rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
+        message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
+        comm += 2 * micro * machine.seconds(config, Collective("send", "pipeline", 2, message, "forward", ""))
+    params = shape.param_bytes // (tensor * c.depth * stages)
+    sync = 0.0
+    if c.data > 1:  # in the runtime's buckets
+        full, rest = divmod(params, BUCKET_BYTES)
+        sync = sum(machine.seconds(config, Collective("all_reduce", "data", c.data, size, "step", ""))
+                   for size in [BUCKET_BYTES] * full + ([rest] if rest else []))
+    update = 7 * params / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
+    bubble = 0.0
+    if stages > 1:
+        f = (stages - 1) / (micro + stages - 1)
+        bubble = (compute + comm) * f / (1 - f)
+    return compute + comm + sync + update + bubble, 4 * params
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,8 +27,10 @@ def test_plan_ranks_grids_and_writes_json(tmp_path, capsys):
         assert set(p) >= {"data", "pipeline", "tensor", "microbatches", "schedule", "checkpoint",
                           "predicted_step_seconds", "memory_bytes_per_device", "fits"}
         assert p["data"] * p["pipeline"] * p["tensor"][0] * p["tensor"][1] * p["tensor"][2] == 4
-    fitting = [p["predicted_step_seconds"] for p in plans if p["fits"]]
-    assert fitting == sorted(fitting) and plans[0]["fits"]
+    fitting = [p["predicted_step_seconds"] for p in plans if p["fits"] and p["predicted_step_seconds"] is not None]
+    assert fitting == sorted(fitting) and plans[0]["fits"] and len(fitting) >= 4  # the screen's best, planned
+    screened = plans[len(fitting):]
+    assert all(p["predicted_step_seconds"] is None and p["reason"].startswith("not planned") for p in screened)
     assert d["evaluated"]["data"] == 2 and d["evaluated"]["tensor"] == [2, 1, 1]
     assert d["evaluated"]["predicted_step_seconds"] >= plans[0]["predicted_step_seconds"]
 
