@@ -147,19 +147,31 @@ def _stage_memory(profile: MemoryProfile, plan: Plan, mine: list[Any], me: int, 
                   checkpoint: str | int, budget: int | None) -> MemoryPlan:
     """Pipeline rank ``me``'s memory: its stages' parameters, gradients and optimizer state, and their
     activations for the micro-batches 1F1B keeps in flight there (the first rank: one per stage; the
-    last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's)."""
+    last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's). The model's
+    outputs and the loss's activations are the last rank's, one micro-batch of this shard's rows at a
+    time (``train_step`` computes the loss per micro-batch; nothing is gathered)."""
     ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
     inflight = max(min(microbatches, ranks - me), 1)
-    names = {name for st in mine for name in st.segments} | {"<shared>"} | ({"<loss>"} if me == ranks - 1 else set())
+    last = me == ranks - 1
+    local = plan.config.num_batch_shards  # the profile counts outputs whole over the batch shards
+    names = {name for st in mine for name in st.segments}
+    segments = []
+    for s in profile.segments:
+        if s.name == "<shared>":  # masks and rotary tables per micro-batch in flight; outputs on the last rank
+            kept = (s.saved_bytes - profile.output_bytes) * inflight + (profile.output_bytes // local if last else 0)
+            segments.append(dataclasses.replace(s, saved_bytes=max(kept, 0)))
+        elif s.name == "<loss>" and last:
+            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes // local, peak_bytes=s.peak_bytes // local))
+        elif s.name in names:
+            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes * inflight,
+                                                input_bytes=s.input_bytes * inflight))
     share = sum(st.param_bytes for st in mine) / profile.param_bytes if profile.param_bytes else 1.0
-    stage = dataclasses.replace(
-        profile, segments=tuple(dataclasses.replace(s, saved_bytes=s.saved_bytes * inflight,
-                                                    input_bytes=s.input_bytes * inflight)
-                                for s in profile.segments if s.name in names),
-        param_bytes=int(profile.param_bytes * share), grad_bytes=int(profile.grad_bytes * share),
-        optimizer_bytes=int(profile.optimizer_bytes * share))
+    stage = dataclasses.replace(profile, segments=tuple(segments), param_bytes=int(profile.param_bytes * share),
+                                grad_bytes=int(profile.grad_bytes * share),
+                                optimizer_bytes=int(profile.optimizer_bytes * share))
     memory = plan_memory(stage, checkpoint, budget)
-    return dataclasses.replace(memory, recompute_flops=memory.recompute_flops * microbatches)
+    return dataclasses.replace(memory, recompute_flops=memory.recompute_flops * microbatches,
+                               step_flops=memory.step_flops * microbatches)
 
 
 def _cache_for(captures: dict[Any, Any] | None, which: str) -> dict[Any, Any] | None:

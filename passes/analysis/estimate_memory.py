@@ -80,6 +80,8 @@ class MemoryProfile:
     """Parameters that need no gradient."""
     largest_param_bytes: int = 0
     """The largest parameter, whole (fp32): deferred construction holds it besides this rank's pieces."""
+    output_bytes: int = 0
+    """The model's outputs, whole on every rank (counted in ``<shared>``)."""
 
     @property
     def static_bytes(self) -> int:
@@ -309,7 +311,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     segments = (dataclasses.replace(segments[0], saved_bytes=segments[0].saved_bytes + sum(outputs)), *segments[1:],
                 SegmentCost("<loss>", False, largest, 0, 2 * largest, 0))
     frozen = tuple(name for node in params if (name := param_name(node)) and not res.requires_grad.get(node))
-    return static_memory(segments, plan, frozen)
+    return dataclasses.replace(static_memory(segments, plan, frozen), output_bytes=sum(outputs))
 
 
 def _output_bytes(gm: fx.GraphModule) -> list[int]:

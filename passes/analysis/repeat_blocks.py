@@ -161,4 +161,5 @@ def repeat_memory(profile: MemoryProfile, full_plan: Plan, repeats: Sequence[Rep
         segments = _extend(segments, r)
         frozen |= {r.rename(name, r.template, dst) for name in profile.frozen
                    for dst in range(r.template + 1, r.count)}
-    return static_memory(segments, full_plan, tuple(sorted(frozen)))
+    return dataclasses.replace(static_memory(segments, full_plan, tuple(sorted(frozen))),
+                               output_bytes=profile.output_bytes)

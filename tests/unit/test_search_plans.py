@@ -220,8 +220,9 @@ def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
 
 def test_a_pipeline_rank_holds_its_stages_memory():
     """The search judges a pipeline by what one of its ranks holds: its stages' parameters, gradients
-    and optimizer state, and the micro-batches 1F1B keeps in flight there (the plan's own memory plan
-    counts the whole model, as the runtime still plans it)."""
+    and optimizer state, and the micro-batches 1F1B keeps in flight there; the outputs and the loss on the
+    last rank only (the plan's own memory plan counts the whole model, as the runtime still plans it).
+    Mutation: the outputs kept on every rank in flight put the logits in rank 0's activations."""
     from autopar.examples import zoo
 
     with torch.device("meta"):
@@ -230,6 +231,10 @@ def test_a_pipeline_rank_holds_its_stages_memory():
     plan, report = plan_model(llama, inputs, ParallelConfig(1, 1, 1, 1, pipeline=4), pipeline=4, microbatches=8)
     stage, whole = report.rank_memory, plan.memory
     assert stage.param_bytes < whole.param_bytes / 2
+    _, last = plan_model(llama, inputs, ParallelConfig(1, 1, 1, 1, pipeline=4), rank=3, pipeline=4, microbatches=8)
+    # a micro-batch's logits (1 x 16 x vocab) are the last rank's alone
+    logits = 16 * llama.config.vocab_size * 4
+    assert stage.activation_bytes < logits <= last.rank_memory.activation_bytes
     assert stage.optimizer_bytes == pytest.approx(2 * stage.param_bytes, abs=2)
     assert report.segments >= 8
 
