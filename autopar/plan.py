@@ -66,7 +66,7 @@ def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machin
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
     memory = report.rank_memory or plan.memory  # a pipeline rank holds its stages only
     peak = memory.static_bytes + memory.activation_bytes
-    time = plan_seconds(plan, report, machine)
+    time = plan_seconds(plan, report, machine, precision)
     fits = memory.fits and peak <= machine.memory_bytes
     reason = "" if fits else (f"needs {_gib(peak)} per device (with every block recomputed) of "
                               f"{_gib(machine.memory_bytes)}")
@@ -102,7 +102,8 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
         _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none",
                               precision=precision, captures=captures)
         shape = shape_of(probe, shards)
-        screened = sorted(((*screen(shape, c, machine), c) for c in grids),
+        half = precision in ("bf16", "fp16")
+        screened = sorted(((*screen(shape, c, machine, half), c) for c in grids),
                           key=lambda t: (t[1] > machine.memory_bytes, t[0]))
         near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
         keep = min(keep, max(near, MIN_KEEP))

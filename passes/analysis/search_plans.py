@@ -177,7 +177,8 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
                max_microbatches: int = 4) -> list[Candidate]:
     """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
     as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
-    ``max_microbatches`` micro-batches that divide each shard's rows."""
+    ``max_microbatches``, x every power of two, and one row each (as Megatron runs large models) in
+    micro-batches that divide each shard's rows."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
@@ -195,7 +196,9 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
             out.append(Candidate(**grid))
             continue
         rows = global_batch // shards
-        for k in range(1, max_microbatches + 1):
+        per_stage = rows // grid["pipeline"]  # micro-batches per stage at one row each
+        ks = set(range(1, max_microbatches + 1)) | {2 ** e for e in range(per_stage.bit_length())} | {per_stage}
+        for k in sorted(k for k in ks if k >= 1):
             m = grid["pipeline"] * k
             if global_batch % shards == 0 and rows % m == 0:
                 out.append(Candidate(**grid, microbatches=m))
@@ -212,6 +215,14 @@ def _product(values: Iterable[int]) -> int:
     for v in values:
         out *= v
     return out
+
+
+def halved(c: Collective) -> Collective:
+    """``c`` under bf16/fp16 autocast: an activation's collective (forward or backward, not over depth,
+    which gathers fp32 weights and reduces their gradients) moves half the bytes the fp32 count says."""
+    if c.phase in ("forward", "backward") and "depth" not in c.axis and c.axis != "world":
+        return dataclasses.replace(c, message_bytes=c.message_bytes // 2)
+    return c
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -260,7 +271,7 @@ class StepTime:
 
 def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
                  machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0,
-                 optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0) -> StepTime:
+                 optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0, half: bool = False) -> StepTime:
     """One rank's training step under ``machine``.
 
     ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
@@ -269,7 +280,8 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     rank recomputes in backward (the memory plan's). ``optimizer_bytes``: the trainable parameters' bytes
     (fp32) this rank updates. ``saved_bytes``: activations this rank saves for backward (written in
     forward, read in backward: the elementwise work, at the machine's activation or memory rate).
-    ``ops``: operators this rank's forwards call (each with its backward), at ``op_seconds`` each."""
+    ``ops``: operators this rank's forwards call (each with its backward), at ``op_seconds`` each.
+    ``half``: bf16/fp16 autocast, whose activations (and their collectives) are half the bytes."""
     config = plan.config
     compute = rank_flops if rank_flops is not None else sum(
         flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
@@ -280,7 +292,8 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     elif machine.memory_bytes_per_second:
         compute += 2 * saved_bytes / machine.memory_bytes_per_second
 
-    comm = sum(machine.seconds(config, c) for c in collectives if c.group_size > 1 and c.phase != "step")
+    comm = sum(machine.seconds(config, halved(c) if half else c) for c in collectives
+               if c.group_size > 1 and c.phase != "step")
     sync = sum(machine.seconds(config, c) for c in bucketed(c for c in collectives if c.phase == "step")
                if c.group_size > 1)
     bubble = 0.0
@@ -291,14 +304,15 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     return StepTime(compute, comm, bubble, sync, update)
 
 
-def plan_seconds(plan: Plan, report: StepReport, machine: Machine) -> StepTime:
-    """``step_seconds`` of a planned grid from its step report (``autopar.trace.plan_model``'s)."""
+def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: str = "fp32") -> StepTime:
+    """``step_seconds`` of a planned grid from its step report (``autopar.trace.plan_model``'s, under
+    ``precision``)."""
     layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
     memory = report.rank_memory or plan.memory
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
                         recompute_flops=memory.recompute_flops if memory is not None else 0.0,
                         optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
-                        ops=report.rank_ops)
+                        ops=report.rank_ops, half=precision in ("bf16", "fp16"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,7 +348,7 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
                       report.rank_saved_bytes * shards, report.rank_ops, report.segments)
 
 
-def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int) -> float:
+def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int, half: bool) -> float:
     """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2)."""
     config, shards = c.config, c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
@@ -353,11 +367,11 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int
             calls.append(Collective("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward", ""))
         if a > 1:  # the input gradient's
             calls.append(Collective("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward", ""))
-        total += count * micro / c.pipeline * sum(machine.seconds(config, x) for x in calls)
+        total += count * micro / c.pipeline * sum(machine.seconds(config, halved(x) if half else x) for x in calls)
     return total
 
 
-def screen(shape: ModelShape, candidate: Candidate, machine: Machine) -> tuple[float, int]:
+def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False) -> tuple[float, int]:
     """(predicted seconds, parameter, gradient and optimizer bytes per device) of ``candidate`` in closed
     form: AxoNN's per-layer collectives (DESIGN-NOTES section 2) on even splits, without planning it.
     Ranks grids for the search to plan the most promising exactly; not a plan's prediction."""
@@ -372,11 +386,12 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine) -> tuple[f
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
     # over row) the screen takes the cheaper
-    comm = min(_tensor_seconds(shape, candidate, machine, flip) for flip in (0, 1))
+    comm = min(_tensor_seconds(shape, candidate, machine, flip, half) for flip in (0, 1))
     if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
         rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
         message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
-        comm += 2 * micro * machine.seconds(config, Collective("send", "pipeline", 2, message, "forward", ""))
+        send = Collective("send", "pipeline", 2, message, "forward", "")
+        comm += 2 * micro * machine.seconds(config, halved(send) if half else send)
     params = shape.param_bytes // (tensor * c.depth * stages)
     sync = 0.0
     if c.data > 1:  # in the runtime's buckets

@@ -252,3 +252,17 @@ def test_a_pipeline_is_scored_by_its_slowest_rank():
     flops = [plan_model(llama, inputs, config, rank=r, pipeline=4, microbatches=8)[1].rank_flops for r in range(4)]
     _, slowest = plan_model(llama, inputs, config, rank=SLOWEST, pipeline=4, microbatches=8)
     assert slowest.rank_flops == max(flops) > flops[0]
+
+
+def test_half_precision_halves_the_activations_collectives_only():
+    """Under bf16/fp16 autocast an activation's all-reduce moves bf16; depth's weight gathers and
+    gradient reduce-scatters, the per-call check and the gradient sync stay fp32."""
+    from passes.analysis.estimate_costs import Collective
+    from passes.analysis.search_plans import halved
+
+    assert halved(Collective("all_reduce", "col", 2, 1024, "forward", "x")).message_bytes == 512
+    assert halved(Collective("send", "pipeline", 2, 1024, "backward", "x")).message_bytes == 512
+    for c in (Collective("all_gather", "depth", 2, 1024, "forward", "w"),
+              Collective("all_reduce", "data", 2, 1024, "step", "w"),
+              Collective("all_gather", "world", 4, 64, "forward", "<agreement>")):
+        assert halved(c) == c
