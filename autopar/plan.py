@@ -108,12 +108,20 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
         near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
         keep = min(keep, max(near, MIN_KEEP))
         grids = [c for *_, c in screened[:keep]]
-        rest = [Scored(c, None, memory, memory <= machine.memory_bytes,
-                       reason=f"{SCREENED}: " + (f"the screen predicts {seconds * 1e3:.3g} ms" if seconds < math.inf else
-                                               f"{c.pipeline} stages for {shape.segments} segments"))
+        rest = [Scored(c, None, memory, memory <= machine.memory_bytes, reason=_screened(seconds, memory, c, shape, machine))
                 for seconds, memory, c in screened[keep:]]
     return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures)
                       for c in grids) + rest
+
+
+def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine) -> str:
+    """Why a grid the screen left out was not planned: it does not fit (by the screen's memory estimate),
+    it has more stages than segments, or it is predicted slower."""
+    if memory > machine.memory_bytes:
+        return f"{SCREENED}: needs about {_gib(memory)} per device of {_gib(machine.memory_bytes)} (the screen's estimate)"
+    if seconds == math.inf:
+        return f"{SCREENED}: {config.pipeline} stages for {shape.segments} segments"
+    return f"{SCREENED}: the screen predicts {seconds * 1e3:.3g} ms"
 
 
 def _grids(options: list[dict[str, int]]) -> str:
