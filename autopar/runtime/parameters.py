@@ -47,13 +47,13 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.config import ParallelConfig
 from autopar.decisions import ParamKind, ParamPlan, Plan
-from autopar.errors import PlanError, StateDictError
+from autopar.errors import ParameterError, PlanError, StateDictError
 from autopar.runtime import collectives as C
 from autopar.memory import release_freed_memory
 from autopar.runtime.absent import Absent
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.mapped import FileMaps, release_pages
-from autopar.runtime.pending import is_pending
+from autopar.runtime.pending import Pending, is_pending
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 
@@ -223,9 +223,20 @@ def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     return block.narrow(0, mesh.index("depth") * rows, rows).contiguous()
 
 
-def loaded_value(loaded: torch.Tensor, deferred: Deferred) -> torch.Tensor:
-    """A value loaded into a pending parameter: a recorded one (a checkpoint's tensor converted inside the
-    block, not read yet) is computed now."""
+def loaded_value(pending: Pending, deferred: Deferred) -> torch.Tensor:
+    """The value loaded into a pending parameter (``load_state_dict`` before the first call, which keeps the
+    source tensor, not a copy: a checkpoint is read once, each rank its slices): a recorded one (a
+    checkpoint's tensor converted inside the block, not read yet) is computed now. Raises when the source
+    was written since it was loaded (a live model's ``state_dict()`` that then trained): the values loaded
+    are gone, and serial's load would have copied them."""
+    loaded = pending.loaded
+    if loaded._version != pending.cell["version"]:
+        raise ParameterError(
+            f"the tensor loaded into {pending.param_name!r} by load_state_dict before the model's first call was "
+            "changed in place since (e.g. another model's state_dict() that then trained). autopar reads a "
+            "loaded tensor at the first call, when it knows this rank's pieces, so the values loaded are gone. "
+            "Load a copy ({k: v.clone() for k, v in sd.items()}), load after the first call, or pass "
+            "example_inputs= to auto_parallelize so the model is sharded at the block's end.")
     return deferred.evaluate(loaded) if loaded.device.type == "meta" else loaded
 
 
@@ -357,7 +368,7 @@ class ParamStore:
                 local = local_of(t) if is_param and isinstance(t, DTensor) else t
                 if not is_pending(local) or local.cell["real"] is not None:
                     continue
-                full = loaded_value(local.loaded, deferred) if local.loaded is not None else values[name]
+                full = loaded_value(local, deferred) if local.loaded is not None else values[name]
                 full = full.to(dtype=local.dtype, device=local.device).clone()
                 local.cell["real"] = full  # every copy of the Pending now stands for it
                 if is_param:
@@ -397,7 +408,7 @@ class ParamStore:
                 if pending is None or id(t) in done:
                     continue
                 done.add(id(t))
-                full = loaded_value(pending.loaded, deferred) if pending.loaded is not None else values[name]
+                full = loaded_value(pending, deferred) if pending.loaded is not None else values[name]
                 full = full.to(dtype=pending.dtype, device=pending.device)
                 if not is_param:
                     self._set_buffer(name, full.clone())

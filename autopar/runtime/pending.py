@@ -39,7 +39,7 @@ class Pending(torch.Tensor):
                 source: Deferred, cell: dict[str, Any] | None = None) -> Pending:
         r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         r.param_name, r.key, r.source = name, key, source
-        r.cell = cell if cell is not None else {"loaded": None, "real": None}
+        r.cell = cell if cell is not None else {"loaded": None, "version": 0, "real": None}
         return r
 
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -74,6 +74,7 @@ class Pending(torch.Tensor):
                     raise ParameterError(f"copying a {tuple(args[1].shape)} tensor into {first.param_name!r} of "
                                          f"shape {tuple(first.shape)}.")
                 first.cell["loaded"] = args[1]  # load_state_dict before the first call: replaces the init
+                first.cell["version"] = args[1]._version  # (read at the first call: it must not change till then)
                 return first
         if func in (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default):
             like = dict(kwargs, dtype=kwargs.get("dtype") or first.dtype, device=kwargs.get("device") or first.device)

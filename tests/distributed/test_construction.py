@@ -21,7 +21,7 @@ import autopar
 from autopar.examples import zoo
 from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
-from autopar.errors import AgreementError
+from autopar.errors import AgreementError, ParameterError
 from autopar.runtime.deferred import DeferredInitError
 from autopar.runtime.parameters import local_of
 
@@ -139,6 +139,19 @@ def conversions_worker() -> dict:
     with torch.no_grad():
         model(torch.randn(4, 1, 4, 4))
     out["loaded_equal"] = all(torch.equal(v, other[k]) for k, v in autopar.full_state_dict(model).items())
+    # the loaded tensors are read at the first call: written in place before it (a live model's state dict
+    # that then trained), they are gone; the first call says so instead of building from the new values
+    live = MODELS["fc_net"][0]()
+    model, _ = _build("fc_net", "plain", ((2, 1, 1), 1))
+    model.load_state_dict(live.state_dict())
+    with torch.no_grad():
+        live.embed.weight.add_(1)
+    try:
+        with torch.no_grad():
+            model(torch.randn(4, 1, 4, 4))
+        out["changed_source"] = "no error"
+    except ParameterError as e:
+        out["changed_source"] = str(e)
     # values needed before the first call (an optimizer step, DCP's get_state_dict, torch.save): the
     # parameters are built whole on this rank (one warning) and the first call keeps the pieces
     state, _ = _serial("fc_net")
@@ -163,6 +176,7 @@ def test_conversions_loads_and_values_needed_before_the_first_call(distributed):
         for k, v in state.items():
             assert got["double"][k].dtype == torch.float64 and torch.equal(got["double"][k], v.double()), k
         assert got["loaded_equal"]
+        assert "changed in place since" in got["changed_source"] and "'embed.weight'" in got["changed_source"], got
         assert got["whole_before_call"] and got["pieces_after_call"] and got["touched_equal"], got
 
 
