@@ -18,10 +18,13 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from autopar.runtime import collectives as C
+from autopar.capture import batch_leaves, input_names
+from autopar.runtime.agreement import PER_RANK
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import AgreementError, ConfigError, ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
@@ -31,12 +34,11 @@ from autopar.runtime.mapped import FileMaps, file_fingerprint
 from autopar.runtime.pending import Pending, make_pending, materialize_whole
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.parameters import splits_parameters
-from autopar.runtime.runtime import ParallelRuntime
+from autopar.runtime.runtime import ParallelRuntime, runtimes
 
 log = logging.getLogger(__name__)
 
 _state = threading.local()
-_runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKeyDictionary()
 
 
 class _ModuleRecorder:
@@ -126,13 +128,18 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             True; False builds every parameter whole on every rank inside the block (for a model whose
             construction reads tensor data into Python, which DeferredInitError names).
         plan: "auto": the degrees not given (``tensor``, ``data``, ``pipeline``, ``microbatches``) are
-            chosen at the end of the block by ``python -m autopar.plan``'s search for this machine: the
-            grid with the least predicted step time that fits the device's memory (the log names it and
-            the runners-up; ``plan_of(model)`` has its plan). Needs ``example_inputs`` (one global batch)
-            and one model in the block. Default None: the degrees as given (no arguments: data parallel).
+            chosen by ``python -m autopar.plan``'s search for this machine: the grid with the least
+            predicted step time that fits the device's memory (the log names it and the runners-up;
+            ``plan_of(model)`` has its plan). With ``example_inputs`` (one global batch, one model in the
+            block) at the end of the block; without, at each model's first call, for that call's inputs
+            (a batch per rank counts as the global batch of all ranks' rows; a pipeline only when that
+            call is ``autopar.train_step``, the one call that runs a pipeline schedule). Until then the
+            parameters are replicated DTensors, as under a tensor grid: build the optimizer, load a state
+            dict, or enter ``no_sync()`` as usual. Default None: the degrees as given (no arguments: data
+            parallel, whose parameters stay plain tensors as under DDP).
 
     Yields:
-        The validated ParallelConfig (None with ``plan="auto"``: it is chosen after the block).
+        The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
 
     After the block each model built inside it is the same object, now parallel: ``model(x)`` takes
     the same global batch on every rank and returns the full output on every rank (or, fed a batch per
@@ -146,9 +153,6 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             "torch.distributed.init_process_group()) before entering it.")
     if plan not in (None, "auto"):
         raise ConfigError(f"plan={plan!r} is not an option: pass plan='auto' to choose the grid, or leave it out.")
-    if plan == "auto" and example_inputs is None:
-        raise ConfigError("plan='auto' needs example_inputs=(...): one global batch, the same on every rank, which "
-                          "the search plans every grid for. Pass it, or give tensor=/data=/pipeline= yourself.")
     given = {k: v for k, v in (("data", data), ("pipeline", pipeline)) if v is not None}
     if tensor is not None:
         given.update(zip(("row", "col", "depth"), tuple(tensor)))
@@ -181,43 +185,60 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     if not roots:
         log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
     # a torch.device("meta") around the block is the model's, not autopar's
-    if config is None and roots:
+    later = config is None and example_inputs is None
+    if later:  # a provisional grid until each model's first call chooses one
+        config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size())
+    elif config is None and roots:
         config, pipe = _choose_grid(roots, example_inputs, given, memory, pipe)
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
         for model in roots:
             parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs,
-                        deferred=deferred)
+                        deferred=deferred, choose=given if later else None)
 
 
 def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
                  pipe: PipelineConfig) -> tuple[ParallelConfig, PipelineConfig]:
     """plan="auto": the best grid for the block's model (``autopar.plan.choose_grid``), rank 0's choice on
     every rank; the degrees the user gave stay."""
+    if len(roots) > 1:
+        raise ContextError(f"plan='auto' with example_inputs chooses one grid for one model; the block built "
+                           f"{len(roots)} ({', '.join(type(m).__name__ for m in roots)}). Build one model per block, "
+                           "leave example_inputs out (each model's grid is then chosen at its first call), or give "
+                           "the degrees.")
+    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
+    return _agreed_choice(roots[0], type(roots[0]).__name__, inputs, {}, None, given, memory, pipe, None)
+
+
+def _agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: int | None, given: dict[str, int],
+                   memory: MemoryConfig, pipe: PipelineConfig, group: Any) -> tuple[ParallelConfig, PipelineConfig]:
+    """Rank 0's search (``autopar.plan.choose_grid``) for one global batch (``rows``: its rows, where the call
+    holds one rank's), broadcast: every rank runs the same grid, or raises rank 0's error."""
     from autopar.plan import choose_grid, why_slower
 
-    if len(roots) > 1:
-        raise ContextError(f"plan='auto' chooses one grid for one model; the block built {len(roots)} "
-                           f"({', '.join(type(m).__name__ for m in roots)}). Build one model per block, or give the "
-                           "degrees.")
     world = dist.get_world_size()
-    fixed_micro = pipe.microbatches
     box: list[Any] = [None]
     if dist.get_rank() == 0:
-        inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-        ranked = choose_grid(roots[0], inputs, world, fixed=given, precision=memory.precision,
-                             checkpoint=memory.checkpoint if isinstance(memory.checkpoint, str) else "auto")
-        if fixed_micro is not None:
-            ranked = [s for s in ranked if s.candidate.pipeline == 1 or s.candidate.microbatches == fixed_micro] \
-                or ranked
-        best = ranked[0]
-        box[0] = best.candidate
-        runners = "; ".join(f"{s.candidate.describe()} ({s.seconds * 1e3:.3g} ms: {why_slower(best, s)})"
-                            for s in ranked[1:3])
-        log.warning("autopar: plan='auto' chose %s for %s on %d ranks: predicted %.3g ms per step, %.3g MiB per "
-                    "device. Runners-up: %s.", best.candidate.describe(), type(roots[0]).__name__, world,
-                    best.seconds * 1e3, best.memory_bytes / 2**20, runners or "none")
-    dist.broadcast_object_list(box, src=0)
+        try:
+            ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
+                                 batch_size=rows,
+                                 checkpoint=memory.checkpoint if isinstance(memory.checkpoint, str) else "auto")
+        except Exception as e:  # every rank raises it, none waits for a choice that never comes
+            box[0] = e
+        else:
+            if pipe.microbatches is not None:
+                ranked = [s for s in ranked if s.candidate.pipeline == 1 or s.candidate.microbatches ==
+                          pipe.microbatches] or ranked
+            best = ranked[0]
+            box[0] = best.candidate
+            runners = "; ".join(f"{s.candidate.describe()} ({s.seconds * 1e3:.3g} ms: {why_slower(best, s)})"
+                                for s in ranked[1:3])
+            log.warning("autopar: plan='auto' chose %s for %s on %d ranks: predicted %.3g ms per step, %.3g MiB "
+                        "per device. Runners-up: %s.", best.candidate.describe(), name, world,
+                        best.seconds * 1e3, best.memory_bytes / 2**20, runners or "none")
+    dist.broadcast_object_list(box, src=0, group=group)
     chosen = box[0]
+    if isinstance(chosen, Exception):
+        raise chosen
     config = ParallelConfig.from_user(tensor=chosen.tensor, data=chosen.data, world_size=world,
                                       pipeline=chosen.pipeline)
     if chosen.pipeline > 1:
@@ -226,16 +247,49 @@ def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str,
     return config, pipe
 
 
+def _choose_at_first_call(ref: weakref.ref, given: dict[str, int], args: tuple, kwargs: dict,
+                          train_step: bool) -> ParallelRuntime:
+    """plan="auto" without example inputs: the grid for the model's first call, and the runtime that runs it
+    (the provisional one when the choice is data parallelism alone, else its successor on the same Parameter
+    objects). The ranks' inputs decide the batch mode as any first call does (``CallCheck``)."""
+    model = ref()
+    old = runtimes[model]
+    leaves, spec = pytree.tree_flatten((args, kwargs))
+    found = batch_leaves(leaves, input_names(args, kwargs), old.inputs.batch_dims)
+    mode, every = old.calls.check(leaves, spec, found[0], torch.is_grad_enabled())
+    rows = None
+    if mode == PER_RANK:  # the batch the search plans is every rank's rows
+        rows = sum(int(e.rows) for e in every) if every else found[1] * dist.get_world_size()
+    if mode == PER_RANK or not train_step:  # a plain call runs a pipeline's stages one after another
+        given = {**given, "pipeline": 1}
+    config, pipe = _agreed_choice(old.shadow, type(model).__name__, args, kwargs, rows, given, old.memory, old.pipe,
+                                  old.mesh.control)
+    if config == old.config:
+        return old
+    old.retire()
+    # the successor copies the model for capture: without the wrappers installed on it (they stay)
+    installed = {k: vars(model).pop(k) for k in ("forward", "generate", "no_sync") if k in vars(model)}
+    try:
+        new = ParallelRuntime(model, config, Mesh(config), old.memory, pipe, old.inputs, old.store.pending,
+                              dtensors=True)
+    finally:
+        vars(model).update(installed)
+    new.original_forward, new.calls.mode, new.no_sync_depth = old.original_forward, old.calls.mode, old.no_sync_depth
+    runtimes[model] = new
+    return new
+
+
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
                 memory: MemoryConfig | None = None, pipe: PipelineConfig | None = None,
-                inputs: InputConfig | None = None, deferred: Deferred | None = None) -> nn.Module:
+                inputs: InputConfig | None = None, deferred: Deferred | None = None,
+                choose: dict[str, int] | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end).
 
     ``deferred``: the block's recorded construction (autopar/runtime/deferred.py). Grids that split
     parameters build them at the first call (each rank its pieces); data parallelism alone builds them
     here, whole, as serial's construction would have.
     """
-    if model in _runtimes:
+    if model in runtimes:
         raise ContextError(f"{type(model).__name__} is already parallelized.")
     meta = deferred.unrecorded(model) if deferred is not None else \
         [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.device.type == "meta"]
@@ -249,19 +303,23 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
     sinks = deferred.sinks(model) if deferred is not None else {}
     if sinks:
         _agree_on_construction(deferred, mesh)
-        if splits_parameters(config):
+        if splits_parameters(config) or choose is not None:
             make_pending(model, deferred, sinks)
         else:
             materialize_whole(model, deferred, sinks)
             sinks = {}
     _agree_on_parameters(model, mesh)
     runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig(),
-                              inputs or InputConfig(), (deferred, sinks) if sinks else None)
-    _runtimes[model] = runtime
+                              inputs or InputConfig(), (deferred, sinks) if sinks else None,
+                              dtensors=True if choose is not None else None)
+    if choose is not None:  # any grid may shard the parameters the optimizer will hold: DTensors already
+        runtime.choose = functools.partial(_choose_at_first_call, weakref.ref(model), choose)
+    runtimes[model] = runtime
     original = model.forward
+    ref = weakref.ref(model)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return runtime(*args, **kwargs)
+        return runtimes[ref()](*args, **kwargs)  # the runtime of the grid chosen at the first call, if it was
 
     functools.update_wrapper(forward, original)  # inspect.signature(model.forward) stays the user's
     model.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
@@ -353,17 +411,16 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     """Backward passes inside the block keep gradients local (summed into ``.grad`` on this rank); the first
     backward after it sums everything accumulated over data (x depth), as DDP's ``no_sync`` does. Also
     ``model.no_sync()``, and DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's loop)."""
-    runtime = runtime_of(model)
-    runtime.no_sync_depth += 1
+    runtime_of(model).no_sync_depth += 1
     try:
         yield
-    finally:
-        runtime.no_sync_depth -= 1
+    finally:  # the runtime now: a first call inside the block may have chosen the grid (plan="auto")
+        runtime_of(model).no_sync_depth -= 1
 
 
 def runtime_of(model: nn.Module) -> ParallelRuntime:
     try:
-        return _runtimes[model]
+        return runtimes[model]
     except KeyError:
         raise ContextError(f"{type(model).__name__} was not built inside autopar.auto_parallelize().") from None
 

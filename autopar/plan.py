@@ -55,11 +55,12 @@ def load_machine(spec: str, gpus_per_node: int | None = None) -> Machine:
 
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
-          checkpoint: str = "auto", precision: str = "fp32", captures: dict[Any, Any] | None = None) -> Scored:
+          checkpoint: str = "auto", precision: str = "fp32", captures: dict[Any, Any] | None = None,
+          kwargs: dict | None = None) -> Scored:
     """One grid's plan and its predicted step on ``machine``: rank 0's without a pipeline (every rank does
-    the same work), else the rank whose stages compute most."""
+    the same work), else the rank whose stages compute most. ``kwargs``: the call's keyword inputs."""
     try:
-        plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint,
+        plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint, kwargs=kwargs,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
                                   microbatches=candidate.microbatches, captures=captures)
     except AutoparError as e:
@@ -82,16 +83,22 @@ SCREENED = "not planned"
 
 
 def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
-           checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP) -> list[Scored]:
+           checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
+           kwargs: dict | None = None) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``search_plans.screen``, from one
     plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly; the rest
     follow, unplanned, with their screened time as the reason."""
-    batch = _batch_size(inputs)
+    batch = _batch_size((inputs, kwargs))
     grids = candidates(world, batch, fixed=fixed)
     if not grids:
-        raise PlanError(f"no grid of {world} ranks fits a global batch of {batch} rows with {fixed or 'nothing'} "
-                        f"fixed: data x depth must be at most the batch. Grids of {world} ranks: "
+        fixed_text = ", ".join(f"{k}={v}" for k, v in (fixed or {}).items()) or "nothing"
+        if not factorizations(world, fixed):
+            raise PlanError(f"no grid of {world} ranks has {fixed_text}: the degrees multiply to the world size, so "
+                            f"each must divide {world}. Grids of {world} ranks: {_grids(factorizations(world))}. "
+                            "Fix degrees that divide the world size, or launch a multiple of them.")
+        raise PlanError(f"no grid of {world} ranks fits a global batch of {batch} rows with {fixed_text} fixed: data "
+                        f"x depth must be at most the batch. Grids of {world} ranks: "
                         f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
     captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
     rest: list[Scored] = []
@@ -99,7 +106,7 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
         # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
         # grid's, which the screen likely keeps), else on one rank
         shards = world if batch % world == 0 else 1
-        _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none",
+        _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
                               precision=precision, captures=captures)
         shape = shape_of(probe, shards)
         half = precision in ("bf16", "fp16")
@@ -110,8 +117,8 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
         grids = [c for *_, c in screened[:keep]]
         rest = [Scored(c, None, memory, memory <= machine.memory_bytes, reason=_screened(seconds, memory, c, shape, machine))
                 for seconds, memory, c in screened[keep:]]
-    return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures)
-                      for c in grids) + rest
+    return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
+                            kwargs=kwargs) for c in grids) + rest
 
 
 def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine) -> str:
@@ -147,13 +154,19 @@ def local_machine(world: int) -> Machine:
 
 
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
-                checkpoint: str = "auto", precision: str = "fp32") -> list[Scored]:
-    """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (one global
-    batch) on this machine, ranked; the first is the one to run. Raises PlanError when none fits memory,
-    with the closest."""
+                checkpoint: str = "auto", precision: str = "fp32", kwargs: dict | None = None,
+                batch_size: int | None = None) -> list[Scored]:
+    """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (and keyword
+    inputs ``kwargs``: one global batch; ``batch_size`` replaces its rows) on this machine, ranked; the first
+    is the one to run. Raises PlanError when none fits memory, with the closest."""
     machine = local_machine(world)
-    inputs = meta_inputs(inputs, None)
-    ranked = search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision)
+    if kwargs:
+        both = meta_inputs((tuple(inputs), dict(kwargs)), batch_size)
+        inputs, kwargs = both[0], both[1]
+    else:
+        inputs = meta_inputs(tuple(inputs), batch_size)
+    ranked = search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
+                    kwargs=kwargs)
     if not ranked[0].fits:
         closest = "; ".join(f"{s.candidate.describe()}: {_gib(s.memory_bytes)}" for s in ranked[:3])
         raise PlanError(f"no grid of {world} ranks fits {_gib(machine.memory_bytes)} per device for this model "

@@ -46,7 +46,7 @@ def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: An
     """
     args, kwargs = _split_inputs(inputs)
     ce = _cross_entropy_options(loss_fn)
-    runtime = runtime_of(model)
+    runtime = runtime_of(model).decided(args, kwargs, train_step=True)
     if runtime.config.pipeline > 1:
         return _pipelined_step(runtime, args, kwargs, targets, loss_fn, ce)
     if ce is not None:

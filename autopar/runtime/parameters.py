@@ -137,11 +137,15 @@ def distribute_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
 
     Tied parameters (one Parameter under several names) stay one. Called at the end of the
     ``auto_parallelize`` block, before the script builds its optimizer, so the optimizer holds the
-    objects that later change layout in place (``set_layout``).
+    objects that later change layout in place (``set_layout``). Replicated DTensors on another mesh (a
+    grid chosen at the first call replacing the provisional one) move to ``mesh`` in place.
     """
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, p in list(module._parameters.items()):
+            if isinstance(p, DTensor) and p.device_mesh is not mesh and id(p) not in made:
+                made[id(p)] = p
+                set_layout(p, p._local_tensor, mesh, [Replicate()] * mesh.ndim)
             if p is None or isinstance(p, DTensor):
                 continue
             q = made.get(id(p))
@@ -275,7 +279,9 @@ class ParamStore:
     """
 
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
-                 pending: tuple[Deferred, dict[int, Sink]] | None = None) -> None:
+                 pending: tuple[Deferred, dict[int, Sink]] | None = None, dtensors: bool | None = None) -> None:
+        """``dtensors``: parameters become DTensors even under data parallelism alone (a grid chosen at the
+        first call: the optimizer built before it must hold the objects any grid could shard)."""
         self.config, self.mesh = config, mesh
         self.pending = pending
         """The recorded construction of parameters and buffers not built yet (autopar.runtime.deferred)."""
@@ -285,7 +291,7 @@ class ParamStore:
         self.buffers: dict[str, torch.Tensor] = dict(model.named_buffers(remove_duplicate=False))
         """Every buffer by name (tied names too): the runtime reads buffers here."""
         self._model = weakref.ref(model)
-        self.dtensors = splits_parameters(config)
+        self.dtensors = splits_parameters(config) if dtensors is None else dtensors
         if self.dtensors:
             distribute_parameters(model, mesh.param_mesh())
         self.params: dict[str, nn.Parameter] = dict(model.named_parameters(remove_duplicate=False))
@@ -297,10 +303,19 @@ class ParamStore:
         """pipeline > 1: parameter name -> the pipeline coordinates whose stages read it."""
         self.held: set[int] | None = None
         """pipeline > 1: ids of the parameters this rank holds (its stages read them, or no stage does)."""
+        self.hooks = []
         for module in model.modules():  # after the model's own hooks: they see (and may merge) serial keys
             direct = [n for n, p in module.named_parameters(recurse=False)]
             if direct:
-                module.register_load_state_dict_pre_hook(functools.partial(self._load_hook, names=direct))
+                self.hooks.append(module.register_load_state_dict_pre_hook(
+                    functools.partial(self._load_hook, names=direct)))
+
+    def close(self) -> None:
+        """Detaches this store from the model (its successor, for the grid chosen at the first call, takes
+        the same Parameter objects)."""
+        for handle in self.hooks:
+            handle.remove()
+        self.hooks = []
 
     def unique(self) -> list[nn.Parameter]:
         return list({id(p): p for p in self.params.values()}.values())

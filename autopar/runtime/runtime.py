@@ -7,9 +7,11 @@ signatures (a smaller last batch, eval mode) are captured again and compiled wit
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,11 +65,21 @@ PASSES = (split_batch, shard_linears, insert_checkpoints)
 PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
 
 
+runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKeyDictionary()
+"""Every parallel model's runtime: the one its grid runs under now (``auto_parallelize`` registers it)."""
+
+
+def current_runtime(model: nn.Module) -> ParallelRuntime:
+    return runtimes[model]
+
+
 class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
                  memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
-                 inputs: InputConfig = InputConfig(), pending: tuple[Deferred, dict[int, Sink]] | None = None) -> None:
-        """``pending``: the recorded construction of the parameters and buffers built at the first call."""
+                 inputs: InputConfig = InputConfig(), pending: tuple[Deferred, dict[int, Sink]] | None = None,
+                 dtensors: bool | None = None) -> None:
+        """``pending``: the recorded construction of the parameters and buffers built at the first call.
+        ``dtensors``: ParamStore's (True for a provisional grid, replaced by the one chosen at the first call)."""
         self.config, self.mesh, self.memory, self.pipe, self.inputs = config, mesh, memory, pipe, inputs
         self.pure_data = config.num_tensor == 1 and config.pipeline == 1
         """No collective in forward for a batch of this rank's own (data parallelism only)."""
@@ -77,14 +89,18 @@ class ParallelRuntime:
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
         register_hf_caches(model)  # before any call flattens its inputs
-        if getattr(model, "can_generate", lambda: False)():  # its cache comes back split (kept.py)
-            model.generate = wrap_generate(model, model.generate, self.calls.following)
-        self.store = ParamStore(model, config, mesh, pending)
+        self._generate = "generate" in vars(model)  # wrapped by the runtime this one replaces
+        if getattr(model, "can_generate", lambda: False)() and not self._generate:  # its cache comes back split
+            model.generate = wrap_generate(model, model.generate, self.following)  # (kept.py)
+            self._generate = True
+        self.store = ParamStore(model, config, mesh, pending, dtensors)
         self.params = self.store.params
         if self.store.dtensors:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
             optim.install()  # torch.optim's elementwise optimizers step on the local pieces
-            model.register_state_dict_post_hook(state_dict_post_hook)  # DCP sees every box of fused pieces
+            if not getattr(model, "autopar_state_dict_hook", False):  # DCP sees every box of fused pieces
+                model.register_state_dict_post_hook(state_dict_post_hook)
+                model.autopar_state_dict_hook = True
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.plan: Plan | None = None
         self.executables = Executables()
@@ -106,6 +122,27 @@ class ParallelRuntime:
         self.original_forward = model.forward
         self._warned: set[Any] = set()
         self._training = lambda: model.training
+        self.choose: Callable[[tuple, dict, bool], ParallelRuntime] | None = None
+        """A provisional runtime's chooser: picks the grid at the first call and returns the runtime that
+        replaces this one (``autopar.context``; None once chosen, or when the grid was given)."""
+
+    def following(self) -> contextlib.AbstractContextManager:
+        """``CallCheck.following`` of the runtime the model runs under now (generate's wrapper asks each call)."""
+        model = self._model()
+        return current_runtime(model).calls.following() if model is not None else contextlib.nullcontext()
+
+    def decided(self, args: tuple, kwargs: dict, train_step: bool = False) -> ParallelRuntime:
+        """The runtime this call runs under: this one, or, at the first call of a model whose grid is chosen
+        then (``plan="auto"`` without example inputs), the one for the chosen grid."""
+        if self.choose is None:
+            return self
+        choose, self.choose = self.choose, None
+        return choose(args, kwargs, train_step)
+
+    def retire(self) -> None:
+        """Hands the model over to the runtime of the chosen grid: the load hooks go (the successor's store
+        registers its own); the parameters, the wrapped ``generate`` and the state-dict hook stay."""
+        self.store.close()
 
     # ---- calling ----------------------------------------------------------------------------------
 
@@ -126,6 +163,9 @@ class ParallelRuntime:
         ``example``: auto_parallelize's example_inputs, the same on every rank: a global batch that
         decides nothing about how the script feeds the model later.
         """
+        if self.choose is not None:
+            return self.decided(args, kwargs, local_outputs).run(args, kwargs, local_outputs=local_outputs,
+                                                                 example=example)
         grad = torch.is_grad_enabled()
         if not grad and self.pure_data:  # like DDP's module in evaluation: this rank's inputs, no collective
             return self._forward_local(args, kwargs), None, ()

@@ -1,14 +1,16 @@
-"""``auto_parallelize(plan="auto")``: the grid is chosen at the end of the block by the plan search (the one
-``python -m autopar.plan`` ranks first for this machine), degrees the user gave stay, and training on the
-chosen grid gives serial's losses and parameters."""
+"""``auto_parallelize(plan="auto")``: the grid is chosen by the plan search (the one ``python -m autopar.plan``
+ranks first for this machine) at the end of the block with example inputs, else at the model's first call;
+degrees the user gave stay, and training on the chosen grid gives serial's losses and parameters."""
 
 from __future__ import annotations
+
+from contextlib import nullcontext
 
 import pytest
 import torch
 
 import autopar
-from autopar.errors import ConfigError
+from autopar.errors import PlanError
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.plan import choose_grid
 
@@ -55,14 +57,82 @@ def test_plan_auto_runs_the_searchs_best_grid_with_serials_numbers(distributed, 
         assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
 
 
-def needs_inputs_worker() -> str:
+def first_call_worker(fixed: dict, per_rank: bool) -> dict:
+    """plan="auto" without example inputs: the optimizer is built and a serial state dict loaded before the
+    first call, which runs inside no_sync() (gradient accumulation over two micro-steps) with clipping."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g))
+               for _ in range(4)]
+    torch.manual_seed(0)
+    serial = NanoGPT(GPTConfig(**CONFIG))
+    torch.manual_seed(1)  # other initial values: the loaded state dict must win
+    with autopar.auto_parallelize(plan="auto", **fixed) as yielded:
+        model = NanoGPT(GPTConfig(**CONFIG))
+    optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, serial)}  # (model's first
+    model.load_state_dict(serial.state_dict())  # call reads the loaded tensors: before serial's step writes them)
+    losses = []
+    for step in range(2):
+        pair = batches[2 * step: 2 * step + 2]
+        got = {}
+        for m, opt in optimizers.items():
+            total = 0.0
+            for micro, (x, y) in enumerate(pair):
+                if m is model and per_rank:  # DDP-style: each rank its rows of the global batch
+                    x, y = x.chunk(world)[rank], y.chunk(world)[rank]
+                context = m.no_sync() if m is model and micro == 0 else nullcontext()
+                with context:
+                    loss = m(x, y)[1] / len(pair)
+                    loss.backward()
+                total += loss.item()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+            got[m] = total
+        if per_rank:  # this rank's loss is its rows' mean: the mean over ranks is serial's
+            t = torch.tensor(got[model])
+            torch.distributed.all_reduce(t)
+            got[model] = t.item() / world
+        losses.append(abs(got[model] - got[serial]) / abs(got[serial]))
+    params = autopar.full_state_dict(model)
+    error = max(float((params[n] - p).abs().max()) for n, p in serial.named_parameters())
+    c = autopar.plan_of(model).config
+    with torch.device("meta"):
+        shadow = NanoGPT(GPTConfig(**CONFIG))
+    best = choose_grid(shadow, batches[0], world, fixed={**fixed_degrees(fixed), "pipeline": 1})[0].candidate
+    dtensor = isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor)
+    return {"chosen": (c.data, c.pipeline, c.row, c.col, c.depth), "yielded": yielded, "dtensor": dtensor,
+            "best": (best.data, best.pipeline, best.row, best.col, best.depth), "loss": max(losses), "param": error}
+
+
+def fixed_degrees(fixed: dict) -> dict:
+    out = dict(zip(("row", "col", "depth"), fixed.get("tensor", ())))
+    if "data" in fixed:
+        out["data"] = fixed["data"]
+    return out
+
+
+@pytest.mark.parametrize("fixed,per_rank", [({}, False), ({"tensor": (2, 1, 1)}, False), ({"data": 4}, True),
+                                            ({"tensor": (1, 2, 1)}, True)])
+def test_plan_auto_without_example_inputs_chooses_at_the_first_call(distributed, fixed, per_rank):
+    for got in distributed(first_call_worker, 4, fixed, per_rank, timeout=600):
+        assert got["yielded"] is None and got["chosen"] == got["best"], got
+        assert got["dtensor"], got  # parameters any grid can shard in place, the optimizer's objects
+        if "tensor" in fixed:
+            assert got["chosen"][2:] == fixed["tensor"], got
+        assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
+
+
+def no_grid_worker() -> str:
+    with autopar.auto_parallelize(plan="auto", tensor=(3, 1, 1)):
+        model = NanoGPT(GPTConfig(**CONFIG))
     try:
-        with autopar.auto_parallelize(plan="auto"):
-            NanoGPT(GPTConfig(**CONFIG))
-    except ConfigError as e:
+        model(torch.zeros(8, 16, dtype=torch.long))
+    except PlanError as e:  # on every rank: rank 0's search failed, and the others do not wait for it
         return str(e)
     return "no error"
 
 
-def test_plan_auto_without_example_inputs_says_what_it_needs(distributed):
-    assert "plan='auto' needs example_inputs" in distributed(needs_inputs_worker, 2)[0]
+def test_plan_auto_at_the_first_call_with_no_grid_raises_on_every_rank(distributed):
+    for got in distributed(no_grid_worker, 2, timeout=120):
+        assert got.startswith("no grid of 2 ranks has row=3") and "data=2 pipeline=1 tensor=1,1,1" in got, got
