@@ -419,6 +419,9 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 
 def runtime_of(model: nn.Module) -> ParallelRuntime:
+    """The runtime of a parallel model, or of the model a framework's wrapper holds (Lightning Fabric's
+    ``_FabricModule``: the script passes what ``fabric.setup`` returned)."""
+    model = getattr(model, "_forward_module", model)
     try:
         return runtimes[model]
     except KeyError:
@@ -427,7 +430,7 @@ def runtime_of(model: nn.Module) -> ParallelRuntime:
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The serial model's state dict (full tensors, serial names) on every rank. Collective."""
-    return runtime_of(model).full_state_dict(model.state_dict())
+    return runtime_of(model).full_state_dict(getattr(model, "_forward_module", model).state_dict())
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

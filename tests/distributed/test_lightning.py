@@ -1,0 +1,145 @@
+"""Lightning Fabric's loop on ``AutoparStrategy`` (autopar/integrations/lightning.py) equals a serial Fabric loop.
+
+The script is the SC'24 tutorial's shape: ``init_module(empty_init=True)``, ``fabric.setup(model, optimizer)``,
+DistributedSampler-style rows per rank, ``no_backward_sync`` for 2-step accumulation, ``fabric.backward``,
+``fabric.clip_gradients``, ``fabric.save`` / ``fabric.load`` (sharded and full) reloaded on another grid.
+The oracle is the same loop on one process (plain torch, the whole batch). Skipped without lightning.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+pytest.importorskip("lightning")
+
+import lightning as L  # noqa: E402
+
+import autopar  # noqa: E402
+from autopar.examples.nanogpt import GPTConfig, NanoGPT  # noqa: E402
+from autopar.lightning import AutoparStrategy  # noqa: E402
+
+CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
+STEPS, ACCUMULATE, ROWS = 3, 2, 8
+
+
+def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 128, (ROWS, 16), generator=g), torch.randint(0, 128, (ROWS, 16), generator=g))
+            for _ in range(STEPS * ACCUMULATE)]
+
+
+def _serial() -> tuple[list[float], dict[str, torch.Tensor]]:
+    torch.manual_seed(0)
+    model = NanoGPT(GPTConfig(**CONFIG))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    batches, losses = _batches(), []
+    for step in range(STEPS):
+        total = 0.0
+        for micro in range(ACCUMULATE):
+            x, y = batches[step * ACCUMULATE + micro]
+            loss = model(x, y)[1] / ACCUMULATE
+            loss.backward()
+            total += loss.item()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(total)
+    return losses, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _fabric(**strategy: object) -> L.Fabric:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=AutoparStrategy(**strategy), precision="32-true")
+    fabric.launch()
+    return fabric
+
+
+def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool) -> dict:
+    fabric = _fabric(**strategy)
+    rank, world = fabric.global_rank, fabric.world_size
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True) if inside else contextlib.nullcontext():
+        model = NanoGPT(GPTConfig(**CONFIG))  # (outside: built whole, parallelized by fabric.setup)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, optimizer = fabric.setup(model, optimizer)
+    sampler = fabric.strategy.distributed_sampler_kwargs
+    batches, losses = _batches(), []
+    for step in range(STEPS):
+        total = torch.zeros(())
+        for micro in range(ACCUMULATE):
+            x, y = batches[step * ACCUMULATE + micro]
+            rows = slice(sampler["rank"], None, sampler["num_replicas"])  # DistributedSampler's rows, collated
+            with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
+                loss = model(x[rows].contiguous(), y[rows].contiguous())[1] / ACCUMULATE
+                fabric.backward(loss)
+            total += loss.detach()
+        fabric.clip_gradients(model, optimizer, max_norm=0.05)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+    out = {"losses": losses, "params": autopar.full_state_dict(model), "sampler": sampler,
+           "plan": autopar.plan_of(model).config, "world": world, "rank": rank}
+    # checkpoints: sharded (DCP directory) and full (one serial-format file), reloaded on another grid
+    optimizer_state = autopar.full_optimizer_state_dict(model, optimizer)
+    fabric.save(os.path.join(tmp, "sharded"), {"model": model, "optimizer": optimizer, "step": STEPS})
+    fabric.strategy._save_distributed_checkpoint = False
+    fabric.save(os.path.join(tmp, "full.pt"), {"model": model, "optimizer": optimizer, "step": STEPS})
+    for kind in ("sharded", "full.pt"):
+        other = _fabric(**reload)
+        torch.manual_seed(3)
+        with other.init_module(empty_init=True):
+            fresh = NanoGPT(GPTConfig(**CONFIG))
+        fresh_optimizer = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        fresh, fresh_optimizer = other.setup(fresh, fresh_optimizer)
+        x, y = batches[0]
+        with torch.no_grad():
+            fresh(x[rank::world].contiguous(), y[rank::world].contiguous())  # the first call builds it (the load then goes to the pieces)
+        state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+        rest = other.load(os.path.join(tmp, kind), state)
+        got = autopar.full_state_dict(fresh)
+        got_optimizer = autopar.full_optimizer_state_dict(fresh, fresh_optimizer)["state"]
+        out[kind] = {
+            "step": state["step"], "rest": sorted(rest),
+            "params": max(float((got[k] - v).abs().max()) for k, v in out["params"].items()),
+            "optimizer": max(float((got_optimizer[n][s] - t).abs().max())
+                             for n, states in optimizer_state["state"].items() for s, t in states.items()),
+        }
+    return out
+
+
+GRIDS = [(4, {"tensor": (2, 1, 1), "data": 2}, True), (4, {"G_intra_c": 2, "data": 2}, True),
+         (4, {"G_intra_z": 2}, True), (2, {"data": 2}, True), (4, {"tensor": (2, 1, 1), "data": 2}, False)]
+
+
+@pytest.mark.parametrize("world,strategy,inside", GRIDS)
+def test_fabric_loop_equals_serial_and_checkpoints_reload_on_another_grid(distributed, tmp_path, world, strategy,
+                                                                          inside):
+    """``inside``: built in ``fabric.init_module(empty_init=True)``; else built plainly and handed to
+    ``fabric.setup(model, optimizer)`` with an optimizer over the plain parameters."""
+    losses, params = _serial()
+    reload = {"tensor": (1, 2, 1)} if world == 4 else {"tensor": (2, 1, 1)}
+    for got in distributed(fabric_worker, world, strategy, reload, str(tmp_path), inside, timeout=600):
+        assert got["sampler"] == {"num_replicas": world, "rank": got["rank"]}
+        c = got["plan"]
+        want = strategy.get("tensor") or (1, strategy.get("G_intra_c", 1), strategy.get("G_intra_z", 1))
+        assert (c.row, c.col, c.depth) == tuple(want), c
+        for a, b in zip(got["losses"], losses):
+            assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], losses)
+        for k, v in params.items():
+            assert torch.allclose(got["params"][k], v, atol=1e-5), k
+        for kind in ("sharded", "full.pt"):
+            assert got[kind]["step"] == STEPS and got[kind]["rest"] == [], got[kind]
+            assert got[kind]["params"] == 0 and got[kind]["optimizer"] == 0, got[kind]
+
+
+def test_tensor_degrees_given_twice_are_refused():
+    with pytest.raises(autopar.AutoparError, match="given twice"):
+        AutoparStrategy(tensor=(2, 1, 1), G_intra_r=2)
+    assert AutoparStrategy(G_intra_x=2, G_intra_z=2).tensor == (2, 1, 2)
+    assert L.Fabric(accelerator="cpu", devices=1, strategy="autopar").strategy.__class__ is AutoparStrategy
