@@ -571,6 +571,9 @@ class ParamStore:
             state_dict[key] = self._loadable(key, p, value)
 
     def _loadable(self, key: str, p: nn.Parameter, value: Any) -> Any:
+        if not isinstance(value, torch.Tensor) and torch.overrides.is_tensor_like(value):
+            value = torch.detach(value)  # a lazily loaded checkpoint tensor (Lightning's lazy_load, litgpt's
+            # load_checkpoint) read now, through its __torch_function__, one tensor at a time
         if not isinstance(value, torch.Tensor):
             return value
         if isinstance(p._local_tensor, Absent):
