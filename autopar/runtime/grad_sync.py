@@ -9,10 +9,12 @@ each parameter's reduced gradient in place of its local one.
 
 Every rank launches the same buckets in the same order: bucket k is launched only after bucket
 k - 1, and a bucket whose parameters got no gradient this backward is launched at the end with zeros
-there. The hook copies the local gradient into its bucket and passes it on to autograd unchanged;
-the end callback overwrites ``p.grad`` with the sum, or, when autograd added the gradient to an
-existing ``p.grad`` (accumulation), adds (sum - local). Bucket buffers live from a bucket's first
-gradient to the end of backward, as DDP's would, but are not held between steps.
+there. A post-accumulate-grad hook copies the new local gradient into its bucket: after autograd added
+it to ``p.grad``, so the script's own tensor hooks on the parameter (``p.register_hook``: clipping or
+masking a gradient) have shaped it, as under DDP. The end callback overwrites ``p.grad`` with the sum,
+or, when ``p.grad`` held an earlier gradient (accumulation without no_sync; a tensor hook registered
+first keeps a copy of it), that plus the sum. Bucket buffers live from a bucket's first gradient to the
+end of backward, as DDP's would, but are not held between steps.
 
 Like DDP, only ``backward()`` synchronizes: ``torch.autograd.grad`` on the parameters returns this
 rank's local gradients. While ``enabled()`` is false (DDP's ``no_sync``) backward keeps the gradients
@@ -53,7 +55,7 @@ class _Bucket:
         self.missing = len(self.params)
         """Parameters still without a gradient this backward (a counter: checked at every hook)."""
         self.local: list[torch.Tensor | None] = [None] * len(self.params)
-        """A gradient added to an existing ``p.grad`` (accumulation): what to take back out at the end."""
+        """What ``p.grad`` held before this backward added to it (accumulation without no_sync)."""
         self.replace = [False] * len(self.params)
         """The slot holds ``p.grad`` too (gradients accumulated under no_sync): the sum replaces ``p.grad``."""
         self.work: Any = None
@@ -89,7 +91,8 @@ class GradSync:
             nbytes += numel * dtype.itemsize
         if current:
             self._add(current)
-        self.handles = [p.register_hook(self._hook(p)) for p in params]
+        self.handles = [p.register_hook(self._before(p)) for p in params] + \
+            [p.register_post_accumulate_grad_hook(self._hook(p)) for p in params]
         self._pending = False
 
     def _add(self, params: list[nn.Parameter]) -> None:
@@ -98,13 +101,26 @@ class GradSync:
             self.where[id(p)] = (k, i)
         self.buckets.append(_Bucket(params, self.reduce_dtype or params[0].dtype))
 
-    def _hook(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
+    def _before(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The first tensor hook of ``p`` (registered before any of the script's): keeps a copy of an earlier
+        gradient ``p.grad`` holds, which autograd is about to add to, and which is not to be summed again."""
         k, i = self.where[id(p)]
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
+            bucket = self.buckets[k]
+            if self.enabled() and p.grad is not None and id(p) not in self.unsynced and bucket.local[i] is None:
+                bucket.local[i] = local_of(p.grad).detach().clone()
+            return grad
+
+        return hook
+
+    def _hook(self, p: nn.Parameter) -> Callable[[nn.Parameter], None]:
+        k, i = self.where[id(p)]
+
+        def hook(param: nn.Parameter) -> None:
             if not self.enabled():
                 self.unsynced.add(id(p))
-                return grad
+                return
             bucket = self.buckets[k]
             if bucket.launched or bucket.got[i]:
                 raise RuntimeError(f"autopar: a second gradient of a parameter of shape {tuple(p.shape)} arrived "
@@ -113,19 +129,19 @@ class GradSync:
             if not self._pending:
                 self._pending = True
                 torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-            bucket.slot(i).copy_(local_of(grad).reshape(-1))
+            grad = local_of(p.grad).reshape(-1)
+            if id(p) in self.unsynced:  # reduce what no_sync kept local too; the sum replaces p.grad
+                self.unsynced.discard(id(p))
+                bucket.slot(i).copy_(grad)
+                bucket.replace[i] = True
+            elif bucket.local[i] is not None:  # an earlier gradient plus this one: only this one travels
+                bucket.slot(i).copy_(grad - bucket.local[i].reshape(-1))
+            else:
+                bucket.slot(i).copy_(grad)
             bucket.got[i] = True
             bucket.missing -= 1
-            if id(p) in self.unsynced:
-                self.unsynced.discard(id(p))
-                if p.grad is not None:  # reduce what no_sync kept local too; the sum replaces p.grad
-                    bucket.slot(i).add_(local_of(p.grad).reshape(-1))
-                    bucket.replace[i] = True
-            if p.grad is not None and not bucket.replace[i]:  # autograd adds grad: the end swaps it for the sum
-                bucket.local[i] = local_of(grad)
             if bucket.missing == 0:
                 self._launch_ready()
-            return grad
 
         return hook
 
@@ -165,8 +181,8 @@ class GradSync:
                 with torch.no_grad():
                     if bucket.local[i] is None or bucket.replace[i]:
                         grad.copy_(reduced)
-                    else:
-                        grad.add_(reduced.to(grad.dtype) - bucket.local[i])
+                    else:  # the earlier gradient, plus the sum of this backward's
+                        grad.copy_(bucket.local[i] + reduced.to(grad.dtype))
             bucket.reset()
 
     def remove(self) -> None:

@@ -129,3 +129,31 @@ def test_pipeline_gradient_accumulation_equals_serial(distributed):
         for how, grads in r.items():
             for n, p in model.named_parameters():
                 assert rel_err(grads[n], p.grad) < 1e-5, (how, n)
+
+
+def _hooked_worker(tensor: tuple[int, int, int], data: int) -> dict:
+    """A script's own tensor hook on a parameter (here: halve the gradient) shapes what is summed, as under
+    DDP, whose reducer runs after the hooks."""
+    from autopar.examples.nanogpt import GPTConfig, NanoGPT
+
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g)
+    config = GPTConfig(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
+    torch.manual_seed(0)
+    serial = NanoGPT(config)
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=tensor, data=data):
+        model = NanoGPT(config)
+    model(x, y)[1].backward()  # the first call builds the parameters
+    for m in (serial, model):
+        m.zero_grad()
+        m.transformer.h[0].mlp.c_fc.weight.register_hook(lambda grad: grad * 0.5)
+        m(x, y)[1].backward()
+    grads = {n: p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad for n, p in model.named_parameters()}
+    return {n: rel_err(grads[n], p.grad) for n, p in serial.named_parameters()}
+
+
+def test_a_scripts_parameter_hook_shapes_the_summed_gradient(distributed):
+    for tensor, data, world in (((1, 1, 1), 2, 2), ((2, 1, 1), 2, 4)):
+        for errors in distributed(_hooked_worker, world, tensor, data):
+            assert max(errors.values()) < 1e-5, errors
