@@ -15,7 +15,8 @@ spellings are accepted):
   value, serial's numbers), ``fabric.save``/``fabric.load`` (one serial-format file, or a
   ``torch.distributed.checkpoint`` directory that loads at any grid), and the collectives.
 
-Precision: "32-true" (Fabric's default). The others are refused with a clear error for now.
+Precision: "32-true" (Fabric's default), "bf16-mixed", "16-mixed" (autopar's own autocast; with fp16 an
+overflow on any rank is every rank's, so the GradScaler skips the step everywhere) and "bf16-true".
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
@@ -137,18 +138,17 @@ class AutoparStrategy(ParallelStrategy):
     # ---- the model -----------------------------------------------------------------------------------
 
     def _context_options(self) -> dict[str, Any]:
-        if type(self.precision) is not Precision:
-            raise ConfigError(f"AutoparStrategy runs precision '32-true' for now; {type(self.precision).__name__} "
-                              "(bf16-mixed, bf16-true, 16-mixed) is not supported yet. Use Fabric(precision="
-                              "'32-true'), or autopar.auto_parallelize(precision='bf16') without Fabric.")
         return dict(tensor=self.tensor, data=self.data, pipeline=self.pipeline, plan=self.plan, batch="per-rank",
-                    **self.options)
+                    precision=_autopar_precision(self.precision), **self.options)
 
     def module_init_context(self, empty_init: bool | None = None) -> contextlib.AbstractContextManager:
         """An ``auto_parallelize`` block: modules built inside are parallel when it ends. Their parameters are
         built at the first call, each rank its pieces, with serial's values (or the checkpoint's loaded
-        before it), whether or not ``empty_init`` is asked for."""
-        return autopar.auto_parallelize(**self._context_options())
+        before it), whether or not ``empty_init`` is asked for. Under "bf16-true" they are built in bf16."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(self.precision.module_init_context())
+        stack.enter_context(autopar.auto_parallelize(**self._context_options()))
+        return stack
 
     def tensor_init_context(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
@@ -298,6 +298,18 @@ class AutoparStrategy(ParallelStrategy):
             else:
                 state[key] = value
         return rest
+
+
+def _autopar_precision(plugin: Precision) -> str:
+    """autopar's ``precision`` for Fabric's plugin. "bf16-mixed"/"16-mixed": autopar runs the graph under
+    autocast itself (outputs fp32) and, with fp16, makes every rank see an overflow any rank had, so the
+    plugin's GradScaler skips the step everywhere. "32-true"/"bf16-true": the parameters' own dtype."""
+    if type(plugin) is MixedPrecision:
+        return {"bf16-mixed": "bf16", "16-mixed": "fp16"}[plugin.precision]
+    if type(plugin) in (Precision, HalfPrecision):  # "bf16-true" / "16-true": parameters in that dtype
+        return "fp32"
+    raise ConfigError(f"AutoparStrategy runs Fabric's precisions 32-true, bf16-mixed, 16-mixed and bf16-true; "
+                      f"{type(plugin).__name__} is not one of them.")
 
 
 class _NoSync(_BackwardSyncControl):

@@ -21,6 +21,7 @@ pytest.importorskip("lightning")
 import lightning as L  # noqa: E402
 
 import autopar  # noqa: E402
+from autopar.decisions import ParamKind  # noqa: E402
 from autopar.examples.nanogpt import GPTConfig, NanoGPT  # noqa: E402
 from autopar.lightning import AutoparStrategy  # noqa: E402
 
@@ -211,3 +212,95 @@ def test_litgpt_loaded_by_its_own_load_checkpoint_trains_as_serial(distributed, 
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], losses)
         for k, v in serial.state_dict().items():
             assert torch.allclose(got["params"][k], v, atol=1e-5), (k, float((got["params"][k] - v).abs().max()), float(v.abs().max()))
+
+
+def _fabric_precision(precision: str, **strategy: object) -> L.Fabric:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    strategy_ = AutoparStrategy(**strategy)
+    if precision == "16-mixed":  # (Fabric's string turns into bf16-mixed on CPU; the plugin itself is fp16)
+        from lightning.fabric.plugins.precision import MixedPrecision
+
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy_,
+                          plugins=[MixedPrecision("16-mixed", device="cpu")])
+    else:
+        fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy_, precision=precision)
+    fabric.launch()
+    return fabric
+
+
+def _half_serial(precision: str) -> list[float]:
+    """The serial loop as Fabric runs it on one device: under autocast ("bf16-mixed"), or with bf16
+    parameters ("bf16-true")."""
+    torch.manual_seed(0)
+    model = NanoGPT(GPTConfig(**CONFIG))
+    if precision == "bf16-true":
+        model = model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in _batches()[:STEPS]:
+        context = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
+        with context:
+            loss = model(x, y)[1]
+        loss.float().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.float().item())
+    return losses
+
+
+def precision_worker(strategy: dict) -> dict:
+    out: dict = {}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for precision in ("bf16-mixed", "bf16-true"):
+        fabric = _fabric_precision(precision, **strategy)
+        torch.manual_seed(0)
+        with fabric.init_module(empty_init=True):
+            model = NanoGPT(GPTConfig(**CONFIG))
+        model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+        losses = []
+        for x, y in _batches()[:STEPS]:
+            loss = model(x[rank::world].contiguous(), y[rank::world].contiguous())[1]
+            fabric.backward(loss)
+            optimizer.step()
+            optimizer.zero_grad()
+            losses.append(fabric.all_reduce(loss.detach().float(), reduce_op="mean").item())
+        out[precision] = {"losses": losses, "dtype": str(next(iter(model.parameters())).dtype)}
+    # 16-mixed: an overflow in one rank's backward (rank 0's piece of a split weight's gradient made inf at the
+    # second step) makes every rank's GradScaler skip that step and lower its scale; the next step trains
+    fabric = _fabric_precision("16-mixed", **strategy)
+    torch.manual_seed(0)
+    with fabric.init_module(empty_init=True):
+        model = NanoGPT(GPTConfig(**CONFIG))
+    model, optimizer = fabric.setup(model, torch.optim.AdamW(model.parameters(), lr=1e-2))
+    scaler = fabric.strategy.precision.scaler
+    scales, unchanged = [], []
+    for step, (x, y) in enumerate(_batches()[:3]):
+        if step == 1 and rank == 0:  # this rank's shard of a split weight alone overflows
+            split = [p for p in autopar.plan_of(model).params if p.kind is not ParamKind.REPLICATED][0]
+            handle = dict(model.module.named_parameters())[split.name].register_hook(lambda g: g * float("inf"))
+        before = autopar.full_state_dict(model) if step else {}
+        loss = model(x[rank::world].contiguous(), y[rank::world].contiguous())[1]
+        fabric.backward(loss)
+        if step == 1 and rank == 0:
+            handle.remove()
+        optimizer.step()
+        optimizer.zero_grad()
+        after = autopar.full_state_dict(model)
+        scales.append(scaler.get_scale())
+        unchanged.append(bool(before) and all(torch.equal(after[k], v) for k, v in before.items()))
+    out["16-mixed"] = {"scales": scales, "unchanged": unchanged}
+    return out
+
+
+@pytest.mark.parametrize("world,strategy", [(4, {"tensor": (2, 1, 1), "data": 2}), (2, {"G_intra_c": 2})])
+def test_fabric_precisions_match_serial_and_an_overflow_on_one_rank_skips_everywhere(distributed, world, strategy):
+    serial = {p: _half_serial(p) for p in ("bf16-mixed", "bf16-true")}
+    for got in distributed(precision_worker, world, strategy, timeout=600):
+        for precision, losses in serial.items():
+            for a, b in zip(got[precision]["losses"], losses):
+                assert abs(a - b) <= 1e-2 * abs(b), (precision, got[precision]["losses"], losses)
+        assert got["bf16-true"]["dtype"] == "torch.bfloat16" and got["bf16-mixed"]["dtype"] == "torch.float32"
+        scales = got["16-mixed"]["scales"]
+        assert got["16-mixed"]["unchanged"] == [False, True, False], got["16-mixed"]  # stepped, skipped, stepped
+        assert scales[:2] == [2.0 ** 16, 2.0 ** 15], scales  # GradScaler's 2**16, halved at the skipped step
