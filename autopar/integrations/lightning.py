@@ -260,7 +260,7 @@ class AutoparStrategy(ParallelStrategy):
         optimizers = {k: v for k, v in state.items() if isinstance(v, torch.optim.Optimizer)}
         if path.is_dir():
             import torch.distributed.checkpoint as dcp
-            from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
             keys = {k for k, v in state.items() if v is model or k in optimizers}
             tensors = {k: get_state_dict(model, [])[0] if state[k] is model else get_state_dict(model, state[k])[1]
@@ -268,7 +268,8 @@ class AutoparStrategy(ParallelStrategy):
             dcp.load(tensors, checkpoint_id=path)
             for key in keys:
                 if state[key] is model:
-                    set_state_dict(model, [], model_state_dict=tensors[key], optim_state_dict={})
+                    set_state_dict(model, [], model_state_dict=tensors[key], optim_state_dict={},
+                                   options=StateDictOptions(strict=strict))
                     continue
                 set_state_dict(model, state[key], model_state_dict={}, optim_state_dict=tensors[key])
             rest = torch.load(path / META_FILE, weights_only=weights_only is not False) \

@@ -24,6 +24,7 @@ import autopar  # noqa: E402
 from autopar.decisions import ParamKind  # noqa: E402
 from autopar.examples.nanogpt import GPTConfig, NanoGPT  # noqa: E402
 from autopar.lightning import AutoparStrategy  # noqa: E402
+from autopar.runtime.collectives import comm_calls  # noqa: E402
 
 CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
 STEPS, ACCUMULATE, ROWS = 3, 2, 8
@@ -54,16 +55,32 @@ def _serial() -> tuple[list[float], dict[str, torch.Tensor]]:
     return losses, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def _fabric(**strategy: object) -> L.Fabric:
+ENVIRONMENTS = {
+    # how each launcher tells the ranks who they are (the process group itself is the fixture's)
+    "LightningEnvironment": lambda rank, world: dict(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0",
+                                                     WORLD_SIZE=str(world)),
+    "TorchElasticEnvironment": lambda rank, world: dict(TORCHELASTIC_RUN_ID="test", LOCAL_RANK=str(rank),
+                                                        RANK=str(rank), GROUP_RANK="0", WORLD_SIZE=str(world),
+                                                        LOCAL_WORLD_SIZE=str(world)),
+    "SLURMEnvironment": lambda rank, world: dict(SLURM_NTASKS=str(world), SLURM_PROCID=str(rank),
+                                                 SLURM_LOCALID=str(rank), SLURM_NODEID="0",
+                                                 SLURM_JOB_NAME="autopar-test", SLURM_NTASKS_PER_NODE=str(world)),
+}
+
+
+def _fabric(environment: str = "LightningEnvironment", **strategy: object) -> L.Fabric:
     rank, world = dist.get_rank(), dist.get_world_size()
-    os.environ.update(LOCAL_RANK=str(rank), RANK=str(rank), NODE_RANK="0", WORLD_SIZE=str(world))
+    os.environ.update(ENVIRONMENTS[environment](rank, world))
     fabric = L.Fabric(accelerator="cpu", devices=world, strategy=AutoparStrategy(**strategy), precision="32-true")
     fabric.launch()
+    found = type(fabric.strategy.cluster_environment).__name__
+    if found != environment or (fabric.global_rank, fabric.world_size) != (rank, world):
+        raise AssertionError(f"{environment}: Fabric found {found}, rank {fabric.global_rank} of {fabric.world_size}")
     return fabric
 
 
-def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool) -> dict:
-    fabric = _fabric(**strategy)
+def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool, environment: str) -> dict:
+    fabric = _fabric(environment, **strategy)
     rank, world = fabric.global_rank, fabric.world_size
     torch.manual_seed(0)
     with fabric.init_module(empty_init=True) if inside else contextlib.nullcontext():
@@ -72,20 +89,23 @@ def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool) -> dict:
     model, optimizer = fabric.setup(model, optimizer)
     sampler = fabric.strategy.distributed_sampler_kwargs
     batches, losses = _batches(), []
+    reduces: dict[bool, list[int]] = {True: [], False: []}  # all-reduces per micro-step, by no_backward_sync
     for step in range(STEPS):
         total = torch.zeros(())
         for micro in range(ACCUMULATE):
             x, y = batches[step * ACCUMULATE + micro]
             rows = slice(sampler["rank"], None, sampler["num_replicas"])  # DistributedSampler's rows, collated
+            autopar.reset_comm_stats()
             with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
                 loss = model(x[rows].contiguous(), y[rows].contiguous())[1] / ACCUMULATE
                 fabric.backward(loss)
+            reduces[micro < ACCUMULATE - 1].append(comm_calls().get("all_reduce", 0))
             total += loss.detach()
         fabric.clip_gradients(model, optimizer, max_norm=0.05)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(total, reduce_op="mean").item())
-    out = {"losses": losses, "params": autopar.full_state_dict(model), "sampler": sampler,
+    out = {"losses": losses, "params": autopar.full_state_dict(model), "sampler": sampler, "reduces": reduces,
            "plan": autopar.plan_of(model).config, "world": world, "rank": rank}
     # checkpoints: sharded (DCP directory) and full (one serial-format file), reloaded on another grid
     optimizer_state = autopar.full_optimizer_state_dict(model, optimizer)
@@ -93,7 +113,7 @@ def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool) -> dict:
     fabric.strategy._save_distributed_checkpoint = False
     fabric.save(os.path.join(tmp, "full.pt"), {"model": model, "optimizer": optimizer, "step": STEPS})
     for kind in ("sharded", "full.pt"):
-        other = _fabric(**reload)
+        other = _fabric(environment, **reload)
         torch.manual_seed(3)
         with other.init_module(empty_init=True):
             fresh = NanoGPT(GPTConfig(**CONFIG))
@@ -115,19 +135,24 @@ def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool) -> dict:
     return out
 
 
-GRIDS = [(4, {"tensor": (2, 1, 1), "data": 2}, True), (4, {"G_intra_c": 2, "data": 2}, True),
-         (4, {"G_intra_z": 2}, True), (2, {"data": 2}, True), (4, {"tensor": (2, 1, 1), "data": 2}, False)]
+GRIDS = [(4, {"tensor": (2, 1, 1), "data": 2}, True, "LightningEnvironment"),
+         (4, {"G_intra_c": 2, "data": 2}, True, "TorchElasticEnvironment"),
+         (4, {"G_intra_z": 2}, True, "SLURMEnvironment"), (2, {"data": 2}, True, "LightningEnvironment"),
+         (4, {"tensor": (2, 1, 1), "data": 2}, False, "LightningEnvironment")]
 
 
-@pytest.mark.parametrize("world,strategy,inside", GRIDS)
+@pytest.mark.parametrize("world,strategy,inside,environment", GRIDS)
 def test_fabric_loop_equals_serial_and_checkpoints_reload_on_another_grid(distributed, tmp_path, world, strategy,
-                                                                          inside):
+                                                                          inside, environment):
     """``inside``: built in ``fabric.init_module(empty_init=True)``; else built plainly and handed to
-    ``fabric.setup(model, optimizer)`` with an optimizer over the plain parameters."""
+    ``fabric.setup(model, optimizer)`` with an optimizer over the plain parameters. ``environment``: the
+    launcher's variables (Fabric's own and SLURM's srun and torchrun's), which Fabric must recognize."""
     losses, params = _serial()
     reload = {"tensor": (1, 2, 1)} if world == 4 else {"tensor": (2, 1, 1)}
-    for got in distributed(fabric_worker, world, strategy, reload, str(tmp_path), inside, timeout=600):
+    for got in distributed(fabric_worker, world, strategy, reload, str(tmp_path), inside, environment, timeout=600):
         assert got["sampler"] == {"num_replicas": world, "rank": got["rank"]}
+        # no_backward_sync skips the gradients' reduction over data: fewer all-reduces in those micro-steps
+        assert max(got["reduces"][True]) < min(got["reduces"][False]), got["reduces"]
         c = got["plan"]
         want = strategy.get("tensor") or (1, strategy.get("G_intra_c", 1), strategy.get("G_intra_z", 1))
         assert (c.row, c.col, c.depth) == tuple(want), c
