@@ -206,8 +206,10 @@ class AutoparStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError("AutoparStrategy.save_checkpoint(..., storage_options=...) is not supported: it does "
                             "not use a CheckpointIO plugin.")
-        if filter is not None:
-            raise NotImplementedError("AutoparStrategy.save_checkpoint(..., filter=...) is not supported yet.")
+        if filter is not None and self._save_distributed_checkpoint:
+            raise NotImplementedError("fabric.save(..., filter=...) writes one file: use AutoparStrategy("
+                                      "save_distributed_checkpoint=False) (a sharded checkpoint missing entries "
+                                      "would not load back).")
         path = Path(self.broadcast(str(path)))
         model = _the_model(state, "save")
         if self._save_distributed_checkpoint:
@@ -234,11 +236,13 @@ class AutoparStrategy(ParallelStrategy):
         full: dict[str, Any] = {}
         for key, obj in state.items():
             if obj is model:
-                full[key] = autopar.full_state_dict(model)
+                value = autopar.full_state_dict(model)
             elif isinstance(obj, torch.optim.Optimizer):
-                full[key] = autopar.full_optimizer_state_dict(model, obj)
+                value = autopar.full_optimizer_state_dict(model, obj)
             else:
-                full[key] = obj.state_dict() if hasattr(obj, "state_dict") else obj
+                value = obj.state_dict() if hasattr(obj, "state_dict") else obj
+            keep = (filter or {}).get(key)  # Fabric's filter: (name, value) -> whether that entry is saved
+            full[key] = {k: v for k, v in value.items() if keep(k, v)} if keep and isinstance(value, dict) else value
         if self.global_rank == 0:
             if path.is_dir():
                 shutil.rmtree(path)

@@ -53,7 +53,7 @@ from autopar.memory import release_freed_memory
 from autopar.runtime.absent import Absent
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.mapped import FileMaps, release_pages
-from autopar.runtime.pending import Pending, is_pending
+from autopar.runtime.pending import LazyRead, Pending, is_pending
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 
@@ -234,6 +234,8 @@ def loaded_value(pending: Pending, deferred: Deferred) -> torch.Tensor:
     was written since it was loaded (a live model's ``state_dict()`` that then trained): the values loaded
     are gone, and serial's load would have copied them."""
     loaded = pending.loaded
+    if isinstance(loaded, LazyRead):
+        return loaded.read()
     if loaded._version != pending.cell["version"]:
         raise ParameterError(
             f"the tensor loaded into {pending.param_name!r} by load_state_dict before the model's first call was "
@@ -434,7 +436,8 @@ class ParamStore:
                     continue
                 piece = own_piece(full, pp, self.mesh)
                 set_layout(t, piece, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
-                if pending.loaded is not None:  # torch.load(mmap=True) then load_state_dict: its pages go
+                if pending.loaded is not None and not isinstance(pending.loaded, LazyRead):  # torch.load(mmap=
+                    # True) then load_state_dict: its pages go
                     release_pages(pending.loaded, maps)
 
         maps = FileMaps()
@@ -572,8 +575,9 @@ class ParamStore:
 
     def _loadable(self, key: str, p: nn.Parameter, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) and torch.overrides.is_tensor_like(value):
-            value = torch.detach(value)  # a lazily loaded checkpoint tensor (Lightning's lazy_load, litgpt's
-            # load_checkpoint) read now, through its __torch_function__, one tensor at a time
+            # a lazily loaded checkpoint tensor (Lightning's lazy_load, litgpt's load_checkpoint): read at the
+            # first call into a pending parameter, else now (through its __torch_function__), one at a time
+            value = LazyRead(value) if is_pending(local_of(p)) else torch.detach(value)
         if not isinstance(value, torch.Tensor):
             return value
         if isinstance(p._local_tensor, Absent):

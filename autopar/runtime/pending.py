@@ -105,6 +105,39 @@ class Pending(torch.Tensor):
         return self.real.__reduce_ex__(protocol)
 
 
+class LazyRead(torch.Tensor):
+    """A lazily loaded checkpoint tensor (Lightning's ``lazy_load``, which litgpt's ``load_checkpoint``
+    uses: tensor-like, read from the file on first use) loaded into a pending parameter: shape and dtype
+    only, read at the first call (``read``), one tensor at a time, so the loaded model is never whole in
+    memory before it. ``load_state_dict`` copies it into the Pending like any loaded tensor."""
+
+    @staticmethod
+    def __new__(cls, source: Any) -> LazyRead:
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(source.shape), dtype=source.dtype,
+                                                device=torch.device("cpu"))
+        r.source = source
+        return r
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def read(self) -> torch.Tensor:
+        return torch.detach(self.source)  # through the source's __torch_function__: reads it from its file
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        first = args[0] if args else None
+        if func in (aten.detach.default, aten.alias.default) or (
+                func is aten._to_copy.default and isinstance(first, LazyRead)
+                and torch.device((kwargs or {}).get("device") or "cpu").type == "cpu"
+                and (kwargs or {}).get("dtype") in (None, first.dtype)):
+            return first  # the DTensor around it, load_state_dict's detach and .to(device)
+        args, kwargs = pytree.tree_map_only(LazyRead, lambda a: a.read(), (args, kwargs or {}))
+        return func(*args, **kwargs)
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"LazyRead({tuple(self.shape)}, {self.dtype}, read at the model's first call)"
+
+
 def materialize_whole(model: nn.Module, deferred: Deferred, sinks: dict[int, Sink]) -> None:
     """Gives every recorded parameter and buffer of ``model`` its serial value, in place (same objects):
     for grids that keep whole parameters on every rank (data parallelism alone)."""

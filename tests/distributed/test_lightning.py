@@ -25,9 +25,13 @@ from autopar.decisions import ParamKind  # noqa: E402
 from autopar.examples.nanogpt import GPTConfig, NanoGPT  # noqa: E402
 from autopar.lightning import AutoparStrategy  # noqa: E402
 from autopar.runtime.collectives import comm_calls  # noqa: E402
+from autopar.runtime.parameters import local_of  # noqa: E402
+from autopar.runtime.pending import LazyRead  # noqa: E402
 
 CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
 STEPS, ACCUMULATE, ROWS = 3, 2, 8
+NORMS, CLIP_VALUE = (2.0, float("inf")), 1e-3
+"""Clipping by step: the 2-norm, the inf-norm, then by value."""
 
 
 def _batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -48,7 +52,10 @@ def _serial() -> tuple[list[float], dict[str, torch.Tensor]]:
             loss = model(x, y)[1] / ACCUMULATE
             loss.backward()
             total += loss.item()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05)
+        if step == 2:
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=CLIP_VALUE)
+        else:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.05, norm_type=NORMS[step])
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
@@ -98,20 +105,30 @@ def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool, environm
             autopar.reset_comm_stats()
             with fabric.no_backward_sync(model, enabled=micro < ACCUMULATE - 1):
                 loss = model(x[rows].contiguous(), y[rows].contiguous())[1] / ACCUMULATE
-                fabric.backward(loss)
+                fabric.backward(loss, model=model) if step == 1 else fabric.backward(loss)
             reduces[micro < ACCUMULATE - 1].append(comm_calls().get("all_reduce", 0))
             total += loss.detach()
-        fabric.clip_gradients(model, optimizer, max_norm=0.05)
+        if step == 2:
+            fabric.clip_gradients(model, optimizer, clip_val=CLIP_VALUE)
+        else:
+            fabric.clip_gradients(model, optimizer, max_norm=0.05, norm_type=NORMS[step])
         optimizer.step()
         optimizer.zero_grad()
         losses.append(fabric.all_reduce(total, reduce_op="mean").item())
+    fabric.barrier()
+    collectives = {"gathered": fabric.all_gather(torch.tensor([rank])).flatten().tolist(),
+                   "broadcast": fabric.broadcast({"from": rank}, src=world - 1),
+                   "sum": fabric.all_reduce(torch.tensor(1.0), reduce_op="sum").item()}
     out = {"losses": losses, "params": autopar.full_state_dict(model), "sampler": sampler, "reduces": reduces,
+           "collectives": collectives,
            "plan": autopar.plan_of(model).config, "world": world, "rank": rank}
     # checkpoints: sharded (DCP directory) and full (one serial-format file), reloaded on another grid
     optimizer_state = autopar.full_optimizer_state_dict(model, optimizer)
     fabric.save(os.path.join(tmp, "sharded"), {"model": model, "optimizer": optimizer, "step": STEPS})
     fabric.strategy._save_distributed_checkpoint = False
     fabric.save(os.path.join(tmp, "full.pt"), {"model": model, "optimizer": optimizer, "step": STEPS})
+    fabric.save(os.path.join(tmp, "norms.pt"), {"model": model}, filter={"model": lambda name, value: "ln_" in name})
+    out["filtered"] = sorted(torch.load(os.path.join(tmp, "norms.pt"))["model"])
     for kind in ("sharded", "full.pt"):
         other = _fabric(environment, **reload)
         torch.manual_seed(3)
@@ -151,6 +168,8 @@ def test_fabric_loop_equals_serial_and_checkpoints_reload_on_another_grid(distri
     reload = {"tensor": (1, 2, 1)} if world == 4 else {"tensor": (2, 1, 1)}
     for got in distributed(fabric_worker, world, strategy, reload, str(tmp_path), inside, environment, timeout=600):
         assert got["sampler"] == {"num_replicas": world, "rank": got["rank"]}
+        assert got["collectives"] == {"gathered": list(range(world)), "broadcast": {"from": world - 1},
+                                      "sum": float(world)}, got["collectives"]
         # no_backward_sync skips the gradients' reduction over data: fewer all-reduces in those micro-steps
         assert max(got["reduces"][True]) < min(got["reduces"][False]), got["reduces"]
         c = got["plan"]
@@ -160,6 +179,7 @@ def test_fabric_loop_equals_serial_and_checkpoints_reload_on_another_grid(distri
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], losses)
         for k, v in params.items():
             assert torch.allclose(got["params"][k], v, atol=1e-5), (k, float((got["params"][k] - v).abs().max()), float(v.abs().max()))
+        assert got["filtered"] == sorted(k for k in params if "ln_" in k), got["filtered"]
         for kind in ("sharded", "full.pt"):
             assert got[kind]["step"] == STEPS and got[kind]["rest"] == [], got[kind]
             assert got[kind]["params"] == 0 and got[kind]["optimizer"] == 0, got[kind]
@@ -202,6 +222,8 @@ def litgpt_worker(strategy: dict, path: str) -> dict:
         model = GPT(Config(**LITGPT))
     model = fabric.setup(model)
     load_checkpoint(fabric, model, path)  # litgpt's own loader (its lazy_load + load_state_dict here)
+    # nothing read yet: each tensor is read at the first call, when this rank's pieces are known
+    unread = all(isinstance(local_of(p).loaded, LazyRead) for p in model.parameters())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS))
 
     def step() -> None:
@@ -212,7 +234,7 @@ def litgpt_worker(strategy: dict, path: str) -> dict:
     rank, world = fabric.global_rank, fabric.world_size
     losses = _litgpt_loop(model, step, fabric.backward, slice(rank, None, world))
     return {"losses": [fabric.all_reduce(t, reduce_op="mean").item() for t in losses],
-            "params": autopar.full_state_dict(model)}
+            "params": autopar.full_state_dict(model), "unread": unread}
 
 
 @pytest.mark.parametrize("strategy", [{"tensor": (2, 1, 1), "data": 2}, {"G_intra_y": 2, "data": 2}])
@@ -233,6 +255,7 @@ def test_litgpt_loaded_by_its_own_load_checkpoint_trains_as_serial(distributed, 
 
     losses = [t.item() for t in _litgpt_loop(serial, step, lambda loss: loss.backward(), slice(None))]
     for got in distributed(litgpt_worker, 4, strategy, str(path), timeout=600):
+        assert got["unread"]
         for a, b in zip(got["losses"], losses):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], losses)
         for k, v in serial.state_dict().items():
