@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -140,6 +141,11 @@ def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool, environm
         with torch.no_grad():
             fresh(x[rank::world].contiguous(), y[rank::world].contiguous())  # the first call builds it (the load then goes to the pieces)
         state = {"model": fresh, "optimizer": fresh_optimizer, "step": 0}
+        try:  # strict: every object asked for must be in the checkpoint
+            other.load(os.path.join(tmp, kind), {**state, "epoch": 0})
+            out[f"{kind} strict"] = "no error"
+        except KeyError as e:
+            out[f"{kind} strict"] = str(e)
         rest = other.load(os.path.join(tmp, kind), state)
         got = autopar.full_state_dict(fresh)
         got_optimizer = autopar.full_optimizer_state_dict(fresh, fresh_optimizer)["state"]
@@ -181,6 +187,7 @@ def test_fabric_loop_equals_serial_and_checkpoints_reload_on_another_grid(distri
             assert torch.allclose(got["params"][k], v, atol=1e-5), (k, float((got["params"][k] - v).abs().max()), float(v.abs().max()))
         assert got["filtered"] == sorted(k for k in params if "ln_" in k), got["filtered"]
         for kind in ("sharded", "full.pt"):
+            assert "'epoch'" in got[f"{kind} strict"], got[f"{kind} strict"]
             assert got[kind]["step"] == STEPS and got[kind]["rest"] == [], got[kind]
             assert got[kind]["params"] == 0 and got[kind]["optimizer"] == 0, got[kind]
 
@@ -199,16 +206,23 @@ shift shared by every key), which Adam's default eps (1e-8) turns into +-lr/100 
 serial as on any grid; 1e-6 keeps such steps below the comparison's 1e-5."""
 
 
-def _litgpt_loop(model: torch.nn.Module, step: Callable[[], None], backward: Callable, rows: slice) -> list[float]:
+def _litgpt_loop(model: torch.nn.Module, step: Callable[[], None], backward: Callable, rows: slice,
+                 no_sync: Callable[[bool], Any]) -> list[torch.Tensor]:
+    """3 steps of 2 accumulated micro-batches (the first without the gradients' reduction)."""
     import torch.nn.functional as F
 
-    losses = []
-    for x, y in _batches()[:3]:
-        logits = model(x[rows].contiguous())
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[rows].contiguous().reshape(-1))
-        backward(loss)
+    losses, batches = [], _batches()
+    for k in range(STEPS):
+        total = torch.zeros(())
+        for micro in range(ACCUMULATE):
+            x, y = batches[k * ACCUMULATE + micro]
+            with no_sync(micro < ACCUMULATE - 1):
+                logits = model(x[rows].contiguous())
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[rows].contiguous().reshape(-1))
+                backward(loss / ACCUMULATE)
+            total += loss.detach() / ACCUMULATE
         step()
-        losses.append(loss.detach())
+        losses.append(total)
     return losses
 
 
@@ -223,7 +237,8 @@ def litgpt_worker(strategy: dict, path: str) -> dict:
     model = fabric.setup(model)
     load_checkpoint(fabric, model, path)  # litgpt's own loader (its lazy_load + load_state_dict here)
     # nothing read yet: each tensor is read at the first call, when this rank's pieces are known
-    unread = all(isinstance(local_of(p).loaded, LazyRead) for p in model.parameters())
+    # (data parallelism alone builds the parameters whole at the block's end: the load reads them at once)
+    unread = all(isinstance(getattr(local_of(p), "loaded", None), LazyRead) for p in model.parameters())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS))
 
     def step() -> None:
@@ -232,13 +247,15 @@ def litgpt_worker(strategy: dict, path: str) -> dict:
         optimizer.zero_grad()
 
     rank, world = fabric.global_rank, fabric.world_size
-    losses = _litgpt_loop(model, step, fabric.backward, slice(rank, None, world))
+    losses = _litgpt_loop(model, step, fabric.backward, slice(rank, None, world),
+                          lambda enabled: fabric.no_backward_sync(model, enabled=enabled))
     return {"losses": [fabric.all_reduce(t, reduce_op="mean").item() for t in losses],
             "params": autopar.full_state_dict(model), "unread": unread}
 
 
-@pytest.mark.parametrize("strategy", [{"tensor": (2, 1, 1), "data": 2}, {"G_intra_y": 2, "data": 2}])
-def test_litgpt_loaded_by_its_own_load_checkpoint_trains_as_serial(distributed, tmp_path, strategy):
+@pytest.mark.parametrize("world,strategy", [(4, {"tensor": (2, 1, 1), "data": 2}), (4, {"G_intra_y": 2, "data": 2}),
+                                            (4, {"G_intra_z": 2, "data": 2}), (2, {"data": 2})])
+def test_litgpt_loaded_by_its_own_load_checkpoint_trains_as_serial(distributed, tmp_path, world, strategy):
     pytest.importorskip("litgpt")
     from litgpt import GPT, Config
 
@@ -253,9 +270,10 @@ def test_litgpt_loaded_by_its_own_load_checkpoint_trains_as_serial(distributed, 
         optimizer.step()
         optimizer.zero_grad()
 
-    losses = [t.item() for t in _litgpt_loop(serial, step, lambda loss: loss.backward(), slice(None))]
-    for got in distributed(litgpt_worker, 4, strategy, str(path), timeout=600):
-        assert got["unread"]
+    losses = [t.item() for t in _litgpt_loop(serial, step, lambda loss: loss.backward(), slice(None),
+                                             lambda enabled: contextlib.nullcontext())]
+    for got in distributed(litgpt_worker, world, strategy, str(path), timeout=600):
+        assert got["unread"] == ("data" not in strategy or len(strategy) > 1), got["unread"]
         for a, b in zip(got["losses"], losses):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], losses)
         for k, v in serial.state_dict().items():
