@@ -34,7 +34,7 @@ from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kept import arrived_inputs, carry_cache, read_in_place, whole, wrap_generate
 from autopar.runtime.absent import Absent
-from autopar.runtime.parameters import ParamStore, local_of, local_view
+from autopar.runtime.parameters import ParamStore, local_of, local_view, make_dtensor
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.pipeline import Program, owner
@@ -517,7 +517,7 @@ class ParallelRuntime:
         new: dict[int, torch.Tensor] = {}
         for p, leaf in self._leaves.values():
             if leaf.grad is not None:
-                new[id(p)], leaf.grad = leaf.grad, None
+                new[id(p)], leaf.grad = _hooked(p, leaf.grad), None
         if not self.sync_enabled():  # no_sync: accumulate locally, reduce at the next synchronized step
             for p, _ in self._leaves.values():
                 if id(p) in new:
@@ -635,6 +635,20 @@ class ParallelRuntime:
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         return self.store.full_grads()
+
+
+def _hooked(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """pipeline > 1: this step's local gradient of ``p`` through the script's tensor hooks on ``p``
+    (``p.register_hook``), which autograd never runs there (the stages read a plain leaf, ``_stage_leaf``):
+    once per step, on the gradient in ``p``'s own form, before it is summed over data, as DDP runs them."""
+    hooks = getattr(p, "_backward_hooks", None)  # where Tensor.register_hook keeps a leaf's hooks
+    if not hooks:
+        return grad
+    whole = make_dtensor(grad, p.device_mesh, p.placements, p.shape) if isinstance(p, DTensor) else grad
+    for hook in list(hooks.values()):
+        out = hook(whole)
+        whole = whole if out is None else out
+    return local_of(whole)
 
 
 def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
