@@ -44,7 +44,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 import autopar
-from autopar.config import InputConfig, ParallelConfig
+from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.context import parallelize, runtime_of
 from autopar.errors import CheckpointError, ConfigError
 
@@ -158,10 +158,21 @@ class AutoparStrategy(ParallelStrategy):
         (whole on every rank until its first call keeps each rank's pieces)."""
         if _is_parallel(module):
             return module
-        options = self._context_options()
-        config = ParallelConfig.from_user(tensor=options["tensor"] or (1, 1, 1), data=options["data"],
-                                          world_size=dist.get_world_size(), pipeline=options["pipeline"] or 1)
-        return parallelize(module, config, inputs=InputConfig(batch="per-rank"))
+        given = {k: v for k, v in (("data", self.data), ("pipeline", self.pipeline)) if v is not None}
+        given.update(zip(("row", "col", "depth"), self.tensor or ()))
+        memory = MemoryConfig(precision=_autopar_precision(self.precision), **{
+            k: v for k, v in self.options.items() if k in ("checkpoint", "reduce_dtype")})
+        inputs = InputConfig(batch="per-rank", **{k: v for k, v in self.options.items() if k in ("eval_timeout",
+                                                                                               "batch_dims")})
+        pipe = PipelineConfig(self.options.get("microbatches"), self.options.get("schedule", "1f1b"),
+                              self.options.get("chunks"))
+        world = dist.get_world_size()
+        if self.plan == "auto":  # provisional data parallelism; the grid is chosen at the first call
+            config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=world)
+            return parallelize(module, config, memory=memory, pipe=pipe, inputs=inputs, choose=given)
+        config = ParallelConfig.from_user(tensor=self.tensor or (1, 1, 1), data=self.data, world_size=world,
+                                          pipeline=self.pipeline or 1)
+        return parallelize(module, config, memory=memory, pipe=pipe, inputs=inputs)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:

@@ -161,7 +161,9 @@ def fabric_worker(strategy: dict, reload: dict, tmp: str, inside: bool, environm
 GRIDS = [(4, {"tensor": (2, 1, 1), "data": 2}, True, "LightningEnvironment"),
          (4, {"G_intra_c": 2, "data": 2}, True, "TorchElasticEnvironment"),
          (4, {"G_intra_z": 2}, True, "SLURMEnvironment"), (2, {"data": 2}, True, "LightningEnvironment"),
-         (4, {"tensor": (2, 1, 1), "data": 2}, False, "LightningEnvironment")]
+         (4, {"tensor": (2, 1, 1), "data": 2}, False, "LightningEnvironment"),
+         (4, {"plan": "auto", "tensor": (1, 2, 1)}, True, "LightningEnvironment"),
+         (4, {"plan": "auto", "tensor": (2, 1, 1)}, False, "LightningEnvironment")]
 
 
 @pytest.mark.parametrize("world,strategy,inside,environment", GRIDS)
