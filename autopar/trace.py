@@ -24,11 +24,11 @@ from torch import nn
 from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              repeated_blocks, split_batch_leaves, truncated_blocks)
 from autopar.config import MemoryConfig, ParallelConfig
-from autopar.decisions import MemoryPlan, Plan
+from autopar.decisions import Plan
 from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
 from passes.analysis.make_plan import make_plan
-from passes.analysis.choose_checkpoints import plan_memory
+from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory, stage_memory
 from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
 from passes.analysis.estimate_costs import Collective, loss_collectives
 from passes.analysis.make_plan import layouts_for
@@ -121,6 +121,7 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
                                  segments=sum(s.name not in ("<shared>", "<loss>") for s in profile.segments))
     if pipeline > 1:  # everything was captured for one micro-batch, as the runtime compiles it
         plan = dataclasses.replace(plan, pipeline=plan_pipeline(chain, pipeline, microbatches, chunks))
+        plan = dataclasses.replace(plan, memory=pipeline_memory(profile, plan, microbatches, checkpoint, budget))
         step = [c for c in report.collectives if c.phase == "step"]
         me = plan.config.coords(rank)["pipeline"]
         if slowest:  # the pipeline rank with the most matmul FLOPs (the bottleneck of a step)
@@ -139,39 +140,8 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
             rank_ops=microbatches * sum(ops.get(name, 0) for st in mine for name in st.segments),
             rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable), segments=report.segments,
             largest_param_bytes=report.largest_param_bytes,
-            rank_memory=_stage_memory(profile, plan, mine, me, microbatches, checkpoint, budget))
+            rank_memory=stage_memory(profile, plan, mine, me, microbatches, checkpoint, budget))
     return plan, report
-
-
-def _stage_memory(profile: MemoryProfile, plan: Plan, mine: list[Any], me: int, microbatches: int,
-                  checkpoint: str | int, budget: int | None) -> MemoryPlan:
-    """Pipeline rank ``me``'s memory: its stages' parameters, gradients and optimizer state, and their
-    activations for the micro-batches 1F1B keeps in flight there (the first rank: one per stage; the
-    last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's). The model's
-    outputs and the loss's activations are the last rank's, one micro-batch of this shard's rows at a
-    time (``train_step`` computes the loss per micro-batch; nothing is gathered)."""
-    ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
-    inflight = max(min(microbatches, ranks - me), 1)
-    last = me == ranks - 1
-    local = plan.config.num_batch_shards  # the profile counts outputs whole over the batch shards
-    names = {name for st in mine for name in st.segments}
-    segments = []
-    for s in profile.segments:
-        if s.name == "<shared>":  # masks and rotary tables per micro-batch in flight; outputs on the last rank
-            kept = (s.saved_bytes - profile.output_bytes) * inflight + (profile.output_bytes // local if last else 0)
-            segments.append(dataclasses.replace(s, saved_bytes=max(kept, 0)))
-        elif s.name == "<loss>" and last:
-            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes // local, peak_bytes=s.peak_bytes // local))
-        elif s.name in names:
-            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes * inflight,
-                                                input_bytes=s.input_bytes * inflight))
-    share = sum(st.param_bytes for st in mine) / profile.param_bytes if profile.param_bytes else 1.0
-    stage = dataclasses.replace(profile, segments=tuple(segments), param_bytes=int(profile.param_bytes * share),
-                                grad_bytes=int(profile.grad_bytes * share),
-                                optimizer_bytes=int(profile.optimizer_bytes * share))
-    memory = plan_memory(stage, checkpoint, budget)
-    return dataclasses.replace(memory, recompute_flops=memory.recompute_flops * microbatches,
-                               step_flops=memory.step_flops * microbatches)
 
 
 def _cache_for(captures: dict[Any, Any] | None, which: str) -> dict[Any, Any] | None:

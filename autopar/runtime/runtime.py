@@ -45,7 +45,7 @@ from autopar.runtime.fallback import (data_parallel_sync, fallback_reason, forwa
 from autopar.runtime.ops import BatchRows, scatter_batch
 from autopar.runtime.per_rank import own_output, pool_rows
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
-from passes.analysis.choose_checkpoints import plan_memory
+from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory
 from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
 from passes.analysis.estimate_memory import estimate_memory
 from passes.analysis.graph_facts import hinted, sizes_fixed
@@ -419,9 +419,9 @@ class ParallelRuntime:
                     leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
                 with hinted(canonical.gm):  # plans and estimates see the capture's example sizes
                     plan = make_plan(canonical.gm, self.config)
-                    plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
-                    if self.config.pipeline > 1:
+                    if self.config.pipeline > 1:  # the stages first: each rank recomputes for its own memory
                         plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
+                    plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
             if per_rank is not None:
                 box = [plan]
                 dist.broadcast_object_list(box, src=0, group=self.mesh.control)
@@ -597,7 +597,14 @@ class ParallelRuntime:
         checkpoint = self.memory.checkpoint
         budget = checkpoint if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
         profile = estimate_memory(gm, plan, half_dtype(self.memory.precision))
-        memory = plan_memory(profile, checkpoint, budget, strict=isinstance(checkpoint, int))
+        if plan.pipeline is not None:
+            memory = pipeline_memory(profile, plan, self.num_microbatches, checkpoint, budget)
+            if isinstance(checkpoint, int) and not memory.fits:
+                raise PlanError(f"checkpoint={checkpoint:,} bytes per device: a pipeline rank does not fit even "
+                                f"recomputing every block of its stages ({memory.summary().splitlines()[0]}). "
+                                "Raise the budget, or use more pipeline or tensor ranks.")
+        else:
+            memory = plan_memory(profile, checkpoint, budget, strict=isinstance(checkpoint, int))
         if not memory.fits and self.mesh.rank == 0:
             log.warning("autopar: %s", memory.summary().replace("\n", "; "))
         return memory

@@ -21,10 +21,11 @@ of identical blocks the front has at most one state per number of checkpointed b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Any, Sequence
 
-from autopar.decisions import MemoryPlan
+from autopar.decisions import MemoryPlan, Plan
 from autopar.errors import PlanError
 from passes.analysis.estimate_memory import MemoryProfile, SegmentCost
 
@@ -122,3 +123,51 @@ def plan_memory(profile: MemoryProfile, checkpoint: str | int, budget: int | Non
                       profile.param_bytes, profile.grad_bytes, profile.optimizer_bytes, choice.peak_bytes,
                       activation_peak(segments, set()), choice.recompute_flops, 3 * forward, fits, headroom,
                       profile.param_bytes + profile.largest_param_bytes)
+
+
+def stage_memory(profile: MemoryProfile, plan: Plan, mine: list[Any], me: int, microbatches: int,
+                 checkpoint: str | int, budget: int | None) -> MemoryPlan:
+    """Pipeline rank ``me``'s memory: its stages' parameters, gradients and optimizer state, and their
+    activations for the micro-batches 1F1B keeps in flight there (the first rank: one per stage; the
+    last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's). The model's
+    outputs and the loss's activations are the last rank's, one micro-batch of this shard's rows at a
+    time (``train_step`` computes the loss per micro-batch; nothing is gathered)."""
+    ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
+    inflight = max(min(microbatches, ranks - me), 1)
+    last = me == ranks - 1
+    local = plan.config.num_batch_shards  # the profile counts outputs whole over the batch shards
+    names = {name for st in mine for name in st.segments}
+    segments = []
+    for s in profile.segments:
+        if s.name == "<shared>":  # masks and rotary tables per micro-batch in flight; outputs on the last rank
+            kept = (s.saved_bytes - profile.output_bytes) * inflight + (profile.output_bytes // local if last else 0)
+            segments.append(dataclasses.replace(s, saved_bytes=max(kept, 0)))
+        elif s.name == "<loss>" and last:
+            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes // local, peak_bytes=s.peak_bytes // local))
+        elif s.name in names:
+            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes * inflight,
+                                                input_bytes=s.input_bytes * inflight))
+    share = sum(st.param_bytes for st in mine) / profile.param_bytes if profile.param_bytes else 1.0
+    stage = dataclasses.replace(profile, segments=tuple(segments), param_bytes=int(profile.param_bytes * share),
+                                grad_bytes=int(profile.grad_bytes * share),
+                                optimizer_bytes=int(profile.optimizer_bytes * share))
+    memory = plan_memory(stage, checkpoint, budget)
+    return dataclasses.replace(memory, recompute_flops=memory.recompute_flops * microbatches,
+                               step_flops=memory.step_flops * microbatches)
+
+
+def pipeline_memory(profile: MemoryProfile, plan: Plan, microbatches: int, checkpoint: str | int,
+                    budget: int | None) -> MemoryPlan:
+    """Under a pipeline: the recomputation every rank chooses for its own stages under ``budget``
+    (``stage_memory``; a block belongs to one stage, so the union is every rank's choice), with the
+    figures of the rank that needs the most memory. Whole-model memory would recompute blocks no rank
+    needs to."""
+    pipe = plan.pipeline
+    ranks = len(pipe.stages) // pipe.chunks_per_rank
+    per_rank = [stage_memory(profile, plan, [st for k, st in enumerate(pipe.stages) if k % ranks == r], r,
+                             microbatches, checkpoint, budget) for r in range(ranks)]
+    worst = max(per_rank, key=lambda m: m.peak_bytes)
+    chosen = {b for m in per_rank for b in m.recompute}
+    blocks = tuple(s.name for s in profile.segments if s.checkpointable)
+    return dataclasses.replace(worst, recompute=tuple(b for b in blocks if b in chosen), blocks=blocks,
+                               fits=all(m.fits for m in per_rank))

@@ -246,3 +246,34 @@ def test_trace_predicts_every_byte_a_pipeline_rank_sends(distributed):
     for rank, per_rank in enumerate(distributed(_pipeline_bytes_worker, 4, PIPELINE_BYTES_CASES, timeout=600)):
         for case, measured, predicted in per_rank:
             assert measured == predicted and predicted["total"] > 0, (rank, case, measured, predicted)
+
+
+def _budget_worker(budget: int) -> dict:
+    from autopar.examples.fc_net import FC_Net
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(pipeline=2, checkpoint=budget, microbatches=2):
+        model = FC_Net(num_layers=4, hidden=256, image_size=16)
+    x, y = torch.randn(16, 1, 16, 16), torch.randint(0, 10, (16,))
+    autopar.train_step(model, x, y, torch.nn.functional.cross_entropy)
+    memory = autopar.plan_of(model).memory
+    return {"recompute": memory.recompute, "fits": memory.fits}
+
+
+def test_a_pipeline_rank_recomputes_for_its_own_stages_memory(distributed):
+    """A budget the whole model exceeds without recomputation but each pipeline rank's stages fit: no
+    block is recomputed (the runtime used to plan every rank against the whole model's memory)."""
+    from autopar.config import ParallelConfig
+    from autopar.examples.fc_net import FC_Net
+    from autopar.trace import plan_model
+
+    with torch.device("meta"):
+        model = FC_Net(num_layers=4, hidden=256, image_size=16)
+    inputs = (torch.empty(16, 1, 16, 16, device="meta"),)
+    whole = plan_model(model, inputs, ParallelConfig(1, 1, 1, 1), checkpoint="none")[0].memory
+    staged = plan_model(model, inputs, ParallelConfig(1, 1, 1, 1), pipeline=2, microbatches=2,
+                        checkpoint="none")[0].memory
+    assert staged.peak_bytes + staged.headroom_bytes < whole.static_bytes, (staged.summary(), whole.summary())
+    budget = (staged.peak_bytes + 2 * staged.headroom_bytes + whole.static_bytes) // 2
+    for got in distributed(_budget_worker, 2, int(budget)):
+        assert got == {"recompute": (), "fits": True}, got
