@@ -184,7 +184,7 @@ def _pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tens
     batch = tuple(values[n] for n in program.specs[0].received)
     is_first = 0 in program.adapters
     program.schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
-    runtime._finish_grads()
+    runtime.finish_grads()
     last = program.num_stages - 1
     result = torch.zeros(1, device=mesh.device)
     if last in program.adapters:

@@ -47,13 +47,13 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from autopar.config import ParallelConfig
 from autopar.decisions import ParamKind, ParamPlan, Plan
-from autopar.errors import ParameterError, PlanError, StateDictError
+from autopar.errors import PlanError, StateDictError
 from autopar.runtime import collectives as C
 from autopar.memory import release_freed_memory
 from autopar.runtime.absent import Absent
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.mapped import FileMaps, release_pages
-from autopar.runtime.pending import LazyRead, Pending, is_pending
+from autopar.runtime.pending import LazyRead, is_pending, loaded_value
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import join_pieces, take_pieces
 
@@ -225,25 +225,6 @@ def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     block = take_pieces(block, in_dim, (), mesh.size(o.in_axis), mesh.index(o.in_axis), contiguous=False)
     rows = block.shape[0] // mesh.size("depth")  # the plan keeps the block's rows divisible by depth
     return block.narrow(0, mesh.index("depth") * rows, rows).contiguous()
-
-
-def loaded_value(pending: Pending, deferred: Deferred) -> torch.Tensor:
-    """The value loaded into a pending parameter (``load_state_dict`` before the first call, which keeps the
-    source tensor, not a copy: a checkpoint is read once, each rank its slices): a recorded one (a
-    checkpoint's tensor converted inside the block, not read yet) is computed now. Raises when the source
-    was written since it was loaded (a live model's ``state_dict()`` that then trained): the values loaded
-    are gone, and serial's load would have copied them."""
-    loaded = pending.loaded
-    if isinstance(loaded, LazyRead):
-        return loaded.read()
-    if loaded._version != pending.cell["version"]:
-        raise ParameterError(
-            f"the tensor loaded into {pending.param_name!r} by load_state_dict before the model's first call was "
-            "changed in place since (e.g. another model's state_dict() that then trained). autopar reads a "
-            "loaded tensor at the first call, when it knows this rank's pieces, so the values loaded are gone. "
-            "Load a copy ({k: v.clone() for k, v in sd.items()}), load after the first call, or pass "
-            "example_inputs= to auto_parallelize so the model is sharded at the block's end.")
-    return deferred.evaluate(loaded) if loaded.device.type == "meta" else loaded
 
 
 def own_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:

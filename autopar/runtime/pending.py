@@ -138,6 +138,25 @@ class LazyRead(torch.Tensor):
         return f"LazyRead({tuple(self.shape)}, {self.dtype}, read at the model's first call)"
 
 
+def loaded_value(pending: Pending, deferred: Deferred) -> torch.Tensor:
+    """The value loaded into a pending parameter (``load_state_dict`` before the first call, which keeps the
+    source tensor, not a copy: a checkpoint is read once, each rank its slices): a recorded one (a
+    checkpoint's tensor converted inside the block, not read yet) is computed now. Raises when the source
+    was written since it was loaded (a live model's ``state_dict()`` that then trained): the values loaded
+    are gone, and serial's load would have copied them."""
+    loaded = pending.loaded
+    if isinstance(loaded, LazyRead):
+        return loaded.read()
+    if loaded._version != pending.cell["version"]:
+        raise ParameterError(
+            f"the tensor loaded into {pending.param_name!r} by load_state_dict before the model's first call was "
+            "changed in place since (e.g. another model's state_dict() that then trained). autopar reads a "
+            "loaded tensor at the first call, when it knows this rank's pieces, so the values loaded are gone. "
+            "Load a copy ({k: v.clone() for k, v in sd.items()}), load after the first call, or pass "
+            "example_inputs= to auto_parallelize so the model is sharded at the block's end.")
+    return deferred.evaluate(loaded) if loaded.device.type == "meta" else loaded
+
+
 def materialize_whole(model: nn.Module, deferred: Deferred, sinks: dict[int, Sink]) -> None:
     """Gives every recorded parameter and buffer of ``model`` its serial value, in place (same objects):
     for grids that keep whole parameters on every rank (data parallelism alone)."""

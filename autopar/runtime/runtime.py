@@ -33,11 +33,11 @@ from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kept import arrived_inputs, carry_cache, read_in_place, whole, wrap_generate
-from autopar.runtime.absent import Absent
-from autopar.runtime.parameters import ParamStore, local_of, local_view, make_dtensor
+from autopar.runtime.parameters import ParamStore, local_of, local_view
 from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.pipeline import Program, owner
+from autopar.runtime.pipeline import Program
+from autopar.runtime.stage_grads import StageGrads
 from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
 from autopar.runtime.fallback import (data_parallel_sync, fallback_reason, forward_local, forward_whole, run_data_parallel,
@@ -113,10 +113,8 @@ class ParallelRuntime:
         """Signatures of evaluation calls that could not be captured (run whole on every rank): why not."""
         self._syncs: list[GradSync] = []
         """Gradient sync of the parameters (pipeline = 1): one per process group."""
-        self._leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
-        self._unsynced: set[int] = set()
-        """pipeline > 1: parameters whose ``.grad`` holds gradients a no_sync step kept local."""
-        """pipeline > 1: id(parameter) -> (parameter, the plain leaf the stages read; see ``_stage_leaf``)."""
+        self.stage_grads = StageGrads()
+        """pipeline > 1: the plain leaves the stages read for the parameters, and the step's gradients."""
         self._model = weakref.ref(model)
         self.fallback = False
         self.original_forward = model.forward
@@ -449,7 +447,7 @@ class ParallelRuntime:
         program = None
         if pipelined:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
-                              self._finish_grads, symbolic=captured.accepts is not None)
+                              self.finish_grads, symbolic=captured.accepts is not None)
             if self.store.held is None:
                 self.store.hold(program.readers())
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
@@ -491,67 +489,13 @@ class ParallelRuntime:
         planned = plan_pipeline(chain, self.config.pipeline, self.num_microbatches, self.pipe.stages_per_rank)
         return dataclasses.replace(planned, schedule=self.pipe.schedule)
 
-    def _stage_leaf(self, p: nn.Parameter) -> torch.Tensor:
-        """pipeline > 1: what the stages read for ``p``: a plain leaf sharing its local piece's storage.
-
-        A step's micro-batches accumulate their gradients into the leaf at plain-tensor cost (a DTensor
-        ``.grad`` would add through DTensor's dispatch at every micro-batch: ~5% of FC_Net's ``p4``
-        step); ``_finish_grads`` moves the sum into ``p.grad`` once. The leaf lives until its
-        parameter's local tensor is replaced, so calls without backward and several forwards before
-        one backward share it."""
-        local = local_of(p)
-        if not isinstance(p, DTensor) or isinstance(local, Absent) or not torch.is_grad_enabled():
-            return local_view(p)
-        held = self._leaves.get(id(p))
-        if held is None or held[1].data_ptr() != local.data_ptr() or held[1].shape != local.shape:
-            held = self._leaves[id(p)] = (p, local.detach().requires_grad_(p.requires_grad))
-        return held[1]
-
-    def _finish_grads(self) -> None:
-        """pipeline > 1, after backward (or after the schedule's last micro-batch): this step's gradients
-        (what the stage leaves gathered) summed over data (x depth), tied weights' summed over the stages
-        holding them, then added to ``p.grad`` (which may hold earlier steps' gradients: accumulation),
-        then the fp16 overflow agreement. Every rank calls this once per step."""
-        plan = self.plan
-        reduce = half_dtype(self.memory.reduce_dtype)
-        new: dict[int, torch.Tensor] = {}
-        for p, leaf in self._leaves.values():
-            if leaf.grad is not None:
-                new[id(p)], leaf.grad = _hooked(p, leaf.grad), None
-        if not self.sync_enabled():  # no_sync: accumulate locally, reduce at the next synchronized step
-            for p, _ in self._leaves.values():
-                if id(p) in new:
-                    self._unsynced.add(id(p))
-                    _add_grad(p, new[id(p)])
-            return
-        replace = set()
-        for p, _ in self._leaves.values():
-            if id(p) in self._unsynced and p.grad is not None and id(p) in new:
-                new[id(p)] = new[id(p)] + local_of(p.grad)
-                replace.add(id(p))
-        self._unsynced.clear()
-        done: set[int] = set()
-        for pp in plan.params:
-            p = self.params[pp.name]
-            if id(p) in done or id(p) not in new:
-                continue
-            done.add(id(p))
-            axis, size = self.mesh.grad_group(pp.grad_axes)
-            if size > 1:
-                new[id(p)] = _sync_grad(self.mesh, axis, reduce, new[id(p)])
-        for name, stages in plan.pipeline.shared:
-            ranks = tuple(sorted({owner(s, self.config.pipeline) for s in stages}))
-            p = self.params[name]
-            if len(ranks) < 2 or self.mesh.index("pipeline") not in ranks or id(p) not in new:
-                continue
-            new[id(p)] = C.all_reduce(new[id(p)].contiguous(), self.mesh.stage_group(ranks), len(ranks))
-        for p, _ in self._leaves.values():
-            grad = new.get(id(p))
-            if grad is not None:
-                if id(p) in replace:
-                    p.grad = None
-                _add_grad(p, grad)
-        if self.memory.precision == "fp16":
+    def finish_grads(self) -> None:
+        """pipeline > 1, after backward (or after the schedule's last micro-batch): the step's gradients into
+        ``p.grad`` (``StageGrads.finish``), then the fp16 overflow agreement. Every rank calls this once per
+        step."""
+        if self.stage_grads.finish(self.plan, self.params, self.mesh, self.config,
+                                   half_dtype(self.memory.reduce_dtype), self.sync_enabled()) \
+                and self.memory.precision == "fp16":
             self._agree_on_overflow()
 
     # ---- pipeline: what train_step needs ----------------------------------------------------------
@@ -581,7 +525,7 @@ class ParallelRuntime:
     def _graph_inputs(self, exe: Executable, local: list[Any]) -> list[Any]:
         """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
         flat = []
-        read = self._stage_leaf if exe.program is not None else local_view
+        read = self.stage_grads.leaf if exe.program is not None else local_view
         for kind, target in exe.inputs:
             if kind is InputKind.PARAMETER:
                 flat.append(read(self.params[target]))
@@ -625,7 +569,7 @@ class ParallelRuntime:
         for pp in plan.params:
             p = self.params[pp.name]
             axis, size = self.mesh.grad_group(pp.grad_axes)
-            if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else _finish_grads
+            if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else finish_grads
                 synced.setdefault(axis, {})[id(p)] = p
         for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
             self._syncs.append(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
@@ -642,31 +586,3 @@ class ParallelRuntime:
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         return self.store.full_grads()
-
-
-def _hooked(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
-    """pipeline > 1: this step's local gradient of ``p`` through the script's tensor hooks on ``p``
-    (``p.register_hook``), which autograd never runs there (the stages read a plain leaf, ``_stage_leaf``):
-    once per step, on the gradient in ``p``'s own form, before it is summed over data, as DDP runs them."""
-    hooks = getattr(p, "_backward_hooks", None)  # where Tensor.register_hook keeps a leaf's hooks
-    if not hooks:
-        return grad
-    whole = make_dtensor(grad, p.device_mesh, p.placements, p.shape) if isinstance(p, DTensor) else grad
-    for hook in list(hooks.values()):
-        out = hook(whole)
-        whole = whole if out is None else out
-    return local_of(whole)
-
-
-def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
-    """Adds ``local`` (this rank's piece) to ``p.grad``, making it when there is none."""
-    if p.grad is None:
-        p.grad = DTensor(local, p._spec, requires_grad=False) if isinstance(p, DTensor) else local
-    else:
-        local_of(p.grad).add_(local)
-
-
-def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:
-    if dtype is None or dtype == grad.dtype:  # clone: autograd may hand the same buffer to other consumers
-        return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
-    return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)

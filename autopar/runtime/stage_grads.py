@@ -1,0 +1,117 @@
+"""Gradients under a pipeline: the plain leaves the stages read, and the step's gradients into ``p.grad``.
+
+A step's micro-batches accumulate their gradients into a plain leaf that shares the parameter's local
+piece (at plain-tensor cost: a DTensor ``.grad`` would add through DTensor's dispatch at every micro-batch,
+~5% of FC_Net's ``p4`` step); ``finish`` then runs the script's tensor hooks on each step gradient (autograd
+never runs them: the stages do not read the parameter), sums it over data (x depth) and tied weights' over
+the stages holding them, and adds it to ``p.grad`` once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from autopar.config import ParallelConfig
+from autopar.decisions import Plan
+from autopar.runtime import collectives as C
+from autopar.runtime.absent import Absent
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.parameters import local_of, local_view, make_dtensor
+from autopar.runtime.pipeline import owner
+
+
+class StageGrads:
+    def __init__(self) -> None:
+        self.leaves: dict[int, tuple[nn.Parameter, torch.Tensor]] = {}
+        """id(parameter) -> (parameter, the plain leaf the stages read)."""
+        self.unsynced: set[int] = set()
+        """Parameters whose ``.grad`` holds gradients a no_sync step kept local."""
+
+    def leaf(self, p: nn.Parameter) -> torch.Tensor:
+        """What the stages read for ``p``: a plain leaf sharing its local piece's storage. It lives until its
+        parameter's local tensor is replaced, so calls without backward and several forwards before one
+        backward share it."""
+        local = local_of(p)
+        if not isinstance(p, DTensor) or isinstance(local, Absent) or not torch.is_grad_enabled():
+            return local_view(p)
+        held = self.leaves.get(id(p))
+        if held is None or held[1].data_ptr() != local.data_ptr() or held[1].shape != local.shape:
+            held = self.leaves[id(p)] = (p, local.detach().requires_grad_(p.requires_grad))
+        return held[1]
+
+    def finish(self, plan: Plan, params: Mapping[str, nn.Parameter], mesh: Mesh, config: ParallelConfig,
+               reduce: torch.dtype | None, sync: bool) -> bool:
+        """This step's gradients (what the leaves gathered) summed over data (x depth) when ``sync`` (else
+        kept local, as no_sync does, and reduced at the next synchronized step), tied weights' summed over
+        the stages holding them, then added to ``p.grad`` (which may hold earlier steps' gradients:
+        accumulation). Returns whether they were synchronized."""
+        new: dict[int, torch.Tensor] = {}
+        for p, leaf in self.leaves.values():
+            if leaf.grad is not None:
+                new[id(p)], leaf.grad = _hooked(p, leaf.grad), None
+        if not sync:
+            for p, _ in self.leaves.values():
+                if id(p) in new:
+                    self.unsynced.add(id(p))
+                    _add_grad(p, new[id(p)])
+            return False
+        replace = set()
+        for p, _ in self.leaves.values():
+            if id(p) in self.unsynced and p.grad is not None and id(p) in new:
+                new[id(p)] = new[id(p)] + local_of(p.grad)
+                replace.add(id(p))
+        self.unsynced.clear()
+        done: set[int] = set()
+        for pp in plan.params:
+            p = params[pp.name]
+            if id(p) in done or id(p) not in new:
+                continue
+            done.add(id(p))
+            axis, size = mesh.grad_group(pp.grad_axes)
+            if size > 1:
+                new[id(p)] = _sync_grad(mesh, axis, reduce, new[id(p)])
+        for name, stages in plan.pipeline.shared:
+            ranks = tuple(sorted({owner(s, config.pipeline) for s in stages}))
+            p = params[name]
+            if len(ranks) < 2 or mesh.index("pipeline") not in ranks or id(p) not in new:
+                continue
+            new[id(p)] = C.all_reduce(new[id(p)].contiguous(), mesh.stage_group(ranks), len(ranks))
+        for p, _ in self.leaves.values():
+            grad = new.get(id(p))
+            if grad is not None:
+                if id(p) in replace:
+                    p.grad = None
+                _add_grad(p, grad)
+        return True
+
+
+def _hooked(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
+    """This step's local gradient of ``p`` through the script's tensor hooks on ``p``
+    (``p.register_hook``), which autograd never runs there (the stages read a plain leaf, ``StageGrads.leaf``):
+    once per step, on the gradient in ``p``'s own form, before it is summed over data, as DDP runs them."""
+    hooks = getattr(p, "_backward_hooks", None)  # where Tensor.register_hook keeps a leaf's hooks
+    if not hooks:
+        return grad
+    whole = make_dtensor(grad, p.device_mesh, p.placements, p.shape) if isinstance(p, DTensor) else grad
+    for hook in list(hooks.values()):
+        out = hook(whole)
+        whole = whole if out is None else out
+    return local_of(whole)
+
+
+def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
+    """Adds ``local`` (this rank's piece) to ``p.grad``, making it when there is none."""
+    if p.grad is None:
+        p.grad = DTensor(local, p._spec, requires_grad=False) if isinstance(p, DTensor) else local
+    else:
+        local_of(p.grad).add_(local)
+
+
+def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:
+    if dtype is None or dtype == grad.dtype:  # clone: autograd may hand the same buffer to other consumers
+        return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
+    return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)
