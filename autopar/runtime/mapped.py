@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import bisect
 import ctypes
+import mmap
 import os
+import sys
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -153,3 +156,68 @@ class MappedConversion:
             into[start:start + self.CHUNK].copy_(chunk)
             release_pages(chunk, maps)
         return out
+
+
+_archive_paths: dict[int, tuple[Any, str | None]] = {}
+
+
+def archive_path(reader: Any) -> str | None:
+    """The file a ``torch.PyTorchFileReader`` reads (it does not say): the open file of this process with
+    the same serialization id. None off Linux or for an archive without an id (torch < 2.2 wrote none)."""
+    hit = _archive_paths.get(id(reader))
+    if hit is not None and hit[0] is reader:
+        return hit[1]
+    found = None
+    try:
+        wanted = reader.serialization_id()
+        fds = os.listdir("/proc/self/fd")
+    except (OSError, RuntimeError, AttributeError):
+        fds, wanted = [], ""
+    for fd in fds if wanted else []:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+            if not path.startswith("/") or not os.path.isfile(path):
+                continue
+            with open(path, "rb") as f:
+                if f.read(4) != b"PK\x03\x04":
+                    continue
+            if torch.PyTorchFileReader(path).serialization_id() == wanted:
+                found = path
+                break
+        except (OSError, RuntimeError):
+            continue
+    _archive_paths[id(reader)] = (reader, found)
+    return found
+
+
+def mapped_record(lazy: Any) -> torch.Tensor | None:
+    """A lazily loaded checkpoint tensor (Lightning's ``lazy_load``: it reads its record whole when used)
+    as a view of a private mapping of its record's bytes, nothing read yet: cutting a piece out of it reads
+    the piece's pages. None when the tensor is not such a one or its file cannot be found (then it is read
+    whole). The mapping goes with the last view of it."""
+    try:
+        reader = lazy.archiveinfo.file_reader
+        _, _, key, _, numel = lazy.storageinfo
+        storage_offset, size, stride = lazy.rebuild_args[:3]
+        dtype = lazy.metatensor.dtype
+    except (AttributeError, TypeError, ValueError):
+        return None
+    if type(lazy.metatensor) is not torch.Tensor or numel == 0 or sys.byteorder != "little":
+        return None
+    try:
+        if reader.has_record("byteorder") and bytes(reader.get_record("byteorder")) != b"little":
+            return None
+        path = archive_path(reader)
+        if path is None:
+            return None
+        offset = reader.get_record_offset(f"data/{key}")
+        nbytes = numel * torch._utils._element_size(dtype)
+        start = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
+        with open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < offset + nbytes:
+                return None
+            pages = mmap.mmap(f.fileno(), offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+    except (OSError, RuntimeError, ValueError):
+        return None
+    flat = torch.frombuffer(pages, dtype=dtype, count=numel, offset=offset - start)
+    return flat.as_strided(size, stride, storage_offset)

@@ -407,15 +407,16 @@ class ParamStore:
                     continue
                 done.add(id(t))
                 full = loaded_value(pending, deferred) if pending.loaded is not None else values[name]
-                full = full.to(dtype=pending.dtype, device=pending.device)
-                if not is_param:
-                    self._set_buffer(name, full.clone())
-                    continue
                 pp = plans.get(id(t))
-                if pp is None or pp.kind is ParamKind.REPLICATED:
-                    set_layout(t, full.clone(), self.mesh.param_mesh(), t.placements)
+                if not is_param or pp is None or pp.kind is ParamKind.REPLICATED:
+                    full = full.to(dtype=pending.dtype, device=pending.device).clone()
+                    if is_param:
+                        set_layout(t, full, self.mesh.param_mesh(), t.placements)
+                    else:
+                        self._set_buffer(name, full)
                     continue
-                piece = own_piece(full, pp, self.mesh)
+                # cut, then convert: a mapped checkpoint's tensor is read (and converted) only in this piece
+                piece = own_piece(full, pp, self.mesh).to(dtype=pending.dtype, device=pending.device)
                 set_layout(t, piece, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
                 if pending.loaded is not None and not isinstance(pending.loaded, LazyRead):  # torch.load(mmap=
                     # True) then load_state_dict: its pages go

@@ -21,6 +21,7 @@ from torch import nn
 
 from autopar.errors import CheckpointError, ParameterError
 from autopar.runtime.deferred import META, Sink
+from autopar.runtime.mapped import mapped_record
 
 if TYPE_CHECKING:
     from autopar.runtime.deferred import Deferred
@@ -108,8 +109,8 @@ class Pending(torch.Tensor):
 class LazyRead(torch.Tensor):
     """A lazily loaded checkpoint tensor (Lightning's ``lazy_load``, which litgpt's ``load_checkpoint``
     uses: tensor-like, read from the file on first use) loaded into a pending parameter: shape and dtype
-    only, read at the first call (``read``), one tensor at a time, so the loaded model is never whole in
-    memory before it. ``load_state_dict`` copies it into the Pending like any loaded tensor."""
+    only, read at the first call (``read``), one tensor at a time and only this rank's pieces' pages, so
+    the loaded model is never whole in memory. ``load_state_dict`` copies it into the Pending like any loaded tensor."""
 
     @staticmethod
     def __new__(cls, source: Any) -> LazyRead:
@@ -121,7 +122,11 @@ class LazyRead(torch.Tensor):
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     def read(self) -> torch.Tensor:
-        return torch.detach(self.source)  # through the source's __torch_function__: reads it from its file
+        """The tensor as a view of its file's pages (nothing read until touched: cutting this rank's piece
+        out reads the piece's pages), or, where the file cannot be mapped, read whole through the
+        source's own ``__torch_function__``."""
+        mapped = mapped_record(self.source)
+        return mapped if mapped is not None else torch.detach(self.source)
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -26,6 +26,7 @@ from autopar.decisions import ParamKind  # noqa: E402
 from autopar.examples.nanogpt import GPTConfig, NanoGPT  # noqa: E402
 from autopar.lightning import AutoparStrategy  # noqa: E402
 from autopar.runtime.collectives import comm_calls  # noqa: E402
+from autopar.runtime.mapped import mapped_record  # noqa: E402
 from autopar.runtime.parameters import local_of  # noqa: E402
 from autopar.runtime.pending import LazyRead  # noqa: E402
 
@@ -241,6 +242,8 @@ def litgpt_worker(strategy: dict, path: str) -> dict:
     # nothing read yet: each tensor is read at the first call, when this rank's pieces are known
     # (data parallelism alone builds the parameters whole at the block's end: the load reads them at once)
     unread = all(isinstance(getattr(local_of(p), "loaded", None), LazyRead) for p in model.parameters())
+    # ... and each will be read as a view of the file's pages (only this rank's pieces' pages are read)
+    mapped = unread and all(mapped_record(local_of(p).loaded.source) is not None for p in model.parameters())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2, eps=EPS))
 
     def step() -> None:
@@ -252,7 +255,8 @@ def litgpt_worker(strategy: dict, path: str) -> dict:
     losses = _litgpt_loop(model, step, fabric.backward, slice(rank, None, world),
                           lambda enabled: fabric.no_backward_sync(model, enabled=enabled))
     return {"losses": [fabric.all_reduce(t, reduce_op="mean").item() for t in losses],
-            "params": autopar.full_state_dict(model), "unread": unread}
+            "params": autopar.full_state_dict(model), "unread": unread,
+            "mapped": mapped}
 
 
 @pytest.mark.parametrize("world,strategy", [(4, {"tensor": (2, 1, 1), "data": 2}), (4, {"G_intra_y": 2, "data": 2}),
@@ -276,6 +280,7 @@ def test_litgpt_loaded_by_its_own_load_checkpoint_trains_as_serial(distributed, 
                                              lambda enabled: contextlib.nullcontext())]
     for got in distributed(litgpt_worker, world, strategy, str(path), timeout=600):
         assert got["unread"] == ("data" not in strategy or len(strategy) > 1), got["unread"]
+        assert got["mapped"] == got["unread"]
         for a, b in zip(got["losses"], losses):
             assert abs(a - b) <= 1e-5 * abs(b), (got["losses"], losses)
         for k, v in serial.state_dict().items():

@@ -64,3 +64,30 @@ def test_releasing_touched_pages_keeps_the_values(tmp_path):
     release_pages(w, FileMaps())
     assert _rss_file_kib() - before < touched / 4
     assert torch.equal(w, want) and torch.equal(piece, want[:, :512])  # faulted back from the file
+
+
+def test_a_lazily_loaded_tensor_is_read_only_in_the_piece_cut_from_it(tmp_path):
+    """litgpt's load_checkpoint hands the model Lightning's lazy_load tensors (each read whole on use);
+    autopar reads one as a view of its file: a rank's row piece maps half the pages, not all of them.
+    Mutation: reading through the lazy tensor itself (mapped_record -> None) reads the whole tensor."""
+    pytest.importorskip("lightning")
+    from lightning.fabric.utilities.load import _lazy_load
+
+    from autopar.runtime.pending import LazyRead
+
+    torch.manual_seed(0)
+    path = str(tmp_path / "lit_model.pth")
+    want = {"w": torch.randn(8192, 1024), "p": torch.nn.Parameter(torch.randn(8, 8)),
+            "half": torch.randn(64, 32).to(torch.bfloat16), "t": torch.randn(16, 8).t()}
+    torch.save(want, path)
+    lazy = _lazy_load(path)
+    read = {k: LazyRead(v).read() for k, v in lazy.items()}
+    assert all(torch.equal(read[k], want[k].detach()) and read[k].dtype == want[k].dtype for k in want)
+    w = LazyRead(lazy["w"]).read()
+    assert FileMaps().region(w) is not None  # pages of the file, nothing read yet
+    before = _rss_file_kib()
+    piece = w[:4096].clone()
+    assert 14 * 1024 < _rss_file_kib() - before < 22 * 1024  # half of 32 MiB (and the kernel's fault-around)
+    assert torch.equal(piece, want["w"][:4096])
+    del w, read
+    assert _rss_file_kib() - before < 1024  # the mapping went with its last view
