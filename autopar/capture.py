@@ -287,6 +287,21 @@ def _drop_export_asserts(gm: fx.GraphModule) -> None:
 
 
 @contextlib.contextmanager
+def without_stack_traces() -> Iterator[None]:
+    """Captures inside record no source line per node (torch.fx's ``do_not_emit_stack_traces``): for
+    graphs that are only analysed (the trace and the plan search), where they cost a sixth of a capture.
+    Graphs that run keep them: an error inside one names the model's line."""
+    import torch.fx.config as fx_config
+
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
+
+
+@contextlib.contextmanager
 def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
     """HuggingFace key/value caches in outputs (``use_cache``), handled the way HF itself does.
 

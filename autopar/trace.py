@@ -22,11 +22,12 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
-                             repeated_blocks, split_batch_leaves, truncated_blocks)
+                             repeated_blocks, split_batch_leaves, truncated_blocks, without_stack_traces)
 from autopar.config import MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
+from passes.analysis.graph_facts import graph_copy
 from passes.analysis.make_plan import make_plan
 from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory, stage_memory
 from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
@@ -37,6 +38,7 @@ from passes.analysis.estimate_memory import MemoryProfile, estimate_memory
 from passes.analysis.repeat_blocks import (Repeat, repeat_chain, repeat_memory, repeat_plan, repeat_report,
                                           template_holds)
 from passes.analysis.report import StepReport, estimate_step, summarize
+from passes.ir import BatchInfo
 
 log = logging.getLogger(__name__)
 
@@ -85,8 +87,14 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
         budget = checkpoint
     elif budget is None:
         budget = device_budget(torch.device("cpu"), config.world_size)
-    shadow = model if _is_meta(model) else meta_shadow(model)
-    lists = repeated_blocks(shadow) if repeat else []
+    if captures is not None and "shadow" in captures:  # the search's later grids: the same model
+        shadow, lists = captures["shadow"]
+    else:
+        shadow = model if _is_meta(model) else meta_shadow(model)
+        lists = repeated_blocks(shadow)
+        if captures is not None:
+            captures["shadow"] = shadow, lists
+    lists = lists if repeat else []
     micro = microbatches if pipeline > 1 else 0
     found = None
     if lists:
@@ -154,7 +162,11 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
                    batch_dims: dict[int | str, int | None] | None = None, captures: dict[Any, Any] | None = None
                    ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...], tuple[Collective, ...]]:
     """Captures and plans; with ``microbatches`` (pipelines) one micro-batch of this batch, as the
-    runtime does, and also the pipeline chain and the loss's collectives."""
+    runtime does, and also the pipeline chain and the loss's collectives. With ``captures`` the result
+    is kept there too (the search's screen plans the data-parallel grid it then scores)."""
+    memo = ("planned", config, rank, dtype, microbatches, per_rank, tuple(sorted((batch_dims or {}).items(), key=str)))
+    if captures is not None and memo in captures:
+        return captures[memo]
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
     names = input_names(tuple(inputs), dict(kwargs or {}))
     segments: tuple[int, ...] = ()
@@ -178,16 +190,20 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
         key = (tuple(sorted(split.items())), sizes, index, segments)
         if captures is not None and key in captures:
             return captures[key]
-        captured = capture_shard(shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
-                                 segments=segments)
+        if captures is not None and split:
+            captured = _shared_rows(captures, shadow, leaves, spec, split, sizes, index, segments, requires_grad)
+        else:
+            captured = capture_shard(shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                                     segments=segments)
         if captures is not None:
             captures[key] = captured
         return captured
 
-    canonical = shard(0)
-    plan = make_plan(canonical.gm, config)
     index = config.batch_index(rank) if split else 0
-    mine = canonical if index == 0 else shard(index)
+    with without_stack_traces():  # (analysed only, never run)
+        canonical = shard(0)
+        mine = canonical if index == 0 else shard(index)
+    plan = make_plan(canonical.gm, config)
     report = estimate_step(mine.gm, plan)
     if per_rank and not split and config.num_batch_shards > 1:
         # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
@@ -198,7 +214,26 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     if microbatches:
         chain = pipeline_chain(mine.gm, plan, report.collectives)
         loss = tuple(loss_collectives(mine.gm, layouts_for(mine.gm, plan)[0], config))
-    return plan, report, estimate_memory(canonical.gm, plan, dtype), chain, loss
+    result = plan, report, estimate_memory(canonical.gm, plan, dtype), chain, loss
+    if captures is not None:
+        captures[memo] = result
+    return result
+
+
+def _shared_rows(captures: dict[Any, Any], shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec,
+                 split: dict[int, int], sizes: tuple[int, ...], index: int, segments: tuple[int, ...],
+                 requires_grad: dict[str, bool]) -> Any:
+    """Batch shard ``index``'s capture for the plan search: grids whose shards get as many rows share one
+    capture (the graph depends on this shard's rows only; how the whole batch was split is ``meta``), a
+    copy of it with this split recorded. A capture costs ~50 times a copy."""
+    key = ("rows", tuple(sorted(split.items())), sizes[index], segments)
+    if key not in captures:
+        captures[key] = capture_shard(shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                                      segments=segments)
+    captured = captures[key]
+    gm = graph_copy(captured.gm)
+    gm.meta["autopar_batch"] = BatchInfo(sum(sizes), sizes, index, segments)
+    return dataclasses.replace(captured, gm=gm)
 
 
 def _is_meta(model: nn.Module) -> bool:

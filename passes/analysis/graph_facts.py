@@ -208,3 +208,15 @@ def hinted(gm: fx.GraphModule) -> Iterator[None]:
     finally:
         for n, val in saved:
             n.meta["val"] = val
+
+
+
+def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` with a graph and ``meta`` of its own (nodes' recorded values shared, not copied),
+    sharing its parameters and submodules: for analyses of one capture under different ``meta``."""
+    graph = fx.Graph()
+    out = graph.graph_copy(gm.graph, {})
+    graph.output(out).meta = dict(gm.graph.output_node().meta)
+    copy_ = fx.GraphModule(gm, graph)
+    copy_.meta.update(gm.meta)
+    return copy_

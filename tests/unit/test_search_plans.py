@@ -266,3 +266,35 @@ def test_half_precision_halves_the_activations_collectives_only():
               Collective("all_reduce", "data", 2, 1024, "step", "w"),
               Collective("all_gather", "world", 4, 64, "forward", "<agreement>")):
         assert halved(c) == c
+
+
+@pytest.mark.slow
+def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
+    """The search captures each row count once (a capture of the cut model costs ~50 graph copies) and
+    gives each grid a copy recording its own split: every grid of 4 ranks, pipelines and uneven shards
+    (a batch of 6 rows) included, scores exactly as when captured on its own. Mutation: sharing the
+    capture without its own split (the first grid's BatchInfo) changes the uneven grids' scores."""
+    from autopar import trace
+    from autopar.examples import zoo
+    from autopar.plan import score
+
+    machine = load_machine("h100-80gb")
+    with torch.device("meta"):
+        llama = zoo.build_model("llama", layers=6)
+    inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=6, seq=16))
+    captured = []
+    real = trace.capture_shard
+    trace.capture_shard = lambda *a, **k: captured.append((a[4] or (None,))[a[5]]) or real(*a, **k)
+    try:
+        shared: dict = {}
+        grids = candidates(4, 6)
+        together = [score(llama, inputs, c, machine, captures=shared) for c in grids]
+        rows = list(captured)
+        alone = [score(llama, inputs, c, machine, captures={}) for c in grids]
+    finally:
+        trace.capture_shard = real
+    assert len(rows) == len(set(rows)) < len(grids) / 2, rows  # one capture per row count
+    assert any(len(set(c.config.batch_sizes(6))) > 1 for c in grids)  # uneven shards are among them
+    for c, a, b in zip(grids, together, alone):
+        assert (a.time, a.memory_bytes, a.fits, a.recompute, a.reason) == (b.time, b.memory_bytes, b.fits,
+                                                                            b.recompute, b.reason), c
