@@ -269,7 +269,16 @@ def calibrate(ranks: int = 2, name: str = "calibrated") -> Machine:
     return Machine(name, flops_per_second=flops, memory_bytes=device_budget(device, local),
                    intra_bytes_per_second=rate, inter_bytes_per_second=rate, intra_latency=latency,
                    inter_latency=latency, gpus_per_node=local, collectives=table, crossed_collectives=crossed,
-                   memory_bytes_per_second=memory, activation_bytes_per_second=saved, op_seconds=op)
+                   memory_bytes_per_second=memory, activation_bytes_per_second=saved, op_seconds=op,
+                   cores=0 if device.type == "cuda" else cpu_cores())
+
+
+def cpu_cores() -> int:
+    """The CPU cores this process may run on (its affinity: a container's or taskset's share)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def _forked(ranks: int) -> tuple[float, float, float, float, float, float, Table, Table]:

@@ -28,6 +28,7 @@ import torch
 import torch.utils._pytree as pytree
 from torch import nn
 
+from autopar.calibrate import cpu_cores
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError, ConfigError, PlanError
 from autopar.memory import device_budget
@@ -150,7 +151,8 @@ def local_machine(world: int) -> Machine:
     base = load_machine("a100-80gb" if "A100" in name else "h100-80gb" if gpu else "cpu")
     device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return dataclasses.replace(base, memory_bytes=device_budget(device, world), gpus_per_node=max(local, 1))
+    return dataclasses.replace(base, memory_bytes=device_budget(device, world), gpus_per_node=max(local, 1),
+                               cores=0 if gpu else cpu_cores())
 
 
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,

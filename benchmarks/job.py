@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.calibrate import cpu_cores
 from autopar.memory import device_budget
 from passes.analysis.search_plans import Machine, plan_seconds
 
@@ -136,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
                        intra_latency=rates["collective_seconds"], inter_latency=rates["collective_seconds"],
                        gpus_per_node=world, memory_bytes_per_second=rates["memory_bytes_per_second"],
                        activation_bytes_per_second=rates["activation_bytes_per_second"], op_seconds=rates["op_seconds"],
-                       collectives=rates["collectives"], crossed_collectives=rates["crossed_collectives"])
+                       collectives=rates["collectives"], crossed_collectives=rates["crossed_collectives"],
+                       cores=0 if cuda else cpu_cores())
     batches = [(x.to(device), y.to(device)) for x, y in bm.make_batches(args.warmup + args.steps + 1,
                                                                          args.batch or bm.batch)]
     report: dict[str, Any] = {"model": bm.name, "size": bm.size, "world": world, "batch": args.batch or bm.batch,
