@@ -316,3 +316,26 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     for c, a, b in zip(grids, together, alone):
         assert (a.time, a.memory_bytes, a.fits, a.recompute, a.reason) == (b.time, b.memory_bytes, b.fits,
                                                                             b.recompute, b.reason), c
+
+
+def test_the_search_leaves_the_garbage_collector_as_it_found_it():
+    """The search freezes the process's objects for the collector while it runs (its passes then skip
+    them) and unfreezes them after; a process that froze objects itself keeps them frozen. Mutation:
+    leaving them frozen would keep every object alive till the process ends."""
+    import gc
+
+    from autopar.plan import search
+
+    with torch.device("meta"):
+        model = MLP()
+    inputs = (torch.empty(16, 64, device="meta"),)
+    assert gc.get_freeze_count() == 0
+    search(model, inputs, 2, MACHINE)
+    assert gc.get_freeze_count() == 0
+    gc.freeze()
+    frozen = gc.get_freeze_count()
+    try:
+        search(model, inputs, 2, MACHINE)
+        assert gc.get_freeze_count() > frozen // 2  # (some frozen objects are freed meanwhile)
+    finally:
+        gc.unfreeze()
