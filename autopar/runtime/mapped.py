@@ -20,6 +20,7 @@ import ctypes
 import mmap
 import os
 import sys
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -158,15 +159,15 @@ class MappedConversion:
         return out
 
 
-_archive_paths: dict[int, tuple[Any, str | None]] = {}
+_archive_paths: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDictionary()
+"""Per reader (weakly: the reader's file closes with it), the file found."""
 
 
 def archive_path(reader: Any) -> str | None:
     """The file a ``torch.PyTorchFileReader`` reads (it does not say): the open file of this process with
     the same serialization id. None off Linux or for an archive without an id (torch < 2.2 wrote none)."""
-    hit = _archive_paths.get(id(reader))
-    if hit is not None and hit[0] is reader:
-        return hit[1]
+    if reader in _archive_paths:
+        return _archive_paths[reader]
     found = None
     try:
         wanted = reader.serialization_id()
@@ -186,7 +187,7 @@ def archive_path(reader: Any) -> str | None:
                 break
         except (OSError, RuntimeError):
             continue
-    _archive_paths[id(reader)] = (reader, found)
+    _archive_paths[reader] = found
     return found
 
 

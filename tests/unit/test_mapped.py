@@ -3,6 +3,9 @@ without reading it, a written one is not, and unmapping the pages a cut touched 
 
 from __future__ import annotations
 
+import gc
+import os
+
 import pytest
 import torch
 
@@ -91,3 +94,7 @@ def test_a_lazily_loaded_tensor_is_read_only_in_the_piece_cut_from_it(tmp_path):
     assert torch.equal(piece, want["w"][:4096])
     del w, read
     assert _rss_file_kib() - before < 1024  # the mapping went with its last view
+    del lazy
+    gc.collect()
+    open_fds = [os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")]
+    assert path not in open_fds  # the file closes with the loader's archive (nothing of autopar's keeps it)
