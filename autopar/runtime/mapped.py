@@ -164,28 +164,28 @@ _archive_paths: weakref.WeakKeyDictionary[Any, str | None] = weakref.WeakKeyDict
 
 
 def archive_path(reader: Any) -> str | None:
-    """The file a ``torch.PyTorchFileReader`` reads (it does not say): the open file of this process with
-    the same serialization id. None off Linux or for an archive without an id (torch < 2.2 wrote none)."""
+    """The file a ``torch.PyTorchFileReader`` reads (it does not say): the open file of this process
+    holding the archive's serialization id where the archive keeps it (one small read per open file; no
+    other file is parsed). None off Linux or for an archive without an id (torch < 2.2 wrote none)."""
     if reader in _archive_paths:
         return _archive_paths[reader]
     found = None
     try:
-        wanted = reader.serialization_id()
-        fds = os.listdir("/proc/self/fd")
+        wanted = reader.serialization_id().encode()
+        where = reader.get_record_offset(".data/serialization_id") if wanted else 0
+        fds = os.listdir("/proc/self/fd") if wanted else []
     except (OSError, RuntimeError, AttributeError):
-        fds, wanted = [], ""
-    for fd in fds if wanted else []:
+        fds = []
+    for fd in fds:
         try:
             path = os.readlink(f"/proc/self/fd/{fd}")
             if not path.startswith("/") or not os.path.isfile(path):
                 continue
             with open(path, "rb") as f:
-                if f.read(4) != b"PK\x03\x04":
-                    continue
-            if torch.PyTorchFileReader(path).serialization_id() == wanted:
-                found = path
-                break
-        except (OSError, RuntimeError):
+                if os.pread(f.fileno(), len(wanted), where) == wanted:
+                    found = path
+                    break
+        except OSError:
             continue
     _archive_paths[reader] = found
     return found

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from autopar.runtime.mapped import FileMaps, file_fingerprint, release_pages
+from autopar.runtime.mapped import FileMaps, archive_path, file_fingerprint, release_pages
 
 pytestmark = pytest.mark.skipif(not FileMaps().maps, reason="needs Linux's /proc/self/maps")
 
@@ -83,7 +83,11 @@ def test_a_lazily_loaded_tensor_is_read_only_in_the_piece_cut_from_it(tmp_path):
     want = {"w": torch.randn(8192, 1024), "p": torch.nn.Parameter(torch.randn(8, 8)),
             "half": torch.randn(64, 32).to(torch.bfloat16), "t": torch.randn(16, 8).t()}
     torch.save(want, path)
+    other = _lazy_load(_saved(tmp_path, "other", 1))  # another archive open in the process
     lazy = _lazy_load(path)
+    assert archive_path(lazy["w"].archiveinfo.file_reader) == path
+    assert archive_path(other["w"].archiveinfo.file_reader).endswith("other/ckpt.pt")
+    del other
     read = {k: LazyRead(v).read() for k, v in lazy.items()}
     assert all(torch.equal(read[k], want[k].detach()) and read[k].dtype == want[k].dtype for k in want)
     w = LazyRead(lazy["w"]).read()
