@@ -3,6 +3,7 @@
     python -m autopar.examples.fabric_train --devices 4 --tensor 2 1 1     # Fabric launches the processes
     torchrun --nproc-per-node 4 -m autopar.examples.fabric_train --devices 4 --tensor 2 1 1
     python -m autopar.examples.fabric_train --devices 1                     # the serial run to compare
+    python -m autopar.examples.fabric_train --accelerator cuda --devices 2 --tensor 2 1 1   # GPUs (NCCL)
 
 The loop is the tutorial's: ``init_module(empty_init=True)``, ``fabric.setup``, a DistributedSampler over
 every rank with ``gbs // acc // world_size`` rows per device, ``no_backward_sync`` for accumulation,
@@ -26,6 +27,7 @@ from autopar.lightning import AutoparStrategy
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=1)
+    p.add_argument("--accelerator", default="cpu", choices=("cpu", "cuda"), help="cuda: a GPU per rank, NCCL")
     p.add_argument("--tensor", type=int, nargs=3, default=(1, 1, 1), metavar=("ROW", "COL", "DEPTH"))
     p.add_argument("--global-batch-size", type=int, default=16)
     p.add_argument("--gradient-accumulation-steps", type=int, default=2)
@@ -35,7 +37,7 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
 
     row, col, depth = args.tensor
-    fabric = L.Fabric(accelerator="cpu", devices=args.devices, precision="32-true",
+    fabric = L.Fabric(accelerator=args.accelerator, devices=args.devices, precision="32-true",
                       strategy=AutoparStrategy(G_intra_r=row, G_intra_c=col, G_intra_d=depth))
     fabric.launch()
     acc = args.gradient_accumulation_steps
@@ -53,7 +55,7 @@ def main() -> None:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     model, optimizer = fabric.setup(model, optimizer)
 
-    total = torch.zeros(())
+    total = torch.zeros((), device=fabric.device)
     for i, (x, y) in enumerate(loader):
         last = (i + 1) % acc == 0
         with fabric.no_backward_sync(model, enabled=not last):
@@ -66,7 +68,7 @@ def main() -> None:
             optimizer.zero_grad()
             mean = fabric.all_reduce(total, reduce_op="mean")
             fabric.print(f"step {(i + 1) // acc} loss {mean.item():.6f}")
-            total = torch.zeros(())
+            total = torch.zeros((), device=fabric.device)
     if args.save:
         fabric.save(args.save, {"model": model, "optimizer": optimizer, "step": args.steps})
         fabric.print(f"saved {args.save}")

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("lightning")
 
@@ -32,3 +33,14 @@ def test_fabric_launches_the_tutorial_loop_and_it_prints_serials_losses(tmp_path
     parallel = _run("--devices", "2", "--tensor", "2", "1", "1", "--save", str(tmp_path / "ckpt"))
     assert len(parallel) == 3 and all(abs(a - b) <= 1e-5 * b for a, b in zip(parallel, serial)), (parallel, serial)
     assert (tmp_path / "ckpt" / "meta.pt").is_file()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_fabric_runs_the_tutorial_loop_on_gpus_with_nccl():
+    """The same loop on a GPU per rank (Fabric picks NCCL through the strategy): the 2-GPU tensor (2,1,1)
+    run prints the 1-GPU run's losses (fp32; reductions in another order: 1e-4)."""
+    serial = _run("--accelerator", "cuda", "--devices", "1")
+    parallel = _run("--accelerator", "cuda", "--devices", "2", "--tensor", "2", "1", "1")
+    assert len(parallel) == len(serial) == 3
+    assert all(abs(a - b) <= 1e-4 * b for a, b in zip(parallel, serial)), (parallel, serial)
