@@ -212,7 +212,7 @@ def mapped_record(lazy: Any) -> torch.Tensor | None:
         if path is None:
             return None
         offset = reader.get_record_offset(f"data/{key}")
-        nbytes = numel * torch._utils._element_size(dtype)
+        nbytes = numel * dtype.itemsize
         start = offset // mmap.ALLOCATIONGRANULARITY * mmap.ALLOCATIONGRANULARITY
         with open(path, "rb") as f:
             if os.fstat(f.fileno()).st_size < offset + nbytes:

@@ -110,7 +110,8 @@ class LazyRead(torch.Tensor):
     """A lazily loaded checkpoint tensor (Lightning's ``lazy_load``, which litgpt's ``load_checkpoint``
     uses: tensor-like, read from the file on first use) loaded into a pending parameter: shape and dtype
     only, read at the first call (``read``), one tensor at a time and only this rank's pieces' pages, so
-    the loaded model is never whole in memory. ``load_state_dict`` copies it into the Pending like any loaded tensor."""
+    the loaded model is never whole in memory. ``load_state_dict`` copies it into the Pending like any
+    loaded tensor."""
 
     @staticmethod
     def __new__(cls, source: Any) -> LazyRead:
