@@ -271,9 +271,18 @@ class PipelinePlan:
     schedule: str = ""
     """The torch schedule that runs the stages ('' when only planned: the trace)."""
 
+    @property
+    def ranks(self) -> int:
+        """Pipeline ranks (stages / stages per rank)."""
+        return len(self.stages) // self.chunks_per_rank
+
+    def stages_of(self, rank: int) -> list[StagePlan]:
+        """The stages pipeline rank ``rank`` runs (stage k on rank k mod ranks)."""
+        return [st for k, st in enumerate(self.stages) if k % self.ranks == rank]
+
     def summary(self) -> str:
         mib = 2.0 ** 20
-        ranks = len(self.stages) // self.chunks_per_rank
+        ranks = self.ranks
         shape = (f"{len(self.stages)} stages" if self.chunks_per_rank == 1 else
                  f"{ranks} ranks x {self.chunks_per_rank} interleaved stages")
         schedule = self.schedule or ("1F1B" if self.chunks_per_rank == 1 else "interleaved 1F1B")

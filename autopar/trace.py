@@ -133,12 +133,10 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
         step = [c for c in report.collectives if c.phase == "step"]
         me = plan.config.coords(rank)["pipeline"]
         if slowest:  # the pipeline rank with the most matmul FLOPs (the bottleneck of a step)
-            ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
-            me = max(range(ranks), key=lambda r: pipeline_flops(chain, plan, r, microbatches))
+            me = max(range(plan.pipeline.ranks), key=lambda r: pipeline_flops(chain, plan, r, microbatches))
         colls = pipeline_collectives(chain, plan, step, loss, me, microbatches)
         rows = [dataclasses.replace(r, flops=r.flops * microbatches) for r in report.layers]
-        pipe = plan.pipeline
-        mine = [st for k, st in enumerate(pipe.stages) if k % (len(pipe.stages) // pipe.chunks_per_rank) == me]
+        mine = plan.pipeline.stages_of(me)
         saved = {s.name: s.saved_bytes for s in profile.segments}
         ops = {s.name: s.ops for s in profile.segments}
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0

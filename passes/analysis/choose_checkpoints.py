@@ -132,7 +132,7 @@ def stage_memory(profile: MemoryProfile, plan: Plan, mine: list[Any], me: int, m
     last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's). The model's
     outputs and the loss's activations are the last rank's, one micro-batch of this shard's rows at a
     time (``train_step`` computes the loss per micro-batch; nothing is gathered)."""
-    ranks = len(plan.pipeline.stages) // plan.pipeline.chunks_per_rank
+    ranks = plan.pipeline.ranks
     inflight = max(min(microbatches, ranks - me), 1)
     last = me == ranks - 1
     local = plan.config.num_batch_shards  # the profile counts outputs whole over the batch shards
@@ -163,9 +163,8 @@ def pipeline_memory(profile: MemoryProfile, plan: Plan, microbatches: int, check
     figures of the rank that needs the most memory. Whole-model memory would recompute blocks no rank
     needs to."""
     pipe = plan.pipeline
-    ranks = len(pipe.stages) // pipe.chunks_per_rank
-    per_rank = [stage_memory(profile, plan, [st for k, st in enumerate(pipe.stages) if k % ranks == r], r,
-                             microbatches, checkpoint, budget) for r in range(ranks)]
+    per_rank = [stage_memory(profile, plan, pipe.stages_of(r), r, microbatches, checkpoint, budget)
+                for r in range(pipe.ranks)]
     worst = max(per_rank, key=lambda m: m.peak_bytes)
     chosen = {b for m in per_rank for b in m.recompute}
     blocks = tuple(s.name for s in profile.segments if s.checkpointable)

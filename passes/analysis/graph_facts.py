@@ -210,7 +210,6 @@ def hinted(gm: fx.GraphModule) -> Iterator[None]:
             n.meta["val"] = val
 
 
-
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     """A copy of ``gm`` with a graph and ``meta`` of its own (nodes' recorded values shared, not copied),
     sharing its parameters and submodules: for analyses of one capture under different ``meta``."""

@@ -45,7 +45,7 @@ def pipeline_collectives(chain: Sequence[ChainSegment], plan: Plan, step: Sequen
     pipe, config = plan.pipeline, plan.config
     if pipe is None:
         raise ValueError("pipeline_collectives needs a plan with pipeline stages")
-    ranks, last = len(pipe.stages) // pipe.chunks_per_rank, len(pipe.stages) - 1
+    ranks, last = pipe.ranks, len(pipe.stages) - 1
     segment = {s.name: s for s in chain}
     stages = [[segment[name] for name in st.segments] for st in pipe.stages]
     mine = [k for k in range(len(stages)) if k % ranks == rank]
@@ -74,11 +74,8 @@ def pipeline_collectives(chain: Sequence[ChainSegment], plan: Plan, step: Sequen
 
 def pipeline_flops(chain: Sequence[ChainSegment], plan: Plan, rank: int, num_microbatches: int) -> float:
     """The matmul FLOPs pipeline rank ``rank`` computes in one training step (its stages only)."""
-    pipe = plan.pipeline
-    ranks = len(pipe.stages) // pipe.chunks_per_rank
     segment = {s.name: s for s in chain}
-    return num_microbatches * sum(segment[name].flops for k, st in enumerate(pipe.stages) if k % ranks == rank
-                                  for name in st.segments)
+    return num_microbatches * sum(segment[name].flops for st in plan.pipeline.stages_of(rank) for name in st.segments)
 
 
 def _send(nbytes: int, phase: str, where: str) -> Collective:
