@@ -22,6 +22,7 @@ _EXPORTS = {
     "full_state_dict": "autopar.context",
     "load_full_optimizer_state_dict": "autopar.context",
     "no_sync": "autopar.context",
+    "parallelize_module": "autopar.context",
     "plan_of": "autopar.context",
     "reset_comm_stats": "autopar.runtime.collectives",
     "train_step": "autopar.train",

@@ -147,6 +147,57 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     (or at the end of the block with example_inputs); gradients are complete and synchronized when
     backward returns.
     """
+    options = _options(tensor=tensor, data=data, pipeline=pipeline, microbatches=microbatches, schedule=schedule,
+                       chunks=chunks, checkpoint=checkpoint, precision=precision, reduce_dtype=reduce_dtype,
+                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan)
+    if getattr(_state, "active", False):
+        raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
+    _state.active = True
+    recorder = _ModuleRecorder()
+    deferred = Deferred() if defer_init else None
+    try:
+        if deferred is not None:
+            deferred.roots = recorder.roots
+            deferred.__enter__()
+        yield options.config
+    finally:
+        if deferred is not None:
+            deferred.__exit__(None, None, None)
+        recorder.remove()
+        _state.active = False
+    roots = recorder.roots()
+    if deferred is not None:  # random ops serial ran on meta: as a plain build if the model keeps their tensors
+        deferred.settle_if_kept()
+    if not roots:
+        log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
+    _parallelize_all(roots, options, example_inputs, deferred)
+
+
+def parallelize_module(model: nn.Module, *, example_inputs: tuple | None = None, **options: Any) -> nn.Module:
+    """``auto_parallelize`` for a model built outside a block (whole, with the same values on every rank:
+    each rank keeps its pieces at the first call): the same keywords but ``defer_init``. Returns ``model``,
+    now parallel (Lightning Fabric's ``setup`` of a model built outside ``init_module``)."""
+    _parallelize_all([model], _options(**options), example_inputs, None)
+    return model
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    given: dict[str, int]
+    """The degrees the user gave (``plan="auto"`` keeps them)."""
+    config: ParallelConfig | None
+    """None with ``plan="auto"``: chosen later."""
+    memory: MemoryConfig
+    pipe: PipelineConfig
+    inputs: InputConfig
+
+
+def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pipeline: int | None = None,
+             microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
+             checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
+             eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
+             plan: str | None = None) -> _Options:
+    """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
             "auto_parallelize needs torch.distributed: launch with torchrun (or call "
@@ -159,41 +210,28 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     config = None if plan == "auto" else ParallelConfig.from_user(
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
         pipeline=1 if pipeline is None else pipeline)
-    memory = MemoryConfig(checkpoint, precision, reduce_dtype)
     pipe = PipelineConfig(microbatches, schedule, chunks)
-    inputs = InputConfig(batch, eval_timeout, batch_dims)
     if config is not None and config.pipeline > 1:
-        pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule before the block
-    if getattr(_state, "active", False):
-        raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
-    _state.active = True
-    recorder = _ModuleRecorder()
-    deferred = Deferred() if defer_init else None
-    try:
-        if deferred is not None:
-            deferred.roots = recorder.roots
-            deferred.__enter__()
-        yield config
-    finally:
-        if deferred is not None:
-            deferred.__exit__(None, None, None)
-        recorder.remove()
-        _state.active = False
-    roots = recorder.roots()
-    if deferred is not None:  # random ops serial ran on meta: as a plain build if the model keeps their tensors
-        deferred.settle_if_kept()
-    if not roots:
-        log.warning("auto_parallelize: no module with parameters was built inside the block; nothing to do.")
-    # a torch.device("meta") around the block is the model's, not autopar's
+        pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
+    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype), pipe,
+                    InputConfig(batch, eval_timeout, batch_dims))
+
+
+def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: tuple | None,
+                     deferred: Deferred | None) -> None:
+    """Makes ``roots`` parallel under ``options``: its grid, or (``plan="auto"``) the grid chosen now for
+    ``example_inputs``, or a provisional one until each model's first call chooses."""
+    config, pipe = options.config, options.pipe
     later = config is None and example_inputs is None
     if later:  # a provisional grid until each model's first call chooses one
         config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size())
     elif config is None and roots:
-        config, pipe = _choose_grid(roots, example_inputs, given, memory, pipe)
+        config, pipe = _choose_grid(roots, example_inputs, options.given, options.memory, pipe)
+    # a torch.device("meta") around the block is the model's, not autopar's
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
         for model in roots:
-            parallelize(model, config, example_inputs=example_inputs, memory=memory, pipe=pipe, inputs=inputs,
-                        deferred=deferred, choose=given if later else None)
+            parallelize(model, config, example_inputs=example_inputs, memory=options.memory, pipe=pipe,
+                        inputs=options.inputs, deferred=deferred, choose=options.given if later else None)
 
 
 def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
@@ -418,19 +456,23 @@ def no_sync(model: nn.Module) -> Iterator[None]:
         runtime_of(model).no_sync_depth -= 1
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model a framework's wrapper holds (Lightning Fabric's ``_FabricModule``: the script passes what
+    ``fabric.setup`` returned), else ``model``."""
+    return getattr(model, "_forward_module", model)
+
+
 def runtime_of(model: nn.Module) -> ParallelRuntime:
-    """The runtime of a parallel model, or of the model a framework's wrapper holds (Lightning Fabric's
-    ``_FabricModule``: the script passes what ``fabric.setup`` returned)."""
-    model = getattr(model, "_forward_module", model)
+    """The runtime of a parallel model (or of the one a framework's wrapper holds: ``unwrapped``)."""
     try:
-        return runtimes[model]
+        return runtimes[unwrapped(model)]
     except KeyError:
         raise ContextError(f"{type(model).__name__} was not built inside autopar.auto_parallelize().") from None
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """The serial model's state dict (full tensors, serial names) on every rank. Collective."""
-    return runtime_of(model).full_state_dict(getattr(model, "_forward_module", model).state_dict())
+    return runtime_of(model).full_state_dict(unwrapped(model).state_dict())
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

@@ -44,8 +44,7 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 import autopar
-from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
-from autopar.context import parallelize, runtime_of
+from autopar.context import parallelize_module, runtime_of, unwrapped
 from autopar.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,21 +157,8 @@ class AutoparStrategy(ParallelStrategy):
         (whole on every rank until its first call keeps each rank's pieces)."""
         if _is_parallel(module):
             return module
-        given = {k: v for k, v in (("data", self.data), ("pipeline", self.pipeline)) if v is not None}
-        given.update(zip(("row", "col", "depth"), self.tensor or ()))
-        memory = MemoryConfig(precision=_autopar_precision(self.precision), **{
-            k: v for k, v in self.options.items() if k in ("checkpoint", "reduce_dtype")})
-        inputs = InputConfig(batch="per-rank", **{k: v for k, v in self.options.items() if k in ("eval_timeout",
-                                                                                               "batch_dims")})
-        pipe = PipelineConfig(self.options.get("microbatches"), self.options.get("schedule", "1f1b"),
-                              self.options.get("chunks"))
-        world = dist.get_world_size()
-        if self.plan == "auto":  # provisional data parallelism; the grid is chosen at the first call
-            config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=world)
-            return parallelize(module, config, memory=memory, pipe=pipe, inputs=inputs, choose=given)
-        config = ParallelConfig.from_user(tensor=self.tensor or (1, 1, 1), data=self.data, world_size=world,
-                                          pipeline=self.pipeline or 1)
-        return parallelize(module, config, memory=memory, pipe=pipe, inputs=inputs)
+        options = {k: v for k, v in self._context_options().items() if k != "defer_init"}  # (built already)
+        return parallelize_module(module, **options)
 
     def setup_module_and_optimizers(self, module: nn.Module, optimizers: list[torch.optim.Optimizer],
                                     scheduler: Any = None) -> tuple[nn.Module, list[torch.optim.Optimizer], Any]:
@@ -332,28 +318,24 @@ class _NoSync(_BackwardSyncControl):
     """``fabric.no_backward_sync(model)``: gradients stay local (summed into ``.grad``) for accumulation."""
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> contextlib.AbstractContextManager:
-        return autopar.no_sync(_unwrapped(module)) if enabled else contextlib.nullcontext()
-
-
-def _unwrapped(module: nn.Module) -> nn.Module:
-    return getattr(module, "_forward_module", module)  # Fabric's _FabricModule wraps the user's
+        return autopar.no_sync(module) if enabled else contextlib.nullcontext()
 
 
 def _is_parallel(module: nn.Module) -> bool:
     try:
-        runtime_of(_unwrapped(module))
+        runtime_of(module)
     except autopar.AutoparError:
         return False
     return True
 
 
 def _the_model(state: dict[str, Any], what: str) -> nn.Module:
-    models = [_unwrapped(v) for v in state.values() if isinstance(v, nn.Module) and _is_parallel(v)]
+    models = [unwrapped(v) for v in state.values() if isinstance(v, nn.Module) and _is_parallel(v)]
     if len(models) != 1:
         raise CheckpointError(f"fabric.{what} needs exactly one model set up by AutoparStrategy in its state "
                               f"(found {len(models)}): {what} each model under its own path.")
     for key, value in state.items():
-        if isinstance(value, nn.Module) and _unwrapped(value) is models[0]:
+        if isinstance(value, nn.Module) and unwrapped(value) is models[0]:
             state[key] = models[0]
     return models[0]
 

@@ -161,7 +161,7 @@ class ParallelRuntime:
         ``example``: auto_parallelize's example_inputs, the same on every rank: a global batch that
         decides nothing about how the script feeds the model later.
         """
-        if self.choose is not None:
+        if self.choose is not None:  # (local outputs: train_step's call, the one that may run a pipeline)
             return self.decided(args, kwargs, local_outputs).run(args, kwargs, local_outputs=local_outputs,
                                                                  example=example)
         grad = torch.is_grad_enabled()

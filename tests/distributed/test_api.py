@@ -158,3 +158,47 @@ def test_eval_and_new_shapes_recompile(distributed):
     r = distributed(eval_worker, 4)[0]
     assert r["eval"] < 1e-6 and r["train"] < 1e-6
     assert r["executables"] == 2
+
+
+def built_outside_worker() -> dict:
+    torch.manual_seed(0)
+    model = FC_Net(**SMALL)  # built outside any block, whole on every rank
+    out = {"same": autopar.parallelize_module(model, tensor=(2, 1, 1)) is model,
+           "tensor": tuple(runtime_of(model).config.tensor)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(steps=3, batch=8, last=8):
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out["losses"], out["params"] = losses, autopar.full_state_dict(model)
+    try:
+        autopar.parallelize_module(model, tensor=(2, 1, 1))
+    except ContextError as e:
+        out["again"] = str(e)
+    return out
+
+
+def test_a_model_built_outside_a_block_is_parallelized_by_parallelize_module(distributed):
+    """``autopar.parallelize_module`` (what Fabric's setup does for a model built outside init_module): the
+    same keywords as auto_parallelize, the same training as serial (losses, parameters after 3 AdamW steps
+    with the script's clip_grad_norm_)."""
+    torch.manual_seed(0)
+    serial = FC_Net(**SMALL)
+    opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
+    losses = []
+    for x, y in batches(steps=3, batch=8, last=8):
+        loss = F.cross_entropy(serial(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    for r in distributed(built_outside_worker, 2):
+        assert r["same"] and r["tensor"] == (2, 1, 1) and "already parallelized" in r["again"]
+        assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], losses)), (r["losses"], losses)
+        for k, v in serial.state_dict().items():
+            assert rel_err(r["params"][k], v) < 1e-5, k
