@@ -418,8 +418,8 @@ class ParamStore:
                 # cut, then convert: a mapped checkpoint's tensor is read (and converted) only in this piece
                 piece = own_piece(full, pp, self.mesh).to(dtype=pending.dtype, device=pending.device)
                 set_layout(t, piece, self.mesh.param_mesh(), placements(pp, DIMS, self.config))
-                if pending.loaded is not None and not isinstance(pending.loaded, LazyRead):  # torch.load(mmap=
-                    # True) then load_state_dict: its pages go
+                # torch.load(mmap=True) then load_state_dict: its pages go (a LazyRead's mapping goes with it)
+                if pending.loaded is not None and not isinstance(pending.loaded, LazyRead):
                     release_pages(pending.loaded, maps)
 
         maps = FileMaps()
