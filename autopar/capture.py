@@ -29,6 +29,7 @@ from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
 from autopar.errors import CaptureError, InputError
+from passes.causal_attention import causal_attention
 from passes.ir import BatchInfo, InputInfo, InputKind, Sharding
 
 log = logging.getLogger(__name__)
@@ -246,6 +247,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
                            "use a model without them or put it in eval mode.")
     gm = ep.graph_module
     _drop_export_asserts(gm)
+    causal_attention(gm)  # HF's causal mask, materialized under tracing, back to is_causal=True
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     user_leaves: list[int] = []
     for node, spec in zip(placeholders, sig.input_specs, strict=True):

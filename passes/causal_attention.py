@@ -1,0 +1,156 @@
+"""causal_attention: attention whose mask is a constant causal one runs with ``is_causal=True`` instead.
+
+Under capture a transformer cannot look at its inputs' values, so HF's mask utilities cannot prove
+their mask causal and skip it (as they do eagerly): the graph builds a ``[batch, 1, seq, seq]`` mask
+from ``arange``s (HF 5.x also ANDs in a packed-sequence test on the position ids) and hands it to every
+layer's attention, which turns it into a float bias it keeps for backward and which keeps a GPU off its
+flash-attention kernel.
+
+Requires: a captured graph with static shapes (each node's ``meta["val"]``).
+Ensures: every ``scaled_dot_product_attention`` whose ``attn_mask`` is computed from no graph input
+(parameters, buffers, constants and the user's inputs all count as inputs) by pure ops, and whose mask
+equals the causal mask of its query and key lengths (boolean: ``j <= i``; additive: 0 there, -inf or
+below half the dtype's lowest value elsewhere) on every broadcast row, is called with ``attn_mask=None,
+is_causal=True``; the mask's nodes no other node reads are removed. Whether a mask is causal is decided
+by running its nodes on CPU, so no pattern of HF's code is assumed: any other mask (a padding mask from
+the user's ``attention_mask``, position ids the user passed, sliding windows, a decode step's
+bottom-right mask) stays as it was. Masks over ``max_elements`` elements, or with symbolic sizes, stay
+too.
+
+Before -> After (HF Llama, seq 16)::
+
+    pos = arange(16); ...                                   q, k, v = ...
+    mask = and(le(index(pos, ..), index(pos, ..)), ...)  ->  o = sdpa(q, k, v, None, 0.0, True, scale=s)
+    o = sdpa(q, k, v, mask, scale=s)
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+from torch import fx
+
+from passes.analysis.graph_facts import tensor_meta
+from passes.runner import PassResult
+
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+_ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+
+#: Largest mask this pass evaluates (elements: 16 rows of 4,096 tokens). The evaluation holds about three
+#: tensors of the mask's size at once; a mask left in place costs its size in every forward, and a float
+#: bias of four times it in every layer.
+MAX_ELEMENTS = 1 << 28
+
+
+def causal_attention(gm: fx.GraphModule, plan: Any = None, *, max_elements: int = MAX_ELEMENTS) -> PassResult:
+    verdicts: dict[fx.Node, bool] = {}
+    masks: list[fx.Node] = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not SDPA:
+            continue
+        params = dict(zip(_ARGS, node.args[3:]), **node.kwargs)
+        mask = params.get("attn_mask")
+        if not isinstance(mask, fx.Node) or params.get("is_causal"):
+            continue
+        if mask not in verdicts:
+            verdicts[mask] = _is_causal(mask, node, max_elements)
+        if not verdicts[mask]:
+            continue
+        node.args = (*node.args[:3], None, params.get("dropout_p", 0.0), True)
+        node.kwargs = {k: params[k] for k in ("scale", "enable_gqa") if k in params}
+        masks.append(mask)
+    if not masks:
+        return PassResult(gm, False)
+    _erase_unread(gm.graph, masks)
+    gm.graph.lint()
+    gm.recompile()
+    return PassResult(gm, True, (f"{len(masks)} attention(s) run with is_causal=True: their mask was the causal one",))
+
+
+def _ancestors(node: fx.Node) -> list[fx.Node] | None:
+    """``node`` and the nodes it is computed from, in graph order; None if any is not a pure op."""
+    seen: set[fx.Node] = set()
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if n in seen:
+            continue
+        if n.op != "call_function" or not _pure(n.target):
+            return None
+        seen.add(n)
+        stack.extend(n.all_input_nodes)
+    return [n for n in node.graph.nodes if n in seen]
+
+
+def _pure(target: Any) -> bool:
+    if target is operator.getitem:
+        return True
+    if not isinstance(target, torch._ops.OpOverload):
+        return False
+    if torch.Tag.nondeterministic_seeded in target.tags:
+        return False
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+
+
+def _static(n: fx.Node) -> bool:
+    return all(isinstance(t, torch.Tensor) and all(isinstance(s, int) for s in t.shape)
+               for t in pytree.tree_leaves(n.meta.get("val")))
+
+
+def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
+    """Runs ``nodes`` (the last is the mask) on CPU, dropping each value after its last reader."""
+    last_use: dict[fx.Node, fx.Node] = {}
+    for n in nodes:
+        for i in n.all_input_nodes:
+            last_use[i] = n
+    env: dict[fx.Node, Any] = {}
+
+    def value(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            return env[a]
+        if isinstance(a, torch.device):
+            return torch.device("cpu")
+        return a
+
+    for n in nodes:
+        args, kwargs = pytree.tree_map(value, (tuple(n.args), dict(n.kwargs)))
+        if "device" in kwargs:
+            kwargs["device"] = torch.device("cpu")
+        env[n] = n.target(*args, **kwargs)
+        for i in n.all_input_nodes:
+            if last_use.get(i) is n and i is not nodes[-1]:
+                del env[i]
+    return env[nodes[-1]]
+
+
+def _is_causal(mask: fx.Node, attention: fx.Node, max_elements: int) -> bool:
+    nodes = _ancestors(mask)
+    q, k = (tensor_meta(a) for a in attention.args[:2])
+    m = tensor_meta(mask)
+    if nodes is None or q is None or k is None or m is None or m.dim() < 2 or not all(map(_static, nodes)):
+        return False
+    length, keys = int(q.shape[-2]), int(k.shape[-2])
+    if tuple(m.shape[-2:]) != (length, keys) or m.numel() > max_elements:
+        return False
+    if any(n.meta["val"].numel() > max_elements for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)):
+        return False
+    value = _evaluate(nodes)
+    allowed = torch.ones(length, keys, dtype=torch.bool).tril()
+    if value.dtype == torch.bool:
+        return bool(torch.equal(value, allowed.expand_as(value)))
+    if not value.is_floating_point():
+        return False
+    lowest = torch.finfo(value.dtype).min / 2
+    return bool(((value == 0) == allowed).all() and (value[..., ~allowed] <= lowest).all())
+
+
+def _erase_unread(graph: fx.Graph, masks: list[fx.Node]) -> None:
+    doomed: set[fx.Node] = set()
+    for mask in masks:
+        doomed.update(_ancestors(mask) or ())
+    for n in reversed(list(graph.nodes)):
+        if n in doomed and not n.users:
+            graph.erase_node(n)

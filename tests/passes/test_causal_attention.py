@@ -1,0 +1,107 @@
+"""causal_attention: a captured constant causal mask becomes is_causal=True, and nothing else does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from autopar.examples import zoo
+from passes.causal_attention import SDPA, causal_attention
+
+pytest.importorskip("transformers")
+
+DECODERS = ("gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "opt")
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict | None = None) -> torch.export.ExportedProgram:
+    return torch.export.export(model, args, kwargs or {}, strict=False)
+
+
+def _attentions(ep: torch.export.ExportedProgram) -> list[torch.fx.Node]:
+    return [n for n in ep.graph_module.graph.nodes if n.target is SDPA]
+
+
+def _causal(node: torch.fx.Node) -> bool:
+    return len(node.args) > 5 and node.args[3] is None and node.args[5] is True
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_hf_causal_masks_become_is_causal_and_outputs_stay(name):
+    torch.manual_seed(0)
+    model = zoo.build_model(name).eval()
+    (ids,) = zoo.example_inputs(name)
+    ep = _export(model, (ids,), {"use_cache": False})
+    before = ep.module()(ids, use_cache=False).logits
+    nodes = len(ep.graph_module.graph.nodes)
+    assert causal_attention(ep.graph_module).changed
+    assert _attentions(ep) and all(map(_causal, _attentions(ep)))
+    assert len(ep.graph_module.graph.nodes) < nodes - 5, "the mask's nodes are gone"
+    after = ep.module()(ids, use_cache=False).logits
+    with torch.no_grad():
+        eager = model(ids, use_cache=False).logits
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(after, eager, rtol=1e-5, atol=1e-6)
+
+
+def test_masks_from_inputs_stay():
+    """A padding mask (the user's attention_mask) and the user's position ids are values the graph reads."""
+    model = zoo.build_model("llama").eval()
+    (ids,) = zoo.example_inputs("llama")
+    padding = torch.ones_like(ids)
+    padding[0, :3] = 0
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    for kwargs in ({"attention_mask": padding}, {"position_ids": positions}):
+        ep = _export(model, (ids,), {"use_cache": False, **kwargs})
+        assert not causal_attention(ep.graph_module).changed, kwargs
+        assert not any(map(_causal, _attentions(ep)))
+
+
+class _Attention(nn.Module):
+    """q [2, 4, L, 8] against k, v [2, 4, S, 8] with a mask made in forward from nothing but sizes."""
+
+    def __init__(self, make_mask):
+        super().__init__()
+        self.make_mask = make_mask
+
+    def forward(self, q, k, v):
+        mask = self.make_mask(q.shape[-2], k.shape[-2], q.device)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _run(make_mask, length=6, keys=6, **kwargs):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, length, 8, generator=g)
+    k, v = torch.randn(2, 2, 4, keys, 8, generator=g)
+    ep = _export(_Attention(make_mask), (q, k, v))
+    before = ep.module()(q, k, v)
+    modified = causal_attention(ep.graph_module, **kwargs).changed
+    torch.testing.assert_close(ep.module()(q, k, v), before, rtol=1e-5, atol=1e-6)
+    return modified
+
+
+def test_causal_masks_of_every_form_are_found():
+    assert _run(lambda l, s, d: torch.ones(l, s, dtype=torch.bool, device=d).tril())
+    assert _run(lambda l, s, d: torch.full((l, s), float("-inf"), device=d).triu(1))
+    assert _run(lambda l, s, d: torch.full((l, s), torch.finfo(torch.float32).min, device=d).triu(1)[None, None])
+    positions = lambda n, d: torch.arange(n, device=d)  # noqa: E731
+    assert _run(lambda l, s, d: (positions(s, d)[None, :] <= positions(l, d)[:, None]).expand(2, 1, l, s))
+
+
+def test_other_masks_stay():
+    # one token ahead is visible (mutation: accepting any lower-triangular-ish mask passes this)
+    assert not _run(lambda l, s, d: torch.ones(l, s, dtype=torch.bool, device=d).tril(1))
+    # a sliding window of 3
+    assert not _run(lambda l, s, d: torch.ones(l, s, dtype=torch.bool, device=d).tril() &
+                    torch.ones(l, s, dtype=torch.bool, device=d).triu(-2))
+    # a decode step's bottom-right mask: 2 queries after 6 keys; is_causal would be top-left
+    assert not _run(lambda l, s, d: torch.ones(l, s, dtype=torch.bool, device=d).tril(s - l), length=2, keys=6)
+    # additive, but a masked entry is only -1 (a bias, not a mask)
+    assert not _run(lambda l, s, d: -torch.ones(l, s, device=d).triu(1))
+    # bigger than the evaluation may build
+    assert not _run(lambda l, s, d: torch.ones(l, s, dtype=torch.bool, device=d).tril(), max_elements=35)
+
+
+def test_random_masks_are_never_evaluated():
+    assert not _run(lambda l, s, d: (torch.rand(l, s, device=d) < 2).tril())
