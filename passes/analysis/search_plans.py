@@ -181,8 +181,9 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
                max_microbatches: int = 4) -> list[Candidate]:
     """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
     as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
-    ``max_microbatches``, x every power of two, and one row each (as Megatron runs large models) in
-    micro-batches that divide each shard's rows."""
+    ``max_microbatches``, x every power of two, and micro-batches of one, two, four, ... rows (as Megatron
+    runs large models: BLOOM's 12 stages took 128 micro-batches of 2 rows), as many as divide each shard's
+    rows and at least one per stage (1F1B's condition)."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
@@ -199,13 +200,15 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         if grid["pipeline"] == 1:
             out.append(Candidate(**grid))
             continue
-        rows = global_batch // shards
-        per_stage = rows // grid["pipeline"]  # micro-batches per stage at one row each
-        ks = set(range(1, max_microbatches + 1)) | {2 ** e for e in range(per_stage.bit_length())} | {per_stage}
-        for k in sorted(k for k in ks if k >= 1):
-            m = grid["pipeline"] * k
-            if global_batch % shards == 0 and rows % m == 0:
-                out.append(Candidate(**grid, microbatches=m))
+        if global_batch % shards:
+            continue
+        rows, stages = global_batch // shards, grid["pipeline"]
+        per_stage = rows // stages  # micro-batches per stage at one row each
+        counts = {stages * k for k in range(1, max_microbatches + 1)}
+        counts |= {stages * 2 ** e for e in range(per_stage.bit_length())}
+        counts |= {rows >> e for e in range(rows.bit_length()) if rows % (1 << e) == 0}  # 1, 2, 4, ... rows each
+        for m in sorted(m for m in counts if m >= stages and rows % m == 0):
+            out.append(Candidate(**grid, microbatches=m))
     return out
 
 

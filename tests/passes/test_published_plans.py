@@ -8,6 +8,13 @@ nodes, micro-batches of one or two sequences, mixed precision. Either the search
 pipeline shape, or it predicts the published shape (at its best micro-batch count among the search's
 candidates) within 10% of its own pick's time. The models are built on the meta device as HF GPT-2 of the
 published shapes; nothing is allocated.
+
+BLOOM-176B (BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Language Model", arXiv 2211.05100,
+section 3.4): 384 A100 80GB GPUs in 48 nodes, tensor-parallel 4, pipeline-parallel 12, data-parallel 8, 2,048
+sequences of 2,048 tokens per step in micro-batches of 2, bf16; 70 layers, hidden 14,336, 112 heads,
+250,880 tokens' vocabulary (built as GPT-2 of that shape: ALiBi's biases instead of GPT-2's position table
+change no matmul). BLOOM shards its optimizer state over data (ZeRO-1); autopar does not, and the published
+shape fits 80 GB without it.
 """
 
 from __future__ import annotations
@@ -20,20 +27,21 @@ from passes.analysis.search_plans import candidates
 
 transformers = pytest.importorskip("transformers")
 
-# name: (layers, hidden, heads, GPUs, global batch, published tensor-parallel, pipeline-parallel)
-MEGATRON = {
-    "gpt-39.1b": (48, 8192, 64, 512, 1536, 8, 2),
-    "gpt-76.1b": (60, 10240, 80, 1024, 1792, 8, 4),
-    "gpt-145.6b": (80, 12288, 96, 1536, 2304, 8, 8),
+# name: (layers, hidden, heads, vocabulary, GPUs, global batch, published tensor-parallel, pipeline-parallel)
+PUBLISHED = {
+    "gpt-39.1b": (48, 8192, 64, 51200, 512, 1536, 8, 2),
+    "gpt-76.1b": (60, 10240, 80, 51200, 1024, 1792, 8, 4),
+    "gpt-145.6b": (80, 12288, 96, 51200, 1536, 2304, 8, 8),
+    "bloom-176b": (70, 14336, 112, 250880, 384, 2048, 4, 12),
 }
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", sorted(MEGATRON))
-def test_megatron_lm_gpt_configurations(name):
-    layers, hidden, heads, gpus, batch, tp, pp = MEGATRON[name]
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_published_configurations(name):
+    layers, hidden, heads, vocab, gpus, batch, tp, pp = PUBLISHED[name]
     config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=4 * hidden,
-                                     vocab_size=51200, n_positions=2048, use_cache=False)
+                                     vocab_size=vocab, n_positions=2048, use_cache=False)
     with torch.device("meta"):
         model = transformers.GPT2LMHeadModel(config)
     inputs = (torch.empty(batch, 2048, dtype=torch.long, device="meta"),)
