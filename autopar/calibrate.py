@@ -3,8 +3,12 @@
 The built-in hardware descriptions (``autopar/hardware/*.json``) are published figures. This measures
 instead, on this machine's device (CUDA if there is one, else the CPU):
 
-- the matmul rate: square float32 (bf16 on a GPU) GEMMs, the median of a few after a warm-up;
-- the optimizer's memory rate: an AdamW step over 16 MiB of parameters;
+- the matmul rate: a linear layer's forward and backward, float32 (bf16 on a GPU), after a warm-up;
+- the optimizer's memory rate: an AdamW step over 16 MiB of parameters in 16 tensors of 1 MiB (a
+  mid-sized layer's: on a CPU a step over one 16 MiB tensor runs at ~0.7x the rate of 1 MiB ones, which
+  stay in cache, and ~1.5x that of 16 KiB ones, where each tensor's fixed cost shows);
+- the rates of a rank's own work (GEMM, AdamW, elementwise, per operator) are each the median of five
+  timed runs, after a second of GEMMs (a process's first second ran at 60-80% of its later speed);
 - the elementwise rate: saved activation bytes per second of a chain of norms, activations and softmax,
   forward and backward; and an operator's overhead (a chain of tiny ones);
 - the collectives: all-reduces of 1 KiB .. 4 MiB over ``ranks`` processes (NCCL on GPUs, else gloo),
@@ -70,32 +74,63 @@ def lockstep_seconds(fn: Any, n: int, device: torch.device | None = None) -> flo
     return took / n
 
 
-def matmul_rate(device: torch.device | None = None, n: int | None = None, repeats: int = 20) -> float:
-    """Sustained FLOP/s of an ``n`` x ``n`` GEMM on ``device`` (``lockstep_seconds``: with a process
-    group, every rank at once and the slowest one's rate)."""
+def steady_seconds(fn: Any, n: int, device: torch.device | None = None, trials: int = 5) -> float:
+    """The median of ``trials`` runs of ``lockstep_seconds(fn, n)``: one run on a shared machine can be 20-30%
+    off its neighbours (another tenant, a frequency change)."""
+    return statistics.median(lockstep_seconds(fn, n, device) for _ in range(trials))
+
+
+def warm_up(device: torch.device | None = None, seconds: float = 1.0) -> None:
+    """GEMMs for ``seconds`` before the rates are timed: a process's first second of compute ran at
+    60-80% of its later rate here (every rate alike: the core's clock, first-touch pages)."""
+    device = device or _device()
+    a = torch.randn(512, 512, device=device)
+    start = time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ a
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def matmul_rate(device: torch.device | None = None, n: int | None = None, repeats: int = 10) -> float:
+    """Sustained FLOP/s of a linear layer's forward and backward (``x @ W.T``, then ``dX`` and ``dW``: 6
+    ``m k n`` FLOPs) on ``device``: ``m`` = 2 ``n`` rows of ``n`` features in and out (1024 x 512 -> 512 on a
+    CPU; its transposed products run slower than a square GEMM, ~0.9x here, as a model's do), bf16 and
+    ``n`` = 8192 on a GPU. ``steady_seconds``: with a process group, every rank at once and the slowest
+    one's rate, the median of five runs."""
     device = device or _device()
     gpu = device.type == "cuda"
     n = n or (8192 if gpu else 512)
     dtype = torch.bfloat16 if gpu else torch.float32
-    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
-    return 2 * n ** 3 / lockstep_seconds(lambda: a @ b, repeats, device)
+    x = torch.randn(2 * n, n, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(n, n, device=device, dtype=dtype, requires_grad=True)
+    g = torch.ones(2 * n, n, device=device, dtype=dtype)
+
+    def step() -> None:
+        torch.nn.functional.linear(x, w).backward(g)
+        x.grad = w.grad = None
+
+    return 6 * 2 * n ** 3 / steady_seconds(step, repeats, device)
 
 
-def optimizer_rate(device: torch.device | None = None, numel: int = 1 << 22, repeats: int = 10) -> float:
+def optimizer_rate(device: torch.device | None = None, numel: int = 1 << 18, tensors: int = 16,
+                   repeats: int = 10) -> float:
     """Memory bytes per second that an AdamW step sustains (``Machine.memory_bytes_per_second``: it
-    touches seven bytes per byte of parameter), ``lockstep_seconds`` as ``matmul_rate``."""
+    touches seven bytes per byte of parameter) over ``tensors`` parameters of ``numel`` elements each,
+    ``steady_seconds`` as ``matmul_rate``."""
     device = device or _device()
-    param = torch.nn.Parameter(torch.zeros(numel, device=device))
-    param.grad = torch.ones_like(param)
-    opt = torch.optim.AdamW([param], lr=1e-3)
-    return 7 * numel * 4 / lockstep_seconds(opt.step, repeats, device)
+    params = [torch.nn.Parameter(torch.zeros(numel, device=device)) for _ in range(tensors)]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = torch.optim.AdamW(params, lr=1e-3)
+    return 7 * numel * tensors * 4 / steady_seconds(opt.step, repeats, device)
 
 
 def activation_rate(device: torch.device | None = None, rows: int = 512, repeats: int = 10) -> float:
     """Saved activation bytes per second of forward + backward elementwise work
     (``Machine.activation_bytes_per_second``): a chain of a transformer's non-matmul ops (layer and RMS
     norm, tanh-GELU, SiLU, a product, softmax, residual adds) on ``rows`` x 1024, the bytes autograd saves
-    for it counted by a saved-tensor hook; ``lockstep_seconds`` as ``matmul_rate``."""
+    for it counted by a saved-tensor hook; ``steady_seconds`` as ``matmul_rate``."""
     import torch.nn.functional as F
 
     device = device or _device()
@@ -117,12 +152,12 @@ def activation_rate(device: torch.device | None = None, rows: int = 512, repeats
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         chain().backward()
-    return saved[0] / lockstep_seconds(lambda: chain().backward(), repeats, device)
+    return saved[0] / steady_seconds(lambda: chain().backward(), repeats, device)
 
 
 def op_overhead(device: torch.device | None = None, ops: int = 64, repeats: int = 20) -> float:
     """Seconds one operator costs beyond its arithmetic, forward and backward (``Machine.op_seconds``): a
-    chain of ``ops`` elementwise ops on 64 floats, forward and backward, per op; ``lockstep_seconds`` as
+    chain of ``ops`` elementwise ops on 64 floats, forward and backward, per op; ``steady_seconds`` as
     ``matmul_rate``."""
     device = device or _device()
     x = torch.randn(64, device=device, requires_grad=True)
@@ -133,7 +168,7 @@ def op_overhead(device: torch.device | None = None, ops: int = 64, repeats: int 
             y = torch.tanh(y * (1.0 + k))
         y.sum().backward()
 
-    return lockstep_seconds(chain, repeats, device) / ops
+    return steady_seconds(chain, repeats, device) / ops
 
 
 def all_reduce_fit(group: Any = None, repeats: int = 5) -> tuple[float, float]:
@@ -163,13 +198,16 @@ def all_reduce_fit(group: Any = None, repeats: int = 5) -> tuple[float, float]:
 Table = dict[str, dict[int, tuple[tuple[int, float], ...]]]
 
 
-def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES) -> tuple[Table, Table]:
+def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, trials: int = 1) -> tuple[Table, Table]:
     """Seconds of each collective kind per group size and message, as a step meets them: every group of
     the world at once, each call after a burst of compute, on a fresh buffer, less the compute's own
     time, the slowest rank's. Two tables (``Machine.collectives`` and ``Machine.crossed_collectives``):
     groups of consecutive ranks alone, and calls alternating between those and groups of the same size
     that cross them (strided ranks: a 2D grid's rows and columns), where a rank's partner in one group
-    waits on its partner in the other. Every rank calls it and gets the same tables."""
+    waits on its partner in the other. Each point is the median of ``trials`` timed runs (1: on this
+    shared machine three tables taken a minute apart differed by up to 30% at a point, with or without
+    the median of three, so the machine's drift, not a run's spread, sets the error; three triple the
+    time). Every rank calls it and gets the same tables."""
     device = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
     world = dist.get_world_size()
     a = torch.randn(128, 512, device=device)
@@ -179,7 +217,7 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES) -> 
         for _ in range(4):
             a @ b
 
-    compute = lockstep_seconds(burst, 4 * repeats, device)
+    compute = steady_seconds(burst, 4 * repeats, device, trials)
 
     def points(kind: str, groups: list[Any], size: int) -> tuple[tuple[int, float], ...]:
         out = []
@@ -205,7 +243,7 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES) -> 
                     dist.recv(x, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
             calls = repeats * (4 if nbytes <= 1 << 20 else 1) * len(groups)  # small ones: cheap and noisier
-            out.append((whole * 4, max(lockstep_seconds(call, calls, device) - compute, 1e-6)))
+            out.append((whole * 4, max(steady_seconds(call, calls, device, trials) - compute, 1e-6)))
         return tuple(zip([b for b, _ in out], monotone([t for _, t in out])))
 
     table: Table = {k: {} for k in TABLE_KINDS}
@@ -260,6 +298,7 @@ def calibrate(ranks: int = 2, name: str = "calibrated") -> Machine:
     if dist.is_available() and dist.is_initialized():
         rate, latency = all_reduce_fit()
         table, crossed = collective_table()
+        warm_up()
         flops, memory, saved, op = matmul_rate(), optimizer_rate(), activation_rate(), op_overhead()
         ranks = dist.get_world_size()
     else:
@@ -312,6 +351,7 @@ def _measure(rank: int, ranks: int, backend: str, store: str, out: str) -> None:
         dist.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=ranks)
         rate, latency = all_reduce_fit()
         table, crossed = collective_table()
+        warm_up()
         Path(out).write_bytes(pickle.dumps((rate, latency, matmul_rate(), optimizer_rate(), activation_rate(),
                                             op_overhead(), table, crossed)))
         dist.destroy_process_group()

@@ -12,6 +12,7 @@ communicated bytes and the peak memory. Rank 0 rewrites the JSON file after each
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import importlib
@@ -29,7 +30,7 @@ from autopar.memory import device_budget
 from passes.analysis.search_plans import Machine, plan_seconds
 
 from autopar.memory import bytes_in_use
-from benchmarks.measure import Instrument, calibrate, slowest_median, timed
+from benchmarks.measure import Instrument, calibrate, compute_rates, slowest_median, timed
 from benchmarks.models import SIZES, BenchModel, NotApplicable, bench_model
 from benchmarks.systems import Context, build, param_bytes, parse_grid
 
@@ -77,6 +78,7 @@ def _preload(bm: BenchModel, device: torch.device) -> None:
 def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup: int,
                hardware: Machine) -> dict[str, Any]:
     gc.collect()
+    rates = compute_rates(ctx.device) if system.startswith("autopar:") else {}
     base = bytes_in_use(ctx.device)
     try:
         runner = build(system, bm, ctx)
@@ -91,6 +93,9 @@ def run_system(system: str, bm: BenchModel, ctx: Context, batches: list, warmup:
                               "step_seconds": slowest_median(times[warmup:], ctx.device),
                               "losses": _global_losses(shares, ctx.device)}
     model = runner.info.get("model")
+    if model is not None:  # this grid's prediction on the rates measured just before it ran
+        hardware = dataclasses.replace(hardware, **rates)
+        result["calibration"] = rates
     autopar.reset_comm_stats()
     with Instrument(ctx.device) as inst:
         runner.train(*batches[-1])

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from autopar.calibrate import (activation_rate, collective_table, lockstep_seconds, matmul_rate, op_overhead,
-                               optimizer_rate)
+                               optimizer_rate, warm_up)
 from autopar.decisions import collective_bytes
 from autopar.memory import PeakMemory
 
@@ -146,7 +146,14 @@ def calibrate(device: torch.device, repeats: int = 10) -> dict[str, Any]:
     transfer = lockstep_seconds(lambda: dist.all_reduce(big), repeats, device)
     bandwidth = float(collective_bytes("all_reduce", world, big.numel() * 4)) / max(transfer - latency, 1e-9)
     table, crossed = collective_table()
-    return {"flops_per_second": matmul_rate(device), "collective_seconds": latency, "bytes_per_second": bandwidth,
-            "memory_bytes_per_second": optimizer_rate(device), "activation_bytes_per_second": activation_rate(device),
-            "op_seconds": op_overhead(device),
+    return {**compute_rates(device), "collective_seconds": latency, "bytes_per_second": bandwidth,
             "collectives": table, "crossed_collectives": crossed}
+
+
+def compute_rates(device: torch.device) -> dict[str, float]:
+    """The rates of ``calibrate`` that a rank's own work meets (GEMM, AdamW, elementwise, per operator): a
+    few seconds, so the harness measures them again before each autopar grid (a shared machine drifts by
+    20-30% over a job's minutes; the collectives' table, the long part, is measured once)."""
+    warm_up(device, 0.5)
+    return {"flops_per_second": matmul_rate(device), "memory_bytes_per_second": optimizer_rate(device),
+            "activation_bytes_per_second": activation_rate(device), "op_seconds": op_overhead(device)}

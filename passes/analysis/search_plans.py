@@ -278,7 +278,8 @@ class StepTime:
 
 def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
                  machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0,
-                 optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0, half: bool = False) -> StepTime:
+                 optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0, half: bool = False,
+                 matmul_slowdown: float = 1.0) -> StepTime:
     """One rank's training step under ``machine``.
 
     ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
@@ -288,11 +289,16 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     (fp32) this rank updates. ``saved_bytes``: activations this rank saves for backward (written in
     forward, read in backward: the elementwise work, at the machine's activation or memory rate).
     ``ops``: operators this rank's forwards call (each with its backward), at ``op_seconds`` each.
-    ``half``: bf16/fp16 autocast, whose activations (and their collectives) are half the bytes."""
+    ``half``: bf16/fp16 autocast, whose activations (and their collectives) are half the bytes.
+    ``matmul_slowdown``: how much longer than their FLOPs at the matmul rate the rank's matmuls take where
+    some read more bytes than the memory rate moves in that time (``matmul_slowdown``).
+
+    The gradient sync also copies each gradient into its bucket and the sum back (four bytes moved per
+    gradient byte, at the memory rate)."""
     config = plan.config
     compute = rank_flops if rank_flops is not None else sum(
         flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
-    compute = (compute + recompute_flops) / machine.flops_per_second
+    compute = (compute + recompute_flops) / machine.flops_per_second * matmul_slowdown
     compute += ops * machine.op_seconds
     if machine.activation_bytes_per_second:
         compute += saved_bytes / machine.activation_bytes_per_second
@@ -301,8 +307,10 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
 
     comm = sum(machine.seconds(config, halved(c) if half else c) for c in collectives
                if c.group_size > 1 and c.phase != "step")
-    sync = sum(machine.seconds(config, c) for c in bucketed(c for c in collectives if c.phase == "step")
-               if c.group_size > 1)
+    buckets = [c for c in bucketed(c for c in collectives if c.phase == "step") if c.group_size > 1]
+    sync = sum(machine.seconds(config, c) for c in buckets)
+    if machine.memory_bytes_per_second:  # into the bucket and back
+        sync += 4 * sum(c.message_bytes for c in buckets if c.kind == "all_reduce") / machine.memory_bytes_per_second
     bubble = 0.0
     if plan.pipeline is not None and plan.pipeline.bubble_fraction < 1:
         busy = compute + comm
@@ -316,10 +324,47 @@ def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: st
     ``precision``)."""
     layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
     memory = report.rank_memory or plan.memory
+    half = precision in ("bf16", "fp16")
+    calls = [(r.flops / (plan.config.num_batch_shards * matmul_split(plan.config, orientation)),
+              _call_shape(r.in_shape, r.out_shape, plan.config, orientation))
+             for r, (_, orientation) in zip(report.layers, layers)]
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
                         recompute_flops=memory.recompute_flops if memory is not None else 0.0,
                         optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
-                        ops=report.rank_ops, half=precision in ("bf16", "fp16"))
+                        ops=report.rank_ops, half=half, matmul_slowdown=matmul_slowdown(calls, machine, half))
+
+
+def _call_shape(in_shape: Sequence[int], out_shape: Sequence[int], config: ParallelConfig,
+                orientation: Any) -> tuple[int, int, int]:
+    """(rows, in features, out features) of one call of a matmul on this rank (the captured rows: one
+    batch shard's, or one micro-batch's)."""
+    rows = math.prod(in_shape[:-1])
+    if not orientation.is_sharded:
+        return rows, in_shape[-1], out_shape[-1]
+    return (rows, in_shape[-1] // max(config.size(orientation.in_axis), 1),
+            out_shape[-1] // config.size(orientation.out_axis))
+
+
+def matmul_slowdown(calls: Sequence[tuple[float, tuple[int, int, int]]], machine: Machine, half: bool = False
+                    ) -> float:
+    """How much longer a rank's matmuls take than their FLOPs at the matmul rate: a call of ``m`` rows,
+    ``k`` in and ``n`` out features (forward and its two backward products: ``6mkn`` FLOPs) moves its
+    weight, input and output three times each (``3 (kn + mk + mn)`` elements) and takes the longer of
+    the two at the machine's rates (a roofline). Few rows (a data-parallel rank's 16, a micro-batch's 8)
+    make a layer read its whole weight for little work: FC_Net's 512-wide layers at 16 rows take ~2.5x
+    their FLOPs' time here. ``calls``: (this rank's FLOPs of that matmul in a step, its call's (m, k, n)).
+    1 without a memory rate."""
+    if not machine.memory_bytes_per_second:
+        return 1.0
+    element = 2 if half else 4
+    flops = seconds = 0.0
+    for total, (m, k, n) in calls:
+        if not total or not (m and k and n):
+            continue
+        intensity = 6 * m * k * n / (3 * element * (k * n + m * k + m * n))  # FLOPs per byte moved
+        flops += total
+        seconds += total * max(1.0, machine.flops_per_second / (intensity * machine.memory_bytes_per_second))
+    return seconds / flops if flops else 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -387,7 +432,10 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     if stages > max(shape.segments, 1):  # more stages than links to cut: not a plan
         return math.inf, 0
     micro = c.microbatches if stages > 1 else 1
-    compute = sum(f for *_, f in shape.matmuls) / (shards * tensor * stages) / machine.flops_per_second
+    calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
+             for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
+    compute = (sum(f for *_, f in shape.matmuls) / (shards * tensor * stages) / machine.flops_per_second
+               * matmul_slowdown(calls, machine, half))
     compute += shape.ops * micro / stages * machine.op_seconds
     if machine.activation_bytes_per_second:
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
