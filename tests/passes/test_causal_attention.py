@@ -105,3 +105,15 @@ def test_other_masks_stay():
 
 def test_random_masks_are_never_evaluated():
     assert not _run(lambda l, s, d: (torch.rand(l, s, device=d) < 2).tril())
+
+
+def test_autopars_own_capture_runs_the_pass():
+    """What the runtime and the planner capture (``autopar.capture.capture``) has no materialized causal mask
+    left (mutation: a capture without the pass keeps one per attention)."""
+    from autopar.capture import capture, meta_shadow
+
+    model = zoo.build_model("llama")
+    captured = capture(meta_shadow(model), zoo.example_inputs("llama"), {"use_cache": False}, requires_grad={},
+                       batch=None)
+    attentions = [n for n in captured.gm.graph.nodes if n.target is SDPA]
+    assert len(attentions) == 2 and all(map(_causal, attentions))
