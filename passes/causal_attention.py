@@ -15,7 +15,8 @@ is_causal=True``; the mask's nodes no other node reads are removed. Whether a ma
 by running its nodes on CPU, so no pattern of HF's code is assumed: any other mask (a padding mask from
 the user's ``attention_mask``, position ids the user passed, sliding windows, a decode step's
 bottom-right mask) stays as it was. Masks over ``max_elements`` elements, or with symbolic sizes, stay
-too.
+too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
+recompiles once for this and its own cleanup).
 
 Before -> After (HF Llama, seq 16)::
 
@@ -65,8 +66,6 @@ def causal_attention(gm: fx.GraphModule, plan: Any = None, *, max_elements: int 
     if not masks:
         return PassResult(gm, False)
     _erase_unread(gm.graph, masks)
-    gm.graph.lint()
-    gm.recompile()
     return PassResult(gm, True, (f"{len(masks)} attention(s) run with is_causal=True: their mask was the causal one",))
 
 
