@@ -15,7 +15,7 @@ from autopar.runtime.parameters import local_of
 from autopar.context import runtime_of
 from autopar.errors import ConfigError, ContextError, InputError, NotInitializedError, StateDictError
 from autopar.examples.fc_net import FC_Net
-from tests.helpers import SMALL, batches, rel_err
+from tests.helpers import SMALL, batches, rel_err, train
 
 
 def test_auto_parallelize_without_process_group_raises():
@@ -160,21 +160,17 @@ def test_eval_and_new_shapes_recompile(distributed):
     assert r["executables"] == 2
 
 
+def _clip(step: int, model: nn.Module) -> None:
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)  # the script's own clipping, before its step
+
+
 def built_outside_worker() -> dict:
     torch.manual_seed(0)
     model = FC_Net(**SMALL)  # built outside any block, whole on every rank
     out = {"same": autopar.parallelize_module(model, tensor=(2, 1, 1)) is model,
            "tensor": tuple(runtime_of(model).config.tensor)}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    losses = []
-    for x, y in batches(steps=3, batch=8, last=8):
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    out["losses"], out["params"] = losses, autopar.full_state_dict(model)
+    out["losses"] = train(model, batches(steps=3, batch=8, last=8), on_step=_clip)
+    out["params"] = autopar.full_state_dict(model)
     try:
         autopar.parallelize_module(model, tensor=(2, 1, 1))
     except ContextError as e:
@@ -188,15 +184,7 @@ def test_a_model_built_outside_a_block_is_parallelized_by_parallelize_module(dis
     with the script's clip_grad_norm_)."""
     torch.manual_seed(0)
     serial = FC_Net(**SMALL)
-    opt = torch.optim.AdamW(serial.parameters(), lr=1e-2)
-    losses = []
-    for x, y in batches(steps=3, batch=8, last=8):
-        loss = F.cross_entropy(serial(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = train(serial, batches(steps=3, batch=8, last=8), on_step=_clip)
     for r in distributed(built_outside_worker, 2):
         assert r["same"] and r["tensor"] == (2, 1, 1) and "already parallelized" in r["again"]
         assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(r["losses"], losses)), (r["losses"], losses)
