@@ -249,7 +249,6 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
     changed = _drop_export_asserts(gm)
     changed |= causal_attention(gm).changed  # HF's causal mask, materialized under tracing, back to is_causal
     if changed:  # (once: ~17 ms of a ~0.5 s capture for a 2-layer HF model)
-        gm.graph.lint()
         gm.recompile()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     user_leaves: list[int] = []

@@ -47,8 +47,8 @@ MAX_ELEMENTS = 1 << 28
 
 
 def causal_attention(gm: fx.GraphModule, plan: Any = None, *, max_elements: int = MAX_ELEMENTS) -> PassResult:
-    verdicts: dict[fx.Node, bool] = {}
-    masks: list[fx.Node] = []
+    computed: dict[fx.Node, list[fx.Node] | None] = {}  # a causal mask -> the nodes computing it; else None
+    rewritten = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not SDPA:
             continue
@@ -56,17 +56,20 @@ def causal_attention(gm: fx.GraphModule, plan: Any = None, *, max_elements: int 
         mask = params.get("attn_mask")
         if not isinstance(mask, fx.Node) or params.get("is_causal"):
             continue
-        if mask not in verdicts:
-            verdicts[mask] = _is_causal(mask, node, max_elements)
-        if not verdicts[mask]:
+        if mask not in computed:  # (HF's layers share one mask: decided once)
+            computed[mask] = _causal_nodes(mask, node, max_elements)
+        if computed[mask] is None:
             continue
         node.args = (*node.args[:3], None, params.get("dropout_p", 0.0), True)
         node.kwargs = {k: params[k] for k in ("scale", "enable_gqa") if k in params}
-        masks.append(mask)
-    if not masks:
+        rewritten += 1
+    if not rewritten:
         return PassResult(gm, False)
-    _erase_unread(gm.graph, masks)
-    return PassResult(gm, True, (f"{len(masks)} attention(s) run with is_causal=True: their mask was the causal one",))
+    doomed = {n for nodes in computed.values() if nodes for n in nodes}
+    for n in reversed(list(gm.graph.nodes)):  # the masks' nodes nothing else reads
+        if n in doomed and not n.users:
+            gm.graph.erase_node(n)
+    return PassResult(gm, True, (f"{rewritten} attention(s) run with is_causal=True: their mask was the causal one",))
 
 
 def _ancestors(node: fx.Node) -> list[fx.Node] | None:
@@ -125,31 +128,25 @@ def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
     return env[nodes[-1]]
 
 
-def _is_causal(mask: fx.Node, attention: fx.Node, max_elements: int) -> bool:
+def _causal_nodes(mask: fx.Node, attention: fx.Node, max_elements: int) -> list[fx.Node] | None:
+    """The nodes computing ``mask`` when it is ``attention``'s causal mask (module docstring), else None."""
     nodes = _ancestors(mask)
     q, k = (tensor_meta(a) for a in attention.args[:2])
     m = tensor_meta(mask)
     if nodes is None or q is None or k is None or m is None or m.dim() < 2 or not all(map(_static, nodes)):
-        return False
+        return None
     length, keys = int(q.shape[-2]), int(k.shape[-2])
-    if tuple(m.shape[-2:]) != (length, keys) or m.numel() > max_elements:
-        return False
+    if tuple(m.shape[-2:]) != (length, keys):
+        return None
     if any(n.meta["val"].numel() > max_elements for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)):
-        return False
+        return None  # (the mask is among them)
     value = _evaluate(nodes)
     allowed = torch.ones(length, keys, dtype=torch.bool).tril()
     if value.dtype == torch.bool:
-        return bool(torch.equal(value, allowed.expand_as(value)))
-    if not value.is_floating_point():
-        return False
-    lowest = torch.finfo(value.dtype).min / 2
-    return bool(((value == 0) == allowed).all() and (value[..., ~allowed] <= lowest).all())
-
-
-def _erase_unread(graph: fx.Graph, masks: list[fx.Node]) -> None:
-    doomed: set[fx.Node] = set()
-    for mask in masks:
-        doomed.update(_ancestors(mask) or ())
-    for n in reversed(list(graph.nodes)):
-        if n in doomed and not n.users:
-            graph.erase_node(n)
+        causal = torch.equal(value, allowed.expand_as(value))
+    elif value.is_floating_point():
+        lowest = torch.finfo(value.dtype).min / 2
+        causal = bool(((value == 0) == allowed).all() and (value[..., ~allowed] <= lowest).all())
+    else:
+        causal = False
+    return nodes if causal else None

@@ -341,8 +341,7 @@ def _call_shape(in_shape: Sequence[int], out_shape: Sequence[int], config: Paral
     rows = math.prod(in_shape[:-1])
     if not orientation.is_sharded:
         return rows, in_shape[-1], out_shape[-1]
-    return (rows, in_shape[-1] // max(config.size(orientation.in_axis), 1),
-            out_shape[-1] // config.size(orientation.out_axis))
+    return rows, in_shape[-1] // config.size(orientation.in_axis), out_shape[-1] // config.size(orientation.out_axis)
 
 
 def matmul_slowdown(calls: Sequence[tuple[float, tuple[int, int, int]]], machine: Machine, half: bool = False
