@@ -79,7 +79,7 @@ class _ModuleRecorder:
 
 @contextmanager
 def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = None, pipeline: int | None = None,
-                     microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
+                     microbatches: int | None = None, schedule: str | None = None, chunks: int | None = None,
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
                      eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
@@ -97,7 +97,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             full output on every rank.
         microbatches: micro-batches per ``train_step`` (default: ``pipeline``). Every data x depth
             shard of the batch must divide into them.
-        schedule: "1f1b" (default), "gpipe", "interleaved" (Interleaved1F1B) or "looped-bfs".
+        schedule: "1f1b" (default), "gpipe", "interleaved" (Interleaved1F1B) or "looped-bfs" (with
+            ``plan="auto"`` and neither this nor ``chunks`` given: 1F1B or interleaved, as predicted faster).
         chunks: stages per pipeline rank for "interleaved" and "looped-bfs" (default 2).
         example_inputs: optional positional inputs of one global batch; when given, the model is
             captured, planned and sharded at the end of the block instead of at its first call.
@@ -127,7 +128,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             rank only its pieces, with serial's values bit for bit (autopar/runtime/deferred.py). Default
             True; False builds every parameter whole on every rank inside the block (for a model whose
             construction reads tensor data into Python, which DeferredInitError names).
-        plan: "auto": the degrees not given (``tensor``, ``data``, ``pipeline``, ``microbatches``) are
+        plan: "auto": the degrees not given (``tensor``, ``data``, ``pipeline``, ``microbatches``, the schedule) are
             chosen by ``python -m autopar.plan``'s search for this machine: the grid with the least
             predicted step time that fits the device's memory (the log names it and the runners-up;
             ``plan_of(model)`` has its plan). With ``example_inputs`` (one global batch, one model in the
@@ -184,7 +185,8 @@ def parallelize_module(model: nn.Module, *, example_inputs: tuple | None = None,
 @dataclasses.dataclass(frozen=True)
 class _Options:
     given: dict[str, int]
-    """The degrees the user gave (``plan="auto"`` keeps them)."""
+    """The degrees the user gave (``plan="auto"`` keeps them); "chunks": the stages per pipeline rank of the
+    schedule the user gave."""
     config: ParallelConfig | None
     """None with ``plan="auto"``: chosen later."""
     memory: MemoryConfig
@@ -193,7 +195,7 @@ class _Options:
 
 
 def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pipeline: int | None = None,
-             microbatches: int | None = None, schedule: str = "1f1b", chunks: int | None = None,
+             microbatches: int | None = None, schedule: str | None = None, chunks: int | None = None,
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
              plan: str | None = None) -> _Options:
@@ -210,7 +212,9 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
     config = None if plan == "auto" else ParallelConfig.from_user(
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
         pipeline=1 if pipeline is None else pipeline)
-    pipe = PipelineConfig(microbatches, schedule, chunks)
+    pipe = PipelineConfig(microbatches, schedule or "1f1b", chunks)
+    if schedule is not None or chunks is not None:  # the search keeps the user's schedule's stages per rank
+        given["chunks"] = pipe.stages_per_rank
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
     return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype), pipe,
@@ -281,6 +285,8 @@ def _agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows:
                                       pipeline=chosen.pipeline)
     if chosen.pipeline > 1:
         pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
+        if "chunks" not in given and chosen.chunks > 1:
+            pipe = dataclasses.replace(pipe, schedule="interleaved", chunks=chosen.chunks)
         pipe.num_microbatches(chosen.pipeline)
     return config, pipe
 

@@ -1,7 +1,7 @@
 """Ranks the grids a world size allows for a model before any device runs it: ``python -m autopar.plan``.
 
     python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
-        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.."]
+        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=.."]
         [--json FILE]
 
 Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
@@ -32,7 +32,7 @@ import torch.utils._pytree as pytree
 from torch import nn
 
 from autopar.calibrate import cpu_cores
-from autopar.config import ParallelConfig
+from autopar.config import ParallelConfig, PipelineConfig
 from autopar.errors import AutoparError, ConfigError, PlanError
 from autopar.memory import device_budget
 from autopar.trace import SLOWEST, load_model_file, meta_inputs, plan_model
@@ -66,10 +66,13 @@ def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machin
     try:
         plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint, kwargs=kwargs,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
-                                  microbatches=candidate.microbatches, captures=captures)
+                                  microbatches=candidate.microbatches, chunks=candidate.chunks, captures=captures)
     except AutoparError as e:
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
-    memory = report.rank_memory or plan.memory  # a pipeline rank holds its stages only
+    # the step is the slowest rank's (plan_seconds reads its report), the memory the fullest rank's: under
+    # a pipeline plan.memory is the rank that needs the most (usually the first: most micro-batches in flight),
+    # and what it recomputes is every rank's choice
+    memory = plan.memory
     peak = memory.static_bytes + memory.activation_bytes
     time = plan_seconds(plan, report, machine, precision)
     fits = memory.fits and peak <= machine.memory_bytes
@@ -83,6 +86,8 @@ KEEP = 8
 NEAR = 1.5
 MIN_KEEP = 4
 """Of those, the ones the screen puts within NEAR times its best, and at least MIN_KEEP."""
+ROUNDS = 4
+"""While no planned grid fits memory, the next KEEP the screen ranks are planned, up to ROUNDS x KEEP."""
 SCREENED = "not planned"
 
 
@@ -108,7 +113,8 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``search_plans.screen``, from one
     plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly; the rest
-    follow, unplanned, with their screened time as the reason."""
+    follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per
+    pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster)."""
     with _collector_skips_what_exists():
         return _search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
                        keep=keep, kwargs=kwargs)
@@ -117,7 +123,9 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
 def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None,
             checkpoint: str, precision: str, keep: int | None, kwargs: dict | None) -> list[Scored]:
     batch = _batch_size((inputs, kwargs))
-    grids = candidates(world, batch, fixed=fixed)
+    fixed = dict(fixed or {})
+    chunks = (fixed.pop("chunks"),) if "chunks" in fixed else (1, 2)
+    grids = candidates(world, batch, fixed=fixed, chunks=chunks)
     if not grids:
         fixed_text = ", ".join(f"{k}={v}" for k, v in (fixed or {}).items()) or "nothing"
         if not factorizations(world, fixed):
@@ -128,24 +136,35 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                         f"x depth must be at most the batch. Grids of {world} ranks: "
                         f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
     captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
-    rest: list[Scored] = []
-    if keep is not None and len(grids) > keep:
-        # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
-        # grid's, which the screen likely keeps), else on one rank
-        shards = world if batch % world == 0 else 1
-        _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
-                              precision=precision, captures=captures)
-        shape = shape_of(probe, shards)
-        half = precision in ("bf16", "fp16")
-        screened = sorted(((*screen(shape, c, machine, half), c) for c in grids),
-                          key=lambda t: (t[1] > machine.memory_bytes, t[0]))
-        near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
-        keep = min(keep, max(near, MIN_KEEP))
-        grids = [c for *_, c in screened[:keep]]
-        rest = [Scored(c, None, memory, memory <= machine.memory_bytes, reason=_screened(seconds, memory, c, shape, machine))
-                for seconds, memory, c in screened[keep:]]
-    return rank_plans(score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
-                            kwargs=kwargs) for c in grids) + rest
+
+    def planned(grids: list[Candidate]) -> list[Scored]:
+        return [score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
+                      kwargs=kwargs) for c in grids]
+
+    if keep is None or len(grids) <= keep:
+        return rank_plans(planned(grids))
+    # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
+    # grid's, which the screen likely keeps), else on one rank
+    shards = world if batch % world == 0 else 1
+    _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
+                          precision=precision, captures=captures)
+    shape = shape_of(probe, shards)
+    half = precision in ("bf16", "fp16")
+    screened = sorted(((*screen(shape, c, machine, half), c) for c in grids),
+                      key=lambda t: (t[1] > machine.memory_bytes, t[0]))
+    near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
+    first = min(keep, max(near, MIN_KEEP))
+    scored = planned([c for *_, c in screened[:first]])
+    # the screen counts no activations: while none of the planned grids fits, plan the next ones it would
+    # fit, up to ROUNDS times as many
+    done = first
+    while not any(s.fits for s in scored) and done < min(len(screened), ROUNDS * keep):
+        more = [c for _, memory, c in screened[done:done + keep] if memory <= machine.memory_bytes]
+        done += keep
+        scored += planned(more)
+    return rank_plans(scored) + [
+        Scored(c, None, memory, memory <= machine.memory_bytes, reason=_screened(seconds, memory, c, shape, machine))
+        for seconds, memory, c in screened[done:]]
 
 
 def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine) -> str:
@@ -204,8 +223,9 @@ def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str,
 
 
 def parse_evaluate(text: str, world: int) -> Candidate:
-    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1"`` -> a Candidate (missing degrees 1)."""
-    fields: dict[str, int] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0}
+    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1 chunks=1"`` -> a Candidate (missing degrees 1)."""
+    fields: dict[str, int] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0,
+                              "chunks": 1}
     for part in text.split():
         key, _, value = part.partition("=")
         try:
@@ -216,10 +236,15 @@ def parse_evaluate(text: str, world: int) -> Candidate:
             else:
                 raise ValueError(key)
         except ValueError:
-            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M'; {part!r} is not "
-                              "one of them") from None
+            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M chunks=V'; {part!r} "
+                              "is not one of them") from None
     fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
     candidate = Candidate(**fields)
+    if candidate.pipeline > 1:  # the schedule's own conditions
+        PipelineConfig(candidate.microbatches, schedule_of(candidate), candidate.chunks).num_microbatches(
+            candidate.pipeline)
+    elif candidate.chunks > 1:
+        raise ConfigError(f"--evaluate's chunks={candidate.chunks} needs a pipeline (pipeline=P > 1).")
     size = candidate.data * candidate.pipeline * candidate.row * candidate.col * candidate.depth
     if size != world:
         raise ConfigError(f"--evaluate's grid has {size} ranks ({candidate.describe()}), not --gpus {world}.")
@@ -229,9 +254,15 @@ def parse_evaluate(text: str, world: int) -> Candidate:
 def plan_json(s: Scored) -> dict[str, Any]:
     c = s.candidate
     return {"data": c.data, "pipeline": c.pipeline, "tensor": [c.row, c.col, c.depth],
-            "microbatches": c.microbatches, "schedule": "1f1b" if c.pipeline > 1 else None,
+            "microbatches": c.microbatches, "schedule": schedule_of(c),
+            "chunks": c.chunks,
             "checkpoint": list(s.recompute), "predicted_step_seconds": None if s.time is None else s.seconds,
             "memory_bytes_per_device": s.memory_bytes, "fits": s.fits, **({"reason": s.reason} if s.reason else {})}
+
+
+def schedule_of(c: Candidate) -> str | None:
+    """The torch schedule ``auto_parallelize`` runs the candidate's pipeline with (None without one)."""
+    return None if c.pipeline == 1 else "interleaved" if c.chunks > 1 else "1f1b"
 
 
 def format_table(ranked: list[Scored], top: int, machine: Machine, world: int) -> str:
@@ -269,13 +300,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: example_inputs')")
     parser.add_argument("--top", type=int, default=10, help="plans to list (default 10)")
     parser.add_argument("--evaluate", default=None, metavar="GRID",
-                        help='score this grid with the same model: "data=D pipeline=P tensor=R,C,D microbatches=M"')
+                        help='score this grid with the same model: '
+                             '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V]"')
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--keep", type=int, default=KEEP,
                         help=f"grids to plan exactly, the closed-form screen's best (default {KEEP})")
     parser.add_argument("--exhaustive", action="store_true", help="plan every grid exactly (slow at scale)")
     for degree in DEGREES:
         parser.add_argument(f"--{degree}", type=int, default=None, help=f"fix the {degree} degree")
+    parser.add_argument("--chunks", type=int, default=None,
+                        help="fix the stages per pipeline rank (1: 1F1B, more: interleaved; default: either)")
     parser.add_argument("--json", metavar="FILE", help='also write {"plans": [...], "evaluated": {...}}')
     args = parser.parse_args(argv)
     if args.calibrate:
@@ -300,7 +334,7 @@ def main(argv: list[str] | None = None) -> int:
             model = module.build_model()
         inputs = module.example_inputs()
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.global_batch, args.seq)
-        fixed = {d: getattr(args, d) for d in DEGREES if getattr(args, d) is not None}
+        fixed = {d: getattr(args, d) for d in (*DEGREES, "chunks") if getattr(args, d) is not None}
         ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision,
                         keep=None if args.exhaustive else max(args.keep, 1))
         evaluated = None

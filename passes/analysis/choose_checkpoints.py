@@ -11,6 +11,11 @@ tensors ``s_k`` and its transients ``t_k`` are live on top of what the earlier s
 recomputed segment also still holds its inputs. Segments after k have been freed by then in
 backward, and are not yet built in forward.
 
+On a pipeline rank ``n_k`` micro-batches are in flight at once (``SegmentCost.copies``): each keeps
+``s_k`` (recomputed: ``a_k``), so ``P`` grows by ``n_k s_k`` (``n_k a_k``), and the term of k is
+``P_k + n_k s_k + t_k``, recomputed ``P_k + s_k + t_k + n_k a_k``: one micro-batch at a time
+recomputes its activations, the others keep only their inputs.
+
 The cost is the forward FLOPs of the recomputed segments. Minimizing it under ``peak <= budget`` is
 exact by dynamic programming over the chain with the kept prefix ``P`` as the state: the constraint
 at k depends only on ``P_k`` and the choice at k, so for each ``P`` only the cheapest way to reach it
@@ -27,6 +32,7 @@ from typing import Any, Sequence
 
 from autopar.decisions import MemoryPlan, Plan
 from autopar.errors import PlanError
+from passes.analysis.choose_stages import inflight_microbatches
 from passes.analysis.estimate_memory import MemoryProfile, SegmentCost
 
 
@@ -44,9 +50,16 @@ def activation_peak(segments: Sequence[SegmentCost], recompute: set[str] | froze
     kept = peak = 0
     for s in segments:
         ck = s.name in recompute
-        peak = max(peak, kept + s.saved_bytes + s.peak_bytes + (s.input_bytes if ck else 0))
-        kept += s.input_bytes if ck else s.saved_bytes
+        peak = max(peak, kept + _running(s, ck))
+        kept += s.copies * (s.input_bytes if ck else s.saved_bytes)
     return max(peak, kept)
+
+
+def _running(s: SegmentCost, recomputed: bool) -> int:
+    """Bytes live while ``s`` runs beyond what the segments before it keep (module docstring)."""
+    if recomputed:
+        return s.saved_bytes + s.peak_bytes + s.copies * s.input_bytes
+    return s.copies * s.saved_bytes + s.peak_bytes
 
 
 def _choice(segments: Sequence[SegmentCost], recompute: set[str] | frozenset[str]) -> CheckpointChoice:
@@ -66,10 +79,10 @@ def choose_checkpoints(segments: Sequence[SegmentCost], budget: int) -> Checkpoi
     for s in segments:
         grown: list[tuple[int, int, tuple[str, ...]]] = []
         for kept, cost, chosen in front:
-            if kept + s.saved_bytes + s.peak_bytes <= budget:
-                grown.append((kept + s.saved_bytes, cost, chosen))
-            if s.checkpointable and kept + s.saved_bytes + s.peak_bytes + s.input_bytes <= budget:
-                grown.append((kept + s.input_bytes, cost + s.flops, (*chosen, s.name)))
+            if kept + _running(s, False) <= budget:
+                grown.append((kept + s.copies * s.saved_bytes, cost, chosen))
+            if s.checkpointable and kept + _running(s, True) <= budget:
+                grown.append((kept + s.copies * s.input_bytes, cost + s.flops, (*chosen, s.name)))
         grown.sort(key=lambda x: (x[0], x[1]))
         front = []
         for state in grown:
@@ -128,25 +141,25 @@ def plan_memory(profile: MemoryProfile, checkpoint: str | int, budget: int | Non
 def stage_memory(profile: MemoryProfile, plan: Plan, mine: list[Any], me: int, microbatches: int,
                  checkpoint: str | int, budget: int | None) -> MemoryPlan:
     """Pipeline rank ``me``'s memory: its stages' parameters, gradients and optimizer state, and their
-    activations for the micro-batches 1F1B keeps in flight there (the first rank: one per stage; the
-    last: one), recomputation chosen under ``budget`` for that (FLOPs: every micro-batch's). The model's
-    outputs and the loss's activations are the last rank's, one micro-batch of this shard's rows at a
-    time (``train_step`` computes the loss per micro-batch; nothing is gathered)."""
+    activations for the micro-batches the schedule keeps in flight there (1F1B's first rank: one per
+    pipeline rank; the last: one; interleaved: ``inflight_microbatches`` per chunk), recomputation chosen
+    under ``budget`` for that (FLOPs: every micro-batch's). The model's outputs and the loss's activations
+    are the last rank's, one micro-batch of this shard's rows at a time (``train_step`` computes the loss
+    per micro-batch; nothing is gathered)."""
     ranks = plan.pipeline.ranks
-    inflight = max(min(microbatches, ranks - me), 1)
-    last = me == ranks - 1
+    counts = inflight_microbatches(ranks, microbatches, me, plan.pipeline.chunks_per_rank)
+    inflight = {name: counts[k] for k, st in enumerate(mine) for name in st.segments}
+    last = me == ranks - 1  # (the last stage, P v - 1, is on the last rank)
     local = plan.config.num_batch_shards  # the profile counts outputs whole over the batch shards
-    names = {name for st in mine for name in st.segments}
     segments = []
     for s in profile.segments:
         if s.name == "<shared>":  # masks and rotary tables per micro-batch in flight; outputs on the last rank
-            kept = (s.saved_bytes - profile.output_bytes) * inflight + (profile.output_bytes // local if last else 0)
+            kept = (s.saved_bytes - profile.output_bytes) * max(counts) + (profile.output_bytes // local if last else 0)
             segments.append(dataclasses.replace(s, saved_bytes=max(kept, 0)))
         elif s.name == "<loss>" and last:
             segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes // local, peak_bytes=s.peak_bytes // local))
-        elif s.name in names:
-            segments.append(dataclasses.replace(s, saved_bytes=s.saved_bytes * inflight,
-                                                input_bytes=s.input_bytes * inflight))
+        elif s.name in inflight:
+            segments.append(dataclasses.replace(s, copies=inflight[s.name]))
     share = sum(st.param_bytes for st in mine) / profile.param_bytes if profile.param_bytes else 1.0
     stage = dataclasses.replace(profile, segments=tuple(segments), param_bytes=int(profile.param_bytes * share),
                                 grad_bytes=int(profile.grad_bytes * share),

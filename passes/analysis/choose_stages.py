@@ -108,6 +108,41 @@ def bubble_fraction(num_stages: int, num_microbatches: int, chunks_per_rank: int
     return (p - 1) / (v * m + p - 1)
 
 
+def inflight_microbatches(num_ranks: int, num_microbatches: int, rank: int, chunks_per_rank: int = 1
+                          ) -> tuple[int, ...]:
+    """How many micro-batches' activations pipeline rank ``rank`` holds at most for each of its stages
+    (its chunks, in order), under torch's 1F1B (one stage per rank: ``min(m, P - rank)``) or
+    Interleaved1F1B, whose order this follows: rounds of ``m // max(1, m // P)`` micro-batches, each
+    rank first runs ``(v - 1) x round + 2 (P - 1 - rank)`` forwards (at most ``v m``), then alternates
+    one forward with one backward, backwards going through its chunks in reverse. The count of each
+    chunk is its most over the step, a bound on what it holds at once: the first rank of 4 with 2 chunks
+    and 8 micro-batches holds 11 chunk-micro-batches at most (Megatron's factor ``1 + (P - 1) / (P v)``
+    over 1F1B's 8), 8 of the first chunk and 4 of the second at their most."""
+    p, m, v = num_ranks, num_microbatches, chunks_per_rank
+    if v == 1:
+        return (max(min(m, p - rank), 1),)
+    per_round = m // max(1, m // p)
+    warmup = min((v - 1) * per_round + 2 * (p - 1 - rank), v * m)
+
+    def forward(i: int) -> int:
+        return (i // per_round) % v
+
+    def backward(j: int) -> int:
+        return v - 1 - (j // per_round) % v
+
+    held, most = [0] * v, [0] * v
+    order = ([("f", i) for i in range(warmup)]
+             + [x for k in range(v * m - warmup) for x in (("f", warmup + k), ("b", k))]
+             + [("b", j) for j in range(v * m - warmup, v * m)])
+    for kind, i in order:
+        if kind == "f":
+            held[forward(i)] += 1
+            most = [max(a, b) for a, b in zip(most, held)]
+        else:
+            held[backward(i)] -= 1
+    return tuple(max(c, 1) for c in most)
+
+
 @dataclass(frozen=True, slots=True)
 class ChainSegment:
     """One link of the chain a pipeline is cut from, with what a stage holding it pays."""

@@ -65,6 +65,9 @@ class SegmentCost:
     flops: int
     ops: int = 0
     """Operators its forward calls (each with its backward: a step's dispatch overhead)."""
+    copies: int = 1
+    """Micro-batches whose activations of it are held at once (a pipeline rank's in flight): each keeps
+    what it saves (or, recomputed, its inputs); one at a time runs it, with its transients."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,8 @@ grids a world size allows:
   the memory, and bandwidth and latency within a node and between nodes. A collective runs within a
   node when its group's ranks do (rank placement is row-major over data, pipeline, depth, row, col).
 - ``candidates``: every factorization of the world size into the five degrees (a degree the user gave
-  stays fixed), with micro-batch counts for pipelines.
+  stays fixed), with micro-batch counts for pipelines, each run by 1F1B or interleaved (two stages per
+  rank).
 - ``step_seconds``: one rank's step: its matmul FLOPs (and recomputation) at the machine's rate, every
   collective at its group's bandwidth plus latency, the pipeline's bubble, then the gradient sync.
 - ``rank_plans``: plans that fit memory first, fastest first; ``why_slower`` says in words what makes a
@@ -163,6 +164,8 @@ class Candidate:
     col: int
     depth: int
     microbatches: int = 1
+    chunks: int = 1
+    """Stages per pipeline rank: 1 runs torch's 1F1B, more its Interleaved1F1B."""
 
     @property
     def config(self) -> ParallelConfig:
@@ -174,16 +177,18 @@ class Candidate:
 
     def describe(self) -> str:
         micro = f" microbatches={self.microbatches}" if self.pipeline > 1 else ""
+        micro += f" chunks={self.chunks}" if self.chunks > 1 else ""
         return (f"data={self.data} pipeline={self.pipeline} tensor={self.row},{self.col},{self.depth}{micro}")
 
 
 def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None = None,
-               max_microbatches: int = 4) -> list[Candidate]:
+               max_microbatches: int = 4, chunks: Sequence[int] = (1, 2)) -> list[Candidate]:
     """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
     as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
     ``max_microbatches``, x every power of two, and micro-batches of one, two, four, ... rows (as Megatron
     runs large models: BLOOM's 12 stages took 128 micro-batches of 2 rows), as many as divide each shard's
-    rows and at least one per stage (1F1B's condition)."""
+    rows and at least one per stage (1F1B's condition), each with every count of stages per rank in
+    ``chunks`` (more than one: interleaved, where the micro-batches divide into torch's rounds)."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
@@ -208,13 +213,14 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         counts |= {stages * 2 ** e for e in range(per_stage.bit_length())}
         counts |= {rows >> e for e in range(rows.bit_length()) if rows % (1 << e) == 0}  # 1, 2, 4, ... rows each
         for m in sorted(m for m in counts if m >= stages and rows % m == 0):
-            out.append(Candidate(**grid, microbatches=m))
+            out += [Candidate(**grid, microbatches=m, chunks=v) for v in chunks
+                    if v == 1 or m % max(1, m // stages) == 0]
     return out
 
 
 def factorizations(world: int, fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
     """The degree assignments ``candidates`` would try, ignoring the batch (for an error message)."""
-    return [dataclasses.asdict(c) for c in candidates(world, world ** 2, fixed=fixed, max_microbatches=1)]
+    return [dataclasses.asdict(c) for c in candidates(world, world ** 2, fixed=fixed, max_microbatches=1, chunks=(1,))]
 
 
 def _product(values: Iterable[int]) -> int:
@@ -428,7 +434,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     Ranks grids for the search to plan the most promising exactly; not a plan's prediction."""
     c, config = candidate, candidate.config
     shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
-    if stages > max(shape.segments, 1):  # more stages than links to cut: not a plan
+    if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
         return math.inf, 0
     micro = c.microbatches if stages > 1 else 1
     calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
@@ -445,7 +451,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
         message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
         send = Collective("send", "pipeline", 2, message, "forward", "")
-        comm += 2 * micro * machine.seconds(config, halved(send) if half else send)
+        comm += 2 * micro * c.chunks * machine.seconds(config, halved(send) if half else send)
     params = shape.param_bytes // (tensor * c.depth * stages)
     sync = 0.0
     if c.data > 1:  # in the runtime's buckets
@@ -455,7 +461,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     update = 7 * params / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
     bubble = 0.0
     if stages > 1:
-        f = (stages - 1) / (micro + stages - 1)
+        f = (stages - 1) / (c.chunks * micro + stages - 1)
         bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
     return compute + comm + sync + update + bubble, 4 * params
 

@@ -136,3 +136,60 @@ def no_grid_worker() -> str:
 def test_plan_auto_at_the_first_call_with_no_grid_raises_on_every_rank(distributed):
     for got in distributed(no_grid_worker, 2, timeout=120):
         assert got.startswith("no grid of 2 ranks has row=3") and "data=2 pipeline=1 tensor=1,1,1" in got, got
+
+
+def interleaved_worker(options: dict) -> dict:
+    """plan="auto" whose choice runs interleaved: a pipeline grid of two stages per rank (the search ranks
+    it first here; on this CPU it rarely wins on its own), trained through ``train_step`` against serial;
+    with ``options`` (the user's schedule) the search keeps that schedule's stages per rank."""
+    import torch.nn.functional as F
+
+    import autopar.plan as P
+    from autopar.examples.fc_net import FC_Net, synthetic_mnist
+    from tests.helpers import rel_err
+
+    real, asked = P.choose_grid, []
+
+    def interleaved_first(*args, **kwargs):
+        asked.append(dict(kwargs["fixed"]))
+        ranked = real(*args, **kwargs)
+        return sorted(ranked, key=lambda s: not (s.fits and s.candidate.pipeline == 2 and s.candidate.chunks == 2))
+
+    P.choose_grid = interleaved_first
+    net = dict(num_layers=8, hidden=64, image_size=8)
+    data = list(synthetic_mnist(3, 16, net["image_size"], 0))
+    torch.manual_seed(0)
+    serial = FC_Net(**net)
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(plan="auto", example_inputs=(data[0][0],), **options):
+        model = FC_Net(**net)
+    opts = {m: torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (serial, model)}
+    errors = []
+    for x, y in data:
+        losses = {}
+        for m, opt in opts.items():
+            if m is model:
+                loss = autopar.train_step(model, x, y, F.cross_entropy)
+            else:
+                loss = F.cross_entropy(m(x), y)
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[m] = loss.item()
+        errors.append(abs(losses[model] - losses[serial]) / abs(losses[serial]))
+    final = autopar.full_state_dict(model)
+    plan = autopar.plan_of(model)
+    return {"asked": asked, "loss": max(errors), "chunks": plan.pipeline.chunks_per_rank,
+            "schedule": plan.pipeline.schedule, "pipeline": plan.config.pipeline,
+            "param": max(rel_err(final[n], p) for n, p in serial.named_parameters())}
+
+
+@pytest.mark.parametrize("options", [{}, {"schedule": "interleaved"}])
+def test_plan_auto_runs_an_interleaved_choice_with_serials_numbers(distributed, options):
+    """The search's candidate of two stages per rank becomes torch's Interleaved1F1B (mutation: keeping
+    the user's default 1F1B runs one stage per rank and fails); a schedule the user names fixes the
+    stages per rank the search may choose."""
+    for rank, got in enumerate(distributed(interleaved_worker, 4, options, timeout=600)):
+        assert got["pipeline"] == 2 and got["chunks"] == 2 and got["schedule"] == "interleaved", got
+        assert got["asked"] == ([{"chunks": 2} if options else {}] if rank == 0 else []), got  # rank 0 searches
+        assert got["loss"] < 1e-5 and got["param"] < 1e-5, got

@@ -35,6 +35,27 @@ def test_plan_ranks_grids_and_writes_json(tmp_path, capsys):
     assert d["evaluated"]["predicted_step_seconds"] >= plans[0]["predicted_step_seconds"]
 
 
+def test_interleaved_plans_are_listed_evaluated_and_fixed(tmp_path, capsys):
+    """Pipelines come in 1F1B and interleaved (two stages per rank) versions; --evaluate scores either,
+    --chunks fixes the stages per rank, and a schedule's own conditions are errors."""
+    out = tmp_path / "plans.json"
+    assert plan_main([EXAMPLE, "--gpus", "2", "--hardware", "h100-80gb", "--top", "50", "--evaluate",
+                      "pipeline=2 microbatches=4 chunks=2", "--json", str(out)]) == 0
+    d = json.loads(out.read_text())
+    schedules = {(p["schedule"], p["chunks"]) for p in d["plans"]}
+    assert {(None, 1), ("1f1b", 1), ("interleaved", 2)} <= schedules, schedules
+    assert (d["evaluated"]["schedule"], d["evaluated"]["chunks"]) == ("interleaved", 2)
+    assert "chunks=2" in capsys.readouterr().out
+    assert plan_main([EXAMPLE, "--gpus", "2", "--hardware", "h100-80gb", "--chunks", "2", "--top", "50", "--json",
+                      str(out)]) == 0
+    assert {p["chunks"] for p in json.loads(out.read_text())["plans"] if p["pipeline"] > 1} == {2}
+    for grid, message in (("data=2 chunks=2", "needs a pipeline"),
+                          ("pipeline=2 microbatches=5 chunks=2", "divisible by")):
+        capsys.readouterr()
+        assert plan_main([EXAMPLE, "--gpus", "2", "--evaluate", grid]) == 2
+        assert message in capsys.readouterr().err, grid
+
+
 def test_degrees_given_stay_and_a_plan_that_does_not_fit_says_what_it_needs(tmp_path, capsys):
     assert plan_main([EXAMPLE, "--gpus", "4", "--hardware", "h100-80gb", "--row", "2", "--json",
                       str(tmp_path / "a.json")]) == 0
@@ -52,7 +73,7 @@ def test_degrees_given_stay_and_a_plan_that_does_not_fit_says_what_it_needs(tmp_
 
 def test_plan_runs_as_module_and_reports_bad_input():
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    ok = subprocess.run([sys.executable, "-m", "autopar.plan", EXAMPLE, "--gpus", "2", "--hardware", "cpu"],
+    ok = subprocess.run([sys.executable, "-m", "autopar.plan", EXAMPLE, "--gpus", "2", "--hardware", "cpu", "--top", "20"],
                         capture_output=True, text=True, env=env, timeout=300)
     assert ok.returncode == 0, ok.stderr
     assert "data=2 pipeline=1 tensor=1,1,1" in ok.stdout

@@ -14,7 +14,8 @@ section 3.4): 384 A100 80GB GPUs in 48 nodes, tensor-parallel 4, pipeline-parall
 sequences of 2,048 tokens per step in micro-batches of 2, bf16; 70 layers, hidden 14,336, 112 heads,
 250,880 tokens' vocabulary (built as GPT-2 of that shape: ALiBi's biases instead of GPT-2's position table
 change no matmul). BLOOM shards its optimizer state over data (ZeRO-1); autopar does not, and the published
-shape fits 80 GB without it.
+shape fits 80 GB without it on its fullest rank (the first: the embedding, 6 blocks, 12 micro-batches in
+flight, its blocks recomputed one micro-batch at a time).
 """
 
 from __future__ import annotations

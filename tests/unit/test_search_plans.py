@@ -22,17 +22,33 @@ def test_candidates_are_every_grid_of_the_world_size():
     grids = candidates(8, 8)
     assert all(c.data * c.pipeline * c.row * c.col * c.depth == 8 for c in grids)
     assert Candidate(8, 1, 1, 1, 1) in grids and Candidate(1, 1, 2, 2, 2) in grids
-    assert len({dataclasses.replace(c, microbatches=1) for c in grids}) == 35  # 5 degrees, 2^3: C(3+4, 4)
+    assert len({dataclasses.replace(c, microbatches=1, chunks=1) for c in grids}) == 35  # 5 degrees, 2^3: C(3+4, 4)
     for c in grids:
         if c.pipeline > 1:  # micro-batches: at least one per stage, dividing each shard's rows
             assert c.microbatches >= c.pipeline and (8 // (c.data * c.depth)) % c.microbatches == 0, c
+    # every pipeline also runs interleaved, two stages per rank
+    assert {c for c in grids if c.pipeline > 1} == {dataclasses.replace(c, chunks=v) for c in grids
+                                                    if c.pipeline > 1 for v in (1, 2)}
+    assert all(c.chunks == 1 for c in candidates(8, 8, chunks=(1,)))
+
+
+def test_interleaved_grids_keep_torchs_rounds():
+    """torch's Interleaved1F1B runs m micro-batches on P ranks in ``max(1, m // P)`` equal rounds: 9 on 4
+    ranks (36 rows in micro-batches of 4) do not divide into 2 rounds, so 9 is a 1F1B candidate only."""
+    from autopar.config import PipelineConfig
+
+    grids = candidates(4, 36, fixed={"data": 1, "pipeline": 4, "row": 1, "col": 1, "depth": 1})
+    for c in grids:
+        PipelineConfig(c.microbatches, "interleaved" if c.chunks > 1 else "1f1b", c.chunks).num_microbatches(4)
+    assert {c.chunks for c in grids if c.microbatches == 9} == {1}
+    assert {c.chunks for c in grids if c.microbatches == 12} == {1, 2}
 
 
 def test_pipelines_take_micro_batches_of_one_two_four_rows():
     """BLOOM-176B's 12 stages over 256 rows per data rank took 128 micro-batches of 2 rows: no multiple of
     the stages divides the rows (mutation: only multiples of the stages leaves these grids out)."""
     grids = candidates(6, 8, fixed={"data": 2, "pipeline": 3, "row": 1, "col": 1, "depth": 1})
-    assert [c.microbatches for c in grids] == [4]  # 4 rows per data rank: 4 micro-batches of 1 row
+    assert [c.microbatches for c in grids if c.chunks == 1] == [4]  # 4 rows per data rank: 4 micro-batches of 1 row
     assert {c.microbatches for c in candidates(24, 512, fixed={"data": 2, "pipeline": 12, "row": 1, "col": 1})} \
         >= {128, 256} and not candidates(24, 4, fixed={"data": 2, "pipeline": 12, "row": 1, "col": 1})
 
@@ -370,3 +386,85 @@ def test_the_search_leaves_the_garbage_collector_as_it_found_it():
         assert gc.get_freeze_count() > frozen // 2  # (some frozen objects are freed meanwhile)
     finally:
         gc.unfreeze()
+
+
+def test_a_pipeline_fits_when_its_fullest_rank_does():
+    """A pipeline's step is its slowest rank's, but it fits memory only if every rank does: FC_Net's
+    slowest rank (two blocks and the output layer) holds less than the one with a block and 3 of the 16
+    micro-batches in flight. Between the two the grid does not fit (mutation: judging the slowest rank's
+    memory, as the search did, says it fits; BLOOM's published grid then fitted 80 GB on paper while its
+    first rank needed 88 GiB)."""
+    from autopar.examples.fc_net import FC_Net
+    from autopar.plan import score
+    from autopar.trace import SLOWEST
+
+    with torch.device("meta"):
+        model = FC_Net(num_layers=3, hidden=256, image_size=28)
+    inputs = (torch.empty(256, 784, device="meta"),)
+    config = ParallelConfig(1, 1, 1, 1, pipeline=4)
+    peaks = []
+    for rank in (*range(4), SLOWEST):
+        _, report = plan_model(model, inputs, config, rank=rank, pipeline=4, microbatches=16, checkpoint="none")
+        peaks.append(report.rank_memory.static_bytes + report.rank_memory.activation_bytes)
+    *ranks, slowest = peaks
+    assert slowest < max(ranks)
+    machine = dataclasses.replace(MACHINE, memory_bytes=(slowest + max(ranks)) // 2)
+    scored = score(model, inputs, Candidate(1, 4, 1, 1, 1, microbatches=16), machine, checkpoint="none")
+    assert scored.memory_bytes == max(ranks) and not scored.fits, scored
+    assert score(model, inputs, Candidate(1, 4, 1, 1, 1, microbatches=16),
+                 dataclasses.replace(machine, memory_bytes=max(ranks)), checkpoint="none").fits
+
+
+def test_interleaved_in_flight_micro_batches_follow_torchs_schedule():
+    """What each rank holds per chunk under Interleaved1F1B (``inflight_microbatches``) against the order
+    torch's own schedule computes for that rank (its action list, replayed: a forward adds a micro-batch
+    to its chunk, a backward frees one), over pipelines of 2-8 ranks, 2-3 chunks and 1-4 rounds
+    (mutation: backwards taking the chunks in forward order fails)."""
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    from passes.analysis.choose_stages import inflight_microbatches
+
+    def torchs(p: int, m: int, rank: int, v: int) -> tuple[int, ...]:
+        schedule = object.__new__(ScheduleInterleaved1F1B)  # the order alone: no stages, no process group
+        schedule.n_local_stages, schedule.pp_group_size, schedule._n_microbatches = v, p, m
+        schedule.number_of_rounds = max(1, m // p)
+        schedule.microbatches_per_round = m // schedule.number_of_rounds
+        held, most = [0] * v, [0] * v
+        for action in schedule._calculate_single_rank_operations(rank):
+            if action is None:
+                continue
+            kind, chunk = str(action.computation_type), action.stage_index // p
+            held[chunk] += 1 if kind.endswith("F") or "FORWARD" in kind else -1
+            most[chunk] = max(most[chunk], held[chunk])
+        return tuple(most)
+
+    cases = 0
+    for p in (2, 3, 4, 8):
+        for m in (p, 2 * p, 3 * p, 4 * p):
+            for v in (2, 3):
+                for rank in range(p):
+                    assert inflight_microbatches(p, m, rank, v) == torchs(p, m, rank, v), (p, m, rank, v)
+                    cases += 1
+    assert cases == 136
+    assert inflight_microbatches(4, 8, 0) == (4,) and inflight_microbatches(4, 8, 3) == (1,)  # 1F1B
+
+
+def test_while_no_planned_grid_fits_the_search_plans_the_next_ones(monkeypatch):
+    """The screen prices parameters, not activations, so under tight memory its best grids may all not
+    fit where later ones do: the search then plans the screen's next grids, ROUNDS x keep in all
+    (mutation: one round reports no fitting grid for FC_Net on 8 ranks with ~18 MiB per device)."""
+    import autopar.plan as P
+    from autopar.examples.fc_net import FC_Net
+
+    with torch.device("meta"):
+        model = FC_Net(num_layers=4, hidden=512, image_size=28)
+    inputs = (torch.empty(64, 784, device="meta"),)
+    h100 = load_machine("h100-80gb")
+    tight = P.score(model, inputs, Candidate(1, 2, 1, 2, 2, microbatches=8, chunks=2), h100).memory_bytes
+    machine = dataclasses.replace(h100, memory_bytes=tight)
+    monkeypatch.setattr(P, "ROUNDS", 1)
+    assert not P.search(model, inputs, 8, machine, keep=2)[0].fits
+    monkeypatch.undo()
+    ranked = P.search(model, inputs, 8, machine, keep=2)
+    assert ranked[0].fits and ranked[0].memory_bytes <= tight, ranked[0]
+    assert 2 < sum(s.time is not None for s in ranked) <= P.ROUNDS * 2
