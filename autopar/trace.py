@@ -126,6 +126,8 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
     report = dataclasses.replace(report, rank_saved_bytes=sum(s.saved_bytes for s in profile.segments),
                                  rank_update_bytes=profile.optimizer_bytes // 2,
                                  rank_ops=sum(s.ops for s in profile.segments),
+                                 rank_least_kept_bytes=sum(min(s.saved_bytes, s.input_bytes) if s.checkpointable
+                                                           else s.saved_bytes for s in profile.segments),
                                  segments=sum(s.name not in ("<shared>", "<loss>") for s in profile.segments))
     if pipeline > 1:  # everything was captured for one micro-batch, as the runtime compiles it
         plan = dataclasses.replace(plan, pipeline=plan_pipeline(chain, pipeline, microbatches, chunks))

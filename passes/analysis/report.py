@@ -73,13 +73,17 @@ class StepReport:
     """Bytes (fp32) of the trainable parameters this rank's optimizer updates."""
     rank_memory: Any = None
     """Under a pipeline, this rank's ``MemoryPlan`` (its stages' parameters and the micro-batches in flight
-    there; the plan's own ``memory`` counts the whole model, as the runtime still plans it); else None."""
+    there; the plan's own ``memory`` is the rank that needs the most); else None."""
     segments: int = 0
     """Links of the chain a pipeline is cut from (blocks and the runs between them): at most this many
     stages."""
     rank_ops: int = 0
     """Operators this rank's forwards call in one step (every micro-batch of its stages under a
     pipeline), each with its backward."""
+    rank_least_kept_bytes: int = 0
+    """Activation bytes this rank keeps for backward at the least (without a pipeline): each block that
+    saves more than its inputs recomputed. No choice of recomputation needs less (the plan search's
+    screen prices memory with it)."""
 
     @property
     def construction_bytes_per_rank(self) -> int:

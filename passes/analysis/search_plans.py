@@ -387,6 +387,9 @@ class ModelShape:
     ops: int
     segments: int
     """Links a pipeline can be cut into (at most this many stages)."""
+    least_kept_bytes: int = 0
+    """Activations kept for backward over the global batch at the least (every block recomputed that
+    saves more than its inputs)."""
 
 
 def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
@@ -402,7 +405,8 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
         count, flops = groups.get(key, [0, 0.0])
         groups[key] = [count + 1, flops + r.flops]
     return ModelShape(tuple((*k, int(c), f) for k, (c, f) in groups.items()), report.rank_update_bytes,
-                      report.rank_saved_bytes * shards, report.rank_ops, report.segments)
+                      report.rank_saved_bytes * shards, report.rank_ops, report.segments,
+                      report.rank_least_kept_bytes * shards)
 
 
 def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int, half: bool) -> float:
@@ -429,9 +433,11 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int
 
 
 def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False) -> tuple[float, int]:
-    """(predicted seconds, parameter, gradient and optimizer bytes per device) of ``candidate`` in closed
-    form: AxoNN's per-layer collectives (DESIGN-NOTES section 2) on even splits, without planning it.
-    Ranks grids for the search to plan the most promising exactly; not a plan's prediction."""
+    """(predicted seconds, least memory per device) of ``candidate`` in closed form: AxoNN's per-layer
+    collectives (DESIGN-NOTES section 2) on even splits, without planning it. The memory is a floor:
+    parameters, gradients and optimizer state, and (without a pipeline, whose ranks hold unequal parts)
+    the least activations any recomputation keeps, split over every tensor rank (some stay whole: a
+    floor). Ranks grids for the search to plan the most promising exactly; not a plan's prediction."""
     c, config = candidate, candidate.config
     shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
     if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
@@ -463,7 +469,8 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     if stages > 1:
         f = (stages - 1) / (c.chunks * micro + stages - 1)
         bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
-    return compute + comm + sync + update + bubble, 4 * params
+    kept = shape.least_kept_bytes // (shards * tensor) if stages == 1 else 0  # (a pipeline's ranks: not priced)
+    return compute + comm + sync + update + bubble, 4 * params + kept
 
 
 def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig) -> float:
