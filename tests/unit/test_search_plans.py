@@ -260,21 +260,27 @@ def test_a_measured_table_never_says_a_bigger_message_is_cheaper():
     assert monotone([1.0, 9.0, 2.0, 3.0, 10.0]) == pytest.approx([1.0, 14 / 3, 14 / 3, 14 / 3, 10.0])
 
 
+def fc_net_and_tiny_llama() -> list[tuple[nn.Module, tuple]]:
+    """FC_Net (4 layers of 512) and the zoo's tiny Llama on meta, each with a batch of inputs."""
+    from autopar.examples import zoo
+    from autopar.examples.fc_net import FC_Net
+
+    with torch.device("meta"):
+        fc = FC_Net(num_layers=4, hidden=512, image_size=28)
+        llama = zoo.build_model("llama")
+    return [(fc, (torch.empty(64, 784, device="meta"),)),
+            (llama, tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=16, seq=32)))]
+
+
 @pytest.mark.parametrize("hardware,world", [("h100-80gb", 8), ("cpu", 8)])
 def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
     """Planning only the closed-form screen's best few grids (search_plans.screen) gives the best plan that
     planning every grid gives, on FC_Net and a tiny Llama (mutation: a screen without the pipelines'
     sends keeps four pipelines on an H100 and drops the tiny Llama's best, data 8)."""
-    from autopar.examples import zoo
-    from autopar.examples.fc_net import FC_Net
     from autopar.plan import load_machine, search
 
     machine = load_machine(hardware)
-    with torch.device("meta"):
-        fc = FC_Net(num_layers=4, hidden=512, image_size=28)
-        llama = zoo.build_model("llama")
-    cases = [(fc, (torch.empty(64, 784, device="meta"),)),
-             (llama, tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=16, seq=32)))]
+    cases = fc_net_and_tiny_llama()
     for model, inputs in cases:
         every = search(model, inputs, world, machine, keep=None)
         screened = search(model, inputs, world, machine, keep=4)
@@ -286,7 +292,7 @@ def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
 def test_a_pipeline_rank_holds_its_stages_memory():
     """The search judges a pipeline by what one of its ranks holds: its stages' parameters, gradients
     and optimizer state, and the micro-batches 1F1B keeps in flight there; the outputs and the loss on the
-    last rank only (the plan's own memory plan counts the whole model, as the runtime still plans it).
+    last rank only (the plan's own memory plan is the rank that needs the most).
     Mutation: the outputs kept on every rank in flight put the logits in rank 0's activations."""
     from autopar.examples import zoo
 
@@ -475,17 +481,11 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
     any recomputation keeps) is never above what planning the grid finds with every block recomputed,
     over every grid of 8 ranks for FC_Net and a tiny Llama (mutation: activations not split over the
     tensor ranks exceed it on tensor grids), and counts activations (more than the static bytes)."""
-    from autopar.examples import zoo
-    from autopar.examples.fc_net import FC_Net
     from autopar.plan import score
     from passes.analysis.search_plans import screen, shape_of
 
     h100 = load_machine("h100-80gb")
-    with torch.device("meta"):
-        fc = FC_Net(num_layers=4, hidden=512, image_size=28)
-        llama = zoo.build_model("llama")
-    cases = [(fc, (torch.empty(64, 784, device="meta"),)),
-             (llama, tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=16, seq=32)))]
+    cases = fc_net_and_tiny_llama()
     for model, inputs in cases:
         _, probe = plan_model(model, inputs, ParallelConfig(8, 1, 1, 1), checkpoint="none")
         shape = shape_of(probe, 8)
