@@ -2,7 +2,7 @@
 
     python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
         [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=.."]
-        [--json FILE]
+        [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--chunks V] [--json FILE]
 
 Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
 (``autopar.trace.plan_model``: capture on meta, the plan, its exact collectives, the memory plan with the
