@@ -281,17 +281,18 @@ def _drop_export_asserts(gm: fx.GraphModule) -> bool:
     float32 at capture is bf16 at run time, and the assertion would fail on a correct program. Recompiles
     the submodules it changed; returns whether it changed ``gm``'s own graph (its caller recompiles it).
     """
-    root = False
+    changed = False
     for sub in gm.modules():
         if not isinstance(sub, fx.GraphModule):
             continue
         dead = [n for n in sub.graph.nodes if n.target is torch.ops.aten._assert_tensor_metadata.default]
         for n in dead:
             sub.graph.erase_node(n)
-        if dead and sub is not gm:
+        if dead and sub is gm:
+            changed = True
+        elif dead:
             sub.recompile()
-        root = root or (bool(dead) and sub is gm)
-    return root
+    return changed
 
 
 @contextlib.contextmanager
