@@ -198,26 +198,32 @@ def all_reduce_fit(group: Any = None, repeats: int = 5) -> tuple[float, float]:
 Table = dict[str, dict[int, tuple[tuple[int, float], ...]]]
 
 
-def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, trials: int = 1) -> tuple[Table, Table]:
+def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, trials: int = 1,
+                     between: Any = None) -> tuple[Table, Table]:
     """Seconds of each collective kind per group size and message, as a step meets them: every group of
     the world at once, each call after a burst of compute, on a fresh buffer, less the compute's own
-    time, the slowest rank's. Two tables (``Machine.collectives`` and ``Machine.crossed_collectives``):
-    groups of consecutive ranks alone, and calls alternating between those and groups of the same size
-    that cross them (strided ranks: a 2D grid's rows and columns), where a rank's partner in one group
-    waits on its partner in the other. Each point is the median of ``trials`` timed runs (1: on this
+    time, the slowest rank's. The compute's time is measured again beside every point (the same number
+    of bursts just before its calls): subtracting one measured at the start let a point that ran in a
+    faster moment than it come out as nothing (a job here measured 2-rank all-reduces up to 1 MiB at
+    0 ms). No point is below the same calls back to back, without the bursts. Two tables
+    (``Machine.collectives`` and ``Machine.crossed_collectives``): groups of consecutive ranks alone, and
+    calls alternating between those and groups of the same size that cross them (strided ranks: a 2D
+    grid's rows and columns), where a rank's partner in one group waits on its partner in the other.
+    Each point is the median of ``trials`` timed runs (1: on this
     shared machine three tables taken a minute apart differed by up to 30% at a point, with or without
     the median of three, so the machine's drift, not a run's spread, sets the error; three triple the
-    time). Every rank calls it and gets the same tables."""
+    time). ``between``: the compute before each call (default: four GEMMs of 128 x 512 x 512). Every rank
+    calls it and gets the same tables."""
     device = _device() if dist.get_backend() == "nccl" else torch.device("cpu")
     world = dist.get_world_size()
     a = torch.randn(128, 512, device=device)
     b = torch.randn(512, 512, device=device)
 
-    def burst() -> None:
+    def gemms() -> None:
         for _ in range(4):
             a @ b
 
-    compute = steady_seconds(burst, 4 * repeats, device, trials)
+    burst = between or gemms
 
     def points(kind: str, groups: list[Any], size: int) -> tuple[tuple[int, float], ...]:
         out = []
@@ -227,8 +233,7 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, tri
             piece = torch.ones(whole // size, device=device)
             turn = [0]
 
-            def call() -> None:
-                burst()
+            def bare() -> None:
                 x, group = bufs[turn[0] % 2], groups[turn[0] % len(groups)]
                 turn[0] += 1
                 if kind == "all_reduce":
@@ -242,8 +247,14 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, tri
                 else:
                     dist.recv(x, dist.get_global_rank(group, 0) if group is not None else 0, group=group)
 
+            def call() -> None:
+                burst()
+                bare()
+
             calls = repeats * (4 if nbytes <= 1 << 20 else 1) * len(groups)  # small ones: cheap and noisier
-            out.append((whole * 4, max(steady_seconds(call, calls, device, trials) - compute, 1e-6)))
+            seconds = statistics.median(lockstep_seconds(call, calls, device) - lockstep_seconds(burst, calls, device)
+                                        for _ in range(trials))
+            out.append((whole * 4, max(seconds, lockstep_seconds(bare, calls, device), 1e-6)))
         return tuple(zip([b for b, _ in out], monotone([t for _, t in out])))
 
     table: Table = {k: {} for k in TABLE_KINDS}
