@@ -13,7 +13,6 @@ import importlib.util
 import json
 import logging
 import re
-import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -143,10 +142,8 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
         saved = {s.name: s.saved_bytes for s in profile.segments}
         ops = {s.name: s.ops for s in profile.segments}
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
-        flops = [pipeline_flops(chain, plan, r, microbatches) for r in range(plan.pipeline.ranks)]
         report = dataclasses.replace(
-            summarize(rows, colls, report.num_parameters, plan), rank_flops=flops[me],
-            rank_share=statistics.fmean(flops) / flops[me] if flops[me] else 1.0,
+            summarize(rows, colls, report.num_parameters, plan), rank_flops=pipeline_flops(chain, plan, me, microbatches),
             rank_saved_bytes=microbatches * sum(saved.get(name, 0) for st in mine for name in st.segments),
             rank_ops=microbatches * sum(ops.get(name, 0) for st in mine for name in st.segments),
             rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable), segments=report.segments,

@@ -84,9 +84,6 @@ class StepReport:
     """Activation bytes this rank keeps for backward at the least (without a pipeline): each block that
     saves more than its inputs recomputed. No choice of recomputation needs less (the plan search's
     screen prices memory with it)."""
-    rank_share: float = 1.0
-    """Under a pipeline, the mean pipeline rank's matmul FLOPs over this rank's (below 1 on the busiest
-    rank where the stages are cut unevenly: what ranks sharing cores leave one another); else 1."""
 
     @property
     def construction_bytes_per_rank(self) -> int:

@@ -285,7 +285,7 @@ class StepTime:
 def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
                  machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0,
                  optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0, half: bool = False,
-                 matmul_slowdown: float = 1.0, node_share: float = 1.0) -> StepTime:
+                 matmul_slowdown: float = 1.0) -> StepTime:
     """One rank's training step under ``machine``.
 
     ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
@@ -297,8 +297,7 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     ``ops``: operators this rank's forwards call (each with its backward), at ``op_seconds`` each.
     ``half``: bf16/fp16 autocast, whose activations (and their collectives) are half the bytes.
     ``matmul_slowdown``: how much longer than their FLOPs at the matmul rate the rank's matmuls take where
-    some read more bytes than the memory rate moves in that time (``matmul_slowdown``). ``node_share``:
-    under a pipeline, the mean rank's work over this rank's (``StepReport.rank_share``).
+    some read more bytes than the memory rate moves in that time (``matmul_slowdown``).
 
     The gradient sync also copies each gradient into its bucket and the sum back (four bytes moved per
     gradient byte, at the memory rate)."""
@@ -321,7 +320,7 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     bubble = 0.0
     if plan.pipeline is not None and plan.pipeline.bubble_fraction < 1:
         busy = compute + comm
-        bubble = pipeline_span(busy, plan.pipeline.bubble_fraction, machine, config, node_share) - busy
+        bubble = pipeline_span(busy, plan.pipeline.bubble_fraction, machine, config) - busy
     update = 7 * optimizer_bytes / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
     return StepTime(compute, comm, bubble, sync, update)
 
@@ -338,8 +337,7 @@ def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: st
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
                         recompute_flops=memory.recompute_flops if memory is not None else 0.0,
                         optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
-                        ops=report.rank_ops, half=half, matmul_slowdown=matmul_slowdown(calls, machine, half),
-                        node_share=report.rank_share)
+                        ops=report.rank_ops, half=half, matmul_slowdown=matmul_slowdown(calls, machine, half))
 
 
 def _call_shape(in_shape: Sequence[int], out_shape: Sequence[int], config: ParallelConfig,
@@ -475,21 +473,18 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     return compute + comm + sync + update + bubble, 4 * params + kept
 
 
-def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig,
-                  node_share: float = 1.0) -> float:
+def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig) -> float:
     """Seconds a pipeline rank's step spans when it is busy ``busy`` seconds and the schedule leaves it
     idle ``bubble_fraction`` of the span: ``busy / (1 - bubble_fraction)`` with a device per rank. Where
     ``R`` ranks share ``c < R`` cores, ``busy`` is at the shared rate (every rank busy at once), so at a
     core's own rate the rank works ``busy * c / R``; the cores are never idle while ``c`` ranks have work,
-    and the step takes the longer of the rank's span at full speed and the node's work on ``c`` cores,
-    which is the mean rank's ``busy`` (``node_share`` times this rank's: stages cut unevenly leave the
-    node less work than ``R`` of its busiest rank): ``max(busy * c / (R * (1 - f)), busy * node_share)``.
-    (On 4 ranks sharing 2 cores, 1F1B's bubble is then free: measured steps of 4 stages with 8
-    micro-batches were 72-73% of ``busy / (1 - f)``, i.e. ``busy``.)"""
+    and the step takes the longer of the rank's span at full speed and the node's work on ``c`` cores:
+    ``max(busy * c / (R * (1 - f)), busy)``. (On 4 ranks sharing 2 cores, 1F1B's bubble is then free:
+    measured steps of 4 stages with 8 micro-batches were 72-73% of ``busy / (1 - f)``, i.e. ``busy``.)"""
     span = busy / (1 - bubble_fraction)
     ranks = min(config.world_size, machine.gpus_per_node)
     if machine.cores and ranks > machine.cores:
-        span = max(span * machine.cores / ranks, busy * node_share)
+        span = max(span * machine.cores / ranks, busy)
     return span
 
 

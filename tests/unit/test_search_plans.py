@@ -114,38 +114,6 @@ def test_a_pipelines_bubble_is_free_where_ranks_share_fewer_cores():
     assert pipeline_span(1.0, f, dataclasses.replace(shared, gpus_per_node=2), four) == pytest.approx(11 / 8)
 
 
-def test_ranks_sharing_cores_with_uneven_stages_leave_the_busiest_more_of_them():
-    """Where ranks share cores, the node's work is the mean rank's, not R busiest ranks': GPT-2 tiny's 4
-    stages compute [0, 1, 1, 3.3] blocks' FLOPs (the last holds two blocks and the LM head), and 4-stage
-    steps measured 278 ms against 363 predicted as if every rank were as busy as the last (96% with the
-    mean). ``StepReport.rank_share`` is that mean over this rank's FLOPs. Mutation: ignoring the share
-    (the node's work as R busiest ranks) predicts the uneven pipeline as slow as the even one."""
-    from autopar.examples import zoo
-    from autopar.trace import SLOWEST
-    from passes.analysis.search_plans import pipeline_span
-
-    four = ParallelConfig(1, 1, 1, 1, pipeline=4)
-    shared = dataclasses.replace(MACHINE, cores=2)
-    f = 3 / 11
-    assert pipeline_span(1.0, f, shared, four, node_share=0.5) == pytest.approx(11 / 16)  # the rank's own span
-    assert pipeline_span(1.0, 0.1, shared, four, node_share=0.8) == pytest.approx(0.8)  # the node's work
-    assert pipeline_span(1.0, f, MACHINE, four, node_share=0.5) == pytest.approx(11 / 8)  # a device per rank
-
-    with torch.device("meta"):
-        llama = zoo.build_model("llama", layers=3)
-    inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=8, seq=16))
-    reports = [plan_model(llama, inputs, four, rank=r, pipeline=4, microbatches=8)[1] for r in range(4)]
-    flops = [r.rank_flops for r in reports]
-    assert min(flops) < max(flops)  # 3 blocks and the head on 4 stages: uneven
-    for r in reports:
-        assert r.rank_share == pytest.approx(sum(flops) / 4 / r.rank_flops) if r.rank_flops else r.rank_share == 1
-    plan, slowest = plan_model(llama, inputs, four, rank=SLOWEST, pipeline=4, microbatches=8)
-    assert slowest.rank_share < 1
-    from passes.analysis.search_plans import plan_seconds
-    even = dataclasses.replace(slowest, rank_share=1.0)
-    assert plan_seconds(plan, slowest, shared).total < plan_seconds(plan, even, shared).total
-
-
 def _scored(data: int, seconds: float, fits: bool = True, row: int = 1) -> Scored:
     return Scored(Candidate(data, 1, row, 1, 1), StepTime(seconds, 0.0, 0.0, 0.0), 100, fits,
                   reason="" if fits else "needs more")
