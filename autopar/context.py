@@ -28,11 +28,11 @@ from autopar.runtime.agreement import PER_RANK
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import AgreementError, ConfigError, ContextError, NotInitializedError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
-from autopar.memory import release_freed_memory
+from autopar.memory import device_budget, release_freed_memory
 from autopar.runtime.deferred import Deferred
 from autopar.runtime.mapped import FileMaps, file_fingerprint
 from autopar.runtime.pending import Pending, make_pending, materialize_whole
-from autopar.runtime.mesh import Mesh
+from autopar.runtime.mesh import Mesh, device_for_backend
 from autopar.runtime.parameters import splits_parameters
 from autopar.runtime.runtime import ParallelRuntime, runtimes
 
@@ -88,8 +88,10 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
 
     Args:
         tensor: ``(row, col, depth)`` degrees of 3D tensor parallelism (AxoNN). Default (1, 1, 1).
-        data: data-parallel degree. Default: every rank not used by ``tensor`` and ``pipeline``, so
-            with no arguments the model is purely data parallel.
+        data: data-parallel degree. Default: every rank not used by ``tensor`` and ``pipeline``. With no
+            degrees at all (no ``tensor``, ``data``, ``pipeline`` or ``plan``): data parallelism with plain
+            tensors, as DDP, for a model whose training state (fp32 parameters, gradients and Adam's two
+            moments) fits half a device's memory; a bigger model's grid is chosen as with ``plan="auto"``.
         pipeline: pipeline ranks. The model's blocks are cut into stages by predicted cost
             (``plan_of(model).pipeline``); each rank holds only its stages' parameters.
             ``autopar.train_step`` runs torch.distributed.pipelining's ``schedule`` over
@@ -136,8 +138,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             (a batch per rank counts as the global batch of all ranks' rows; a pipeline only when that
             call is ``autopar.train_step``, the one call that runs a pipeline schedule). Until then the
             parameters are replicated DTensors, as under a tensor grid: build the optimizer, load a state
-            dict, or enter ``no_sync()`` as usual. Default None: the degrees as given (no arguments: data
-            parallel, whose parameters stay plain tensors as under DDP).
+            dict, or enter ``no_sync()`` as usual. Default None: the degrees as given (none given: see
+            ``data``).
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -192,6 +194,9 @@ class _Options:
     memory: MemoryConfig
     pipe: PipelineConfig
     inputs: InputConfig
+    open: bool = False
+    """No degree and no plan given: data parallel where the model's training state fits half a device
+    (``too_big_for_data_parallel``), else ``plan="auto"``."""
 
 
 def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pipeline: int | None = None,
@@ -218,24 +223,70 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
     return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype), pipe,
-                    InputConfig(batch, eval_timeout, batch_dims))
+                    InputConfig(batch, eval_timeout, batch_dims),
+                    open=plan is None and tensor is None and data is None and pipeline is None)
 
 
 def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: tuple | None,
                      deferred: Deferred | None) -> None:
-    """Makes ``roots`` parallel under ``options``: its grid, or (``plan="auto"``) the grid chosen now for
-    ``example_inputs``, or a provisional one until each model's first call chooses."""
-    config, pipe = options.config, options.pipe
-    later = config is None and example_inputs is None
-    if later:  # a provisional grid until each model's first call chooses one
-        config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size())
-    elif config is None and roots:
-        config, pipe = _choose_grid(roots, example_inputs, options.given, options.memory, pipe)
+    """Makes ``roots`` parallel under ``options``: its grid, or (``plan="auto"``, or no degrees given for a
+    model too big for data parallelism) the grid chosen now for ``example_inputs``, or a provisional one
+    until each model's first call chooses."""
+    searched = too_big_for_data_parallel(roots, options.memory, example_inputs is None) if options.open else []
+    plans = []
+    for model in roots:
+        big = any(model is m for m in searched)
+        config, pipe = None if big else options.config, options.pipe
+        later = config is None and example_inputs is None
+        if later:  # a provisional grid until each model's first call chooses one
+            config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size())
+        elif config is None:  # (plan="auto" chooses one grid for one model: several raise)
+            config, pipe = _choose_grid([model] if big else roots, example_inputs, options.given, options.memory, pipe)
+        plans.append((model, config, pipe, later))
     # a torch.device("meta") around the block is the model's, not autopar's
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
-        for model in roots:
+        for model, config, pipe, later in plans:
             parallelize(model, config, example_inputs=example_inputs, memory=options.memory, pipe=pipe,
                         inputs=options.inputs, deferred=deferred, choose=options.given if later else None)
+
+
+def training_state_bytes(model: nn.Module) -> int:
+    """What data parallelism keeps of ``model`` on every rank whatever it recomputes: fp32 parameters, and
+    for each trainable one its gradient and Adam's two moments (16 bytes per trainable parameter)."""
+    return sum(p.numel() * (16 if p.requires_grad else 4) for p in model.parameters())
+
+
+def too_big_for_data_parallel(roots: list[nn.Module], memory: MemoryConfig, at_first_call: bool) -> list[nn.Module]:
+    """The models of a block given no degrees whose training state exceeds half the device's memory (the
+    ``checkpoint`` budget where it is bytes): data parallelism would leave them too little for
+    activations, or not fit at all, so the plan search chooses their grid. Ranks agree on the budget (the
+    least of theirs: a node with less memory decides). One warning line per such model; the others are
+    data parallel with plain tensors, as under DDP (one info line)."""
+    if not roots:
+        return []
+    world = dist.get_world_size()
+    device = device_for_backend()
+    budget = memory.checkpoint if isinstance(memory.checkpoint, int) else device_budget(device, world)
+    least = torch.tensor([budget], dtype=torch.int64, device=device)
+    dist.all_reduce(least, op=dist.ReduceOp.MIN)
+    budget = int(least.item())
+    out = []
+    for model in roots:
+        state, name = training_state_bytes(model), type(model).__name__
+        if 2 * state <= budget:
+            log.info("autopar: no degrees given: %s is data parallel over %d ranks, as under DDP (its training "
+                     "state, %.3g GiB, fits half of a device's %.3g GiB); plan='auto' searches every grid.",
+                     name, world, state / 2**30, budget / 2**30)
+            continue
+        out.append(model)
+        if dist.get_rank() == 0:
+            log.warning("autopar: no degrees given and %s's training state (%.3g GiB: fp32 parameters, gradients "
+                        "and Adam's two moments) exceeds half of a device's %.3g GiB, too much for data parallelism "
+                        "alone: its grid is chosen as with plan='auto' (%s). Its parameters are DTensors, so a "
+                        "rank-0 torch.save(model.state_dict()) raises: use autopar.full_state_dict(model). Pass "
+                        "data=, tensor= or pipeline= to choose the grid yourself.", name, state / 2**30,
+                        budget / 2**30, "at its first call" if at_first_call else "now, for example_inputs")
+    return out
 
 
 def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
@@ -261,9 +312,9 @@ def _agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows:
     box: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
+            budget = memory.checkpoint if isinstance(memory.checkpoint, int) else None
             ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
-                                 batch_size=rows,
-                                 checkpoint=memory.checkpoint if isinstance(memory.checkpoint, str) else "auto")
+                                 batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget)
         except Exception as e:  # every rank raises it, none waits for a choice that never comes
             box[0] = e
         else:

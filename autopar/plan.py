@@ -202,11 +202,14 @@ def local_machine(world: int) -> Machine:
 
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
                 checkpoint: str = "auto", precision: str = "fp32", kwargs: dict | None = None,
-                batch_size: int | None = None) -> list[Scored]:
+                batch_size: int | None = None, budget: int | None = None) -> list[Scored]:
     """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (and keyword
     inputs ``kwargs``: one global batch; ``batch_size`` replaces its rows) on this machine, ranked; the first
-    is the one to run. Raises PlanError when none fits memory, with the closest."""
+    is the one to run. ``budget``: bytes per device the plan must fit (``checkpoint=<bytes>``'s) instead of
+    the device's memory. Raises PlanError when none fits memory, with the closest."""
     machine = local_machine(world)
+    if budget is not None:
+        machine = dataclasses.replace(machine, memory_bytes=budget)
     if kwargs:
         both = meta_inputs((tuple(inputs), dict(kwargs)), batch_size)
         inputs, kwargs = both[0], both[1]

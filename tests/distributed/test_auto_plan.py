@@ -192,3 +192,60 @@ def test_plan_auto_runs_an_interleaved_choice_with_serials_numbers(distributed, 
         assert got["pipeline"] == 2 and got["chunks"] == 2 and got["schedule"] == "interleaved", got
         assert got["asked"] == ([{"chunks": 2} if options else {}] if rank == 0 else []), got  # rank 0 searches
         assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
+
+
+def no_degrees_worker(budget_share: float | None, example: bool) -> dict:
+    """``auto_parallelize()`` with no degrees: data parallel with plain tensors (DDP's contract) while the
+    model's training state fits half the budget; a bigger one gets the search's grid (``checkpoint=<bytes>``
+    sets the budget here), with one warning line."""
+    import logging
+
+    from autopar.context import training_state_bytes
+
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("autopar").addHandler(handler)
+    logging.getLogger("autopar").setLevel(logging.INFO)
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 128, (8, 16), generator=g), torch.randint(0, 128, (8, 16), generator=g))
+               for _ in range(3)]
+    with torch.device("meta"):
+        shadow = NanoGPT(GPTConfig(**CONFIG))
+    budget = None if budget_share is None else int(budget_share * training_state_bytes(shadow))
+    options = {} if budget is None else {"checkpoint": budget}
+    torch.manual_seed(0)
+    serial = NanoGPT(GPTConfig(**CONFIG))
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(**options, example_inputs=batches[0] if example else None):
+        model = NanoGPT(GPTConfig(**CONFIG))
+    dtensor = isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor)
+    optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, serial)}
+    gap = loss_gap(optimizers, batches, lambda m, x, y: m(x, y)[1])
+    params = autopar.full_state_dict(model)
+    error = max(float((params[n] - p).abs().max()) for n, p in serial.named_parameters())
+    best = choose_grid(shadow, batches[0], torch.distributed.get_world_size(), budget=budget,
+                       fixed=None if example else {"pipeline": 1})[0].candidate  # (a pipeline: train_step's)
+    c = autopar.plan_of(model).config
+    return {"chosen": (c.data, c.pipeline, c.row, c.col, c.depth), "dtensor": dtensor, "loss": gap, "param": error,
+            "best": (best.data, best.pipeline, best.row, best.col, best.depth),
+            "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING and "no degrees" in r.getMessage()],
+            "infos": [r.getMessage() for r in records if r.levelno == logging.INFO and "no degrees" in r.getMessage()]}
+
+
+@pytest.mark.parametrize("budget_share,example", [(None, False), (1.5, False), (1.5, True)])
+def test_no_degrees_mean_data_parallel_unless_the_model_is_too_big_for_it(distributed, budget_share, example):
+    """A model whose training state (16 bytes per parameter) fits half the device stays data parallel with
+    plain tensors, as under DDP; at 1.5x its state (data parallel needs 1.9x with its activations) the
+    search's grid (tensor (1, 4, 1) here) is chosen, at the first call or at the end of the block with
+    example inputs, and trains with serial's numbers. Mutation: ignoring the model's size (data parallel
+    always) leaves the too-big model on data=4 and fails."""
+    for rank, got in enumerate(distributed(no_degrees_worker, 4, budget_share, example, timeout=600)):
+        assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
+        if budget_share is None:
+            assert got["chosen"] == (4, 1, 1, 1, 1) and not got["dtensor"] and not got["warnings"], got
+            assert len(got["infos"]) == 1 and "data parallel over 4 ranks" in got["infos"][0], got
+        else:
+            assert got["chosen"] == got["best"] != (4, 1, 1, 1, 1) and got["dtensor"], got
+            assert len(got["warnings"]) == (rank == 0), got
+            assert all("exceeds half of a device" in w and "full_state_dict" in w for w in got["warnings"]), got
