@@ -27,7 +27,7 @@ from autopar.config import MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.memory import device_budget, half_dtype
 from autopar.errors import AutoparError, ConfigError
-from passes.analysis.graph_facts import graph_copy
+from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, graph_copy
 from passes.analysis.make_plan import make_plan
 from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory, stage_memory
 from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
@@ -124,6 +124,8 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
             microbatches: int, chunks: int, rank: int, slowest: bool = False) -> tuple[Plan, StepReport]:
     plan = dataclasses.replace(plan, memory=plan_memory(profile, checkpoint, budget))
     report = dataclasses.replace(report, rank_saved_bytes=sum(s.saved_bytes for s in profile.segments),
+                                 rank_attention_flops=ATTENTION_STEP_FACTOR * sum(s.attention_flops
+                                                                                  for s in profile.segments),
                                  rank_update_bytes=profile.optimizer_bytes // 2,
                                  rank_ops=sum(s.ops for s in profile.segments),
                                  rank_least_kept_bytes=sum(min(s.saved_bytes, s.input_bytes) if s.checkpointable
@@ -141,11 +143,14 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
         mine = plan.pipeline.stages_of(me)
         saved = {s.name: s.saved_bytes for s in profile.segments}
         ops = {s.name: s.ops for s in profile.segments}
+        attention = {s.name: s.attention_flops for s in profile.segments}
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
         report = dataclasses.replace(
             summarize(rows, colls, report.num_parameters, plan), rank_flops=pipeline_flops(chain, plan, me, microbatches),
             rank_saved_bytes=microbatches * sum(saved.get(name, 0) for st in mine for name in st.segments),
             rank_ops=microbatches * sum(ops.get(name, 0) for st in mine for name in st.segments),
+            rank_attention_flops=ATTENTION_STEP_FACTOR * microbatches * sum(attention.get(name, 0) for st in mine
+                                                                            for name in st.segments),
             rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable), segments=report.segments,
             largest_param_bytes=report.largest_param_bytes,
             rank_memory=stage_memory(profile, plan, mine, me, microbatches, checkpoint, budget))

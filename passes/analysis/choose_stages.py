@@ -26,7 +26,7 @@ from autopar.decisions import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import AGREEMENT, Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import shard_fraction, segment_names
-from passes.analysis.graph_facts import module_of, param_name, tensor_meta
+from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, attention_flops, module_of, param_name, tensor_meta
 from passes.analysis.make_plan import layouts_for
 from passes.ir import input_info
 
@@ -174,6 +174,7 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
     order = list(dict.fromkeys(seg_of.values()))
     index = {name: k for k, name in enumerate(order)}
     flops = dict.fromkeys(order, 0.0)
+    attention = dict.fromkeys(order, 0.0)
     of_module: dict[str, str] = {}
     of_param: dict[str, str] = {}
     for node, seg in seg_of.items():
@@ -186,6 +187,8 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
             w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
             flops[seg] += matmul_flops(m, res.requires_grad[m.x], res.requires_grad[w]) / matmul_split(
                 config, plan.matmul(m.weight).orientation)
+        if (a := attention_flops(node)):  # its stage's time, not its matmul FLOPs (reported apart)
+            attention[seg] += ATTENTION_STEP_FACTOR * a * float(shard_fraction(res.sharding(node), sizes))
     comm = dict.fromkeys(order, 0.0)
     issued: dict[str, list[Collective]] = {name: [] for name in order}
     by_name = {n.name: seg for n, seg in seg_of.items()}
@@ -218,7 +221,7 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         for a in node.all_input_nodes:
             if (name := param_name(a)) in params:
                 held[seg][name] = params[name]
-    return tuple(ChainSegment(name, flops[name] / hardware.flops_per_second
+    return tuple(ChainSegment(name, (flops[name] + attention[name]) / hardware.flops_per_second
                               + comm[name] / hardware.tensor_bytes_per_second,
                               sum(b * (1 + g) for b, g in crossing[k]) / hardware.pipeline_bytes_per_second,
                               tuple(held[name].items()), tuple(issued[name]), flops[name], tuple(crossing[k]))

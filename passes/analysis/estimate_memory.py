@@ -22,7 +22,8 @@ Per segment:
 - ``peak_bytes``: the largest tensor it produces, twice (a gradient and its input's gradient are
   live at once in its backward), or what a gather before one of its ops builds: transient memory
   on top of what is kept;
-- ``flops``: forward FLOPs of its matmuls on this rank (what recomputing it costs).
+- ``flops``: forward FLOPs of its matmuls and attention products on this rank (what recomputing it
+  costs); ``attention_flops`` the attention's alone.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.decisions import Plan
-from passes.analysis.graph_facts import module_of, param_name, rows_of, tensor_meta
+from passes.analysis.graph_facts import attention_flops, module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
 from passes.ir import Sharding, input_info
 
@@ -65,6 +66,9 @@ class SegmentCost:
     flops: int
     ops: int = 0
     """Operators its forward calls (each with its backward: a step's dispatch overhead)."""
+    attention_flops: int = 0
+    """Forward FLOPs of its attention products on this rank (``graph_facts.attention_flops``, over the
+    heads this rank holds); also in ``flops``."""
     copies: int = 1
     """Micro-batches whose activations of it are held at once (a pipeline rank's in flight): each keeps
     what it saves (or, recomputed, its inputs); one at a time runs it, with its transients."""
@@ -280,6 +284,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
+    attention = dict.fromkeys(order, Fraction(0))
     ops = dict.fromkeys(order, 0)
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     for node, seg in seg_of.items():
@@ -304,9 +309,12 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
             o = plan.matmul(m.weight).orientation
             flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features,
                                    config.size(o.in_axis) * config.size(o.out_axis))
+        if (a := attention_flops(node)):  # over the heads this rank holds
+            attention[seg] += a * shard_fraction(res.sharding(node), sizes)
 
     segments = tuple(SegmentCost(name, not name.startswith("<"), int(saved[name]), int(inputs[name]),
-                                 int(peak[name]), int(flops[name]), ops[name]) for name in order)
+                                 int(peak[name]), int(flops[name] + attention[name]), ops=ops[name],
+                                 attention_flops=int(attention[name])) for name in order)
     # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
     # the largest output and to need two more in its backward, as cross-entropy on logits does.
     outputs = _output_bytes(gm)

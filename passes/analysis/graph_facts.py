@@ -140,6 +140,28 @@ def rows_of(t: torch.Tensor) -> int:
     return n
 
 
+ATTENTION_STEP_FACTOR = 3.5
+"""A fused attention's forward + backward FLOPs over its forward's: backward recomputes the scores and
+runs four more products (dV, dP, dQ, dK), as FlashAttention and torch's CPU flash kernel do."""
+
+
+def attention_flops(node: fx.Node) -> int:
+    """Forward FLOPs of ``scaled_dot_product_attention``'s two products (scores ``q k^T`` and ``p v``) as
+    captured (whole heads, this capture's batch); half of them where ``is_causal`` (fused kernels skip
+    the masked blocks). 0 for any other node."""
+    if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+        return 0
+    q, k, v = (tensor_meta(a) if isinstance(a, fx.Node) else None for a in node.args[:3])
+    if q is None or k is None or v is None:
+        return 0
+    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    queries = 1
+    for s in q.shape[:-1]:
+        queries *= int(_hint(s))
+    flops = 2 * queries * int(_hint(k.shape[-2])) * (int(_hint(q.shape[-1])) + int(_hint(v.shape[-1])))
+    return flops // 2 if causal else flops
+
+
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:
     """``node``'s input nodes, each once, in order."""
     return list(dict.fromkeys(node.all_input_nodes))

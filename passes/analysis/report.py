@@ -80,6 +80,10 @@ class StepReport:
     rank_ops: int = 0
     """Operators this rank's forwards call in one step (every micro-batch of its stages under a
     pipeline), each with its backward."""
+    rank_attention_flops: float = 0.0
+    """FLOPs of the attention products (scores and ``p v``) this rank computes in one step, forward and
+    backward (``ATTENTION_STEP_FACTOR`` times the forward's; its stages' under a pipeline, every
+    micro-batch); not in ``rank_flops`` or the layers' FLOPs."""
     rank_least_kept_bytes: int = 0
     """Activation bytes this rank keeps for backward at the least (without a pipeline): each block that
     saves more than its inputs recomputed. No choice of recomputation needs less (the plan search's
@@ -166,15 +170,15 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
     one, plus the fixed cost per call). In a pipeline the work of the micro-batches is stretched by the
     plan's bubble (busy / (1 - bubble)); the gradient sync after them is not.
 
-    What is left out (elementwise ops and norms, attention's score and value matmuls, the optimizer,
-    overlap of compute with communication) is what a measured step has on top: ``python -m benchmarks``
-    reports the ratio.
+    What is left out (elementwise ops and norms, the optimizer, overlap of compute with communication)
+    is what a measured step has on top: ``python -m benchmarks`` reports the ratio.
     """
     config = plan.config
     compute = report.rank_flops
     if compute is None:
         compute = sum(r.flops / (config.num_batch_shards * matmul_split(config, plan.matmul(r.weight).orientation))
                       for r in report.layers)
+    compute += report.rank_attention_flops
 
     def seconds(c: Collective) -> float:
         rate = hardware.pipeline_bytes_per_second if c.kind == "send" else hardware.tensor_bytes_per_second

@@ -285,7 +285,7 @@ class StepTime:
 def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
                  machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0,
                  optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0, half: bool = False,
-                 matmul_slowdown: float = 1.0) -> StepTime:
+                 matmul_slowdown: float = 1.0, attention_flops: float = 0.0) -> StepTime:
     """One rank's training step under ``machine``.
 
     ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
@@ -298,6 +298,8 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     ``half``: bf16/fp16 autocast, whose activations (and their collectives) are half the bytes.
     ``matmul_slowdown``: how much longer than their FLOPs at the matmul rate the rank's matmuls take where
     some read more bytes than the memory rate moves in that time (``matmul_slowdown``).
+    ``attention_flops``: the attention products' FLOPs this rank computes, forward and backward (at the
+    matmul rate: fused kernels keep them on the matrix units).
 
     The gradient sync also copies each gradient into its bucket and the sum back (four bytes moved per
     gradient byte, at the memory rate)."""
@@ -305,6 +307,7 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     compute = rank_flops if rank_flops is not None else sum(
         flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
     compute = (compute + recompute_flops) / machine.flops_per_second * matmul_slowdown
+    compute += attention_flops / machine.flops_per_second
     compute += ops * machine.op_seconds
     if machine.activation_bytes_per_second:
         compute += saved_bytes / machine.activation_bytes_per_second
@@ -337,7 +340,8 @@ def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: st
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
                         recompute_flops=memory.recompute_flops if memory is not None else 0.0,
                         optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
-                        ops=report.rank_ops, half=half, matmul_slowdown=matmul_slowdown(calls, machine, half))
+                        ops=report.rank_ops, half=half, matmul_slowdown=matmul_slowdown(calls, machine, half),
+                        attention_flops=report.rank_attention_flops)
 
 
 def _call_shape(in_shape: Sequence[int], out_shape: Sequence[int], config: ParallelConfig,
@@ -390,6 +394,8 @@ class ModelShape:
     least_kept_bytes: int = 0
     """Activations kept for backward over the global batch at the least (every block recomputed that
     saves more than its inputs)."""
+    attention_flops: float = 0.0
+    """The attention products' FLOPs of a step over the global batch, forward and backward."""
 
 
 def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
@@ -406,7 +412,7 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
         groups[key] = [count + 1, flops + r.flops]
     return ModelShape(tuple((*k, int(c), f) for k, (c, f) in groups.items()), report.rank_update_bytes,
                       report.rank_saved_bytes * shards, report.rank_ops, report.segments,
-                      report.rank_least_kept_bytes * shards)
+                      report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards)
 
 
 def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int, half: bool) -> float:
@@ -448,6 +454,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     compute = (sum(f for *_, f in shape.matmuls) / (shards * tensor * stages) / machine.flops_per_second
                * matmul_slowdown(calls, machine, half))
     compute += shape.ops * micro / stages * machine.op_seconds
+    compute += shape.attention_flops / (shards * tensor * stages) / machine.flops_per_second
     if machine.activation_bytes_per_second:
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output

@@ -12,7 +12,8 @@ from torch import nn
 from autopar.config import ParallelConfig
 from autopar.plan import BUILT_IN, load_machine
 from autopar.trace import plan_model
-from passes.analysis.search_plans import Candidate, Machine, Scored, StepTime, candidates, rank_plans, step_seconds, why_slower
+from passes.analysis.search_plans import (Candidate, Machine, Scored, StepTime, candidates, plan_seconds, rank_plans,
+                                         step_seconds, why_slower)
 
 MACHINE = Machine("test", flops_per_second=1e12, memory_bytes=2**30, intra_bytes_per_second=1e11,
                   inter_bytes_per_second=1e10, intra_latency=1e-5, inter_latency=1e-4, gpus_per_node=4)
@@ -207,7 +208,6 @@ def test_the_optimizer_and_activation_traffic_are_priced_at_the_memory_rate():
     plan, report = plan_model(model, (torch.empty(16, 64, device="meta"),), ParallelConfig(1, 1, 1, 1))
     assert report.rank_update_bytes == 4 * sum(p.numel() for p in model.parameters())
     assert report.rank_saved_bytes > 0
-    from passes.analysis.search_plans import plan_seconds
 
     timed = plan_seconds(plan, report, dataclasses.replace(MACHINE, memory_bytes_per_second=1e9))
     assert timed.optimizer == pytest.approx(7 * report.rank_update_bytes / 1e9)
@@ -225,7 +225,6 @@ def test_gradient_sync_copies_each_gradient_into_its_bucket_and_back():
     """GradSync copies each gradient into its bucket and the sum back: 4 bytes moved per gradient byte at
     the memory rate, on top of the all-reduce (mutation: without the copies FC_Net's data-parallel sync
     was predicted at 66% of its measured time)."""
-    from passes.analysis.search_plans import plan_seconds
 
     with torch.device("meta"):
         model = MLP()
@@ -294,18 +293,28 @@ def test_a_pipeline_rank_holds_its_stages_memory():
     and optimizer state, and the micro-batches 1F1B keeps in flight there; the outputs and the loss on the
     last rank only (the plan's own memory plan is the rank that needs the most).
     Mutation: the outputs kept on every rank in flight put the logits in rank 0's activations."""
+    import transformers
+
     from autopar.examples import zoo
 
     with torch.device("meta"):
         llama = zoo.build_model("llama", layers=8)
+        wide = transformers.LlamaForCausalLM(dataclasses.replace(llama.config, vocab_size=4 * llama.config.vocab_size))
     inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=8, seq=16))
-    plan, report = plan_model(llama, inputs, ParallelConfig(1, 1, 1, 1, pipeline=4), pipeline=4, microbatches=8)
+    four = ParallelConfig(1, 1, 1, 1, pipeline=4)
+    plan, report = plan_model(llama, inputs, four, pipeline=4, microbatches=8)
     stage, whole = report.rank_memory, plan.memory
     assert stage.param_bytes < whole.param_bytes / 2
-    _, last = plan_model(llama, inputs, ParallelConfig(1, 1, 1, 1, pipeline=4), rank=3, pipeline=4, microbatches=8)
-    # a micro-batch's logits (1 x 16 x vocab) are the last rank's alone
+    _, last = plan_model(llama, inputs, four, rank=3, pipeline=4, microbatches=8)
+    # a micro-batch's logits (1 x 16 x vocab) are the last rank's alone: 4x the vocabulary leaves rank 0's
+    # activations as they were (its stages are the same) and grows the last rank's by 3x the logits
     logits = 16 * llama.config.vocab_size * 4
-    assert stage.activation_bytes < logits <= last.rank_memory.activation_bytes
+    assert logits <= last.rank_memory.activation_bytes
+    wide_plan, wide_first = plan_model(wide, inputs, four, pipeline=4, microbatches=8)
+    _, wide_last = plan_model(wide, inputs, four, rank=3, pipeline=4, microbatches=8)
+    assert wide_plan.pipeline.stages[0].segments == plan.pipeline.stages[0].segments
+    assert wide_first.rank_memory.activation_bytes == stage.activation_bytes
+    assert wide_last.rank_memory.activation_bytes >= last.rank_memory.activation_bytes + 3 * logits
     assert stage.optimizer_bytes == pytest.approx(2 * stage.param_bytes, abs=2)
     assert report.segments >= 8
 
@@ -498,3 +507,27 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
             assert floor <= planned.memory_bytes, (type(model).__name__, c, floor, planned.memory_bytes)
             above_static += floor > 4 * (shape.param_bytes // (c.row * c.col * c.depth * c.pipeline))
         assert above_static, type(model).__name__
+
+
+def test_attention_products_are_priced_on_the_heads_and_rows_a_rank_holds():
+    """The attention's score and ``p v`` products, in no linear layer's FLOPs, are priced at the matmul
+    rate: ``2 b h s s (d + d_v)`` forward, halved for causal attention (fused kernels skip the masked
+    blocks; the captured HF mask runs as ``is_causal``), 3.5x that for forward and backward (backward
+    recomputes the scores); split over the heads a tensor rank holds and the rows of its batch shard.
+    Mutation: leaving them out prices 1,024 tokens as if attention cost nothing."""
+    from autopar.examples import zoo
+    from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR
+
+    with torch.device("meta"):
+        llama = zoo.build_model("llama", layers=2)
+    heads, hidden = llama.config.num_attention_heads, llama.config.hidden_size
+    for seq in (16, 256):
+        inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=4, seq=seq))
+        one_plan, one = plan_model(llama, inputs, ParallelConfig(1, 1, 1, 1))
+        forward = 2 * 2 * 4 * heads * seq * seq * (2 * hidden // heads) // 2  # 2 layers, causal
+        assert one.rank_attention_flops == ATTENTION_STEP_FACTOR * forward
+        for config in (ParallelConfig(1, 2, 1, 1), ParallelConfig(2, 1, 1, 1), ParallelConfig(1, 1, 1, 2)):
+            assert plan_model(llama, inputs, config)[1].rank_attention_flops == one.rank_attention_flops / 2, config
+        without = dataclasses.replace(one, rank_attention_flops=0.0)
+        extra = plan_seconds(one_plan, one, MACHINE).compute - plan_seconds(one_plan, without, MACHINE).compute
+        assert extra == pytest.approx(one.rank_attention_flops / MACHINE.flops_per_second)
