@@ -11,6 +11,8 @@ instead, on this machine's device (CUDA if there is one, else the CPU):
   timed runs, after a second of GEMMs (a process's first second ran at 60-80% of its later speed);
 - the elementwise rate: saved activation bytes per second of a chain of norms, activations and softmax,
   forward and backward; and an operator's overhead (a chain of tiny ones);
+- where the ranks outnumber the CPU cores, how late the last rank reaches a collective after a long
+  stretch of compute (``arrival_skew_seconds``);
 - the collectives: all-reduces of 1 KiB .. 4 MiB over ``ranks`` processes (NCCL on GPUs, else gloo),
   fitted as ``seconds = latency + bytes sent / bandwidth`` (bytes sent per rank as
   ``decisions.collective_bytes`` counts them); and ``collective_table``: all-reduce, all-gather,
@@ -171,6 +173,47 @@ def op_overhead(device: torch.device | None = None, ops: int = 64, repeats: int 
     return steady_seconds(chain, repeats, device) / ops
 
 
+def arrival_skew_seconds(stretch: float = 0.02, calls: int = 8, trials: int = 5) -> float:
+    """``Machine.skew_seconds``: how much longer a blocking collective takes after ``stretch`` seconds of
+    compute on every rank than the compute and the collective take apart, where the ranks outnumber the
+    cores (the scheduler runs some while the others wait a time slice, so the last arrives late): the
+    median over ``trials`` of ``lockstep(compute + all-reduce) - lockstep(compute) - lockstep(all-reduce)``,
+    a 4-byte all-reduce over the world after a transformer-like stretch (norm, linear, GELU, causal
+    attention, backward). 0 without a process group, on a GPU, and where every local rank has a core."""
+    import torch.nn.functional as F
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend() == "nccl":
+        return 0.0
+    if int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size())) <= cpu_cores():
+        return 0.0
+    linear = torch.nn.Linear(256, 256)
+    h = torch.randn(4, 64, 256, requires_grad=True)
+
+    def unit() -> None:
+        y = linear(F.gelu(F.layer_norm(h, (256,)), approximate="tanh")) + h
+        q = y.view(4, 64, 4, 64).transpose(1, 2)
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+
+    repeat = max(1, round(stretch / lockstep_seconds(unit, 10)))  # the slowest rank's: the same everywhere
+
+    def compute() -> None:
+        for _ in range(repeat):
+            unit()
+
+    tiny = torch.zeros(1)
+
+    def reduce() -> None:
+        dist.all_reduce(tiny)
+
+    def both() -> None:
+        compute()
+        reduce()
+
+    skews = [lockstep_seconds(both, calls) - lockstep_seconds(compute, calls) - lockstep_seconds(reduce, 4 * calls)
+             for _ in range(trials)]
+    return max(statistics.median(skews), 0.0)
+
+
 def all_reduce_fit(group: Any = None, repeats: int = 5) -> tuple[float, float]:
     """(bytes per second, seconds per call) of this group's all-reduces, fitted over ``SIZES``. Every rank of
     the group calls it; every rank gets the same figures (rank 0's, broadcast)."""
@@ -311,16 +354,17 @@ def calibrate(ranks: int = 2, name: str = "calibrated") -> Machine:
         table, crossed = collective_table()
         warm_up()
         flops, memory, saved, op = matmul_rate(), optimizer_rate(), activation_rate(), op_overhead()
+        skew = arrival_skew_seconds()
         ranks = dist.get_world_size()
     else:
-        rate, latency, flops, memory, saved, op, table, crossed = _forked(ranks)
+        rate, latency, flops, memory, saved, op, table, crossed, skew = _forked(ranks)
     device = _device()
     local = int(os.environ.get("LOCAL_WORLD_SIZE", ranks))
     return Machine(name, flops_per_second=flops, memory_bytes=device_budget(device, local),
                    intra_bytes_per_second=rate, inter_bytes_per_second=rate, intra_latency=latency,
                    inter_latency=latency, gpus_per_node=local, collectives=table, crossed_collectives=crossed,
                    memory_bytes_per_second=memory, activation_bytes_per_second=saved, op_seconds=op,
-                   cores=0 if device.type == "cuda" else cpu_cores())
+                   cores=0 if device.type == "cuda" else cpu_cores(), skew_seconds=skew)
 
 
 def cpu_cores() -> int:
@@ -331,7 +375,7 @@ def cpu_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _forked(ranks: int) -> tuple[float, float, float, float, float, float, Table, Table]:
+def _forked(ranks: int) -> tuple[float, float, float, float, float, float, Table, Table, float]:
     """``all_reduce_fit`` on ``ranks`` processes forked from this one (gloo, or NCCL with a GPU each), and
     rank 0's matmul rate with the threads a rank has (one on a CPU, as OMP_NUM_THREADS=1 ranks run)."""
     backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= ranks else "gloo"
@@ -364,7 +408,7 @@ def _measure(rank: int, ranks: int, backend: str, store: str, out: str) -> None:
         table, crossed = collective_table()
         warm_up()
         Path(out).write_bytes(pickle.dumps((rate, latency, matmul_rate(), optimizer_rate(), activation_rate(),
-                                            op_overhead(), table, crossed)))
+                                            op_overhead(), table, crossed, arrival_skew_seconds())))
         dist.destroy_process_group()
     except BaseException:  # noqa: BLE001  (the parent reports the exit code)
         code = 1

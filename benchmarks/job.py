@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                        gpus_per_node=world, memory_bytes_per_second=rates["memory_bytes_per_second"],
                        activation_bytes_per_second=rates["activation_bytes_per_second"], op_seconds=rates["op_seconds"],
                        collectives=rates["collectives"], crossed_collectives=rates["crossed_collectives"],
-                       cores=0 if cuda else cpu_cores())
+                       cores=0 if cuda else cpu_cores(), skew_seconds=rates.get("skew_seconds", 0.0))
     batches = [(x.to(device), y.to(device)) for x, y in bm.make_batches(args.warmup + args.steps + 1,
                                                                          args.batch or bm.batch)]
     report: dict[str, Any] = {"model": bm.name, "size": bm.size, "world": world, "batch": args.batch or bm.batch,

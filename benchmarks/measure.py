@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from autopar.calibrate import (activation_rate, collective_table, lockstep_seconds, matmul_rate, op_overhead,
-                               optimizer_rate, warm_up)
+from autopar.calibrate import (activation_rate, arrival_skew_seconds, collective_table, lockstep_seconds, matmul_rate,
+                               op_overhead, optimizer_rate, warm_up)
 from autopar.decisions import collective_bytes
 from autopar.memory import PeakMemory
 
@@ -147,7 +147,7 @@ def calibrate(device: torch.device, repeats: int = 10) -> dict[str, Any]:
     bandwidth = float(collective_bytes("all_reduce", world, big.numel() * 4)) / max(transfer - latency, 1e-9)
     table, crossed = collective_table()
     return {**compute_rates(device), "collective_seconds": latency, "bytes_per_second": bandwidth,
-            "collectives": table, "crossed_collectives": crossed}
+            "collectives": table, "crossed_collectives": crossed, "skew_seconds": arrival_skew_seconds()}
 
 
 def compute_rates(device: torch.device) -> dict[str, float]:

@@ -79,6 +79,11 @@ class Machine:
     """As ``collectives``, measured with calls alternating between crossing groups of that size (a 2D
     grid's rows and columns): a grid with more than one tensor axis meets its forward and backward
     collectives so (a rank's partner in one group waits on its partner in the other)."""
+    skew_seconds: float = 0.0
+    """Where a node's ranks outnumber its ``cores``: how late the last rank reaches a blocking collective
+    after a long stretch of compute (the scheduler runs some ranks while others wait a time slice), on top
+    of the collective's own time; a collective after ``s`` seconds of compute pays ``min(s, skew_seconds)``
+    (``arrival_skew``). ``--calibrate`` measures it on a CPU; 0: none."""
 
     @staticmethod
     def from_dict(data: Mapping[str, Any]) -> Machine:
@@ -314,8 +319,9 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     elif machine.memory_bytes_per_second:
         compute += 2 * saved_bytes / machine.memory_bytes_per_second
 
-    comm = sum(machine.seconds(config, halved(c) if half else c) for c in collectives
-               if c.group_size > 1 and c.phase != "step")
+    blocking = [c for c in collectives if c.group_size > 1 and c.phase != "step"]
+    comm = sum(machine.seconds(config, halved(c) if half else c) for c in blocking)
+    comm += arrival_skew(len(blocking), compute, machine, config)
     buckets = [c for c in bucketed(c for c in collectives if c.phase == "step") if c.group_size > 1]
     sync = sum(machine.seconds(config, c) for c in buckets)
     if machine.memory_bytes_per_second:  # into the bucket and back
@@ -326,6 +332,20 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
         bubble = pipeline_span(busy, plan.pipeline.bubble_fraction, machine, config) - busy
     update = 7 * optimizer_bytes / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
     return StepTime(compute, comm, bubble, sync, update)
+
+
+def arrival_skew(calls: int, compute: float, machine: Machine, config: ParallelConfig) -> float:
+    """What ``calls`` blocking collectives between ``compute`` seconds of work cost beyond their own
+    time where a node's ranks outnumber its cores: the ranks arrive at each up to ``skew_seconds`` apart
+    (one waits while the scheduler runs the others), never more than the compute since the last call
+    (the stretch each rank had to fall behind in): ``calls * min(compute / calls, skew_seconds)``.
+    Measured on 4 ranks sharing 2 cores: GPT-2's tensor (4, 1, 1) step spent 165 ms in its 27 stretches
+    of compute up to the last rank's arrival against 100 ms for the mean rank (timed inside real steps);
+    0 with a device (or a core) per rank."""
+    ranks = min(config.world_size, machine.gpus_per_node)
+    if not calls or not machine.skew_seconds or not machine.cores or ranks <= machine.cores:
+        return 0.0
+    return calls * min(compute / calls, machine.skew_seconds)
 
 
 def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: str = "fp32") -> StepTime:
@@ -415,12 +435,13 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
                       report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards)
 
 
-def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int, half: bool) -> float:
-    """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2)."""
+def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int, half: bool) -> tuple[float, float]:
+    """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2): their
+    seconds and how many."""
     config, shards = c.config, c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
-    total = 0.0
-    for rows, k, n, parity, count, _ in shape.matmuls:
+    total = count = 0.0
+    for rows, k, n, parity, layers, _ in shape.matmuls:
         transposed = parity ^ flip
         a, b = (c.col, c.row) if transposed else (c.row, c.col)
         m_d = max(rows // (shards * micro), 1)
@@ -434,8 +455,9 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int
             calls.append(Collective("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward", ""))
         if a > 1:  # the input gradient's
             calls.append(Collective("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward", ""))
-        total += count * micro / c.pipeline * sum(machine.seconds(config, halved(x) if half else x) for x in calls)
-    return total
+        total += layers * micro / c.pipeline * sum(machine.seconds(config, halved(x) if half else x) for x in calls)
+        count += layers * micro / c.pipeline * len(calls)
+    return total, count
 
 
 def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False) -> tuple[float, int]:
@@ -459,12 +481,14 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
     # over row) the screen takes the cheaper
-    comm = min(_tensor_seconds(shape, candidate, machine, flip, half) for flip in (0, 1))
+    comm, calls = min(_tensor_seconds(shape, candidate, machine, flip, half) for flip in (0, 1))
     if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
         rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
         message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
         send = Collective("send", "pipeline", 2, message, "forward", "")
         comm += 2 * micro * c.chunks * machine.seconds(config, halved(send) if half else send)
+        calls += 2 * micro * c.chunks
+    comm += arrival_skew(round(calls), compute, machine, config)
     params = shape.param_bytes // (tensor * c.depth * stages)
     sync = 0.0
     if c.data > 1:  # in the runtime's buckets

@@ -28,3 +28,22 @@ def test_a_collective_is_never_priced_at_nothing_when_the_compute_drifts(distrib
         for kind, groups in table.items():
             for seconds in (s for points in groups.values() for _, s in points):
                 assert seconds > 2e-5, (kind, groups)
+
+
+def _skews() -> tuple[float, float]:
+    import autopar.calibrate as calibrate
+
+    with_cores = calibrate.arrival_skew_seconds(stretch=0.005, calls=2, trials=1)
+    calibrate.cpu_cores = lambda: 1  # (this child only) two ranks on one core
+    return with_cores, calibrate.arrival_skew_seconds(stretch=0.005, calls=2, trials=1)
+
+
+def test_the_arrival_skew_is_measured_only_where_ranks_outnumber_cores(distributed):
+    """``Machine.skew_seconds``: 0 where every local rank has a core (on a GPU, or here with 2 ranks and
+    LOCAL_WORLD_SIZE unset and at least 2 cores), a measured delay (never negative, less than a second)
+    where they share one."""
+    import os
+
+    for with_cores, shared in distributed(_skews, 2):
+        assert with_cores == 0 or (os.cpu_count() or 1) < 2
+        assert 0 <= shared < 1
