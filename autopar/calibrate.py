@@ -282,9 +282,9 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, tri
                 if kind == "all_reduce":
                     dist.all_reduce(x, group=group)
                 elif kind == "all_gather":
-                    dist.all_gather_into_tensor(x, piece, group=group)
+                    dist.all_gather_single(x, piece, group=group)
                 elif kind == "reduce_scatter":
-                    dist.reduce_scatter_tensor(piece, x, group=group)
+                    dist.reduce_scatter_single(piece, x, group=group)
                 elif dist.get_rank(group) == 0:
                     dist.send(x, dist.get_global_rank(group, 1) if group is not None else 1, group=group)
                 else:
