@@ -476,19 +476,20 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     compute = (sum(f for *_, f in shape.matmuls) / (shards * tensor * stages) / machine.flops_per_second
                * matmul_slowdown(calls, machine, half))
     compute += shape.ops * micro / stages * machine.op_seconds
-    compute += shape.attention_flops / (shards * tensor * stages) / machine.flops_per_second
+    # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
+    compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
     if machine.activation_bytes_per_second:
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
     # over row) the screen takes the cheaper
-    comm, calls = min(_tensor_seconds(shape, candidate, machine, flip, half) for flip in (0, 1))
+    comm, blocking = min(_tensor_seconds(shape, candidate, machine, flip, half) for flip in (0, 1))
     if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
         rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
         message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
         send = Collective("send", "pipeline", 2, message, "forward", "")
         comm += 2 * micro * c.chunks * machine.seconds(config, halved(send) if half else send)
-        calls += 2 * micro * c.chunks
-    comm += arrival_skew(round(calls), compute, machine, config)
+        blocking += 2 * micro * c.chunks
+    comm += arrival_skew(round(blocking), compute, machine, config)
     params = shape.param_bytes // (tensor * c.depth * stages)
     sync = 0.0
     if c.data > 1:  # in the runtime's buckets
