@@ -41,7 +41,7 @@ import torch.distributed as dist
 from autopar.decisions import collective_bytes
 from autopar.errors import ConfigError
 from autopar.memory import device_budget
-from passes.analysis.search_plans import Machine
+from passes.analysis.machine import Machine
 
 SIZES = (256, 4096, 65536, 1 << 20)  # float32 elements: 1 KiB .. 4 MiB
 TABLE_SIZES = (4, 4096, 65536, 262144, 1 << 20, 4 << 20, 16 << 20)

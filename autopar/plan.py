@@ -36,8 +36,9 @@ from autopar.config import ParallelConfig, PipelineConfig
 from autopar.errors import AutoparError, ConfigError, PlanError
 from autopar.memory import device_budget
 from autopar.trace import SLOWEST, load_model_file, meta_inputs, plan_model
-from passes.analysis.search_plans import (DEGREES, Candidate, Machine, Scored, candidates, factorizations,
-                                          plan_seconds, rank_plans, screen, shape_of, why_slower)
+from passes.analysis.machine import Machine
+from passes.analysis.search_plans import (DEGREES, Candidate, Scored, candidates, factorizations, plan_seconds,
+                                          rank_plans, screen, shape_of, why_slower)
 
 BUILT_IN = ("h100-80gb", "a100-80gb", "cpu")
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 import autopar
 from autopar.calibrate import cpu_cores
 from autopar.memory import device_budget
-from passes.analysis.search_plans import Machine, plan_seconds
+from passes.analysis.machine import Machine
+from passes.analysis.search_plans import plan_seconds
 
 from autopar.memory import bytes_in_use
 from benchmarks.measure import Instrument, calibrate, compute_rates, slowest_median, timed

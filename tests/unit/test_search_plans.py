@@ -12,8 +12,9 @@ from torch import nn
 from autopar.config import ParallelConfig
 from autopar.plan import BUILT_IN, load_machine
 from autopar.trace import plan_model
-from passes.analysis.search_plans import (Candidate, Machine, Scored, StepTime, candidates, plan_seconds, rank_plans,
-                                         step_seconds, why_slower)
+from passes.analysis.machine import Machine
+from passes.analysis.search_plans import (Candidate, Scored, StepTime, candidates, plan_seconds, rank_plans, step_seconds,
+                                         why_slower)
 
 MACHINE = Machine("test", flops_per_second=1e12, memory_bytes=2**30, intra_bytes_per_second=1e11,
                   inter_bytes_per_second=1e10, intra_latency=1e-5, inter_latency=1e-4, gpus_per_node=4)
@@ -165,7 +166,7 @@ def test_measured_collectives_replace_bandwidth_and_latency_within_a_node():
     by its kind, group size and message: interpolated in log-log, extrapolated at the last points' rate;
     with more than one tensor axis, the crossed table. Across nodes, the link's bandwidth still rules."""
     from passes.analysis.estimate_costs import Collective
-    from passes.analysis.search_plans import interpolate
+    from passes.analysis.machine import interpolate
 
     points = ((4, 1e-3), (1024, 2e-3), (1 << 20, 8e-3))
     assert interpolate(points, 1) == 1e-3 and interpolate(points, 1024) == 2e-3
