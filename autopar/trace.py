@@ -141,16 +141,17 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
         colls = pipeline_collectives(chain, plan, step, loss, me, microbatches)
         rows = [dataclasses.replace(r, flops=r.flops * microbatches) for r in report.layers]
         mine = plan.pipeline.stages_of(me)
-        saved = {s.name: s.saved_bytes for s in profile.segments}
-        ops = {s.name: s.ops for s in profile.segments}
-        attention = {s.name: s.attention_flops for s in profile.segments}
+        mine_names = {name for st in mine for name in st.segments}
+        mine_segments = [s for s in profile.segments if s.name in mine_names]
+
+        def step_sum(field: str) -> int:  # over this rank's stages, every micro-batch
+            return microbatches * sum(getattr(s, field) for s in mine_segments)
+
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
         report = dataclasses.replace(
             summarize(rows, colls, report.num_parameters, plan), rank_flops=pipeline_flops(chain, plan, me, microbatches),
-            rank_saved_bytes=microbatches * sum(saved.get(name, 0) for st in mine for name in st.segments),
-            rank_ops=microbatches * sum(ops.get(name, 0) for st in mine for name in st.segments),
-            rank_attention_flops=ATTENTION_STEP_FACTOR * microbatches * sum(attention.get(name, 0) for st in mine
-                                                                            for name in st.segments),
+            rank_saved_bytes=step_sum("saved_bytes"), rank_ops=step_sum("ops"),
+            rank_attention_flops=ATTENTION_STEP_FACTOR * step_sum("attention_flops"),
             rank_update_bytes=int(sum(st.param_bytes for st in mine) * trainable), segments=report.segments,
             largest_param_bytes=report.largest_param_bytes,
             rank_memory=stage_memory(profile, plan, mine, me, microbatches, checkpoint, budget))
