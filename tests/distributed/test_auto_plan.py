@@ -4,13 +4,14 @@ degrees the user gave stay, and training on the chosen grid gives serial's losse
 
 from __future__ import annotations
 
+import io
 from contextlib import nullcontext
 
 import pytest
 import torch
 
 import autopar
-from autopar.errors import PlanError
+from autopar.errors import CheckpointError, PlanError
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.plan import choose_grid
 
@@ -224,11 +225,16 @@ def no_degrees_worker(budget_share: float | None, example: bool) -> dict:
     gap = loss_gap(optimizers, batches, lambda m, x, y: m(x, y)[1])
     params = autopar.full_state_dict(model)
     error = max(float((params[n] - p).abs().max()) for n, p in serial.named_parameters())
+    saved = "saved"
+    try:  # nanoGPT's rank-0 checkpoint: model and optimizer state in one torch.save
+        torch.save({"model": model.state_dict(), "optimizer": optimizers[model].state_dict()}, io.BytesIO())
+    except CheckpointError as e:
+        saved = str(e)
     best = choose_grid(shadow, batches[0], torch.distributed.get_world_size(), budget=budget,
                        fixed=None if example else {"pipeline": 1})[0].candidate  # (a pipeline: train_step's)
     c = autopar.plan_of(model).config
     return {"chosen": (c.data, c.pipeline, c.row, c.col, c.depth), "dtensor": dtensor, "loss": gap, "param": error,
-            "best": (best.data, best.pipeline, best.row, best.col, best.depth),
+            "best": (best.data, best.pipeline, best.row, best.col, best.depth), "saved": saved,
             "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING and "no degrees" in r.getMessage()],
             "infos": [r.getMessage() for r in records if r.levelno == logging.INFO and "no degrees" in r.getMessage()]}
 
@@ -244,8 +250,10 @@ def test_no_degrees_mean_data_parallel_unless_the_model_is_too_big_for_it(distri
         assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
         if budget_share is None:
             assert got["chosen"] == (4, 1, 1, 1, 1) and not got["dtensor"] and not got["warnings"], got
+            assert got["saved"] == "saved", got  # DDP's contract: a rank-0 torch.save of both states works
             assert len(got["infos"]) == 1 and "data parallel over 4 ranks" in got["infos"][0], got
         else:
             assert got["chosen"] == got["best"] != (4, 1, 1, 1, 1) and got["dtensor"], got
             assert len(got["warnings"]) == (rank == 0), got
             assert all("exceeds half of a device" in w and "full_state_dict" in w for w in got["warnings"]), got
+            assert "full_state_dict" in got["saved"], got  # as the warning says: raises, naming the way
