@@ -38,6 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.compat import all_gather_into, reduce_scatter_into
 from autopar.decisions import collective_bytes
 from autopar.errors import ConfigError
 from autopar.memory import device_budget
@@ -282,9 +283,9 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, tri
                 if kind == "all_reduce":
                     dist.all_reduce(x, group=group)
                 elif kind == "all_gather":
-                    dist.all_gather_single(x, piece, group=group)
+                    all_gather_into(x, piece, group=group)
                 elif kind == "reduce_scatter":
-                    dist.reduce_scatter_single(piece, x, group=group)
+                    reduce_scatter_into(piece, x, group=group)
                 elif dist.get_rank(group) == 0:
                     dist.send(x, dist.get_global_rank(group, 1) if group is not None else 1, group=group)
                 else:

@@ -21,13 +21,13 @@ from typing import Any
 
 import sympy
 import torch
-import torch.utils._pytree as pytree
 from torch import fx, nn
 # export's own check of inputs against an ExportedProgram's ranges and shared symbols (torch-internal: the
 # public path, ExportedProgram.module(), would wrap the graph autopar rewrites)
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
+from autopar.compat import FakeTensorMode, fx_without_stack_traces, pytree
 from autopar.errors import CaptureError, InputError
 from passes.causal_attention import causal_attention
 from passes.ir import BatchInfo, InputInfo, InputKind, Sharding
@@ -142,7 +142,6 @@ def meta_shadow(model: nn.Module) -> nn.Module:
 def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str) -> tuple[nn.Module, list[Any]]:
     """A copy of the meta ``shadow`` whose parameters and buffers, and the tensor ``leaves``, are fake
     tensors on ``device`` (one FakeTensorMode, which torch.export then uses)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     memo: dict[int, Any] = {}
@@ -295,19 +294,11 @@ def _drop_export_asserts(gm: fx.GraphModule) -> bool:
     return changed
 
 
-@contextlib.contextmanager
-def without_stack_traces() -> Iterator[None]:
-    """Captures inside record no source line per node (torch.fx's ``do_not_emit_stack_traces``): for
-    graphs that are only analysed (the trace and the plan search), where they cost a sixth of a capture.
+def without_stack_traces() -> contextlib.AbstractContextManager:
+    """Captures inside record no source line per node: for graphs that are only analysed (the trace and the
+    plan search), where they cost a sixth of a capture (a no-op on a torch without the switch, 2.11-2.12).
     Graphs that run keep them: an error inside one names the model's line."""
-    import torch.fx.config as fx_config
-
-    saved = fx_config.do_not_emit_stack_traces
-    fx_config.do_not_emit_stack_traces = True
-    try:
-        yield
-    finally:
-        fx_config.do_not_emit_stack_traces = saved
+    return fx_without_stack_traces()
 
 
 @contextlib.contextmanager

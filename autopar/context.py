@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
+from autopar.compat import pytree
 from autopar.runtime import collectives as C
 from autopar.capture import batch_leaves, input_names
 from autopar.runtime.agreement import PER_RANK
@@ -328,7 +328,7 @@ def _agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows:
             log.warning("autopar: plan='auto' chose %s for %s on %d ranks: predicted %.3g ms per step, %.3g MiB "
                         "per device. Runners-up: %s.", best.candidate.describe(), name, world,
                         best.seconds * 1e3, best.memory_bytes / 2**20, runners or "none")
-    dist.broadcast_object_list(box, src=0, group=group)
+    C.broadcast_objects(box, 0, group)
     chosen = box[0]
     if isinstance(chosen, Exception):
         raise chosen
@@ -445,7 +445,10 @@ def _agree_on_parameters(model: nn.Module, mesh: Mesh) -> None:
 
 
 def _ranks_agree(fingerprint: torch.Tensor, mesh: Mesh, what: str) -> bool:
-    """Whether every rank has this fingerprint (one all-gather); if not, one warning: rank 0's wins."""
+    """Whether every rank has this fingerprint (one all-gather); if not, one warning: rank 0's wins. A
+    simulated world's ranks all built what this one did."""
+    if mesh.simulated:
+        return True
     every = C.all_gather(fingerprint.to(mesh.device).unsqueeze(0), None, mesh.config.world_size)
     if torch.equal(every.amin(0), every.amax(0)):
         return True
@@ -495,7 +498,7 @@ def _agree_on_construction(deferred: Deferred, mesh: Mesh) -> None:
     if _ranks_agree(deferred.fingerprint(), mesh, "the ranks built the model from different random states"):
         return
     box = [[op.rng[1] if op.rng else None for op in deferred.ops]]
-    dist.broadcast_object_list(box, src=0, group=mesh.control)
+    C.broadcast_objects(box, 0, mesh.control)
     for op, state in zip(deferred.ops, box[0]):
         if op.rng is not None and state is not None:
             op.rng = (op.rng[0], state)

@@ -9,9 +9,9 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from autopar.compat import TorchDispatchMode, pytree
 
 
 class _MallInfo2(ctypes.Structure):

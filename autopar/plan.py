@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from autopar.compat import pytree
 from autopar.calibrate import cpu_cores
 from autopar.config import ParallelConfig, PipelineConfig
 from autopar.errors import AutoparError, ConfigError, PlanError

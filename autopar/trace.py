@@ -18,9 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from autopar.compat import pytree
 from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              repeated_blocks, split_batch_leaves, truncated_blocks, without_stack_traces)
 from autopar.config import MemoryConfig, ParallelConfig

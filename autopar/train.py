@@ -26,8 +26,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
+from autopar.compat import pytree
 from autopar.runtime import collectives as C
 from autopar.context import runtime_of
 from autopar.errors import InputError

@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from autopar.compat import op_schema, resolve_process_group
 from autopar.calibrate import (activation_rate, arrival_skew_seconds, collective_table, lockstep_seconds, matmul_rate,
                                op_overhead, optimizer_rate, warm_up)
 from autopar.decisions import collective_bytes
@@ -70,7 +72,7 @@ def _group_size(named: dict[str, Any]) -> int:
     if "group_size" in named:
         return int(named["group_size"])
     if "group_name" in named:
-        return dist.distributed_c10d._resolve_process_group(named["group_name"]).size()
+        return resolve_process_group(named["group_name"]).size()
     pg = named["process_group"]
     return (pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)).size()
 
@@ -92,7 +94,7 @@ class Instrument(PeakMemory):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         out = super().__torch_dispatch__(func, types, args, kwargs)
-        ns, name = func.namespace, func._schema.name.split("::")[-1]
+        ns, name = func.namespace, op_schema(func).name.split("::")[-1]
         if ns in ("c10d", "_c10d_functional") and name not in _SILENT:
             self._record(func, ns, name, args, kwargs or {})
         return out
@@ -103,7 +105,7 @@ class Instrument(PeakMemory):
             self.unknown.add(f"{ns}.{name}")
             return
         kind, field = table[name]
-        named = {a.name: v for a, v in zip(func._schema.arguments, args)} | kwargs
+        named = {a.name: v for a, v in zip(op_schema(func).arguments, args)} | kwargs
         if field not in named:  # a schema this table does not describe: say so rather than guess
             self.unknown.add(f"{ns}.{name}")
             return

@@ -27,17 +27,20 @@ Before -> After (HF Llama, seq 16)::
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 
+from autopar.compat import OpOverload, op_schema, pytree
 from passes.analysis.graph_facts import tensor_meta
 from passes.runner import PassResult
 
 SDPA = torch.ops.aten.scaled_dot_product_attention.default
+log = logging.getLogger(__name__)
+
 _ARGS = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
 
 #: Largest mask this pass evaluates (elements: 16 rows of 4,096 tokens). The evaluation holds about three
@@ -90,11 +93,11 @@ def _ancestors(node: fx.Node) -> list[fx.Node] | None:
 def _pure(target: Any) -> bool:
     if target is operator.getitem:
         return True
-    if not isinstance(target, torch._ops.OpOverload):
+    if not isinstance(target, OpOverload):
         return False
     if torch.Tag.nondeterministic_seeded in target.tags:
         return False
-    return not any(a.alias_info is not None and a.alias_info.is_write for a in target._schema.arguments)
+    return not any(a.alias_info is not None and a.alias_info.is_write for a in op_schema(target).arguments)
 
 
 def _static(n: fx.Node) -> bool:

@@ -12,6 +12,7 @@ from enum import StrEnum
 
 from torch import fx
 
+from autopar.compat import register_fx_builtin
 from autopar.decisions import EmbeddingMode, Layout, Orientation
 
 
@@ -247,7 +248,7 @@ def gather_output(x, spec: GatherOutputSpec):
 for _obj in (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec):
     _module = "autopar.decisions" if _obj in (Layout, Orientation, EmbeddingMode) else __name__
-    fx.graph._register_custom_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
+    register_fx_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
 
 
 def input_info(node: fx.Node) -> InputInfo | None:

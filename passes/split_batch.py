@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autopar.compat import op_schema, pytree
 from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.batch_dims import BatchDim, BatchFacts, Reduction, analyze_batch
@@ -72,11 +73,11 @@ def _scale_batch_constants(gm: fx.GraphModule, constants: dict[str, dict[int, An
         scaled = constants.get(node.name)
         if not scaled:
             continue
-        leaves, spec = torch.utils._pytree.tree_flatten((node.args, node.kwargs))
+        leaves, spec = pytree.tree_flatten((node.args, node.kwargs))
         for i, per_row in scaled.items():
             value = per_row * rows
             leaves[i] = int(value) if isinstance(leaves[i], int) else float(value)
-        node.args, node.kwargs = torch.utils._pytree.tree_unflatten(leaves, spec)
+        node.args, node.kwargs = pytree.tree_unflatten(leaves, spec)
 
 
 _ATTENTION = frozenset({aten.scaled_dot_product_attention.default})
@@ -212,7 +213,7 @@ def _per_entry(graph: fx.Graph, node: fx.Node, per: fx.Node) -> fx.Node:
 
 
 def _with_reduction_none(graph: fx.Graph, node: fx.Node) -> fx.Node:
-    schema = node.target._schema
+    schema = op_schema(node.target)
     args = list(node.args)
     kwargs = dict(node.kwargs)
     index = next(i for i, a in enumerate(schema.arguments) if a.name == "reduction")
@@ -294,7 +295,7 @@ def _class_loss_values(graph: fx.Graph, node: fx.Node, r: Reduction) -> tuple[fx
 
 
 def _ignore_index(node: fx.Node) -> int:
-    schema = node.target._schema
+    schema = op_schema(node.target)
     for i, a in enumerate(schema.arguments):
         if a.name == "ignore_index":
             if i < len(node.args):

@@ -21,10 +21,12 @@ from typing import Any
 
 import pytest
 import torch
-import torch._dynamo  # noqa: F401  (imported before forking; the first collective would import it)
 import torch.distributed as dist
 
 import autopar.context  # noqa: F401  (the runtime, and the passes it imports)
+from autopar.compat import import_compiler
+
+import_compiler()  # before forking: the first collective would import it in every rank
 
 torch.set_num_threads(1)
 
@@ -63,8 +65,21 @@ class _NotConnected(AssertionError):
     """Every failing rank failed in init_process_group's connection setup (fn never ran)."""
 
 
+def _context() -> mp.context.BaseContext:
+    """Fork from this pre-imported process (ranks ready in 0.3 s), except on a CUDA build of torch (the
+    wheels GPU machines and PyPI ship, 2.11 in CI's floor run): once a test here has run backward, its
+    autograd engine holds device threads a forked child cannot use ("Unable to handle autograd's threading
+    in combination with fork-based multiprocessing"). There a fork server, started clean with the same
+    imports, forks the ranks (the workers are module-level functions: they pickle)."""
+    if not torch.backends.cuda.is_built():
+        return mp.get_context("fork")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["tests.conftest"])
+    return ctx
+
+
 def _run_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout: float) -> list[Any]:
-    ctx = mp.get_context("fork")
+    ctx = _context()
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "store")
         outs = [os.path.join(tmp, f"rank{r}.pkl") for r in range(world_size)]

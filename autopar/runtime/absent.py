@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from autopar.compat import disabled_torch_function_impl, make_wrapper_subclass
 from autopar.errors import CheckpointError, ParameterError
 from autopar.runtime.mesh import WAYS_TO_SAVE
 
@@ -27,11 +28,11 @@ class Absent(torch.Tensor):
     @staticmethod
     def __new__(cls, shape: Sequence[int], dtype: torch.dtype, device: torch.device, name: str,
                 holders: tuple[int, ...]) -> Absent:
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        r = make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         r.param_name, r.holders = name, holders
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:

@@ -2,7 +2,7 @@
 
 DCP describes a DTensor shard as one box (offset, size) of the global tensor. Most autopar layouts
 are boxes; a fused weight whose pieces (q/k/v, gate/up) are each split over an axis is not: the rank
-holds [q_r; k_r; v_r], three boxes (``_StridedShard``). DCP would refuse that DTensor (its global
+holds [q_r; k_r; v_r], three boxes (``StridedShard``). DCP would refuse that DTensor (its global
 plan validation finds the one-box claims overlapping). ``checkpointable`` gives such a DTensor a local
 tensor that shares the same storage and implements DCP's ``_Checkpointable`` protocol with every box
 (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), so DCP writes and
@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.compat import disabled_torch_function_impl, dtensor_spec, local_or_none, local_tensor
 from autopar.errors import CheckpointError
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
@@ -37,7 +38,7 @@ class Boxes(torch.Tensor):
     boxes: list[tuple[torch.Size, torch.Size, tuple[slice, ...]]]
     """(global offsets, sizes, the local slices holding them)."""
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
     def of(local: torch.Tensor, boxes: list[tuple[torch.Size, torch.Size, tuple[slice, ...]]]) -> Boxes:
@@ -87,13 +88,13 @@ def checkpointable(t: Any) -> Any:
     storage) with a local tensor that describes every box to DCP."""
     if not isinstance(t, DTensor) or not isinstance(t.device_mesh, ShardMesh):
         return t
-    local = t._local_tensor
+    local = local_tensor(t)
     if isinstance(local, (Boxes, Absent)):
         return t
     boxes = boxes_of(t)
     if len(boxes) == 1:
         return t
-    return DTensor(Boxes.of(local, boxes), t._spec, requires_grad=t.requires_grad)
+    return DTensor(Boxes.of(local, boxes), dtensor_spec(t), requires_grad=t.requires_grad)
 
 
 def state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
@@ -130,7 +131,7 @@ def full_optimizer_state(store: Any, optimizer: torch.optim.Optimizer) -> dict[s
                                       "autopar.full_optimizer_state_dict needs an optimizer over model.parameters().")
             pp = plans.get(id(p))
             mine = optimizer.state.get(p, {})
-            held = not isinstance(getattr(p, "_local_tensor", None), Absent)
+            held = not isinstance(local_or_none(p), Absent)
             keys = {k: ("layout" if _laid_out_like(v, p) else v) for k, v in mine.items()} if held else None
             if config.pipeline > 1 and pp is not None and pp.name in store.readers:
                 box = [keys]
@@ -186,13 +187,13 @@ def relayout_state(store: Any, optimizer: torch.optim.Optimizer, p: DTensor) -> 
     state = optimizer.state.get(p)
     if not state:
         return
-    local = p._local_tensor
+    local = local_tensor(p)
     for key, value in state.items():
-        whole = getattr(value, "_local_tensor", None)  # checked first: this runs for every state at every step
+        whole = local_or_none(value)  # checked first: this runs for every state at every step
         if (whole is not None and whole.dim() > 0 and whole.shape != local.shape and tuple(whole.shape) == tuple(p.shape)
                 and all(isinstance(x, Replicate) for x in value.placements)):
             name = _names(store)[id(p)]
-            state[key] = _local_state(store, name, key, value._local_tensor, p, store.by_param().get(id(p)))
+            state[key] = _local_state(store, name, key, local_tensor(value), p, store.by_param().get(id(p)))
 
 
 def _laid_out_like(value: Any, p: torch.Tensor) -> bool:
@@ -207,7 +208,7 @@ def _local_state(store: Any, name: str, key: str, value: Any, p: torch.Tensor, p
                               f"has the serial shape {tuple(p.shape)}. Load the optimizer state saved with this model.")
     if not isinstance(p, DTensor):
         return value.to(p.device)
-    local = p._local_tensor
+    local = local_tensor(p)
     if isinstance(local, Absent):
         piece = Absent(local.shape, value.dtype, p.device, local.param_name, local.holders)
     else:

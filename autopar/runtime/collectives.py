@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autopar.compat import all_gather_into, reduce_scatter_into
 from autopar.decisions import COLLECTIVE_KINDS, collective_bytes
 
 
@@ -80,7 +81,7 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Te
     t = t.contiguous()
     out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     _stats.record("all_gather", size, _nbytes(out))
-    dist.all_gather_single(out, t, group=group)
+    all_gather_into(out, t, group=group)
     return out
 
 
@@ -99,7 +100,7 @@ def reduce_scatter(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torc
     t = t.contiguous()
     out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _stats.record("reduce_scatter", size, _nbytes(t))
-    dist.reduce_scatter_single(out, t, group=group)
+    reduce_scatter_into(out, t, group=group)
     return out
 
 
@@ -130,6 +131,18 @@ def all_gather_async(out: list[torch.Tensor], t: torch.Tensor, group: dist.Proce
     if size > 1:
         _stats.record("all_gather", size, _nbytes(t) * size)
     return dist.all_gather(out, t, group=group, async_op=True)
+
+
+def simulated() -> bool:
+    """True under torch's fake process group (backend "fake"): this process stands in for one rank of a
+    world whose collectives are no-ops, and every other rank is taken to do what this one does."""
+    return dist.is_initialized() and dist.get_backend() == "fake"
+
+
+def broadcast_objects(box: list[Any], src: int, group: dist.ProcessGroup | None, **kw: Any) -> None:
+    """``dist.broadcast_object_list``, except in a simulated world, where every rank holds what this one does."""
+    if not simulated():
+        dist.broadcast_object_list(box, src=src, group=group, **kw)
 
 
 def count_send(t: torch.Tensor) -> None:

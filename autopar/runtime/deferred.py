@@ -36,11 +36,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.compat import TorchDispatchMode, op_schema, pytree, storage_key
 from autopar.errors import AutoparError
 from autopar.memory import release_freed_memory
 from autopar.runtime.mapped import FileMaps, MappedConversion
@@ -90,7 +89,7 @@ def value_device(device: torch.device | None) -> torch.device:
 
 
 def _key(t: torch.Tensor) -> int:
-    return t.untyped_storage()._cdata
+    return storage_key(t)
 
 
 @dataclass(frozen=True)
@@ -352,7 +351,7 @@ class Deferred:
             return Ref.of(t)
 
         op = Op(func, pytree.tree_map(ref, args), pytree.tree_map(ref, kwargs), [], value_device(intended))
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         writes = []
         if schema is not None:
             for a, value in zip(schema.arguments, list(args) + [kwargs.get(x.name) for x in
@@ -414,7 +413,7 @@ class Deferred:
 
     @staticmethod
     def _writes_real(func: Any, args: tuple, kwargs: dict) -> bool:
-        schema = getattr(func, "_schema", None)
+        schema = op_schema(func)
         if schema is None:
             return False
         values = list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]

@@ -16,10 +16,10 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 from torch.distributed.tensor import DTensor
 
+from autopar.compat import pytree
 from passes.ir import InputKind
 
 if TYPE_CHECKING:

@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from autopar.compat import pytree
 from autopar.capture import batch_leaves, input_names
 from autopar.config import ParallelConfig
 from autopar.errors import CaptureError, InputError

@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.compat import queue_backward_callback
 from autopar.runtime import collectives as C
 from autopar.runtime.parameters import local_of
 
@@ -39,8 +40,9 @@ BUCKET_BYTES = 25 * 2**20
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype | None) -> None:
         self.params, self.dtype = params, dtype
+        """The reduction's dtype; None: the parameters' own at each backward (``model.to(dtype)`` changes it)."""
         self.offsets, self.sizes, n = [], [], 0
         for p in params:
             self.offsets.append(n)
@@ -128,7 +130,7 @@ class GradSync:
                                    "report it with the model.")
             if not self._pending:
                 self._pending = True
-                torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+                queue_backward_callback(self.finish)
             grad = local_of(p.grad).reshape(-1)
             if id(p) in self.unsynced:  # reduce what no_sync kept local too; the sum replaces p.grad
                 self.unsynced.discard(id(p))

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
+from autopar.compat import pytree
 from autopar.capture import is_cache_type
 from autopar.decisions import Layout
 from autopar.runtime.mesh import Mesh

@@ -6,13 +6,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from autopar.compat import flatten_mesh
 from autopar.config import MESH_AXES, ParallelConfig
 from autopar.errors import CheckpointError, ConfigError, NotInitializedError
+from autopar.runtime.collectives import simulated
 
 
 def device_for_backend() -> torch.device:
-    """CUDA device of this rank under NCCL, else CPU."""
-    if dist.get_backend() == "nccl":
+    """CUDA device of this rank under NCCL (or a simulated world on a machine with CUDA), else CPU."""
+    if dist.get_backend() == "nccl" or (simulated() and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -39,11 +41,13 @@ class Mesh:
         self.device = device_for_backend()
         self._mesh = init_device_mesh(self.device.type, config.mesh_shape, mesh_dim_names=MESH_AXES)
         self._groups = {axis: self._mesh.get_group(axis) for axis in MESH_AXES}
-        self._groups["batch"] = self._mesh["data", "depth"]._flatten("batch").get_group()
+        self._groups["batch"] = flatten_mesh(self._mesh["data", "depth"], "batch").get_group()
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._param_meshes: dict[tuple[int, ...], DeviceMesh] = {}
-        self.control = dist.new_group(backend="gloo")
-        """A gloo group of the whole world for small host-side exchanges (autopar.runtime.agreement)."""
+        self.simulated = simulated()
+        self.control = None if self.simulated else dist.new_group(backend="gloo")
+        """A gloo group of the whole world for small host-side exchanges (autopar.runtime.agreement); None
+        in a simulated world (the fake backend builds no gloo group, and there is no one to agree with)."""
         self._shard: dist.ProcessGroup | None = None
 
     def param_mesh(self, holders: tuple[int, ...] = ()) -> DeviceMesh:

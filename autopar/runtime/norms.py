@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.compat import DisableTorchFunctionSubclass, dtensor_op_handlers, local_tensor
 from autopar.errors import AutoparError
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import ShardMesh
@@ -48,7 +49,7 @@ class PartialNorm(torch.Tensor):
         return out
 
     def local(self) -> torch.Tensor:
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             return self.as_subclass(torch.Tensor)
 
     def reduce(self) -> torch.Tensor:
@@ -61,7 +62,7 @@ class PartialNorm(torch.Tensor):
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with DisableTorchFunctionSubclass():
             if func is torch.stack:
                 return _stack(*args, **kwargs)
             if func is torch.Tensor.to and isinstance(args[0], PartialNorm):
@@ -115,7 +116,7 @@ def _reduce(local: torch.Tensor, ord: float) -> torch.Tensor:
 
 def designated(t: DTensor) -> bool:
     """Whether this rank counts its piece of ``t`` in a norm: coordinate 0 wherever ``t`` is replicated."""
-    if isinstance(t._local_tensor, Absent):
+    if isinstance(local_tensor(t), Absent):
         return False
     coordinate = t.device_mesh.get_coordinate()
     return all(c == 0 for c, p in zip(coordinate, t.placements) if isinstance(p, Replicate))
@@ -129,7 +130,7 @@ def _share(t: DTensor, ord: float, dtype: torch.dtype | None) -> PartialNorm:
     if ord == 0:
         raise AutoparError("norm_type=0 (a count of nonzero entries) over autopar's sharded tensors is not "
                            "supported. Use norm_type 2, 1, inf or any p > 0.")
-    local = t._local_tensor
+    local = local_tensor(t)
     if designated(t):
         value = torch.linalg.vector_norm(local, ord, dtype=dtype)
     else:  # the reduction's identity: this rank's copy is counted on another rank
@@ -140,7 +141,7 @@ def _share(t: DTensor, ord: float, dtype: torch.dtype | None) -> PartialNorm:
 
 def _default(op: Any, args: tuple, kwargs: dict) -> Any:
     """Runs ``op`` through DTensor's own dispatch (without this module's handler)."""
-    table = DTensor._op_dispatcher._custom_op_handlers
+    table = dtensor_op_handlers()
     mine = table.pop(op)
     try:
         return op(*args, **kwargs)
@@ -174,7 +175,7 @@ def _foreach_local(op: Any, args: tuple, kwargs: dict) -> Any:
     tensors = list(args[0])
     if not all(_ours(t) for t in tensors) or any(isinstance(a, DTensor) for a in args[1:]):
         return _default(op, args, kwargs)
-    op([t._local_tensor for t in tensors], *args[1:], **kwargs)
+    op([local_tensor(t) for t in tensors], *args[1:], **kwargs)
     return None
 
 
@@ -185,7 +186,7 @@ FOREACH_IN_PLACE = (aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar, aten._
 
 def install() -> None:
     """Puts the handlers in DTensor's dispatch (once per process)."""
-    table = DTensor._op_dispatcher._custom_op_handlers
+    table = dtensor_op_handlers()
     table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
     table.setdefault(aten._foreach_norm.Scalar, _foreach_norm)
     for op in FOREACH_IN_PLACE:

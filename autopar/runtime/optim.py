@@ -24,6 +24,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autopar.compat import dtensor_spec, local_tensor
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
@@ -42,15 +43,15 @@ _installed = False
 
 
 def _ours(p: Any) -> bool:
-    return isinstance(p, DTensor) and isinstance(p._spec.mesh, ShardMesh)  # p.device_mesh: a slower property
+    return isinstance(p, DTensor) and isinstance(dtensor_spec(p).mesh, ShardMesh)  # p.device_mesh: a slower property
 
 
 def _absent(p: DTensor) -> bool:
-    return isinstance(p._local_tensor, Absent)
+    return isinstance(local_tensor(p), Absent)
 
 
 def _twin(p: DTensor) -> nn.Parameter:
-    local = p._local_tensor
+    local = local_tensor(p)
     twin = _twins.get(p)
     if twin is None or twin.data_ptr() != local.data_ptr() or twin.shape != local.shape:
         twin = _twins[p] = nn.Parameter(local, requires_grad=p.requires_grad)
@@ -58,7 +59,7 @@ def _twin(p: DTensor) -> nn.Parameter:
 
 
 def _local(value: Any) -> Any:
-    return value._local_tensor if isinstance(value, DTensor) else value
+    return local_tensor(value) if isinstance(value, DTensor) else value
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -79,7 +80,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
                 absent.append(p)
                 continue
             twin = _twin(p)
-            twin.grad = None if p.grad is None else p.grad._local_tensor
+            twin.grad = None if p.grad is None else local_tensor(p.grad)
             before = optimizer.state.pop(p, None)
             if before:
                 optimizer.state[twin] = {k: _local(v) for k, v in before.items()}
@@ -111,7 +112,7 @@ def _absent_like(value: Any, p: DTensor) -> Any:
     nothing for it, and ``set_optimizer_state_dict`` finds every parameter's state (the holder's is real)."""
     if not isinstance(value, torch.Tensor):
         return value
-    holder = p._local_tensor
+    holder = local_tensor(p)
     scalar = value.dim() == 0
     absent = Absent(() if scalar else holder.shape, value.dtype, p.device, holder.param_name, holder.holders)
     placements = [Replicate()] * p.device_mesh.ndim if scalar else p.placements
@@ -121,10 +122,10 @@ def _absent_like(value: Any, p: DTensor) -> Any:
 def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:
     """State ``value`` of parameter ``p`` as it is kept between steps: a DTensor laid out like ``p`` when it
     is laid out like ``p``'s local piece (the DTensor of the last step when its local tensor is the same)."""
-    local = p._local_tensor
+    local = local_tensor(p)
     if not isinstance(value, torch.Tensor) or value.shape != local.shape or key in SCALAR_STATE:
         return value
-    if isinstance(before, DTensor) and before._local_tensor is value:
+    if isinstance(before, DTensor) and local_tensor(before) is value:
         return before
     return checkpointable(make_dtensor(value, p.device_mesh, p.placements, p.shape))
 

@@ -15,12 +15,12 @@ right):
 kind            placements
 ==============  ==========================================================================
 REPLICATED      Replicate everywhere
-SPLIT           ``Shard(split_dim)`` on its axis (``_StridedShard(split_dim, sf=#pieces)`` when a
+SPLIT           ``Shard(split_dim)`` on its axis (``StridedShard(split_dim, sf=#pieces)`` when a
                 fused dim has pieces (q/k/v) each split on its own)
 BIAS            as SPLIT on dim 0 over the axis splitting the matmul's output
 WEIGHT_3D       out dim and in dim sharded over (row, col) by orientation; the block's rows (dim 0
                 of the stored tensor) split again over depth, inside the other axis's blocks:
-                ``_StridedShard(0, sf=size of that axis)`` on depth
+                ``StridedShard(0, sf=size of that axis)`` on depth
 ==============  ==========================================================================
 
 Pipelines: a parameter lives on the pipeline ranks whose stages read it. A weight several stages
@@ -42,9 +42,10 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.distributed.tensor.placement_types import Placement, _StridedShard
+from torch.distributed.tensor.placement_types import Placement
 
+from autopar.compat import (DTensorSpec, StridedShard, TensorMeta, buffer_slots, dtensor_spec, local_tensor,
+                            parameter_slots, select_split, set_dtensor_spec, set_local_tensor)
 from autopar.config import ParallelConfig
 from autopar.decisions import ParamKind, ParamPlan, Plan
 from autopar.errors import PlanError, StateDictError
@@ -75,7 +76,7 @@ def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tu
 
     def shard(axis: str, dim: int, parts: tuple[int, ...] = ()) -> None:
         if axis and config.size(axis) > 1:
-            out[axis] = _StridedShard(dim, split_factor=len(parts)) if len(parts) > 1 else Shard(dim)
+            out[axis] = StridedShard(dim, split_factor=len(parts)) if len(parts) > 1 else Shard(dim)
 
     o = pp.orientation
     if pp.kind is ParamKind.SPLIT:
@@ -88,7 +89,7 @@ def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tu
         shard(o.in_axis, in_dim)
         if config.depth > 1:  # depth splits the block's rows, inside the blocks of the axis splitting dim 0
             outer = config.size(o.in_axis if pp.weight_in_out else o.out_axis)
-            out["depth"] = _StridedShard(0, split_factor=outer) if outer > 1 else Shard(0)
+            out["depth"] = StridedShard(0, split_factor=outer) if outer > 1 else Shard(0)
     return tuple(out[d] for d in dims)
 
 
@@ -97,16 +98,15 @@ def local_indices(shape: Sequence[int], mesh_shape: Sequence[int], coordinate: S
     """For each tensor dim, the global indices this coordinate's local tensor holds, in local order.
 
     DTensor layouts are separable by dim; applying each mesh dim's placement in turn to an arange of
-    every dim gives the local index sets (exact for ``_StridedShard`` too). Used to check a layout
+    every dim gives the local index sets (exact for ``StridedShard`` too). Used to check a layout
     against autopar's own slicing, and by checkpoints to describe non-contiguous shards.
     """
     index = [torch.arange(n) for n in shape]
     for mesh_dim, p in enumerate(layout):
-        if not isinstance(p, Shard | _StridedShard):
+        if not isinstance(p, Shard | StridedShard):
             continue
-        one = _StridedShard(0, split_factor=p.split_factor) if isinstance(p, _StridedShard) else Shard(0)
-        index[p.dim] = one._select_split_tensor(index[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim],
-                                                with_padding=False, clone=False)
+        one = StridedShard(0, split_factor=p.split_factor) if isinstance(p, StridedShard) else Shard(0)
+        index[p.dim] = select_split(one, index[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
     return [i.tolist() for i in index]
 
 
@@ -142,10 +142,10 @@ def distribute_parameters(model: nn.Module, mesh: DeviceMesh) -> None:
     """
     made: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        for name, p in list(module._parameters.items()):
+        for name, p in list(parameter_slots(module).items()):
             if isinstance(p, DTensor) and p.device_mesh is not mesh and id(p) not in made:
                 made[id(p)] = p
-                set_layout(p, p._local_tensor, mesh, [Replicate()] * mesh.ndim)
+                set_layout(p, local_tensor(p), mesh, [Replicate()] * mesh.ndim)
             if p is None or isinstance(p, DTensor):
                 continue
             q = made.get(id(p))
@@ -161,8 +161,8 @@ def set_layout(p: DTensor, local: torch.Tensor, mesh: DeviceMesh, layout: Sequen
     The global shape does not change. This is what FSDP2 does to its sharded parameters
     (``_local_tensor`` and ``_spec`` are the DTensor's whole state).
     """
-    p._local_tensor = local
-    p._spec = spec_of(mesh, layout, p.shape, p.dtype)
+    set_local_tensor(p, local)
+    set_dtensor_spec(p, spec_of(mesh, layout, p.shape, p.dtype))
 
 
 class _LocalPiece(torch.autograd.Function):
@@ -172,8 +172,8 @@ class _LocalPiece(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, p: DTensor) -> torch.Tensor:
-        ctx.spec = p._spec
-        return p._local_tensor.view_as(p._local_tensor)
+        ctx.spec = dtensor_spec(p)
+        return local_tensor(p).view_as(local_tensor(p))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> DTensor:
@@ -184,15 +184,15 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
     """What the emitted graph reads for parameter ``p``: its local tensor, differentiably (the gradient
     comes back as a DTensor with ``p``'s placements)."""
     if isinstance(p, DTensor):
-        if isinstance(p._local_tensor, Absent) or not torch.is_grad_enabled():  # (Absent: bound but never
-            return p._local_tensor  # read, another pipeline rank's stage; no_grad: no autograd Function per call)
+        if isinstance(local_tensor(p), Absent) or not torch.is_grad_enabled():  # (Absent: bound but never
+            return local_tensor(p)  # read, another pipeline rank's stage; no_grad: no autograd Function per call)
         return _LocalPiece.apply(p)
     return p
 
 
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (a parameter, its gradient, optimizer state); ``t`` otherwise."""
-    return t._local_tensor if isinstance(t, DTensor) else t  # to_local() would add a view (and a check) per call
+    return local_tensor(t) if isinstance(t, DTensor) else t  # to_local() would add a view (and a check) per call
 
 
 def held_numel(p: torch.Tensor) -> int:
@@ -203,9 +203,9 @@ def held_numel(p: torch.Tensor) -> int:
 
 def replace_local(t: DTensor, local: torch.Tensor) -> None:
     """Replaces the local tensor of DTensor ``t`` (a gradient) by ``local`` of the same shape."""
-    if tuple(local.shape) != tuple(t._local_tensor.shape):
-        raise AssertionError(f"local shape {tuple(local.shape)} != {tuple(t._local_tensor.shape)}")
-    t._local_tensor = local
+    if tuple(local.shape) != tuple(local_tensor(t).shape):
+        raise AssertionError(f"local shape {tuple(local.shape)} != {tuple(local_tensor(t).shape)}")
+    set_local_tensor(t, local)
 
 
 def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
@@ -343,7 +343,7 @@ class ParamStore:
         for n, b in list(self.buffers.items()):
             if b is old:
                 owner_name, _, leaf = n.rpartition(".")
-                self._model().get_submodule(owner_name)._buffers[leaf] = value
+                buffer_slots(self._model().get_submodule(owner_name))[leaf] = value
                 self.buffers[n] = value
 
     def _materialize_whole(self, why: str) -> None:
@@ -546,7 +546,7 @@ class ParamStore:
             key = prefix + name
             if key not in state_dict:
                 continue
-            p = module._parameters[name]
+            p = parameter_slots(module)[name]
             value = state_dict[key]
             if isinstance(value, torch.Tensor) and value.device.type == "meta":
                 raise StateDictError(f"state dict entry {key!r} is on the meta device: loading it would leave "
@@ -562,7 +562,7 @@ class ParamStore:
             value = LazyRead(value) if is_pending(local_of(p)) else torch.detach(value)
         if not isinstance(value, torch.Tensor):
             return value
-        if isinstance(p._local_tensor, Absent):
+        if isinstance(local_tensor(p), Absent):
             return p  # another pipeline rank holds it: loading it here is a no-op
         if isinstance(value, DTensor):
             if value.device_mesh == p.device_mesh and tuple(value.placements) == tuple(p.placements):
@@ -581,7 +581,7 @@ class ParamStore:
         if tuple(value.shape) != tuple(p.shape):
             raise StateDictError(
                 f"state dict entry {key!r} has shape {tuple(value.shape)}; the serial parameter has shape "
-                f"{tuple(p.shape)} (this rank stores a {tuple(p._local_tensor.shape)} piece of it). A checkpoint "
+                f"{tuple(p.shape)} (this rank stores a {tuple(local_tensor(p).shape)} piece of it). A checkpoint "
                 "holding one rank's pieces cannot be loaded: save with torch.distributed.checkpoint or "
                 "autopar.full_state_dict(model).")
         pp = self.by_param().get(id(p))

@@ -16,9 +16,10 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import nn
 
+from autopar.compat import (buffer_slots, disabled_torch_function_impl, make_wrapper_subclass, parameter_slots, pytree,
+                            version_of)
 from autopar.errors import CheckpointError, ParameterError
 from autopar.runtime.deferred import META, Sink
 from autopar.runtime.mapped import mapped_record
@@ -38,12 +39,12 @@ class Pending(torch.Tensor):
     @staticmethod
     def __new__(cls, shape: Iterable[int], dtype: torch.dtype, device: torch.device, name: str, key: int,
                 source: Deferred, cell: dict[str, Any] | None = None) -> Pending:
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
+        r = make_wrapper_subclass(cls, torch.Size(shape), dtype=dtype, device=device)
         r.param_name, r.key, r.source = name, key, source
         r.cell = cell if cell is not None else {"loaded": None, "version": 0, "real": None}
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @property
     def loaded(self) -> torch.Tensor | None:
@@ -75,7 +76,7 @@ class Pending(torch.Tensor):
                     raise ParameterError(f"copying a {tuple(args[1].shape)} tensor into {first.param_name!r} of "
                                          f"shape {tuple(first.shape)}.")
                 first.cell["loaded"] = args[1]  # load_state_dict before the first call: replaces the init
-                first.cell["version"] = args[1]._version  # (read at the first call: it must not change till then)
+                first.cell["version"] = version_of(args[1])  # (read at the first call: it must not change till then)
                 return first
         if func in (aten.empty_like.default, aten.zeros_like.default, aten.ones_like.default, aten.full_like.default):
             like = dict(kwargs, dtype=kwargs.get("dtype") or first.dtype, device=kwargs.get("device") or first.device)
@@ -115,12 +116,12 @@ class LazyRead(torch.Tensor):
 
     @staticmethod
     def __new__(cls, source: Any) -> LazyRead:
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(source.shape), dtype=source.dtype,
+        r = make_wrapper_subclass(cls, torch.Size(source.shape), dtype=source.dtype,
                                                 device=torch.device("cpu"))
         r.source = source
         return r
 
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     def read(self) -> torch.Tensor:
         """The tensor as a view of its file's pages (nothing read until touched: cutting this rank's piece
@@ -153,7 +154,7 @@ def loaded_value(pending: Pending, deferred: Deferred) -> torch.Tensor:
     loaded = pending.loaded
     if isinstance(loaded, LazyRead):
         return loaded.read()
-    if loaded._version != pending.cell["version"]:
+    if version_of(loaded) != pending.cell["version"]:
         raise ParameterError(
             f"the tensor loaded into {pending.param_name!r} by load_state_dict before the model's first call was "
             "changed in place since (e.g. another model's state_dict() that then trained). autopar reads a "
@@ -190,15 +191,15 @@ def make_pending(model: nn.Module, deferred: Deferred, sinks: dict[int, Sink]) -
         for name, ref, is_param in sink.names:
             owner_name, _, leaf = name.rpartition(".")
             owner = model.get_submodule(owner_name)
-            old = owner._parameters[leaf] if is_param else owner._buffers[leaf]
+            old = parameter_slots(owner)[leaf] if is_param else buffer_slots(owner)[leaf]
             new = made.get(id(old))
             if new is None:
                 pending = Pending(ref.size, ref.dtype, deferred.devices[sink.key], name, sink.key, deferred)
                 new = made[id(old)] = nn.Parameter(pending, requires_grad=old.requires_grad) if is_param else pending
             if is_param:
-                owner._parameters[leaf] = new
+                parameter_slots(owner)[leaf] = new
             else:
-                owner._buffers[leaf] = new
+                buffer_slots(owner)[leaf] = new
 
 
 def is_pending(t: Any) -> bool:

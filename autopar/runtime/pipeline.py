@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import fx, nn
 
+from autopar.compat import queue_backward_callback
 from autopar.runtime import collectives as C
 from autopar.config import PipelineConfig
 from autopar.errors import PlanError
@@ -352,7 +353,7 @@ class _FinalLink:
         return values, metas
 
     def at_end_of_backward(self) -> None:
-        torch.autograd.Variable._execution_engine.queue_callback(self.at_end)
+        queue_backward_callback(self.at_end)
 
 
 def owner(stage: int, num_ranks: int) -> int:

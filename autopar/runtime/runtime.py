@@ -15,11 +15,10 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
-import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
+from autopar.compat import pytree, queue_backward_callback
 from autopar.runtime import collectives as C
 from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
                              register_hf_caches, symbolic_dims, split_batch_leaves, state_outputs)
@@ -307,7 +306,7 @@ class ParallelRuntime:
             self._agree_on_overflow()
 
         def queue(grad: torch.Tensor) -> torch.Tensor:
-            torch.autograd.Variable._execution_engine.queue_callback(at_end)
+            queue_backward_callback(at_end)
             return grad
 
         first.register_hook(queue)
@@ -422,7 +421,7 @@ class ParallelRuntime:
                     plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
             if per_rank is not None:
                 box = [plan]
-                dist.broadcast_object_list(box, src=0, group=self.mesh.control)
+                C.broadcast_objects(box, 0, self.mesh.control)
                 plan = box[0]
             self._adopt(plan)
         pipelined = self.config.pipeline > 1

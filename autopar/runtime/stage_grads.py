@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from autopar.compat import dtensor_spec, tensor_hooks
 from autopar.config import ParallelConfig
 from autopar.decisions import Plan
 from autopar.runtime import collectives as C
@@ -93,7 +94,7 @@ def _hooked(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
     """This step's local gradient of ``p`` through the script's tensor hooks on ``p``
     (``p.register_hook``), which autograd never runs there (the stages read a plain leaf, ``StageGrads.leaf``):
     once per step, on the gradient in ``p``'s own form, before it is summed over data, as DDP runs them."""
-    hooks = getattr(p, "_backward_hooks", None)  # where Tensor.register_hook keeps a leaf's hooks
+    hooks = tensor_hooks(p)
     if not hooks:
         return grad
     whole = make_dtensor(grad, p.device_mesh, p.placements, p.shape) if isinstance(p, DTensor) else grad
@@ -106,7 +107,7 @@ def _hooked(p: nn.Parameter, grad: torch.Tensor) -> torch.Tensor:
 def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
     """Adds ``local`` (this rank's piece) to ``p.grad``, making it when there is none."""
     if p.grad is None:
-        p.grad = DTensor(local, p._spec, requires_grad=False) if isinstance(p, DTensor) else local
+        p.grad = DTensor(local, dtensor_spec(p), requires_grad=False) if isinstance(p, DTensor) else local
     else:
         local_of(p.grad).add_(local)
 

@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autopar.compat import pytree
 from autopar.errors import PlanError
 from passes.analysis.batch_rules import (VIEWS, BatchDim, Gather, Reduce, Reduction, Rules, known,
                                         map_batch_through_view)
@@ -231,7 +232,7 @@ def whole_constants(gm: fx.GraphModule, facts: BatchFacts) -> bool:
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in facts.reductions or facts.state(node) is not State.WHOLE:
             continue
-        leaves = [v for v in torch.utils._pytree.tree_leaves((node.args, node.kwargs))]
+        leaves = [v for v in pytree.tree_leaves((node.args, node.kwargs))]
         if any(isinstance(v, (int, float)) and not isinstance(v, bool) for v in leaves):
             return True
         if symbol is not None and any(_counts_rows(v, symbol) for v in leaves):
@@ -269,8 +270,8 @@ def batch_constants(gm: fx.GraphModule, other: fx.GraphModule, facts: BatchFacts
     for a, b in zip(mine, theirs):
         if a.op != "call_function" or facts.state(a) is not State.WHOLE or a in facts.reductions:
             continue
-        la = torch.utils._pytree.tree_leaves((a.args, a.kwargs))
-        lb = torch.utils._pytree.tree_leaves((b.args, b.kwargs))
+        la = pytree.tree_leaves((a.args, a.kwargs))
+        lb = pytree.tree_leaves((b.args, b.kwargs))
         for i, (x, y) in enumerate(zip(la, lb)):
             if isinstance(x, bool) or not isinstance(x, (int, float)) or x == y:
                 continue

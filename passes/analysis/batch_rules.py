@@ -12,6 +12,7 @@ import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from autopar.compat import OpOverload, op_schema
 from passes.analysis.graph_facts import tensor_inputs, tensor_meta
 from passes.ir import scatter_rows, sum_grad, vocab_cross_entropy
 
@@ -97,12 +98,12 @@ _LAYOUT_PRESERVING = frozenset({
 
 def _is_pointwise(node: fx.Node) -> bool:
     t = node.target
-    return isinstance(t, torch._ops.OpOverload) and (t in _LAYOUT_PRESERVING or torch.Tag.pointwise in t.tags)
+    return isinstance(t, OpOverload) and (t in _LAYOUT_PRESERVING or torch.Tag.pointwise in t.tags)
 
 
 def _arg(node: fx.Node, name: str, default: Any = None) -> Any:
     """The value of the op's argument ``name`` (positional or keyword), or its schema default."""
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     if schema is None:
         return default
     for i, a in enumerate(schema.arguments):
@@ -116,7 +117,7 @@ def _arg(node: fx.Node, name: str, default: Any = None) -> Any:
 
 
 def _has_arg(node: fx.Node, name: str) -> bool:
-    schema = getattr(node.target, "_schema", None)
+    schema = op_schema(node.target)
     return schema is not None and any(a.name == name for a in schema.arguments)
 
 

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import math
 import operator
 import re
@@ -38,14 +39,16 @@ from fractions import Fraction
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from autopar.compat import pytree
 from autopar.decisions import Plan
 from passes.analysis.graph_facts import attention_flops, module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
 from passes.ir import Sharding, input_info
+
+log = logging.getLogger(__name__)
 
 _SDPA = torch.ops.aten.scaled_dot_product_attention.default
 _LOWER_PRECISION = frozenset({

@@ -8,10 +8,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 
+from autopar.compat import pytree, size_hint
 from passes.ir import InputKind, input_info
 
 aten = torch.ops.aten
@@ -178,7 +177,7 @@ def carries_grad(node: fx.Node, requires_grad: dict[fx.Node, bool]) -> bool:
 
 def _hint(v: Any) -> Any:
     """A SymInt's example value (its size at capture), without adding a guard."""
-    return optimization_hint(v) if isinstance(v, torch.SymInt) else v
+    return size_hint(v)
 
 
 def _is_symbolic(val: Any) -> bool:

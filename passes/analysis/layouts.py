@@ -31,6 +31,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autopar.compat import OpOverload
 from autopar.decisions import EmbeddingMode, Layout, Orientation
 from passes.analysis.batch_dims import BatchFacts, State, analyze_batch
 from passes.analysis.graph_facts import MatmulMatch, carries_grad, param_name, tensor_inputs, tensor_meta
@@ -49,7 +50,7 @@ _REDUCE = {aten.mean.dim: True, aten.sum.dim_IntList: False}
 
 
 def is_pointwise(node: fx.Node) -> bool:
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    if node.op != "call_function" or not isinstance(node.target, OpOverload):
         return False
     return node.target in _LAYOUT_PRESERVING or torch.Tag.pointwise in node.target.tags
 

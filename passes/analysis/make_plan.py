@@ -30,6 +30,7 @@ from collections.abc import Callable
 import torch
 from torch import fx
 
+from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
 from autopar.decisions import EmbeddingMode, EmbeddingPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan
 from autopar.errors import PlanError
@@ -93,6 +94,9 @@ def _divides(m: MatmulMatch, o: Orientation, parts: tuple[int, ...], config: Par
     if m.in_features % in_split:
         return f"{o.value}: in_features {m.in_features} not divisible by {o.in_axis}={in_split}"
     # Parameters are DTensors (autopar.runtime.parameters): every rank's piece must be a DTensor layout.
+    if out_split > 1 and len(parts) > 1 and not DTENSOR_HANDLES_FUSED_PIECES:
+        return (f"{o.value}: fused output pieces ({'+'.join(map(str, parts))}) split over {o.out_axis}={out_split} "
+                "need torch >= 2.13's DTensor (this torch computes wrong values on that layout)")
     if out_split > 1 and len(set(parts)) > 1:
         return (f"{o.value}: fused output pieces of unequal sizes ({'+'.join(map(str, parts))}) split over "
                 f"{o.out_axis}={out_split} are not a DTensor layout")

@@ -9,8 +9,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from torch.utils._python_dispatch import TorchDispatchMode
 
+from autopar.compat import TorchDispatchMode
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
 from autopar.trace import plan_model

@@ -25,6 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      set_optimizer_state_dict, set_state_dict)
 
 import autopar
+from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.errors import CheckpointError, ContextError, StateDictError
 from autopar.examples import zoo
 from autopar.runtime.parameters import local_of
@@ -326,7 +327,8 @@ def test_model_state_dict_hooks_see_serial_tensors_and_reshard(distributed):
     torch.manual_seed(0)
     serial = _hook_model()
     assert r["keys"] == sorted(serial.state_dict()), r["keys"]  # wq/wk/wv, as serially
-    assert r["sharded"] == (48, 32)  # this rank's q, k and v pieces of the fused weight
+    # this rank's q, k and v pieces of the fused weight (whole where torch's DTensor mishandles pieces)
+    assert r["sharded"] == ((48, 32) if DTENSOR_HANDLES_FUSED_PIECES else (96, 32))
     for k, v in r["full"].items():
         assert torch.equal(r["reloaded"][k], v), k
         assert torch.equal(r["serial_file"][k], v), k

@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import autopar
+from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.context import runtime_of
 from autopar.examples import zoo
 
@@ -360,7 +361,13 @@ def test_greedy_generate_on_rank_0_alone_raises(distributed):
 LAYERS, MATMULS = 2, 2 * 7 + 1  # the zoo's tiny Llama: q/k/v/o and gate/up/down per layer, and the head
 
 
-@pytest.mark.parametrize("name, tensor", [("llama", (2, 1, 1)), ("llama", (1, 2, 1)), ("gpt2", (2, 1, 1))])
+_OLD_DTENSOR = pytest.mark.xfail(
+    not DTENSOR_HANDLES_FUSED_PIECES, strict=True, reason="this torch's DTensor computes wrong values on fused "
+    "pieces' layout (autopar.compat): GPT-2's c_attn is not split by heads, so its decode takes other collectives")
+
+
+@pytest.mark.parametrize("name, tensor", [("llama", (2, 1, 1)), ("llama", (1, 2, 1)),
+                                          pytest.param("gpt2", (2, 1, 1), marks=_OLD_DTENSOR)])
 def test_decode_runs_megatrons_collectives(distributed, name, tensor):
     """At tensor degree 2 without depth a decode step runs Megatron's collectives and no more: one
     all-reduce per attention and per MLP, one for the vocabulary-parallel embedding, one gather of the

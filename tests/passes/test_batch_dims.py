@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
 
+from autopar.compat import pytree
 from autopar.capture import batch_leaves, capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from passes.analysis.batch_dims import BatchDim, State, analyze_batch, map_batch_through_view

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-import torch.utils._pytree as pytree
 
+from autopar.compat import pytree
 from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig
 from autopar.decisions import Layout, Orientation

@@ -5,9 +5,9 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.utils._pytree as pytree
 from torch import fx
 
+from autopar.compat import pytree
 from autopar.capture import capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from autopar.examples import zoo

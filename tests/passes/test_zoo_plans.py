@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
 from autopar.decisions import EmbeddingMode, Orientation, ParamKind
 from autopar.examples import zoo
@@ -24,8 +25,19 @@ _UNEQUAL_FUSED = pytest.mark.xfail(
     "they are no DTensor layout, so the projection stays replicated (82% of matmul FLOPs sharded)")
 
 
-@pytest.mark.parametrize("name,tensor", [pytest.param(n, t, marks=_UNEQUAL_FUSED) if (n, t) == ("phi3", (2, 2, 1))
-                                         else (n, t) for n in DECODERS for t in [(2, 2, 1), (4, 1, 1)]])
+_OLD_DTENSOR = pytest.mark.xfail(
+    not DTENSOR_HANDLES_FUSED_PIECES, strict=True, reason="this torch's DTensor computes wrong values on fused "
+    "pieces' layout (autopar.compat), so GPT-2's and nanoGPT's fused c_attn stay replicated (torch < 2.13)")
+
+
+def _marks(name: str, tensor: tuple) -> tuple:
+    if (name, tensor) == ("phi3", (2, 2, 1)):
+        return (_UNEQUAL_FUSED,)
+    return (_OLD_DTENSOR,) if (name, tensor) in {("nanogpt", (2, 2, 1)), ("gpt2", (2, 2, 1))} else ()
+
+
+@pytest.mark.parametrize("name,tensor", [pytest.param(n, t, marks=_marks(n, t)) for n in DECODERS
+                                         for t in [(2, 2, 1), (4, 1, 1)]])
 def test_decoder_lms_shard_at_least_95_percent_of_matmul_flops(name, tensor):
     plan, report = _plan(name, ParallelConfig(1, *tensor))
     assert report.matmul_flops_sharded >= 0.95 * report.flops_per_step, coverage_gaps(report)
@@ -71,3 +83,20 @@ def test_unshardable_head_is_reported_with_its_reason():
 def test_cli_prints_coverage_for_a_zoo_model(capsys):
     assert main([f"{zoo.__file__}:llama", "--tensor", "2", "2", "1"]) == 0
     assert "100.0% sharded" in capsys.readouterr().out
+
+
+def test_fused_pieces_stay_whole_where_dtensor_mishandles_them(monkeypatch):
+    # torch 2.11's DTensor returns wrong values from ops on the pieces' layout (autopar.compat): there a
+    # fused projection is never split into pieces; the plan takes an orientation that splits its input
+    # features, or keeps it whole and says why. Forced here on any torch.
+    import passes.analysis.make_plan as make_plan
+
+    name = "transformer.h.0.attn.c_attn.weight"
+    monkeypatch.setattr(make_plan, "DTENSOR_HANDLES_FUSED_PIECES", False)
+    assert _plan("gpt2", ParallelConfig(1, 2, 1, 1))[0].matmul(name).orientation is Orientation.TRANSPOSED
+    plan, _ = _plan("gpt2", ParallelConfig(1, 2, 2, 1))
+    assert plan.param(name).kind is ParamKind.REPLICATED
+    assert any("c_attn" in n and "need torch >= 2.13" in n for n in plan.notes), plan.notes
+    monkeypatch.setattr(make_plan, "DTENSOR_HANDLES_FUSED_PIECES", True)
+    assert _plan("gpt2", ParallelConfig(1, 2, 1, 1))[0].matmul(name).orientation is Orientation.NORMAL
+    assert _plan("gpt2", ParallelConfig(1, 2, 2, 1))[0].param(name).kind is not ParamKind.REPLICATED

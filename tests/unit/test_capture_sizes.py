@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from autopar.compat import pytree
 from autopar.capture import capture, meta_shadow
 
 AUTO = torch.export.Dim.AUTO
@@ -46,7 +47,7 @@ def _nanogpt_split(rows_symbolic: bool):
 
     model = NanoGPT(GPTConfig(vocab_size=128, block_size=32, n_layer=1, n_head=2, n_embd=16, bias=False))
     x = torch.randint(0, 100, (4, 12))
-    leaves, spec = torch.utils._pytree.tree_flatten(((x, x.clone()), {}))
+    leaves, spec = pytree.tree_flatten(((x, x.clone()), {}))
     rows = {0: 0, 1: 0} if rows_symbolic else {}
     return capture_shard(meta_shadow(model), leaves, spec, {0: 0, 1: 0}, (2, 2), 0, requires_grad={},
                          dynamic=symbolic_dims(model, leaves, rows, split=True))

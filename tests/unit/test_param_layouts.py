@@ -82,7 +82,7 @@ def test_placements_describe_the_stored_piece_on_every_rank_of_every_grid():
 
 
 def test_a_plain_shard_for_depth_inside_row_blocks_is_caught():
-    def mutated(pp, dims, config):  # the mutation: depth's _StridedShard written as a plain Shard(0)
+    def mutated(pp, dims, config):  # the mutation: depth's StridedShard written as a plain Shard(0)
         return tuple(Shard(0) if d == "depth" and config.depth > 1 and pp.kind is ParamKind.WEIGHT_3D else p
                      for d, p in zip(dims, placements(pp, dims, config)))
     assert _disagreements(mutated)

@@ -17,12 +17,13 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
+from autopar.compat import schedule_action_types
 from autopar.config import PipelineConfig
 from autopar.runtime.pipeline import owner, schedule_class
 from passes.analysis.choose_stages import bubble_fraction
 
+_Action, _ComputationType = schedule_action_types()
 FORWARD, BACKWARD = 1.0, 2.0  # backward costs twice the forward, as for matmuls
 
 

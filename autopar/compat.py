@@ -1,0 +1,265 @@
+"""Every torch-version difference and every private torch name autopar uses, in one place.
+
+autopar runs on torch 2.11 and newer (``setup.cfg`` says the floor). Code elsewhere in ``autopar/``,
+``passes/``, ``benchmarks/`` and ``tests/`` imports what it needs from here and never names a private
+torch module or attribute itself (``tests/unit/test_compat.py`` walks the sources to keep it so), so a new
+torch release is this file's work. Differences are detected by feature, never by comparing versions.
+
+A leaf: it imports only torch (``passes/`` may import it).
+
+What lives here, and why each is private:
+- ``pytree``: torch's pytree (``torch.utils._pytree``), the one torch.export and DTensor use.
+- ``TorchDispatchMode``, ``FakeTensorMode``, ``OpOverload``: the dispatch-mode base class, the fake
+  tensor mode and the type of ``torch.ops.aten.x.y`` objects (private modules).
+- ``size_hint``: a SymInt's example value without a guard (2.13 ``optimization_hint``; 2.11-2.12 ``hint_int``).
+- ``all_gather_into`` / ``reduce_scatter_into``: the single-tensor collectives (2.13 renamed them
+  ``all_gather_single`` / ``reduce_scatter_single`` and deprecated ``*_into_tensor`` / ``*_tensor``).
+- ``tensor_hooks`` / ``reattach_tensor_hooks``: a leaf's registered hooks, and attaching them to a swapped value.
+- ``queue_backward_callback``: runs a function when the current backward pass ends (the autograd
+  engine's ``queue_callback``; what DDP and FSDP use).
+- ``make_wrapper_subclass``, ``disabled_torch_function_impl``, ``DisableTorchFunctionSubclass``: what a
+  tensor subclass needs (the documented recipe, private spellings).
+- ``local_tensor`` / ``set_local_tensor`` / ``dtensor_spec`` / ``set_dtensor_spec`` / ``DTensorSpec`` /
+  ``TensorMeta`` / ``StridedShard`` / ``select_split``: DTensor's state (its local piece and spec,
+  read and written without DTensor's per-call checks) and its strided placement.
+- ``flatten_mesh``: a DeviceMesh's dims flattened into one.
+- ``parameter_slots`` / ``buffer_slots``: nn.Module's own tables, to swap a parameter or buffer object.
+- ``DTENSOR_HANDLES_FUSED_PIECES``: whether DTensor computes right on fused pieces' layout (2.13: yes; 2.11: no).
+- ``dtensor_op_handlers``: DTensor's table of custom op handlers (autopar's distributed norms).
+- ``op_schema``: an op overload's schema (arguments, which it writes).
+- ``register_fx_builtin``: names fx's generated code may use (specs printed as constructor calls);
+  ``fx_without_stack_traces``: fx's switch for graphs that are only analysed (torch >= 2.13).
+- ``storage_key``, ``version_of``: a storage's identity and a tensor's in-place version counter.
+- ``resolve_process_group``: a functional collective's group name -> its ProcessGroup.
+- ``fake_store``: the store of torch's fake process group (a simulated world on one device).
+- ``import_compiler``: imports torch._dynamo (before forking ranks; the first collective would).
+- ``schedule_action_types``: the actions torch's pipeline schedules order, and their kinds (tests read them).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.utils._pytree as pytree
+from torch import fx
+from torch._ops import OpOverload
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental import symbolic_shapes
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = [
+    "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "DTensorSpec", "FakeTensorMode", "OpOverload",
+    "StridedShard", "TensorMeta", "TorchDispatchMode", "all_gather_into", "buffer_slots",
+    "disabled_torch_function_impl", "dtensor_op_handlers", "dtensor_spec", "fake_store", "flatten_mesh",
+    "fx_without_stack_traces", "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass",
+    "op_schema", "parameter_slots", "pytree", "queue_backward_callback", "reattach_tensor_hooks",
+    "reduce_scatter_into", "register_fx_builtin", "resolve_process_group", "schedule_action_types", "select_split",
+    "set_dtensor_spec", "set_local_tensor", "size_hint", "storage_key", "tensor_hooks", "version_of",
+]
+
+# --- symbolic shapes ---------------------------------------------------------------------------------
+
+if hasattr(symbolic_shapes, "optimization_hint"):  # torch >= 2.13
+    def size_hint(v: Any) -> Any:
+        """A SymInt's example value (its size at capture), without adding a guard; other values as they are."""
+        return symbolic_shapes.optimization_hint(v) if isinstance(v, torch.SymInt) else v
+else:  # torch 2.11-2.12
+    def size_hint(v: Any) -> Any:
+        """A SymInt's example value (its size at capture), without adding a guard; other values as they are."""
+        return symbolic_shapes.hint_int(v) if isinstance(v, torch.SymInt) else v
+
+# --- collectives -------------------------------------------------------------------------------------
+
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather_into(out: torch.Tensor, t: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Gathers every rank's ``t`` into ``out`` (dim 0, group order)."""
+    return _all_gather(out, t, group=group, async_op=async_op)
+
+
+def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Any = None, async_op: bool = False) -> Any:
+    """Sums ``t`` over the group and writes this rank's 1/size chunk of dim 0 into ``out``."""
+    return _reduce_scatter(out, t, group=group, async_op=async_op)
+
+
+def resolve_process_group(name: str) -> dist.ProcessGroup:
+    """The ProcessGroup a functional collective names by ``group_name``."""
+    return dist.distributed_c10d._resolve_process_group(name)
+
+
+# --- autograd ----------------------------------------------------------------------------------------
+
+def queue_backward_callback(fn: Callable[[], None]) -> None:
+    """Runs ``fn`` once the running backward pass has finished (call it from inside backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(fn)
+
+
+#: Where ``Tensor.register_hook`` and ``register_post_accumulate_grad_hook`` keep a leaf's hooks.
+_HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
+
+
+def tensor_hooks(t: torch.Tensor) -> dict | None:
+    """The hooks ``t.register_hook`` registered on leaf ``t`` (None if none were)."""
+    return getattr(t, "_backward_hooks", None)
+
+
+def reattach_tensor_hooks(t: torch.Tensor) -> None:
+    """Attaches a leaf's registered hooks to its current value again: ``torch.utils.swap_tensors`` (what
+    ``module.to`` does to a tensor-subclass parameter) gives the same object a value whose autograd state
+    holds none of them. Setting a hook table attaches it (idempotent)."""
+    for table in _HOOK_TABLES:
+        hooks = getattr(t, table, None)
+        if hooks is not None:
+            setattr(t, table, hooks)
+
+
+# --- tensor subclasses -------------------------------------------------------------------------------
+
+make_wrapper_subclass = torch.Tensor._make_wrapper_subclass
+disabled_torch_function_impl = torch._C._disabled_torch_function_impl
+DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+
+
+def storage_key(t: torch.Tensor) -> int:
+    """An identity of ``t``'s storage, shared by every view of it."""
+    return t.untyped_storage()._cdata
+
+
+def version_of(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (bumped by every in-place op on it or its views)."""
+    return t._version
+
+
+# --- DTensor's state ---------------------------------------------------------------------------------
+
+from torch.distributed.tensor import DTensor  # noqa: E402  (after the plain-torch names above)
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: E402
+from torch.distributed.tensor.placement_types import Shard, _StridedShard  # noqa: E402
+
+#: DTensor's placement for a dim split into interleaved chunks (FSDP2 over TP's layout).
+StridedShard = _StridedShard
+
+
+def local_tensor(t: DTensor) -> torch.Tensor:
+    """A DTensor's local piece, without ``to_local()``'s view and checks (read once per parameter per call)."""
+    return t._local_tensor
+
+
+def local_or_none(t: Any) -> torch.Tensor | None:
+    """``t``'s local piece if it is a DTensor, else None."""
+    return getattr(t, "_local_tensor", None)
+
+
+def set_local_tensor(t: DTensor, local: torch.Tensor) -> None:
+    """Replaces a DTensor's local piece in place (the same object keeps its identity for the optimizer)."""
+    t._local_tensor = local
+
+
+def dtensor_spec(t: DTensor) -> DTensorSpec:
+    """A DTensor's spec: mesh, placements and global tensor meta (``device_mesh`` is a slower property)."""
+    return t._spec
+
+
+def set_dtensor_spec(t: DTensor, spec: DTensorSpec) -> None:
+    """Replaces a DTensor's spec in place."""
+    t._spec = spec
+
+
+def _handles_fused_pieces() -> bool:
+    """Whether DTensor computes right on a ``StridedShard`` that encodes no shard order (autopar's fused
+    pieces: q, k and v of one projection, each split alike). torch 2.13 does (its redistribute falls back
+    to the greedy plan: ``_StridedShardNotDecodableError``); 2.11 raises in ``full_tensor()`` and returns
+    wrong values from ``chunk`` (2 chunks of a 3-piece weight, measured), so there a fused projection
+    is not split into pieces (``passes/analysis/make_plan.py``)."""
+    from torch.distributed.tensor import _redistribute
+
+    return hasattr(_redistribute, "_StridedShardNotDecodableError")
+
+
+#: See ``_handles_fused_pieces``.
+DTENSOR_HANDLES_FUSED_PIECES = _handles_fused_pieces()
+
+
+def select_split(placement: Shard, index: torch.Tensor, num_chunks: int, chunk: int) -> torch.Tensor:
+    """The part of 1-D ``index`` that shard ``chunk`` of ``num_chunks`` holds under ``placement`` (dim 0)."""
+    return placement._select_split_tensor(index, num_chunks, chunk, with_padding=False, clone=False)
+
+
+def dtensor_op_handlers() -> dict:
+    """DTensor's table of custom op handlers (op overload -> handler(op, args, kwargs)), process-wide."""
+    return DTensor._op_dispatcher._custom_op_handlers
+
+
+def flatten_mesh(mesh: Any, name: str) -> Any:
+    """A 1-D DeviceMesh over the ranks of ``mesh``'s dims together (``mesh["data", "depth"]`` -> "batch")."""
+    return mesh._flatten(name)
+
+
+# --- nn.Module's slots -------------------------------------------------------------------------------
+
+def parameter_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own parameter table (name -> Parameter or None), written to swap a parameter object."""
+    return module._parameters
+
+
+def buffer_slots(module: torch.nn.Module) -> dict[str, Any]:
+    """``module``'s own buffer table (name -> tensor or None), written to swap a buffer object."""
+    return module._buffers
+
+
+# --- ops -------------------------------------------------------------------------------------------
+
+def op_schema(op: Any) -> Any:
+    """An op overload's schema (its arguments, alias info, name), or None for anything else."""
+    return getattr(op, "_schema", None)
+
+
+# --- fx ----------------------------------------------------------------------------------------------
+
+def register_fx_builtin(name: str, import_str: str, obj: Any) -> None:
+    """Lets fx's generated code name ``obj`` as ``name`` (imported by ``import_str``)."""
+    fx.graph._register_custom_builtin(name, import_str, obj)
+
+
+@contextlib.contextmanager
+def fx_without_stack_traces() -> Iterator[None]:
+    """fx records no source line per node inside (``torch.fx.config.do_not_emit_stack_traces``, torch >= 2.13;
+    a no-op before, where graphs keep their stack traces)."""
+    import torch.fx.config as fx_config
+
+    if not hasattr(fx_config, "do_not_emit_stack_traces"):
+        yield
+        return
+    saved = fx_config.do_not_emit_stack_traces
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        fx_config.do_not_emit_stack_traces = saved
+
+
+def fake_store() -> dist.Store:
+    """The store of torch's fake process group (``init_process_group("fake", store=fake_store(), ...)``):
+    one process stands in for a rank of a bigger world, every collective a no-op."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()
+
+
+def import_compiler() -> None:
+    """Imports torch's compiler stack (dynamo), which the first functional collective would import."""
+    import torch._dynamo  # noqa: F401
+
+
+# --- pipelining --------------------------------------------------------------------------------------
+
+def schedule_action_types() -> tuple[type, type]:
+    """``(ScheduleAction, ComputationType)``: one step of a pipeline schedule's order and its kinds."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+    return _Action, _ComputationType
