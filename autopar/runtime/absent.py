@@ -38,9 +38,11 @@ class Absent(torch.Tensor):
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         if func in (aten.detach.default, aten.alias.default):
             return args[0]
-        if func in LIKE:  # a gradient or optimizer state laid out like the parameter (DCP's state init)
-            a = args[0]
-            return Absent(a.shape, (kwargs or {}).get("dtype") or a.dtype, a.device, a.param_name, a.holders)
+        # laid out like the parameter: a gradient or optimizer state (DCP's state init), or model.to(dtype)'s copy
+        if func in LIKE or func is aten._to_copy.default:
+            a, kwargs = args[0], kwargs or {}
+            return Absent(a.shape, kwargs.get("dtype") or a.dtype, kwargs.get("device") or a.device, a.param_name,
+                          a.holders)
         if func is aten.copy_.default and isinstance(args[1], Absent):
             return args[0]
         what = next(a for a in args if isinstance(a, Absent))

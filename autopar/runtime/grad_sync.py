@@ -24,6 +24,7 @@ holds ``p.grad`` plus the new gradient, and the sum replaces ``p.grad``).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,7 +66,8 @@ class _Bucket:
 
     def slot(self, i: int) -> torch.Tensor:
         if self.buffer is None:  # allocated per backward: no memory held between steps
-            self.buffer = torch.empty(self.numel, dtype=self.dtype, device=local_of(self.params[0]).device)
+            dtype = self.dtype or functools.reduce(torch.promote_types, [p.dtype for p in self.params])
+            self.buffer = torch.empty(self.numel, dtype=dtype, device=local_of(self.params[0]).device)
         return self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]]
 
 
@@ -101,7 +103,7 @@ class GradSync:
         k = len(self.buckets)
         for i, p in enumerate(params):
             self.where[id(p)] = (k, i)
-        self.buckets.append(_Bucket(params, self.reduce_dtype or params[0].dtype))
+        self.buckets.append(_Bucket(params, self.reduce_dtype))
 
     def _before(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
         """The first tensor hook of ``p`` (registered before any of the script's): keeps a copy of an earlier

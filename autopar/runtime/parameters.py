@@ -353,6 +353,7 @@ class ParamStore:
             return
         deferred, sinks = self.pending
         self.pending = None
+        self.buffers.update(self._model().named_buffers(remove_duplicate=False))  # a cast replaced them
         for key in sinks:
             deferred.on_demand.pop(key, None)
         if self.mesh.rank == 0:

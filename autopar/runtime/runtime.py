@@ -28,6 +28,7 @@ from autopar.errors import CaptureError, InputError, PlanError
 from autopar.runtime import norms, optim
 from autopar.runtime.checkpoint import state_dict_post_hook
 from autopar.runtime import executables
+from autopar.runtime.casts import Casts
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.grad_sync import GradSync
@@ -101,6 +102,8 @@ class ParallelRuntime:
                 model.register_state_dict_post_hook(state_dict_post_hook)
                 model.autopar_state_dict_hook = True
         self.buffers = self.store.buffers  # built at the first call with deferred construction
+        self.casts = Casts(model, self.shadow, self.store)
+        """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.plan: Plan | None = None
         self.executables = Executables()
         """Compiled graphs by input signature (autopar/runtime/executables.py)."""
@@ -326,20 +329,20 @@ class ParallelRuntime:
 
     def _find(self, key: Any, leaves: list[Any], split: dict[int, int], sizes: tuple[int, ...]) -> Executable | None:
         """The compiled graph for ``key`` that takes these inputs (a graph with symbolic sizes is checked
-        against this rank's rows of the batch)."""
+        against this rank's rows of the batch), among those captured for the model's dtypes now."""
         rows = sizes[self.mesh.index("batch")] if split else 0
 
         def narrow(x: torch.Tensor, dim: int) -> torch.Tensor:  # (sizes only: a DTensor's narrow would gather)
             x = torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, DTensor) else x
             return x.narrow(dim, 0, rows)
 
-        return self.executables.find(key, lambda: [narrow(x, split[i]) if i in split else x
-                                                   for i, x in enumerate(leaves)])
+        return self.executables.find((self.casts.check(), key), lambda: [narrow(x, split[i]) if i in split else x
+                                                                         for i, x in enumerate(leaves)])
 
     def _keep(self, key: Any, exe: Executable) -> None:
         """Caches a compiled graph; one warning the first time a signature has to go (each new input shape
         then costs a capture)."""
-        if self.executables.keep(key, exe):
+        if self.executables.keep((self.casts.dtypes, key), exe):
             if "evict" not in self._warned and self.mesh.rank == 0:
                 log.warning("autopar: %s was called with more than %d input signatures; the least recently used "
                             "compiled graphs are dropped and captured again when met. Pad inputs to a few lengths "
