@@ -143,7 +143,12 @@ def _causal_nodes(mask: fx.Node, attention: fx.Node, max_elements: int) -> list[
         return None
     if any(n.meta["val"].numel() > max_elements for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)):
         return None  # (the mask is among them)
-    value = _evaluate(nodes)
+    try:
+        value = _evaluate(nodes)
+    except Exception as e:  # noqa: BLE001  (the mask then stays as the model made it: still exact)
+        log.warning("autopar: could not evaluate %s's mask on CPU (%s: %s); it stays a mask", attention.name,
+                    type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+        return None
     allowed = torch.ones(length, keys, dtype=torch.bool).tril()
     if value.dtype == torch.bool:
         causal = torch.equal(value, allowed.expand_as(value))

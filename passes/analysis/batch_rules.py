@@ -243,6 +243,13 @@ class Rules:
             perm[a], perm[b] = perm[b], perm[a]
         return BatchDim(perm.index(bd.dim), bd.factor)
 
+    def complex_view(self, node: fx.Node) -> BatchDim:
+        """``view_as_complex`` drops the trailing (re, im) dim, ``view_as_real`` adds one: rows stay put."""
+        bd, xt = self.bd(node.args[0]), tensor_meta(node.args[0])
+        if bd is None or bd.dim >= xt.dim() - (node.target is aten.view_as_complex.default):
+            raise Gather()
+        return bd
+
     def slice(self, node: fx.Node) -> BatchDim:
         x = node.args[0]
         bd, xt = self.bd(x), tensor_meta(x)
@@ -518,6 +525,7 @@ _HANDLERS: dict[Any, Callable[[Rules, fx.Node], Any]] = {
     aten.expand.default: Rules.expand,
     aten.expand_as.default: Rules.expand,
     **{t: Rules.transpose for t in _TRANSPOSES},
+    **{t: Rules.complex_view for t in (aten.view_as_complex.default, aten.view_as_real.default)},
     aten.slice.Tensor: Rules.slice,
     aten.select.int: Rules.select,
     aten.index.Tensor: Rules.index,

@@ -7,6 +7,11 @@ a tensor split over row or col keeps ``1/row`` or ``1/col`` of its bytes (the ba
 rank's shard in the captured graph). A tensor a consumer re-lays out first (a gather before a
 LayerNorm) is saved in the consumer's layout.
 
+The meta run must take whatever eager takes: each output gets the strides the capture recorded (eager's;
+a kernel picked on meta may lay out otherwise, and the capture drops ``.contiguous()`` calls eager's layout
+made no-ops). An op that still does not run on meta gets stand-ins from its recorded value (what it saves
+is not counted), and a graph the run cannot take at all a shapes-only estimate; either logs one warning.
+
 Segments are the chain the checkpoint solver works on: the graph's nodes in order, cut where the
 owning module moves to another block of a ModuleList (``model.layers.3``); nodes outside any block
 (embeddings, the head, the loss) form segments that are never recomputed. Tensors saved by a segment
@@ -147,6 +152,48 @@ def _meta_inputs(gm: fx.GraphModule) -> list[Any]:
     return out
 
 
+def _first_line(error: Exception) -> str:
+    return str(error).splitlines()[0] if str(error) else ""
+
+
+def _eager_strides(out: Any, val: Any) -> Any:
+    """``out`` with the strides the capture recorded (eager's), as a view of its own storage (counted once).
+
+    A kernel picked on meta may lay its output out otherwise: SDPA's math path, which meta takes where
+    CPU and GPU run a fused kernel, is contiguous where those keep the query's layout, and the capture
+    drops a ``.contiguous()`` that eager's layout made a no-op, so a later ``view`` fails on meta only.
+    """
+    if isinstance(out, (tuple, list)) and isinstance(val, (tuple, list)) and len(out) == len(val):
+        return type(out)([_eager_strides(o, v) for o, v in zip(out, val)])
+    if not isinstance(out, torch.Tensor) or not isinstance(val, torch.Tensor) or out.shape != val.shape:
+        return out
+    stride = tuple(val.stride())
+    if tuple(out.stride()) == stride or not all(type(s) is int for s in (*val.shape, *stride)):
+        return out
+    extent = 1 + sum((size - 1) * st for size, st in zip(val.shape, stride)) if val.numel() else 0
+    if (out.storage_offset() + extent) * out.element_size() > out.untyped_storage().nbytes():
+        return out  # that layout needs more than this storage (out is a broadcast view)
+    return out.as_strided(val.shape, stride, out.storage_offset())
+
+
+def _shape_only(rec: _Recorder, gm: fx.GraphModule) -> None:
+    """The stride-free estimate, for a graph the meta run cannot take at all: every floating-point tensor an
+    op makes (from its recorded value; views excluded) is taken as kept for backward by that op."""
+    rec.saved.clear()
+    rec.producer.clear()
+    rec.largest.clear()
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or getattr(node.target, "is_view", False):
+            continue
+        for t in pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(t, torch.Tensor) and (t.is_floating_point() or t.is_complex()):
+                key = -len(rec.producer) - 1  # not a storage: one key per tensor
+                nbytes = int(t.numel()) * t.element_size()
+                rec.producer[key] = node
+                rec.saved.append((node, key, nbytes, None))
+                rec.largest[node] = max(rec.largest.get(node, 0), nbytes)
+
+
 class _Recorder(fx.Interpreter):
     """Runs the graph on meta tensors; remembers which node produced each storage and who saved what."""
 
@@ -165,6 +212,8 @@ class _Recorder(fx.Interpreter):
         """Bytes of each node's largest output, in the dtype it ran in."""
         self._alive: list[torch.Tensor] = []  # keeps storages (and their keys) alive
         self._subgraphs: dict[int, tuple[fx.GraphModule, fx.GraphModule]] = {}
+        self.failed: list[str] = []
+        """Nodes that did not run on meta (their recorded values stood in), described."""
 
     def fetch_args_kwargs_from_env(self, n: fx.Node) -> tuple[tuple, dict]:
         args, kwargs = super().fetch_args_kwargs_from_env(n)
@@ -211,10 +260,11 @@ class _Recorder(fx.Interpreter):
             for t in pytree.tree_leaves(self.env.get(a)):
                 if isinstance(t, torch.Tensor):
                     self._read.setdefault(_storage_key(t), a)
-        if n.target is _SDPA:
-            out = self._attention(n)
-        else:
-            out = super().run_node(n)
+        try:
+            out = self._attention(n) if n.target is _SDPA else super().run_node(n)
+        except Exception as e:  # noqa: BLE001  (an analysis must not stop a model that runs eagerly)
+            out = self._recorded(n, e)
+        out = _eager_strides(out, n.meta.get("val"))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self.producer.setdefault(_storage_key(t), n)
@@ -222,23 +272,44 @@ class _Recorder(fx.Interpreter):
                 self.largest[n] = max(self.largest.get(n, 0), t.numel() * t.element_size())
         return out
 
+    def _recorded(self, n: fx.Node, error: Exception) -> Any:
+        """Stand-ins for the outputs of a node that does not run on meta, made from the values the capture
+        recorded (shapes, dtypes, eager's strides): the run goes on, without what that op itself saves."""
+        if n.op in ("placeholder", "output"):
+            raise error
+        grad = torch.is_grad_enabled() and any(
+            isinstance(t, torch.Tensor) and t.requires_grad
+            for a in n.all_input_nodes for t in pytree.tree_leaves(self.env.get(a)))
+
+        def fresh(v: torch.Tensor) -> torch.Tensor:
+            t = torch.empty_strided(v.shape, v.stride(), dtype=v.dtype, device="meta")
+            return t.requires_grad_(grad and (t.is_floating_point() or t.is_complex()))
+        self.failed.append(f"{n.name} ({n.target}: {type(error).__name__}: {_first_line(error)})")
+        return pytree.tree_map_only(torch.Tensor, fresh, n.meta.get("val"))
+
     def _attention(self, n: fx.Node) -> Any:
         """SDPA on meta takes the math path, which keeps the attention matrix; on CPU and GPU fused
-        kernels run and keep only q, k, v, the output and the row log-sum-exp. Run the CPU one."""
+        kernels run and keep only q, k, v, the output and the row log-sum-exp. Run the CPU one (which, as
+        eager picks it, also takes grouped-query k and v with fewer heads, ``enable_gqa``)."""
         args, kwargs = self.fetch_args_kwargs_from_env(n)
         params = dict(zip(("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa"), args[3:]), **kwargs)
         mask = params.get("attn_mask")
-        if params.get("enable_gqa") or (isinstance(mask, torch.Tensor) and mask.requires_grad):
-            return super().run_node(n)  # the math path runs for these on CPU too
+        if isinstance(mask, torch.Tensor) and mask.requires_grad:
+            return super().run_node(n)  # the math path runs for this on CPU too
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             source = self._read.get(_storage_key(mask))
             mask = mask.to(args[0].dtype)  # the kernel turns a boolean mask into an additive one, and keeps it
             self._alive.append(mask)
             if source is not None:  # laid out as the mask (not split by heads)
                 self.layout_source[_storage_key(mask)] = source
-        out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            *args[:3], params.get("dropout_p", 0.0), params.get("is_causal", False),
-            attn_mask=mask, scale=params.get("scale"))
+        try:
+            out, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                *args[:3], params.get("dropout_p", 0.0), params.get("is_causal", False),
+                attn_mask=mask, scale=params.get("scale"))
+        except RuntimeError:
+            if not params.get("enable_gqa"):
+                raise
+            return super().run_node(n)  # a torch whose CPU kernel takes no grouped-query k/v: eager's math path
         return out
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
@@ -259,8 +330,17 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     seg_of = segment_names(gm)
     three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
     rec = _Recorder(gm, compute_dtype, three_d)
-    with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
-        rec.run(*_meta_inputs(gm))
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
+            rec.run(*_meta_inputs(gm))
+    except Exception as e:  # noqa: BLE001  (an estimate must not stop a model that runs eagerly)
+        _shape_only(rec, gm)
+        log.warning("autopar: the memory estimate could not run %s on meta (%s: %s); it counts every tensor an "
+                    "op makes as kept (shapes only)", type(gm).__name__, type(e).__name__, _first_line(e))
+    else:
+        if rec.failed:
+            log.warning("autopar: the memory estimate could not run %s on meta; it uses the recorded shapes of "
+                        "%d op(s) instead (what they save is not counted)", rec.failed[0], len(rec.failed))
     params = {node for node in gm.graph.nodes if param_name(node) is not None}
 
     order = ["<shared>", *dict.fromkeys(seg_of[n] for n in gm.graph.nodes if n in seg_of)]

@@ -1,0 +1,111 @@
+"""estimate_memory's meta run on graphs eager runs: it sees eager's strides, and an op it cannot run
+degrades the estimate with one log line instead of stopping the plan (and the training that needs it)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
+from autopar.compat import pytree
+from autopar.config import ParallelConfig
+from autopar.examples.titan_llama import TitanLlama, TitanLlamaArgs
+from passes.analysis import estimate_memory as em
+from passes.analysis.batch_dims import analyze_batch
+from passes.analysis.make_plan import make_plan
+
+aten = torch.ops.aten
+LOGGER = "passes.analysis.estimate_memory"
+
+
+def _captured(config: ParallelConfig, **args):
+    torch.manual_seed(0)
+    model = TitanLlama(TitanLlamaArgs(**args))
+    leaves, spec = pytree.tree_flatten(((torch.randint(0, 96, (4, 16)),), {}))
+    split, batch = split_batch_leaves(leaves, config.num_batch_shards)
+    cap = capture_shard(meta_shadow(model), leaves, spec, split, config.batch_sizes(batch) if split else (), 0,
+                        requires_grad={n: True for n, _ in model.named_parameters()})
+    return cap.gm, make_plan(cap.gm, config)
+
+
+def _warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == LOGGER and r.levelno >= logging.WARNING]
+
+
+@pytest.mark.parametrize("args", [{}, {"fuse_qkv": False, "enable_gqa": False, "token_major": True}],
+                         ids=["enable_gqa", "repeat_kv"])
+def test_estimate_memory_sees_eager_strides_after_attention(args, caplog):
+    # The capture keeps SDPA's output in the query's layout (CPU's fused kernel) and drops the model's
+    # ``.contiguous()`` before ``.view(bs, seqlen, -1)``; meta's SDPA is contiguous, so the view failed there.
+    gm, plan = _captured(ParallelConfig(data=2, row=2), **args)
+    sdpa = next(n for n in gm.graph.nodes if n.target is aten.scaled_dot_product_attention.default)
+    assert sdpa.meta["val"].transpose(1, 2).is_contiguous()  # eager's layout: (B, L, N, H) in memory
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        profile = em.estimate_memory(gm, plan)
+    assert _warnings(caplog) == []  # every op ran: nothing degraded
+    blocks = [s for s in profile.segments if s.checkpointable]
+    assert len(blocks) == 2 and all(s.saved_bytes > 0 for s in blocks)
+
+
+def _math_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    """SDPA's math path: contiguous output whatever the query's layout (meta's SDPA before torch picked
+    a kernel per device; the estimate ran it for ``enable_gqa``)."""
+    return aten._scaled_dot_product_attention_math(q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale,
+                                                   enable_gqa=enable_gqa)[0]
+
+
+def test_an_op_whose_meta_kernel_lays_out_otherwise_gets_eager_strides(caplog):
+    gm, plan = _captured(ParallelConfig(data=2, row=2))
+    for n in gm.graph.nodes:
+        if n.target is aten.scaled_dot_product_attention.default:
+            n.target = _math_attention  # its recorded value keeps eager's (query's) layout
+    gm.recompile()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        em.estimate_memory(gm, plan)  # the view after it raised on meta before the strides were restored
+    assert _warnings(caplog) == []
+
+
+def _fails_on_meta(x: torch.Tensor) -> torch.Tensor:
+    if x.device.type == "meta":
+        raise NotImplementedError("no meta kernel")
+    return torch.nn.functional.silu(x)
+
+
+def test_a_node_the_estimate_cannot_run_degrades_with_one_log_line(caplog):
+    gm, plan = _captured(ParallelConfig(data=1, row=2))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        whole = em.estimate_memory(gm, plan)
+    silus = [n for n in gm.graph.nodes if n.target is aten.silu.default]
+    for n in silus:
+        n.target = _fails_on_meta
+    gm.recompile()
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        degraded = em.estimate_memory(gm, plan)  # raised NotImplementedError before the fallback
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and silus[0].name in lines[0] and f"of {len(silus)} op(s)" in lines[0], lines
+    # The stand-ins carry the recorded shapes and gradients on: only what the silus save goes uncounted.
+    saved = [s.saved_bytes for s in whole.segments], [s.saved_bytes for s in degraded.segments]
+    assert all(0 < d <= w for w, d in zip(*saved) if w) and saved[0] != saved[1]
+    assert degraded.static_bytes == whole.static_bytes
+
+
+def test_a_graph_the_meta_run_cannot_take_gets_the_shape_only_estimate(caplog, monkeypatch):
+    gm, plan = _captured(ParallelConfig(data=1, row=2))
+
+    def broken(_gm):
+        raise RuntimeError("cannot make the inputs")
+    monkeypatch.setattr(em, "_meta_inputs", broken)
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        profile = em.estimate_memory(gm, plan)
+    lines = _warnings(caplog)
+    assert len(lines) == 1 and "shapes only" in lines[0] and "cannot make the inputs" in lines[0]
+    assert all(s.saved_bytes > 0 for s in profile.segments if s.checkpointable)
+
+
+def test_rotary_complex_views_keep_the_batch_split():
+    # view_as_complex / view_as_real of (B, T, N, H/2, 2): rows stay in dim 0; a gather there ran the
+    # rest of the attention on the whole batch, against sizes captured for this rank's rows.
+    gm, _ = _captured(ParallelConfig(data=2))
+    assert not analyze_batch(gm).gathers
