@@ -13,7 +13,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
     python -m benchmarks
     python -m benchmarks --models llama --world-sizes 2 4 --grids t2x1x1 p2 --steps 10
     python -m benchmarks --size small --models gpt2     # GPT-2 124M (heavy on CPU: meant for GPUs)
-    python -m benchmarks --readme                        # also rewrites README.md's results section
+    python -m benchmarks --readme                        # also rewrites docs/benchmarks.md's results section
     python -m benchmarks --inference                     # generate() latency (benchmarks/inference.py)
 """
 
@@ -125,11 +125,15 @@ def run_job(model: str, world: int, systems: list[str], args: argparse.Namespace
     return job
 
 
+#: The document whose results section ``--readme`` rewrites (the README links to it).
+RESULTS_DOC = ROOT / "docs" / "benchmarks.md"
+
+
 def _update_readme(text: str, command: str) -> None:
-    path = ROOT / "README.md"
+    path = RESULTS_DOC
     readme = path.read_text()
     if README_BEGIN not in readme or README_END not in readme:
-        raise SystemExit(f"README.md has no {README_BEGIN} ... {README_END} section to rewrite")
+        raise SystemExit(f"{path.relative_to(ROOT)} has no {README_BEGIN} ... {README_END} section to rewrite")
     head, rest = readme.split(README_BEGIN, 1)
     tail = rest.split(README_END, 1)[1]
     path.write_text(f"{head}{README_BEGIN}\n{text}{README_END}{tail}")
@@ -160,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
     p.add_argument("--timeout", type=int, default=1800, help="seconds per job")
-    p.add_argument("--readme", action="store_true", help="rewrite README.md's benchmark section")
+    p.add_argument("--readme", action="store_true", help="rewrite docs/benchmarks.md's results section")
     args = p.parse_args(argv)
     if args.steps < 1 or args.warmup < 0:
         p.error("--steps must be at least 1 and --warmup at least 0")
@@ -188,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                                                       indent=1))
     written = report.plots(jobs, args.out)
     if args.readme:
-        images = "".join(f"\n![{w.stem}]({w.relative_to(ROOT)})" for w in written if w.is_relative_to(ROOT))
+        images = "".join(f"\n![{w.stem}]({os.path.relpath(w, RESULTS_DOC.parent)})" for w in written
+                         if w.is_relative_to(ROOT))
         _update_readme(text + images + ("\n" if images else ""), command)
     print(text)
     print(f"written: {', '.join(str(x) for x in [args.out / 'table.md', args.out / 'results.json', *written])}")
