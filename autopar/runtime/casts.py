@@ -27,7 +27,6 @@ from autopar.errors import ParameterError
 from autopar.runtime.parameters import ParamStore, local_of
 
 
-
 class Casts:
     """The dtypes of one parallel model's parameters and buffers, as its graphs were captured for."""
 
