@@ -291,7 +291,7 @@ def too_big_for_data_parallel(roots: list[nn.Module], memory: MemoryConfig, at_f
 
 def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
                  pipe: PipelineConfig) -> tuple[ParallelConfig, PipelineConfig]:
-    """plan="auto": the best grid for the block's model (``autopar.plan.choose_grid``), rank 0's choice on
+    """plan="auto": the best grid for the block's model (``autopar.search.choose_grid``), rank 0's choice on
     every rank; the degrees the user gave stay."""
     if len(roots) > 1:
         raise ContextError(f"plan='auto' with example_inputs chooses one grid for one model; the block built "
@@ -304,9 +304,10 @@ def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str,
 
 def _agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: int | None, given: dict[str, int],
                    memory: MemoryConfig, pipe: PipelineConfig, group: Any) -> tuple[ParallelConfig, PipelineConfig]:
-    """Rank 0's search (``autopar.plan.choose_grid``) for one global batch (``rows``: its rows, where the call
+    """Rank 0's search (``autopar.search.choose_grid``) for one global batch (``rows``: its rows, where the call
     holds one rank's), broadcast: every rank runs the same grid, or raises rank 0's error."""
-    from autopar.plan import choose_grid, why_slower
+    from autopar.search import choose_grid
+    from passes.analysis.search_plans import why_slower
 
     world = dist.get_world_size()
     box: list[Any] = [None]

@@ -52,7 +52,7 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
                ) -> dict[str, float | None]:
     """What ``python -m autopar.trace`` predicts for this rank: bytes sent per step, and the step time
     under this machine's calibrated rates."""
-    from autopar.trace import plan_model
+    from autopar.planner import plan_model
 
     grid = parse_grid(system.split(":", 1)[1], ctx.world)
     with torch.device("meta"):
@@ -69,7 +69,7 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
 def _preload(bm: BenchModel, device: torch.device) -> None:
     """Imports and the first collective's setup, before any memory baseline: no system pays for them."""
     for name in ("torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
-                 "autopar.trace"):
+                 "autopar.planner"):
         importlib.import_module(name)
     with torch.device("meta"):
         bm.build()  # imports the model's modules (transformers)

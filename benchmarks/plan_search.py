@@ -28,7 +28,7 @@ def _build(case: str):  # noqa: ANN202  (a model and its meta inputs)
 
     from autopar.examples import zoo
     from autopar.examples.fc_net import FC_Net
-    from autopar.trace import meta_inputs
+    from autopar.model_file import meta_inputs
 
     with torch.device("meta"):
         if case == "fc_net-100-layers":
@@ -40,7 +40,7 @@ def _build(case: str):  # noqa: ANN202  (a model and its meta inputs)
 
 
 def run_case(case: str, exhaustive: bool) -> dict:
-    from autopar.plan import load_machine, search
+    from autopar.search import load_machine, search
 
     spec = CASES[case]
     machine = load_machine(spec["hardware"])

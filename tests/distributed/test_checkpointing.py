@@ -13,7 +13,7 @@ import torch.utils.checkpoint
 from autopar.compat import TorchDispatchMode
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.trace import plan_model
+from autopar.planner import plan_model
 from tests import zoo_helpers as Z
 
 LAYERS = 4

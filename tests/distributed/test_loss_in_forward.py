@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.config import ParallelConfig
 from autopar.context import runtime_of
-from autopar.trace import plan_model
+from autopar.planner import plan_model
 from autopar.examples import zoo
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from tests.helpers import rel_err

@@ -20,7 +20,7 @@ from autopar.config import ParallelConfig
 from autopar.context import runtime_of
 from autopar.runtime.parameters import local_of
 from autopar.examples.fc_net import FC_Net
-from autopar.trace import plan_model
+from autopar.planner import plan_model
 from tests.helpers import SMALL, batches, rel_err, serial_run
 
 TOL = 1e-5

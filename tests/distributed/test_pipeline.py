@@ -205,7 +205,7 @@ def test_pipeline_stages_run_under_autocast_like_data_parallel(precision, distri
 
 def _pipeline_bytes_worker(cases: list[tuple]) -> list[tuple[str, dict, dict]]:
     """Per case: (case, bytes by kind this rank sent in its second train_step, what the trace predicts)."""
-    from autopar.trace import plan_model
+    from autopar.planner import plan_model
 
     out = []
     for name, tensor, data, pipe in cases:
@@ -265,7 +265,7 @@ def test_a_pipeline_rank_recomputes_for_its_own_stages_memory(distributed):
     block is recomputed (the runtime used to plan every rank against the whole model's memory)."""
     from autopar.config import ParallelConfig
     from autopar.examples.fc_net import FC_Net
-    from autopar.trace import plan_model
+    from autopar.planner import plan_model
 
     with torch.device("meta"):
         model = FC_Net(num_layers=4, hidden=256, image_size=16)

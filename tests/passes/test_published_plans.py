@@ -32,7 +32,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.plan import load_machine, score, search
+from autopar.search import load_machine, score, search
 from passes.analysis.search_plans import candidates
 
 transformers = pytest.importorskip("transformers")

@@ -12,7 +12,7 @@ from autopar.capture import capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
 from autopar.runtime.binding import retarget_device
-from autopar.trace import plan_model
+from autopar.planner import plan_model
 from passes.ir import InputKind, input_info
 from passes.split_stages import split_stages
 

@@ -36,7 +36,7 @@ def test_bf16_halves_what_matmuls_and_attention_keep():
     import torch
 
     from autopar.config import ParallelConfig
-    from autopar.trace import plan_model
+    from autopar.planner import plan_model
 
     with torch.device("meta"):
         model = zoo.build_model("llama", layers=4)

@@ -6,7 +6,8 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.trace import main, plan_model
+from autopar.planner import plan_model
+from autopar.trace import main
 
 
 def _plan(name: str, pipeline: int, repeat: bool = True, layers: int = 8):

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.plan import BUILT_IN, load_machine
-from autopar.trace import plan_model
+from autopar.search import BUILT_IN, load_machine
+from autopar.planner import plan_model
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import (Candidate, Scored, StepTime, candidates, plan_seconds, rank_plans, step_seconds,
                                          why_slower)
@@ -277,7 +277,7 @@ def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
     """Planning only the closed-form screen's best few grids (search_plans.screen) gives the best plan that
     planning every grid gives, on FC_Net and a tiny Llama (mutation: a screen without the pipelines'
     sends keeps four pipelines on an H100 and drops the tiny Llama's best, data 8)."""
-    from autopar.plan import load_machine, search
+    from autopar.search import load_machine, search
 
     machine = load_machine(hardware)
     cases = fc_net_and_tiny_llama()
@@ -324,7 +324,7 @@ def test_a_pipeline_is_scored_by_its_slowest_rank():
     """plan_model(rank=SLOWEST) reports the pipeline rank whose stages compute most, not rank 0 (which
     may hold the embedding alone: it computed no matmul, and made every pipeline look fast)."""
     from autopar.examples import zoo
-    from autopar.trace import SLOWEST
+    from autopar.planner import SLOWEST
 
     with torch.device("meta"):
         llama = zoo.build_model("llama", layers=8)
@@ -357,7 +357,7 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     capture without its own split (the first grid's BatchInfo) changes the uneven grids' scores."""
     from autopar import trace
     from autopar.examples import zoo
-    from autopar.plan import score
+    from autopar.search import score
 
     machine = load_machine("h100-80gb")
     with torch.device("meta"):
@@ -387,7 +387,7 @@ def test_the_search_leaves_the_garbage_collector_as_it_found_it():
     leaving them frozen would keep every object alive till the process ends."""
     import gc
 
-    from autopar.plan import search
+    from autopar.search import search
 
     with torch.device("meta"):
         model = MLP()
@@ -411,8 +411,8 @@ def test_a_pipeline_fits_when_its_fullest_rank_does():
     memory, as the search did, says it fits; BLOOM's published grid then fitted 80 GB on paper while its
     first rank needed 88 GiB)."""
     from autopar.examples.fc_net import FC_Net
-    from autopar.plan import score
-    from autopar.trace import SLOWEST
+    from autopar.search import score
+    from autopar.planner import SLOWEST
 
     with torch.device("meta"):
         model = FC_Net(num_layers=3, hidden=256, image_size=28)
@@ -469,7 +469,7 @@ def test_while_no_planned_grid_fits_the_search_plans_the_next_ones(monkeypatch):
     """The screen prices parameters, not activations, so under tight memory its best grids may all not
     fit where later ones do: the search then plans the screen's next grids, ROUNDS x keep in all
     (mutation: one round reports no fitting grid for FC_Net on 8 ranks with ~18 MiB per device)."""
-    import autopar.plan as P
+    import autopar.search as P
     from autopar.examples.fc_net import FC_Net
 
     with torch.device("meta"):
@@ -491,7 +491,7 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
     any recomputation keeps) is never above what planning the grid finds with every block recomputed,
     over every grid of 8 ranks for FC_Net and a tiny Llama (mutation: activations not split over the
     tensor ranks exceed it on tensor grids), and counts activations (more than the static bytes)."""
-    from autopar.plan import score
+    from autopar.search import score
     from passes.analysis.search_plans import screen, shape_of
 
     h100 = load_machine("h100-80gb")
