@@ -7,6 +7,8 @@ per step, and the loss at every step. It writes, under ``--out``: one JSON file 
 (the tables, autopar's ratios to every peer, where autopar is slower than the peer with the same plan,
 and the checks), ``step_time.png`` and ``memory.png``. It exits with 1 when a check fails: a loss that
 left serial's, autopar's bytes unequal to its own count or to the trace's prediction, a job that died.
+``--out`` (default ``benchmarks/results/``) is not committed; ``--readme`` copies the plots the doc shows to
+``docs/images/``.
 
 The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
 
@@ -25,6 +27,7 @@ import json
 import os
 import platform
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +130,8 @@ def run_job(model: str, world: int, systems: list[str], args: argparse.Namespace
 
 #: The document whose results section ``--readme`` rewrites (the README links to it).
 RESULTS_DOC = ROOT / "docs" / "benchmarks.md"
+IMAGES = ROOT / "docs" / "images"
+"""Where ``--readme`` puts the plots the doc shows (committed with it)."""
 
 
 def _update_readme(text: str, command: str) -> None:
@@ -191,9 +196,10 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "results.json").write_text(json.dumps({"command": command, "machine": machine(), "jobs": jobs},
                                                       indent=1))
     written = report.plots(jobs, args.out)
-    if args.readme:
-        images = "".join(f"\n![{w.stem}]({os.path.relpath(w, RESULTS_DOC.parent)})" for w in written
-                         if w.is_relative_to(ROOT))
+    if args.readme:  # results are not committed (benchmarks/results/ is ignored): the doc's plots go with the doc
+        IMAGES.mkdir(exist_ok=True)
+        shown = [Path(shutil.copy(w, IMAGES / f"benchmarks-{w.name}")) for w in written]
+        images = "".join(f"\n![{w.stem}]({os.path.relpath(w, RESULTS_DOC.parent)})" for w in shown)
         _update_readme(text + images + ("\n" if images else ""), command)
     print(text)
     print(f"written: {', '.join(str(x) for x in [args.out / 'table.md', args.out / 'results.json', *written])}")
