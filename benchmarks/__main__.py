@@ -17,6 +17,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
     python -m benchmarks --size small --models gpt2     # GPT-2 124M (heavy on CPU: meant for GPUs)
     python -m benchmarks --readme                        # also rewrites docs/benchmarks.md's results section
     python -m benchmarks --inference                     # generate() latency (benchmarks/inference.py)
+    python -m benchmarks --simulate 4                    # rank 0 of 4-rank grids on this one device
 """
 
 from __future__ import annotations
@@ -146,6 +147,10 @@ def _update_readme(text: str, command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--simulate" in argv:  # one rank of W on this device: benchmarks/simulate.py
+        from benchmarks import simulate
+
+        return simulate.main(argv)
     if "--inference" in argv:  # generate() latency: benchmarks/inference.py
         from benchmarks import inference
 

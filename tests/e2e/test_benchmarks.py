@@ -80,3 +80,24 @@ def test_inference_benchmark_times_every_system_with_serial_tokens(tmp_path):
         assert 0 < s["warm_per_token_s"] and 0 < s["cold_first_token_s"] and 0 < s["new_length_first_token_s"]
     table = (tmp_path / "inference.md").read_text()
     assert "| llama | 2 | autopar:t2x1x1 |" in table and table in done.stdout
+
+
+@pytest.mark.slow
+def test_simulate_times_one_rank_of_each_grid_on_this_device(tmp_path):
+    """``--simulate 4``: the serial step and rank 0 of two grids under torch's fake process group, each with
+    its kernels per step and the planner's predicted compute; a rank of 4 does less work than serial."""
+    out = tmp_path / "simulate.json"
+    done = _bench("--simulate", "4", "--size", "tiny", "--grids", "t4x1x1", "d4", "--repeats", "1", "--device", "cpu",
+                  "--no-compile", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"serial", "t4x1x1", "d4"}
+    for r in rows.values():
+        assert r["ms"] > 0 and r["kernels"] > 0 and r["predicted_ms"] > 0, r
+    assert rows["t4x1x1"]["predicted_ms"] < rows["serial"]["predicted_ms"]
+    assert "vs serial/4" in done.stdout
+
+
+def test_simulate_rejects_a_grid_of_another_world():
+    done = _bench("--simulate", "4", "--grids", "t2x1x1-d1", "--device", "cpu")
+    assert done.returncode == 2 and "needs 2 ranks" in done.stderr

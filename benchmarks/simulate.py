@@ -1,0 +1,178 @@
+"""``python -m benchmarks --simulate W``: one rank's training step of W-rank grids, on this one device.
+
+Each grid's rank 0 runs under torch's fake process group (backend "fake": every collective is a no-op),
+so its step is that rank's own compute plus autopar's overhead: what this device spends per step as one of
+W ranks, before any communication. The model is ``autopar.examples.gpu_check``'s HF Llama, trained as a
+script does (AdamW, HF's ``labels=`` loss, the script's bf16 autocast). Rows: the serial model (whole
+model, whole batch), the serial model under ``torch.compile``, and each grid's rank 0, each in a child
+process (a process has one default process group). Columns:
+
+- step ms (median of ``--repeats`` after two warm-up steps), kernels per step (CUDA kernels; on the CPU,
+  the aten ops called from Python), peak MiB (CUDA);
+- the step against serial / W and compiled serial / W (the ideal split of the work);
+- the planner's predicted compute for that rank (matmuls, elementwise work, per-op overhead and the
+  optimizer update, ``passes.analysis.search_plans.plan_seconds`` on ``autopar.search.local_machine``).
+
+    python -m benchmarks --simulate 4                        # CUDA if there is one, else the CPU
+    python -m benchmarks --simulate 4 --size tiny --grids t4x1x1 t2x2x1 --repeats 3 --device cpu
+
+A simulated rank's losses are not the model's (its collectives did nothing): only times and counts mean
+something. Absolute times are this machine's; compare rows of one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.examples.gpu_check import AUTOCAST, BATCH, SIZES, batches, build_llama, measure, pick_device
+from benchmarks.systems import parse_grid
+
+SERIAL, COMPILED = "serial", "compiled"
+
+
+def default_grids(world: int) -> list[str]:
+    """Each 1-D tensor grid, data parallelism, and a 2x2 tensor grid where the world has one."""
+    grids = [f"t{world}x1x1", f"t1x{world}x1", f"t1x1x{world}", f"d{world}"]
+    if world % 4 == 0 and world > 4:
+        grids.append(f"t2x2x1-d{world // 4}")
+    elif world == 4:
+        grids.append("t2x2x1")
+    return grids
+
+
+def child(args: argparse.Namespace) -> dict[str, Any]:
+    """One row, in this (child) process: the serial model, compiled or not, or a grid's rank 0."""
+    from autopar.compat import fake_store
+
+    device = pick_device(args.device)
+    ids = batches(args.size, 1)[0].to(device)
+    torch.manual_seed(0)
+    if args.child in (SERIAL, COMPILED):
+        model = build_llama(args.size).to(device)
+        return measure(torch.compile(model) if args.child == COMPILED else model, ids, device, args.repeats)
+    import autopar
+
+    grid = parse_grid(args.child, args.world)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
+    with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline):
+        model = build_llama(args.size)
+    model.to(device)
+    return measure(model, ids, device, args.repeats)
+
+
+def predicted_ms(size: str, grid_text: str, world: int) -> float | None:
+    """The planner's compute (+ optimizer update) for the grid's slowest rank, in ms; None if it fails."""
+    from autopar.search import local_machine, score
+    from passes.analysis.search_plans import Candidate
+
+    grid = parse_grid(grid_text, world) if grid_text != SERIAL else parse_grid("d1", 1)
+    with torch.device("meta"):
+        model = build_llama(size)
+    b, s = BATCH[size]
+    ids = torch.empty(b, s, dtype=torch.long, device="meta")
+    candidate = Candidate(grid.data, grid.pipeline, *grid.tensor, microbatches=grid.pipeline)
+    scored = score(model, (ids,), candidate, local_machine(world if grid_text != SERIAL else 1),
+                   precision="bf16" if AUTOCAST is torch.bfloat16 else "fp16", kwargs={"labels": ids})
+    if scored.time is None:
+        return None
+    return (scored.time.compute + scored.time.optimizer) * 1e3
+
+
+def run_row(args: argparse.Namespace, grid: str) -> dict[str, Any]:
+    cmd = [sys.executable, "-m", "benchmarks.simulate", "--child", grid, "--world", str(args.world),
+           "--size", args.size, "--device", args.device, "--repeats", str(args.repeats)]
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": f"timed out after {args.timeout:.0f} s"}
+    if done.returncode != 0:
+        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
+        return {"error": tail[0][:120]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def table(rows: list[dict[str, Any]], world: int, header: str) -> str:
+    serial = next((r["ms"] for r in rows if r["row"] == SERIAL and "ms" in r), None)
+    compiled = next((r["ms"] for r in rows if r["row"] == COMPILED and "ms" in r), None)
+    cols = ("row", "step ms", "kernels/step", "peak MiB", f"vs serial/{world}", f"vs compiled/{world}",
+            "predicted compute ms")
+    body = []
+    for r in rows:
+        if "error" in r:
+            body.append((r["label"], f"failed: {r['error']}", "", "", "", "", ""))
+            continue
+        per_rank = r["row"] not in (SERIAL, COMPILED)
+        body.append((r["label"], f"{r['ms']:.1f}", str(r["kernels"]),
+                     f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "",
+                     f"{r['ms'] / (serial / world):.2f}x" if per_rank and serial else "",
+                     f"{r['ms'] / (compiled / world):.2f}x" if per_rank and compiled else "",
+                     f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else ""))
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([header, "", line(cols), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks --simulate", description=__doc__.splitlines()[0])
+    p.add_argument("--world", "--simulate", dest="world", type=int, default=4, help="simulated world size W")
+    p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: small on CUDA, tiny on the CPU")
+    p.add_argument("--grids", nargs="+", default=None, metavar="GRID",
+                   help="autopar grids as python -m benchmarks takes them (t<row>x<col>x<depth>, d<data>, p<pipeline>)")
+    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per row (median)")
+    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile row (slow to compile)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds for each row's child process")
+    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    device = pick_device(args.device)
+    args.device = device.type
+    args.size = args.size or ("small" if device.type == "cuda" else "tiny")
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    if args.child is not None:
+        print(json.dumps(child(args)))
+        return 0
+    if args.world < 2:
+        p.error("--simulate takes a world size of at least 2")
+    grids = args.grids or default_grids(args.world)
+    for g in grids:
+        try:
+            parse_grid(g, args.world)
+        except ValueError as e:
+            p.error(str(e))
+    rows = [(SERIAL, "serial (whole model, whole batch)")]
+    rows += [] if args.no_compile else [(COMPILED, "serial, torch.compile")]
+    rows += [(g, f"autopar {g}, rank 0") for g in grids]
+    out = []
+    for key, label in rows:
+        got = {"row": key, "label": label, **run_row(args, key)}
+        if key != COMPILED:
+            try:
+                got["predicted_ms"] = predicted_ms(args.size, key, args.world)
+            except Exception as e:  # the prediction is a column; a failure shows as an empty cell
+                got["predicted_error"] = str(e).splitlines()[0][:120]
+        out.append(got)
+        print(f"  {label}: {got.get('ms', got.get('error'))}", file=sys.stderr, flush=True)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    hidden, layers = SIZES[args.size][:2]
+    header = (f"simulated rank 0 of {args.world} ranks on one {name} (torch {torch.__version__}): {args.size} Llama "
+              f"(hidden {hidden}, {layers} layers), batch {BATCH[args.size][0]}x{BATCH[args.size][1]}, bf16 autocast")
+    print(table(out, args.world, header))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"world": args.world, "size": args.size, "device": name, "rows": out}, f, indent=1)
+    return 1 if any("error" in r for r in out) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
