@@ -27,10 +27,12 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
-from autopar.compat import FakeTensorMode, fx_without_stack_traces, pytree
+from autopar import patches
+from autopar.compat import (FakeTensorMode, deregister_pytree_nodes, fx_without_stack_traces, pytree,
+                            pytree_node_types)
 from autopar.errors import CaptureError, InputError
 from passes.causal_attention import causal_attention
-from passes.ir import BatchInfo, InputInfo, InputKind, Sharding
+from passes.ir import BatchInfo, InputInfo, InputKind, Sharding, record_graph_info
 
 log = logging.getLogger(__name__)
 _warned = threading.local()
@@ -268,7 +270,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         else:
             info = InputInfo(kind, spec.target, False)
         node.meta["autopar"] = info
-    gm.meta["autopar_batch"] = batch
+    record_graph_info(gm, batch=batch)
     accepts = _acceptor(ep) if dynamic else None
     return Captured(gm, in_spec, ep.call_spec.out_spec, tuple(user_leaves), dict(ep.constants), accepts)
 
@@ -315,8 +317,8 @@ def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
         yield
         return
     if not shadow.training:
-        register_hf_caches(shadow)
-        yield
+        with hf_caches_registered(shadow):
+            yield
         return
     if not getattr(_warned, "cache", False):
         _warned.cache = True
@@ -336,17 +338,51 @@ def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
 
 
 def register_hf_caches(model: nn.Module) -> None:
-    """Registers HF's key/value cache classes as pytrees (HF's own helper, as its exporter does): a cache
-    passed in (``generate`` passes ``past_key_values=DynamicCache()``) is then tensors autopar can
-    capture and split, not an opaque input that fails the export. Nothing for other models."""
+    """Registers HF's key/value cache classes as pytrees (HF's own helper, as its exporter does) for as long as
+    a parallel model lives (``autopar.patches``): a cache passed in (``generate`` passes
+    ``past_key_values=DynamicCache()``) is then tensors autopar can capture and split, not an opaque input
+    that fails the export. Nothing for other models."""
+    name = _hf_caches_name(model)
+    if name is not None:
+        patches.install(name, lambda: _register_hf_caches(model))
+
+
+@contextlib.contextmanager
+def hf_caches_registered(model: nn.Module) -> Iterator[None]:
+    """``register_hf_caches`` for the length of a capture only (the trace's, the plan search's), unless a
+    parallel model keeps them registered."""
+    name = _hf_caches_name(model)
+    if name is None or patches.installed(name):
+        yield
+        return
+    undo = _register_hf_caches(model)
+    try:
+        yield
+    finally:
+        undo()
+
+
+def _hf_caches_name(model: nn.Module) -> str | None:
     transformers = sys.modules.get("transformers")
     if transformers is None or not isinstance(model, getattr(transformers, "PreTrainedModel", ())):
-        return
+        return None
+    return f"HF cache classes as pytrees ({type(model).__module__})"
+
+
+def _register_hf_caches(model: nn.Module) -> Callable[[], None]:
     try:
         from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
     except ImportError:  # older transformers: the export then fails with a clear CaptureError
-        return
+        return lambda: None
+    before = pytree_node_types()
     register_cache_pytrees_for_model(model)
+    added = pytree_node_types() - before  # (classes registered before stay)
+
+    def undo() -> None:
+        if not deregister_pytree_nodes(added):
+            log.debug("autopar: HF's cache classes stay registered as pytrees (torch's C++ pytree holds them)")
+
+    return undo
 
 
 def is_cache_type(t: type | None) -> bool:

@@ -52,13 +52,15 @@ from torch.fx.experimental import symbolic_shapes
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
-    "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "DTensorSpec", "FakeTensorMode", "OpOverload",
-    "StridedShard", "TensorMeta", "TorchDispatchMode", "all_gather_into", "buffer_slots",
-    "disabled_torch_function_impl", "dtensor_op_handlers", "dtensor_spec", "fake_store", "flatten_mesh",
-    "fx_without_stack_traces", "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass",
-    "op_schema", "parameter_slots", "pytree", "queue_backward_callback", "reattach_tensor_hooks",
-    "reduce_scatter_into", "register_fx_builtin", "resolve_process_group", "schedule_action_types", "select_split",
-    "set_dtensor_spec", "set_local_tensor", "size_hint", "storage_key", "tensor_hooks", "version_of",
+    "all_gather_into", "buffer_slots", "deregister_pytree_nodes", "disabled_torch_function_impl",
+    "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "dtensor_op_handlers", "dtensor_spec",
+    "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
+    "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
+    "OpOverload", "optimizer_global_hooks", "parameter_slots", "post_accumulate_grad_hooks", "pytree",
+    "pytree_node_types", "queue_backward_callback", "reattach_tensor_hooks", "reduce_scatter_into",
+    "register_fx_builtin", "resolve_process_group", "schedule_action_types", "select_split", "set_dtensor_spec",
+    "set_local_tensor", "size_hint", "storage_key", "StridedShard", "tensor_hooks", "TensorMeta", "TorchDispatchMode",
+    "version_of"
 ]
 
 # --- symbolic shapes ---------------------------------------------------------------------------------
@@ -107,6 +109,16 @@ _HOOK_TABLES = ("_backward_hooks", "_post_accumulate_grad_hooks")
 def tensor_hooks(t: torch.Tensor) -> dict | None:
     """The hooks ``t.register_hook`` registered on leaf ``t`` (None if none were)."""
     return getattr(t, "_backward_hooks", None)
+
+
+def post_accumulate_grad_hooks(t: torch.Tensor) -> dict | None:
+    """The hooks ``t.register_post_accumulate_grad_hook`` registered on leaf ``t`` (None if none were)."""
+    return getattr(t, "_post_accumulate_grad_hooks", None)
+
+
+def module_hook_tables(module: torch.nn.Module) -> dict[str, dict]:
+    """A module's own state-dict hook tables (read by tests that check autopar removed its hooks)."""
+    return {"state_dict": module._state_dict_hooks, "load_state_dict_pre": module._load_state_dict_pre_hooks}
 
 
 def reattach_tensor_hooks(t: torch.Tensor) -> None:
@@ -191,6 +203,31 @@ def select_split(placement: Shard, index: torch.Tensor, num_chunks: int, chunk: 
     return placement._select_split_tensor(index, num_chunks, chunk, with_padding=False, clone=False)
 
 
+def pytree_node_types() -> set[type]:
+    """The classes registered as pytree nodes now (torch's Python pytree)."""
+    return set(pytree.SUPPORTED_NODES)
+
+
+def deregister_pytree_nodes(classes: set[type]) -> bool:
+    """Removes ``classes`` from torch's Python pytree registry. Returns False, removing nothing, where torch's
+    C++ pytree (optree) was imported and may hold them too: torch removes from the Python one only."""
+    if getattr(pytree, "_cxx_pytree_imported", False):
+        return False
+    pending = getattr(pytree, "_cxx_pytree_pending_imports", [])
+    pending[:] = [entry for entry in pending if entry[0][0] not in classes]
+    for cls in classes:
+        if cls in pytree.SUPPORTED_NODES:
+            pytree._deregister_pytree_node(cls)
+    return True
+
+
+def optimizer_global_hooks() -> tuple[dict, dict]:
+    """torch.optim's process-wide step (pre, post) hooks, by handle id (read by tests)."""
+    import torch.optim.optimizer as optimizer
+
+    return optimizer._global_optimizer_pre_hooks, optimizer._global_optimizer_post_hooks
+
+
 def dtensor_op_handlers() -> dict:
     """DTensor's table of custom op handlers (op overload -> handler(op, args, kwargs)), process-wide."""
     return DTensor._op_dispatcher._custom_op_handlers
@@ -222,9 +259,28 @@ def op_schema(op: Any) -> Any:
 
 # --- fx ----------------------------------------------------------------------------------------------
 
-def register_fx_builtin(name: str, import_str: str, obj: Any) -> None:
-    """Lets fx's generated code name ``obj`` as ``name`` (imported by ``import_str``)."""
+def fx_builtin_names() -> set[str]:
+    """The names fx's generated code resolves without an import of its own (read by tests)."""
+    return set(fx.graph._custom_builtins)
+
+
+def register_fx_builtin(name: str, import_str: str, obj: Any) -> Callable[[], None]:
+    """Lets fx's generated code name ``obj`` as ``name`` (imported by ``import_str``); returns the undo (which
+    leaves a name another registration replaced alone)."""
+    builtins, illegal = fx.graph._custom_builtins, getattr(fx.graph, "_illegal_names", {})
+    before = builtins.get(name), illegal.get(name)
     fx.graph._register_custom_builtin(name, import_str, obj)
+
+    def undo() -> None:
+        for table, old in ((builtins, before[0]), (illegal, before[1])):
+            if old is None:
+                current = table.get(name)
+                if current is obj or getattr(current, "obj", None) is obj:
+                    del table[name]
+            else:
+                table[name] = old
+
+    return undo
 
 
 @contextlib.contextmanager

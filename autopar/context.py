@@ -1,8 +1,9 @@
 """auto_parallelize(): build an unchanged model inside it; after the block the model is parallel.
 
-Interception uses torch's supported, removable global registration hooks (parameter, buffer and
-submodule registration) to learn which modules were built inside the block; nothing is patched.
-Whatever happens inside the block, every hook is removed on the way out.
+Inside the block, torch's removable global registration hooks (parameter, buffer and submodule
+registration) record which modules are built; whatever happens inside, they are removed on the way out.
+After it, what autopar changes on each model and in the process is installed through ``autopar.patches``
+and undone by ``detach(model)`` (or with the last parallel model).
 """
 
 from __future__ import annotations
@@ -21,19 +22,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
-from autopar.compat import pytree
-from autopar.runtime import collectives as C
-from autopar.capture import batch_leaves, input_names
-from autopar.runtime.agreement import PER_RANK
+from autopar import patches
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import AgreementError, ConfigError, ContextError, NotInitializedError
-from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
-from autopar.memory import device_budget, release_freed_memory
+from autopar.grid_choice import choose_at_first_call, choose_grid_now, too_big_for_data_parallel
+from autopar.memory import release_freed_memory
+from autopar.parallel_model import no_sync
+from autopar.runtime import collectives as C
 from autopar.runtime.deferred import Deferred
 from autopar.runtime.mapped import FileMaps, file_fingerprint
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.param_layout import splits_parameters
 from autopar.runtime.pending import Pending, make_pending, materialize_whole
-from autopar.runtime.mesh import Mesh, device_for_backend
-from autopar.runtime.parameters import splits_parameters
 from autopar.runtime.runtime import ParallelRuntime, runtimes
 
 log = logging.getLogger(__name__)
@@ -241,138 +241,13 @@ def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: 
         if later:  # a provisional grid until each model's first call chooses one
             config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size())
         elif config is None:  # (plan="auto" chooses one grid for one model: several raise)
-            config, pipe = _choose_grid([model] if big else roots, example_inputs, options.given, options.memory, pipe)
+            config, pipe = choose_grid_now([model] if big else roots, example_inputs, options.given, options.memory, pipe)
         plans.append((model, config, pipe, later))
     # a torch.device("meta") around the block is the model's, not autopar's
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
         for model, config, pipe, later in plans:
             parallelize(model, config, example_inputs=example_inputs, memory=options.memory, pipe=pipe,
                         inputs=options.inputs, deferred=deferred, choose=options.given if later else None)
-
-
-def training_state_bytes(model: nn.Module) -> int:
-    """What data parallelism keeps of ``model`` on every rank whatever it recomputes: fp32 parameters, and
-    for each trainable one its gradient and Adam's two moments (16 bytes per trainable parameter)."""
-    return sum(p.numel() * (16 if p.requires_grad else 4) for p in model.parameters())
-
-
-def too_big_for_data_parallel(roots: list[nn.Module], memory: MemoryConfig, at_first_call: bool) -> list[nn.Module]:
-    """The models of a block given no degrees whose training state exceeds half the device's memory (the
-    ``checkpoint`` budget where it is bytes): data parallelism would leave them too little for
-    activations, or not fit at all, so the plan search chooses their grid. Ranks agree on the budget (the
-    least of theirs: a node with less memory decides). One warning line per such model; the others are
-    data parallel with plain tensors, as under DDP (one info line)."""
-    if not roots:
-        return []
-    world = dist.get_world_size()
-    device = device_for_backend()
-    budget = memory.checkpoint if isinstance(memory.checkpoint, int) else device_budget(device, world)
-    least = torch.tensor([budget], dtype=torch.int64, device=device)
-    dist.all_reduce(least, op=dist.ReduceOp.MIN)
-    budget = int(least.item())
-    out = []
-    for model in roots:
-        state, name = training_state_bytes(model), type(model).__name__
-        if 2 * state <= budget:
-            log.info("autopar: no degrees given: %s is data parallel over %d ranks, as under DDP (its training "
-                     "state, %.3g GiB, fits half of a device's %.3g GiB); plan='auto' searches every grid.",
-                     name, world, state / 2**30, budget / 2**30)
-            continue
-        out.append(model)
-        if dist.get_rank() == 0:
-            log.warning("autopar: no degrees given and %s's training state (%.3g GiB: fp32 parameters, gradients "
-                        "and Adam's two moments) exceeds half of a device's %.3g GiB, too much for data parallelism "
-                        "alone: its grid is chosen as with plan='auto' (%s). Its parameters are DTensors, so a "
-                        "rank-0 torch.save(model.state_dict()) raises: use autopar.full_state_dict(model). Pass "
-                        "data=, tensor= or pipeline= to choose the grid yourself.", name, state / 2**30,
-                        budget / 2**30, "at its first call" if at_first_call else "now, for example_inputs")
-    return out
-
-
-def _choose_grid(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
-                 pipe: PipelineConfig) -> tuple[ParallelConfig, PipelineConfig]:
-    """plan="auto": the best grid for the block's model (``autopar.search.choose_grid``), rank 0's choice on
-    every rank; the degrees the user gave stay."""
-    if len(roots) > 1:
-        raise ContextError(f"plan='auto' with example_inputs chooses one grid for one model; the block built "
-                           f"{len(roots)} ({', '.join(type(m).__name__ for m in roots)}). Build one model per block, "
-                           "leave example_inputs out (each model's grid is then chosen at its first call), or give "
-                           "the degrees.")
-    inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    return _agreed_choice(roots[0], type(roots[0]).__name__, inputs, {}, None, given, memory, pipe, None)
-
-
-def _agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: int | None, given: dict[str, int],
-                   memory: MemoryConfig, pipe: PipelineConfig, group: Any) -> tuple[ParallelConfig, PipelineConfig]:
-    """Rank 0's search (``autopar.search.choose_grid``) for one global batch (``rows``: its rows, where the call
-    holds one rank's), broadcast: every rank runs the same grid, or raises rank 0's error."""
-    from autopar.search import choose_grid
-    from passes.analysis.search_plans import why_slower
-
-    world = dist.get_world_size()
-    box: list[Any] = [None]
-    if dist.get_rank() == 0:
-        try:
-            budget = memory.checkpoint if isinstance(memory.checkpoint, int) else None
-            ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
-                                 batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget)
-        except Exception as e:  # every rank raises it, none waits for a choice that never comes
-            box[0] = e
-        else:
-            if pipe.microbatches is not None:
-                ranked = [s for s in ranked if s.candidate.pipeline == 1 or s.candidate.microbatches ==
-                          pipe.microbatches] or ranked
-            best = ranked[0]
-            box[0] = best.candidate
-            runners = "; ".join(f"{s.candidate.describe()} ({s.seconds * 1e3:.3g} ms: {why_slower(best, s)})"
-                                for s in ranked[1:3])
-            log.warning("autopar: plan='auto' chose %s for %s on %d ranks: predicted %.3g ms per step, %.3g MiB "
-                        "per device. Runners-up: %s.", best.candidate.describe(), name, world,
-                        best.seconds * 1e3, best.memory_bytes / 2**20, runners or "none")
-    C.broadcast_objects(box, 0, group)
-    chosen = box[0]
-    if isinstance(chosen, Exception):
-        raise chosen
-    config = ParallelConfig.from_user(tensor=chosen.tensor, data=chosen.data, world_size=world,
-                                      pipeline=chosen.pipeline)
-    if chosen.pipeline > 1:
-        pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
-        if "chunks" not in given and chosen.chunks > 1:
-            pipe = dataclasses.replace(pipe, schedule="interleaved", chunks=chosen.chunks)
-        pipe.num_microbatches(chosen.pipeline)
-    return config, pipe
-
-
-def _choose_at_first_call(ref: weakref.ref, given: dict[str, int], args: tuple, kwargs: dict,
-                          train_step: bool) -> ParallelRuntime:
-    """plan="auto" without example inputs: the grid for the model's first call, and the runtime that runs it
-    (the provisional one when the choice is data parallelism alone, else its successor on the same Parameter
-    objects). The ranks' inputs decide the batch mode as any first call does (``CallCheck``)."""
-    model = ref()
-    old = runtimes[model]
-    leaves, spec = pytree.tree_flatten((args, kwargs))
-    found = batch_leaves(leaves, input_names(args, kwargs), old.inputs.batch_dims)
-    mode, every = old.calls.check(leaves, spec, found[0], torch.is_grad_enabled())
-    rows = None
-    if mode == PER_RANK:  # the batch the search plans is every rank's rows
-        rows = sum(int(e.rows) for e in every) if every else found[1] * dist.get_world_size()
-    if mode == PER_RANK or not train_step:  # a plain call runs a pipeline's stages one after another
-        given = {**given, "pipeline": 1}
-    config, pipe = _agreed_choice(old.shadow, type(model).__name__, args, kwargs, rows, given, old.memory, old.pipe,
-                                  old.mesh.control)
-    if config == old.config:
-        return old
-    old.retire()
-    # the successor copies the model for capture: without the wrappers installed on it (they stay)
-    installed = {k: vars(model).pop(k) for k in ("forward", "generate", "no_sync") if k in vars(model)}
-    try:
-        new = ParallelRuntime(model, config, Mesh(config), old.memory, pipe, old.inputs, old.store.pending,
-                              dtensors=True)
-    finally:
-        vars(model).update(installed)
-    new.original_forward, new.calls.mode, new.no_sync_depth = old.original_forward, old.calls.mode, old.no_sync_depth
-    runtimes[model] = new
-    return new
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
@@ -409,7 +284,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
                               inputs or InputConfig(), (deferred, sinks) if sinks else None,
                               dtensors=True if choose is not None else None)
     if choose is not None:  # any grid may shard the parameters the optimizer will hold: DTensors already
-        runtime.choose = functools.partial(_choose_at_first_call, weakref.ref(model), choose)
+        runtime.choose = functools.partial(choose_at_first_call, weakref.ref(model), choose)
     runtimes[model] = runtime
     original = model.forward
     ref = weakref.ref(model)
@@ -418,9 +293,10 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
         return runtimes[ref()](*args, **kwargs)  # the runtime of the grid chosen at the first call, if it was
 
     functools.update_wrapper(forward, original)  # inspect.signature(model.forward) stays the user's
-    model.forward = forward  # instance attribute: nn.Module.__call__ dispatches to it
+    installed = patches.of_model(model)
+    installed.set_attribute("forward", forward)  # instance attribute: nn.Module.__call__ dispatches to it
     if not hasattr(model, "no_sync"):  # DDP's spelling, so a DDP script's accumulation loop runs unchanged
-        model.no_sync = functools.partial(no_sync, model)
+        installed.set_attribute("no_sync", functools.partial(no_sync, model))
     if example_inputs is not None:  # compiles and shards; the output is discarded; the batch mode stays open
         runtime.run(tuple(example_inputs), {}, example=True)
     return model
@@ -503,58 +379,3 @@ def _agree_on_construction(deferred: Deferred, mesh: Mesh) -> None:
     for op, state in zip(deferred.ops, box[0]):
         if op.rng is not None and state is not None:
             op.rng = (op.rng[0], state)
-
-
-@contextmanager
-def no_sync(model: nn.Module) -> Iterator[None]:
-    """Backward passes inside the block keep gradients local (summed into ``.grad`` on this rank); the first
-    backward after it sums everything accumulated over data (x depth), as DDP's ``no_sync`` does. Also
-    ``model.no_sync()``, and DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's loop)."""
-    runtime_of(model).no_sync_depth += 1
-    try:
-        yield
-    finally:  # the runtime now: a first call inside the block may have chosen the grid (plan="auto")
-        runtime_of(model).no_sync_depth -= 1
-
-
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The model a framework's wrapper holds (Lightning Fabric's ``_FabricModule``: the script passes what
-    ``fabric.setup`` returned), else ``model``."""
-    return getattr(model, "_forward_module", model)
-
-
-def runtime_of(model: nn.Module) -> ParallelRuntime:
-    """The runtime of a parallel model (or of the one a framework's wrapper holds: ``unwrapped``)."""
-    try:
-        return runtimes[unwrapped(model)]
-    except KeyError:
-        raise ContextError(f"{type(model).__name__} was not built inside autopar.auto_parallelize().") from None
-
-
-def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The serial model's state dict (full tensors, serial names) on every rank. Collective."""
-    return runtime_of(model).full_state_dict(unwrapped(model).state_dict())
-
-
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """``optimizer``'s state in the serial format, on every rank (collective).
-
-    The format of ``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict(model, optimizer,
-    options=StateDictOptions(full_state_dict=True))``: ``{"state": {parameter name: {"step": ...,
-    "exp_avg": full tensor, ...}}, "param_groups": [{..., "params": [names]}]}``, which a serial model's
-    optimizer state converts to and from by name. Unlike torch's helper it also gathers the state that
-    other pipeline stages hold. Load it at any grid with ``load_full_optimizer_state_dict``.
-    """
-    return full_optimizer_state(runtime_of(model).store, optimizer)
-
-
-def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer, osd: dict[str, Any]) -> None:
-    """Loads a serial-format optimizer state (``full_optimizer_state_dict``'s, or torch's with
-    ``full_state_dict=True``) into ``optimizer`` at this grid: each rank keeps its pieces of every state
-    tensor. Build the optimizer over ``model.parameters()`` with the saved run's parameter groups."""
-    load_full_optimizer_state(runtime_of(model).store, optimizer, osd)
-
-
-def plan_of(model: nn.Module):
-    """The Plan the model runs under, or None before its first call."""
-    return runtime_of(model).plan

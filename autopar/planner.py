@@ -39,7 +39,7 @@ from passes.analysis.pipeline_comm import pipeline_collectives, pipeline_flops
 from passes.analysis.repeat_blocks import (Repeat, repeat_chain, repeat_memory, repeat_plan, repeat_report,
                                           template_holds)
 from passes.analysis.report import StepReport, estimate_step, summarize
-from passes.ir import BatchInfo
+from passes.ir import BatchInfo, record_graph_info
 
 log = logging.getLogger(__name__)
 
@@ -320,7 +320,7 @@ def _shared_rows(captures: dict[Any, Any], shadow: nn.Module, leaves: list[Any],
                                       segments=segments)
     captured = captures[key]
     gm = graph_copy(captured.gm)
-    gm.meta["autopar_batch"] = BatchInfo(sum(sizes), sizes, index, segments)
+    record_graph_info(gm, batch=BatchInfo(sum(sizes), sizes, index, segments))
     return dataclasses.replace(captured, gm=gm)
 
 

@@ -7,8 +7,11 @@ process groups and lets a graph be planned, printed and checked without processe
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from typing import Any
 
 from torch import fx
 
@@ -42,7 +45,7 @@ class InputInfo:
 
 @dataclass(frozen=True, slots=True)
 class BatchInfo:
-    """``gm.meta["autopar_batch"]``: how the global batch was split when this graph was captured."""
+    """``GraphInfo.batch``: how the global batch was split when this graph was captured."""
 
     global_size: int
     local_sizes: tuple[int, ...]
@@ -52,6 +55,30 @@ class BatchInfo:
     segments: tuple[int, ...] = ()
     """Per-rank batches: the rows each member of this shard fed (the shard's rows are theirs, in order);
     a reduction over the batch is taken per member. Empty for a global batch."""
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """What autopar records on a captured graph as a whole: ``gm.meta["autopar"]`` (``graph_info``)."""
+
+    batch: BatchInfo | None = None
+    """How the global batch was split for this capture (None: not split)."""
+    batch_constants: dict[str, dict[int, Any]] = field(default_factory=dict)
+    """Numbers the model computes from the batch size: node name -> {position among its flattened arguments:
+    value per row} (``batch_dims.batch_constants``; ``split_batch`` gives them the whole batch's value)."""
+    kept_outputs: frozenset[int] = frozenset()
+    """Output positions returned split, not gathered (state passed back in: a key/value cache)."""
+
+
+def graph_info(gm: fx.GraphModule) -> GraphInfo:
+    """``gm``'s GraphInfo (empty for a graph autopar did not capture)."""
+    info = gm.meta.get("autopar")
+    return info if isinstance(info, GraphInfo) else GraphInfo()
+
+
+def record_graph_info(gm: fx.GraphModule, **fields: Any) -> None:
+    """Sets fields of ``gm``'s GraphInfo (the others stay)."""
+    gm.meta["autopar"] = replace(graph_info(gm), **fields)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,12 +270,32 @@ def gather_output(x, spec: GatherOutputSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
-# Generated FX code spells specs as constructor calls (``ConvertSpec(src=Layout.ROW, ...)``); make
-# those names resolvable so graphs holding specs recompile and print as runnable code.
-for _obj in (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
-             GatherOutputSpec, BatchReduceSpec, GatherRowsSpec):
-    _module = "autopar.decisions" if _obj in (Layout, Orientation, EmbeddingMode) else __name__
-    register_fx_builtin(_obj.__name__, f"from {_module} import {_obj.__name__}", _obj)
+SPEC_TYPES = (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
+              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec)
+"""The types whose values marker ops take as arguments."""
+
+_spec_names_depth = 0
+_spec_names_undo: list = []
+
+
+@contextlib.contextmanager
+def spec_names() -> Iterator[None]:
+    """Inside, fx's generated code names the spec types (``ConvertSpec(src=Layout.ROW, ...)``), so graphs holding
+    specs recompile and print as runnable code; the names go on the way out (re-entrant). The transforms run
+    inside it (``passes.runner.run_passes``); the runtime's binding takes the specs out of the graph."""
+    global _spec_names_depth
+    if _spec_names_depth == 0:
+        for obj in SPEC_TYPES:
+            module = "autopar.decisions" if obj in (Layout, Orientation, EmbeddingMode) else __name__
+            _spec_names_undo.append(register_fx_builtin(obj.__name__, f"from {module} import {obj.__name__}", obj))
+    _spec_names_depth += 1
+    try:
+        yield
+    finally:
+        _spec_names_depth -= 1
+        if _spec_names_depth == 0:
+            while _spec_names_undo:
+                _spec_names_undo.pop()()
 
 
 def input_info(node: fx.Node) -> InputInfo | None:

@@ -11,6 +11,7 @@ from torch import fx
 
 from autopar.decisions import Plan
 from autopar.errors import PlanError
+from passes.ir import spec_names
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,14 @@ class PassRecord:
 
 def run_passes(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass], *,
                dump_code: bool = False) -> tuple[fx.GraphModule, tuple[PassRecord, ...]]:
-    """Applies ``passes`` in order; after a pass that changed the graph, lints and recompiles it."""
+    """Applies ``passes`` in order; after a pass that changed the graph, lints and recompiles it (with the spec
+    types named to fx's code generator: ``passes.ir.spec_names``)."""
+    with spec_names():
+        return _run(gm, plan, passes, dump_code)
+
+
+def _run(gm: fx.GraphModule, plan: Plan, passes: Sequence[Pass], dump_code: bool
+         ) -> tuple[fx.GraphModule, tuple[PassRecord, ...]]:
     records: list[PassRecord] = []
     for p in passes:
         name = getattr(p, "__name__", repr(p))

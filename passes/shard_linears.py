@@ -9,7 +9,7 @@ splits) take this rank's local sizes; a sum/mean over a split dim is followed by
 ``passes.ir.reduce_partial``; every edge whose shardings differ goes through one
 ``passes.ir.convert_layout`` per (producer, sharding); every tensor output goes through one
 ``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch). The outputs at
-the positions in ``gm.meta["autopar_kept_outputs"]`` (state the caller passes back, such as a key/value
+the positions in ``GraphInfo.kept_outputs`` (state the caller passes back, such as a key/value
 cache), when split over one axis in one piece or by batch rows split evenly, are kept split
 (``GatherOutputSpec.keep_split``): the next call takes them as they are.
 ``node.meta["val"]`` keeps the logical (unsharded) value. At every degree 1 the emitted graph computes the same numbers.
@@ -31,7 +31,8 @@ from torch import fx
 
 from autopar.decisions import Plan
 from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
-from passes.analysis.layouts import LayoutResult, kept_split, output_node
+from passes.analysis.layout_rules import LayoutResult, output_node
+from passes.analysis.layouts import kept_split
 from passes.analysis.make_plan import layouts_for
 from passes.ir import (
     REPLICATED,

@@ -1,7 +1,7 @@
 """split_batch: makes ops that mix batch rows exact when each rank holds only its rows.
 
 Requires: a captured graph whose batch-split inputs are marked (``InputInfo.batch_split``) and whose
-``gm.meta["autopar_batch"]`` says how the batch was split (nothing to do without it).
+``GraphInfo.batch`` says how the batch was split (nothing to do without it).
 Ensures: every reduction over the batch dim that ``passes.analysis.batch_dims`` finds is computed on
 this rank's rows and completed by one ``passes.ir.batch_reduce``; every op it finds working along
 the batch dim reads its inputs through ``passes.ir.gather_rows`` (and, when its output keeps their
@@ -28,24 +28,25 @@ from torch import fx
 from autopar.compat import op_schema, pytree
 from autopar.decisions import Plan
 from autopar.errors import PlanError
-from passes.analysis.batch_dims import BatchDim, BatchFacts, Reduction, analyze_batch
+from passes.analysis.batch_dims import analyze_batch
+from passes.analysis.batch_facts import BatchDim, BatchFacts, Reduction
 from passes.analysis.batch_rules import CLASS_LOSSES
 from passes.analysis.graph_facts import module_of, tensor_meta
-from passes.ir import BatchReduceSpec, GatherRowsSpec, batch_reduce, gather_rows, scatter_rows
+from passes.ir import BatchReduceSpec, GatherRowsSpec, batch_reduce, gather_rows, graph_info, scatter_rows
 from passes.runner import PassResult
 
 aten = torch.ops.aten
 
 
 def split_batch(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
-    batch = gm.meta.get("autopar_batch")
+    batch = graph_info(gm).batch
     if batch is None or (len(batch.local_sizes) <= 1 and len(batch.segments) <= 1):
         return PassResult(gm, False)
     facts = analyze_batch(gm)
     if not facts.reductions and not facts.gathers:
         return PassResult(gm, False)
     _refuse_attention_across_rows(facts)
-    _scale_batch_constants(gm, gm.meta.get("autopar_batch_constants") or {}, batch.global_size)
+    _scale_batch_constants(gm, graph_info(gm).batch_constants, batch.global_size)
     for node, reduction in list(facts.reductions.items()):
         _rewrite_reduction(gm.graph, node, reduction)
     gathered: dict[tuple[fx.Node, GatherRowsSpec], fx.Node] = {}

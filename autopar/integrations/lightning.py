@@ -44,7 +44,8 @@ from lightning.fabric.utilities.seed import reset_seed
 from torch import nn
 
 import autopar
-from autopar.context import parallelize_module, runtime_of, unwrapped
+from autopar.context import parallelize_module
+from autopar.parallel_model import runtime_of, unwrapped
 from autopar.errors import CheckpointError, ConfigError
 
 log = logging.getLogger(__name__)

@@ -24,7 +24,8 @@ from torch.distributed.tensor import DTensor
 
 from autopar.compat import reattach_tensor_hooks
 from autopar.errors import ParameterError
-from autopar.runtime.parameters import ParamStore, local_of
+from autopar.runtime.parameters import ParamStore
+from autopar.runtime.param_layout import local_of
 
 
 class Casts:
@@ -32,9 +33,10 @@ class Casts:
 
     def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore) -> None:
         self._model, self.shadow, self.store = weakref.ref(model), shadow, store
-        self._owners = [(model.get_submodule(name.rpartition(".")[0]), name.rpartition(".")[2])
+        self._owners = [(weakref.ref(model.get_submodule(name.rpartition(".")[0])), name.rpartition(".")[2])
                         for name in store.buffers]
-        """(module, attribute) of every buffer name: read each call (a cast replaces the tensors)."""
+        """(module, weakly: the model may go; attribute) of every buffer name: read each call (a cast replaces
+        the tensors)."""
         params = store.unique()
         self._swapped = [p for p in params if isinstance(p, DTensor)]
         """The parameters ``_apply`` swaps (a plain one gets ``.data`` set, and keeps its hooks)."""
@@ -46,7 +48,7 @@ class Casts:
 
     def _dtypes(self, values: list[torch.Tensor]) -> tuple[torch.dtype, ...]:
         return (*[v.dtype for v in values], *[p.dtype for p in self._plain],
-                *[getattr(module, leaf).dtype for module, leaf in self._owners])
+                *[getattr(module(), leaf).dtype for module, leaf in self._owners])
 
     def check(self) -> tuple[torch.dtype, ...]:
         """The model's dtypes now (called once per call, before its graph is looked up; one pass over the

@@ -26,7 +26,7 @@ from autopar.compat import disabled_torch_function_impl, dtensor_spec, local_or_
 from autopar.errors import CheckpointError
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
-from autopar.runtime.parameters import local_indices, local_of, local_piece, make_dtensor, runs
+from autopar.runtime.param_layout import local_indices, local_of, local_piece, make_dtensor, runs
 
 SCALAR_STATE = frozenset({"step", "eta", "mu"})
 """Optimizer state entries that are scalars whatever the parameter's shape (torch.optim's ``step``, ASGD's)."""

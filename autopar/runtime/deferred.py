@@ -10,7 +10,7 @@ time: the generator advances exactly as serial construction advances it (``torch
 the block included), and its state before the op is kept. Python that needs tensor data while building
 (``.item()``, ``if t.sum() > 0``) cannot run on meta: ``DeferredInitError`` names the module.
 
-Replay. Each tensor the model keeps (a parameter or a buffer: a *sink*) is a storage whose value the
+Replay (``autopar.runtime.replay``). Each tensor the model keeps (a parameter or a buffer: a *sink*) is a storage whose value the
 log computes. Replaying the log on the real device gives the serial values bit for bit: every random op
 first restores the generator state it had in the recording. Ops whose results are overwritten whole
 before anyone reads them (``nn.Linear``'s own init when ``post_init`` or ``_init_weights`` re-initializes
@@ -43,6 +43,7 @@ from autopar.compat import TorchDispatchMode, op_schema, pytree, storage_key
 from autopar.errors import AutoparError
 from autopar.memory import release_freed_memory
 from autopar.runtime.mapped import FileMaps, MappedConversion
+from autopar.runtime.replay import Ref, live_ops, replay
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -90,33 +91,6 @@ def value_device(device: torch.device | None) -> torch.device:
 
 def _key(t: torch.Tensor) -> int:
     return storage_key(t)
-
-
-@dataclass(frozen=True)
-class Ref:
-    """A meta tensor in the log: its storage and the view of it."""
-
-    key: int
-    size: tuple[int, ...]
-    stride: tuple[int, ...]
-    offset: int
-    dtype: torch.dtype
-
-    @staticmethod
-    def of(t: torch.Tensor) -> Ref:
-        return Ref(_key(t), tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype)
-
-    def covers(self, nbytes: int) -> bool:
-        """Whether this view is its whole storage, contiguous."""
-        numel, expected = 1, 1
-        for s in self.size:
-            numel *= s
-        contiguous = True
-        for size, stride in reversed(list(zip(self.size, self.stride))):
-            if size != 1 and stride != expected:
-                contiguous = False
-            expected *= size
-        return self.offset == 0 and contiguous and numel * self.dtype.itemsize == nbytes
 
 
 @dataclass
@@ -518,79 +492,12 @@ class Deferred:
                 if op.rng and op.rng[1] is not None for state in (op.rng[1],)]
         return torch.tensor([len(self.ops), len(sums), sum(sums) % (2**62)], dtype=torch.int64)
 
-    # ---- replay -------------------------------------------------------------------------------------
+    # ---- replay (autopar/runtime/replay.py) ----------------------------------------------------------
 
     def replay(self, sinks: dict[int, Sink], emit: Callable[[Sink, dict[str, torch.Tensor]], None]) -> None:
-        """Computes the value of every sink and hands it to ``emit`` (sink, name -> full tensor) right after
-        the last op that writes it; frees every other value after its last reader. Leaves the generators
-        as they were."""
-        needed = self.live_ops(sinks)
-        last: dict[int, int] = {}
-        for i in needed:
-            op = self.ops[i]
-            for k in (*op.reads, *op.writes, *op.fresh, *([op.overwrites] if op.overwrites is not None else [])):
-                last[k] = i
-        env: dict[int, torch.UntypedStorage] = {}
-        saved = {}
-        done: set[int] = set()
-        try:
-            for i in needed:
-                op = self.ops[i]
-                if op.rng is not None:  # (an unsettled one: values of no kept tensor; the generator is restored)
-                    generator, state = op.rng
-                    saved.setdefault(id(generator), (generator, generator.get_state()))
-                    if state is not None:
-                        generator.set_state(state)
-                if op.overwrites is not None and op.overwrites not in env:
-                    env[op.overwrites] = torch.empty(self.nbytes[op.overwrites], dtype=torch.uint8,
-                                                     device=self.devices[op.overwrites]).untyped_storage()
-                args, kwargs = pytree.tree_map(lambda a: self._real(a, env, op.device), (op.args, op.kwargs))
-                out = op.func(*args, **kwargs)
-                for ref, t in zip(op.outs, [t for t in pytree.tree_leaves(out) if isinstance(t, torch.Tensor)]):
-                    if ref.key not in env:
-                        env[ref.key] = t.untyped_storage()
-                freed = False
-                for k in [k for k, at in last.items() if at == i]:
-                    if k in sinks and k not in done:
-                        done.add(k)
-                        emit(sinks[k], {name: self._view(r, env[k]) for name, r, _ in sinks[k].names})
-                    freed |= env.pop(k, None) is not None and self.nbytes.get(k, 0) >= 1 << 20
-                    del last[k]
-                if freed:
-                    del args, kwargs, out
-                    release_freed_memory()
-            for k, sink in sinks.items():  # written by no live op: loaded, or never initialized
-                if k not in done:
-                    emit(sink, {})
-        finally:
-            for generator, state in saved.values():
-                generator.set_state(state)
+        """Computes the value of every sink and hands it to ``emit`` (``replay.replay``)."""
+        replay(self.ops, self.nbytes, self.devices, sinks, emit)
 
     def live_ops(self, sinks: dict[int, Sink]) -> list[int]:
-        """Indices of the ops some sink's value depends on, in order (backwards liveness over values; an
-        overwrite ends the life of the value before it)."""
-        live: set[int] = set(sinks)
-        needed = []
-        for i in range(len(self.ops) - 1, -1, -1):
-            op = self.ops[i]
-            produced = set(op.writes) | set(op.fresh) | ({op.overwrites} if op.overwrites is not None else set())
-            if not produced & live:
-                continue
-            needed.append(i)
-            if op.overwrites is not None:
-                live.discard(op.overwrites)
-            for k in op.fresh:
-                live.discard(k)
-            live |= set(op.reads) | (set(op.writes) - {op.overwrites})
-        return needed[::-1]
-
-    @staticmethod
-    def _view(ref: Ref, storage: torch.UntypedStorage) -> torch.Tensor:
-        return torch.empty(0, dtype=ref.dtype, device=storage.device).set_(storage, ref.offset, ref.size, ref.stride)
-
-    def _real(self, a: Any, env: dict[int, torch.UntypedStorage], device: torch.device) -> Any:
-        if isinstance(a, Ref):
-            return self._view(a, env[a.key])
-        if isinstance(a, torch.device) and a.type == "meta":
-            return device
-        return a
+        """Indices of the ops some sink's value depends on, in order (``replay.live_ops``)."""
+        return live_ops(self.ops, sinks)

@@ -10,6 +10,7 @@ are replicated, else gathered for the call.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -24,7 +25,8 @@ from autopar.memory import half_dtype
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import gather_rows_world
-from autopar.runtime.parameters import ParamStore, local_view
+from autopar.runtime.parameters import ParamStore
+from autopar.runtime.param_layout import local_view
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +114,20 @@ def run_data_parallel(whole: Whole, model: nn.Module, mesh: Mesh, world: int, ba
         return t
 
     return pytree.tree_map(gathered, out)
+
+
+class OwnForward:
+    """The model's own forward, held without keeping the model alive (a method of it is bound at each call)."""
+
+    def __init__(self, forward: Callable[..., Any], model: nn.Module) -> None:
+        bound = getattr(forward, "__self__", None) is model
+        self._func = forward.__func__ if bound else forward
+        self._model = weakref.ref(model) if bound else None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self._model is None:
+            return self._func(*args, **kwargs)
+        return self._func(self._model(), *args, **kwargs)
 
 
 def forward_whole(model: nn.Module, store: ParamStore, planned: bool, forward: Callable[..., Any],

@@ -34,7 +34,7 @@ from torch import nn
 
 from autopar.compat import queue_backward_callback
 from autopar.runtime import collectives as C
-from autopar.runtime.parameters import local_of
+from autopar.runtime.param_layout import local_of
 
 BUCKET_BYTES = 25 * 2**20
 """DDP's default bucket cap."""

@@ -22,12 +22,14 @@ compute the same norms.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar import patches
 from autopar.compat import DisableTorchFunctionSubclass, dtensor_op_handlers, local_tensor
 from autopar.errors import AutoparError
 from autopar.runtime import collectives as C
@@ -185,9 +187,20 @@ FOREACH_IN_PLACE = (aten._foreach_mul_.Tensor, aten._foreach_mul_.Scalar, aten._
 
 
 def install() -> None:
-    """Puts the handlers in DTensor's dispatch (once per process)."""
+    """Puts the handlers in DTensor's dispatch, for as long as a parallel model lives (``autopar.patches``)."""
+    patches.install("DTensor handlers for norms and clipping", _add_handlers)
+
+
+def _add_handlers() -> Callable[[], None]:
     table = dtensor_op_handlers()
-    table.setdefault(aten.linalg_vector_norm.default, _vector_norm)
-    table.setdefault(aten._foreach_norm.Scalar, _foreach_norm)
-    for op in FOREACH_IN_PLACE:
-        table.setdefault(op, _foreach_local)
+    mine = {aten.linalg_vector_norm.default: _vector_norm, aten._foreach_norm.Scalar: _foreach_norm,
+            **{op: _foreach_local for op in FOREACH_IN_PLACE}}
+    added = {op: handler for op, handler in mine.items() if op not in table}  # torch's own stay first
+    table.update(added)
+
+    def undo() -> None:
+        for op, handler in added.items():
+            if table.get(op) is handler:
+                del table[op]
+
+    return undo

@@ -4,9 +4,10 @@ An optimizer over DTensor parameters runs every update op through DTensor's disp
 torch's optimizers default to one op per parameter, that measured 2-3x the plain step (AdamW on the
 benchmark's GPT-2: 31 ms against 11 ms). For optimizers whose update is elementwise (the torch.optim
 classes in ``ELEMENTWISE``) the DTensor layout does not matter: each rank updates its piece as the
-serial step would. So a global step pre-hook hands such an optimizer, for the length of its step,
-a plain ``nn.Parameter`` sharing storage with each sharded parameter's local piece (its "twin"), with
-the local gradient and state; the post-hook puts the parameters back and wraps new state in DTensors
+serial step would. So a global step pre-hook runs such an optimizer's step on a stand-in (the same object
+but for its parameter groups and state) that holds, for each sharded parameter, a plain ``nn.Parameter``
+sharing storage with its local piece (its "twin"), with the local gradient and state; the script's
+optimizer never holds a twin, so a step that raises leaves it as it was. The post-hook wraps new state in DTensors
 with the parameter's placements (so ``optimizer.state_dict()``, DCP and ``get_optimizer_state_dict``
 see DTensors, as they would under FSDP2). The arithmetic is the plain optimizer's, bit for bit.
 
@@ -16,6 +17,8 @@ given: correct wherever DTensor supports its ops, at DTensor's speed.
 
 from __future__ import annotations
 
+from collections import ChainMap, defaultdict
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,11 +27,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 from torch.utils.weak import WeakIdKeyDictionary
 
+from autopar import patches
 from autopar.compat import dtensor_spec, local_tensor
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
-from autopar.runtime.parameters import make_dtensor, owner_of
+from autopar.runtime.parameters import owner_of
+from autopar.runtime.param_layout import make_dtensor
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -38,8 +43,8 @@ ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, t
 
 _twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _swapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""optimizer -> [(group index, position, parameter, twin, state before the step)] during its step."""
-_installed = False
+"""optimizer -> (the stand-in its step runs on, [(parameter, twin, state before the step)], absent parameters)
+during its step."""
 
 
 def _ours(p: Any) -> bool:
@@ -62,49 +67,64 @@ def _local(value: Any) -> Any:
     return local_tensor(value) if isinstance(value, DTensor) else value
 
 
-def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
     for group in optimizer.param_groups:  # state made before the first call sharded its parameter
         for p in group["params"]:
             store = owner_of(p)
             if store is not None and isinstance(p, DTensor):
                 relayout_state(store, optimizer, p)
     if type(optimizer) not in ELEMENTWISE:
-        return
-    swapped, absent = [], []
-    for g, group in enumerate(optimizer.param_groups):
-        params = group["params"]
+        return None
+    swapped, absent, groups = [], [], []
+    state: defaultdict[Any, dict] = defaultdict(dict)  # as Optimizer.state
+    for group in optimizer.param_groups:
+        params = list(group["params"])
         for i, p in enumerate(params):
-            if not _ours(p):
-                continue
-            if _absent(p):  # another pipeline stage's: no gradient here, the step skips it
-                absent.append(p)
+            if not _ours(p) or _absent(p):  # (another pipeline stage's: no gradient here, the step skips it)
+                if _ours(p):
+                    absent.append(p)
+                if optimizer.state.get(p):
+                    state[p] = optimizer.state[p]
                 continue
             twin = _twin(p)
             twin.grad = None if p.grad is None else local_tensor(p.grad)
-            before = optimizer.state.pop(p, None)
+            before = optimizer.state.get(p)
             if before:
-                optimizer.state[twin] = {k: _local(v) for k, v in before.items()}
+                state[twin] = {k: _local(v) for k, v in before.items()}
             params[i] = twin
-            swapped.append((g, i, p, twin, before or {}))
-    if swapped or absent:
-        _swapped[optimizer] = (swapped, absent)
+            swapped.append((p, twin, before or {}))
+        groups.append(ChainMap({"params": params}, group))  # the group's other keys read through, as they are now
+    if not swapped and not absent:
+        return None
+    # The step runs on a stand-in sharing everything but its groups and state: the optimizer the script holds
+    # never holds the twins, so a step that raises leaves it as it was.
+    stand_in = object.__new__(type(optimizer))
+    stand_in.__dict__.update(vars(optimizer))
+    stand_in.param_groups, stand_in.state = groups, state
+    _swapped[optimizer] = (stand_in, swapped, absent)
+    return (stand_in, *args[1:]), kwargs
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    swapped, absent = _swapped.pop(optimizer, ((), ()))
+    stand_in, swapped, absent = _swapped.pop(optimizer, (None, (), ()))
+    if stand_in is None:
+        return
+    twins = {id(twin) for _, twin, _ in swapped}
+    for p, state in stand_in.state.items():  # state of plain parameters, made by this step
+        if id(p) not in twins and state:
+            optimizer.state[p] = state
     template = None
-    for g, i, p, twin, before in swapped:
-        optimizer.param_groups[g]["params"][i] = p
-        state = optimizer.state.pop(twin, None)
+    for p, twin, before in swapped:
+        state = stand_in.state.get(twin)
         twin.grad = None
         if state:
             optimizer.state[p] = {k: _wrap(k, v, p, before.get(k)) for k, v in state.items()}
             template = template or optimizer.state[p]
-        elif before:
-            optimizer.state[p] = before
     for p in absent:
         if template and not optimizer.state.get(p):
             optimizer.state[p] = {k: _absent_like(v, p) for k, v in template.items()}
+    for group, used in zip(optimizer.param_groups, stand_in.param_groups):
+        group.update((k, v) for k, v in used.maps[0].items() if k != "params")  # keys the step set
 
 
 def _absent_like(value: Any, p: DTensor) -> Any:
@@ -131,9 +151,15 @@ def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:
 
 
 def install() -> None:
-    """Registers the global step hooks (once per process)."""
-    global _installed
-    if not _installed:
-        register_optimizer_step_pre_hook(_pre_step)
-        register_optimizer_step_post_hook(_post_step)
-        _installed = True
+    """Registers the global step hooks, for as long as a parallel model lives (``autopar.patches``)."""
+    patches.install("torch.optim step hooks", _register_hooks)
+
+
+def _register_hooks() -> Callable[[], None]:
+    handles = (register_optimizer_step_pre_hook(_pre_step), register_optimizer_step_post_hook(_post_step))
+
+    def undo() -> None:
+        for h in handles:
+            h.remove()
+
+    return undo

@@ -8,7 +8,6 @@ signatures (a smaller last batch, eval mode) are captured again and compiled wit
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import logging
 import weakref
 from collections.abc import Callable
@@ -18,52 +17,37 @@ import torch
 from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
+from autopar import patches
+from autopar.capture import (batch_leaves, input_names, meta_shadow, microbatch_leaves, register_hf_caches,
+                             split_batch_leaves, symbolic_dims)
 from autopar.compat import pytree, queue_backward_callback
-from autopar.runtime import collectives as C
-from autopar.capture import (Captured, batch_leaves, capture_shard, input_names, meta_shadow, microbatch_leaves,
-                             register_hf_caches, symbolic_dims, split_batch_leaves, state_outputs)
 from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
-from autopar.decisions import MemoryPlan, Plan
-from autopar.errors import CaptureError, InputError, PlanError
-from autopar.runtime import norms, optim
-from autopar.runtime.checkpoint import state_dict_post_hook
-from autopar.runtime import executables
+from autopar.decisions import Plan
+from autopar.errors import CaptureError, InputError
+from autopar.memory import device_budget, half_dtype
+from autopar.planner import PlanOptions, decide_plan, pooled_rows
+from autopar.runtime import collectives as C
+from autopar.runtime import executables, norms, optim
+from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
+from autopar.runtime.binding import placeholders
 from autopar.runtime.casts import Casts
+from autopar.runtime.checkpoint import state_dict_post_hook
+from autopar.runtime.compiler import Compiler
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
+from autopar.runtime.fallback import (OwnForward, data_parallel_sync, fallback_reason, forward_local, forward_whole,
+                                      run_data_parallel, say_eval_fallback)
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.kept import arrived_inputs, carry_cache, read_in_place, whole, wrap_generate
-from autopar.runtime.parameters import ParamStore, local_of, local_view
-from autopar.memory import device_budget, half_dtype
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.pipeline import Program
-from autopar.runtime.stage_grads import StageGrads
-from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
-from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
-from autopar.runtime.fallback import (data_parallel_sync, fallback_reason, forward_local, forward_whole, run_data_parallel,
-                                      say_eval_fallback)
-from autopar.runtime.ops import BatchRows, scatter_batch
+from autopar.runtime.ops import scatter_batch
+from autopar.runtime.parameters import ParamStore
+from autopar.runtime.param_layout import local_of, local_view
 from autopar.runtime.per_rank import own_output, pool_rows
-from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
-from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory
-from passes.analysis.choose_stages import pipeline_chain, plan_pipeline
-from passes.analysis.estimate_memory import estimate_memory
-from passes.analysis.graph_facts import hinted, sizes_fixed
-from passes.analysis.make_plan import make_plan
-from passes.analysis.report import estimate_step
-from passes.ir import InputKind, input_info
-from passes.runner import run_passes
-from passes.insert_checkpoints import insert_checkpoints
-from passes.shard_linears import shard_linears
-from passes.split_batch import split_batch
-from passes.split_stages import split_stages
+from autopar.runtime.stage_grads import StageGrads
+from passes.ir import InputKind
 
 log = logging.getLogger(__name__)
-
-PASSES = (split_batch, shard_linears, insert_checkpoints)
-#: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
-PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
-
 
 runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKeyDictionary()
 """Every parallel model's runtime: the one its grid runs under now (``auto_parallelize`` registers it)."""
@@ -87,22 +71,23 @@ class ParallelRuntime:
         self.no_sync_depth = 0
         """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
+        installed = patches.of_model(model)  # (the model's changes, undone by autopar.detach)
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
         register_hf_caches(model)  # before any call flattens its inputs
-        self._generate = "generate" in vars(model)  # wrapped by the runtime this one replaces
-        if getattr(model, "can_generate", lambda: False)() and not self._generate:  # its cache comes back split
-            model.generate = wrap_generate(model, model.generate, self.following)  # (kept.py)
-            self._generate = True
+        if getattr(model, "can_generate", lambda: False)() and "attribute generate" not in installed:
+            # its cache comes back split (kept.py); a runtime this one replaces wrapped it already
+            installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))
         self.store = ParamStore(model, config, mesh, pending, dtensors)
         self.params = self.store.params
         if self.store.dtensors:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
             optim.install()  # torch.optim's elementwise optimizers step on the local pieces
-            if not getattr(model, "autopar_state_dict_hook", False):  # DCP sees every box of fused pieces
-                model.register_state_dict_post_hook(state_dict_post_hook)
-                model.autopar_state_dict_hook = True
+            if "state_dict post-hook" not in installed:  # DCP sees every box of fused pieces
+                installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.casts = Casts(model, self.shadow, self.store)
+        self.compiler = Compiler(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
+                                 self._warn_once)
         """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.plan: Plan | None = None
         self.executables = Executables()
@@ -119,9 +104,9 @@ class ParallelRuntime:
         """pipeline > 1: the plain leaves the stages read for the parameters, and the step's gradients."""
         self._model = weakref.ref(model)
         self.fallback = False
-        self.original_forward = model.forward
+        self.original_forward = OwnForward(model.forward, model)
+        """The model's own forward, not bound to it (the runtime must not keep the model alive)."""
         self._warned: set[Any] = set()
-        self._training = lambda: model.training
         self.choose: Callable[[tuple, dict, bool], ParallelRuntime] | None = None
         """A provisional runtime's chooser: picks the grid at the first call and returns the runtime that
         replaces this one (``autopar.context``; None once chosen, or when the grid was given)."""
@@ -200,23 +185,20 @@ class ParallelRuntime:
         # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
         rows_symbolic = not split or min(sizes) > 1
         dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split))
-        static = (spec, self._training(), global_batch, tuple(signature(x) for x in leaves), local_outputs)
+        static = (spec, self._model().training, global_batch, tuple(signature(x) for x in leaves), local_outputs)
         batch = ("split", len(sizes)) if rows_symbolic and any(d in dynamic.get(i, {}) for i, d in split.items()) \
             else global_batch
-        key = (spec, self._training(), batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
+        key = (spec, self._model().training, batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
                local_outputs) if dynamic else static
         exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
+        if exe is None and key in self.uncaptured:  # an evaluation call that could not be captured before
+            self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
+            return self._forward_local(*whole((args, kwargs))), None, ()
         if exe is None:
-            if key in self.uncaptured:  # an evaluation call that could not be captured before
-                self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
-                return self._forward_local(*whole((args, kwargs))), None, ()
+            sharding = {i: a.sharding for i, a in arrived.items() if a.sharding is not None}
             try:
-                symbolic = dynamic if (not grad or key in self.shapes_met) and key not in self.shapes_fixed else {}
-                self.shapes_met.add(key)
-                exe = self._compile(leaves, spec, split, sizes, local_outputs, dynamic=symbolic,
-                                    arrived={i: a.sharding for i, a in arrived.items() if a.sharding is not None})
-                if symbolic and exe.accepts is None:  # symbolic sizes failed or were fixed: not tried again
-                    self.shapes_fixed.add(key)
+                exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
+                    leaves, spec, split, sizes, local_outputs, dynamic=symbolic, arrived=sharding))
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
@@ -225,7 +207,6 @@ class ParallelRuntime:
                     return self._forward_local(*whole((args, kwargs))), None, ()
                 self._fall_back(e)
                 return self._run_data_parallel(args, kwargs), None, ()
-            self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
         local = [local_of(x) if i in arrived else scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x
                  for i, x in enumerate(leaves)]
         exe.rows.sizes = sizes
@@ -258,9 +239,9 @@ class ParallelRuntime:
         split = batch_leaves(leaves, input_names(args, kwargs), self.inputs.batch_dims)[0]
         if len(members) > 1:
             rows = tuple(int(every[r].rows) for r in members)
+            split, sizes, _ = pooled_rows(split, rows, self.config)  # (the planner's rule)
             local = [pool_rows(x, self.mesh, rows, member, split[i]) if i in split else x
                      for i, x in enumerate(leaves)]
-            sizes = (sum(rows),) * self.config.num_batch_shards
         else:  # alone with its rows: nothing is split, the graph runs on them as they are
             first = min(split) if split else None
             own = int(leaves[first].shape[split[first]]) if split else 0
@@ -271,19 +252,14 @@ class ParallelRuntime:
         # lengths symbolic as for a global batch (training: from the second shape on); each member's rows stay
         # numbers (the members' losses are cut by them)
         dynamic = symbolic_dims(self._model(), local) if self.config.pipeline == 1 else {}
-        static = ("per-rank", spec, self._training(), rows, tuple(signature(x) for x in local))
-        key = ("per-rank", spec, self._training(), rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
+        static = ("per-rank", spec, self._model().training, rows, tuple(signature(x) for x in local))
+        key = ("per-rank", spec, self._model().training, rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
                ) if dynamic else static
         exe = self._find(key, local, {}, ()) or (self._find(static, local, {}, ()) if dynamic else None)
         if exe is None:
             try:
-                grad = torch.is_grad_enabled()
-                symbolic = dynamic if (not grad or key in self.shapes_met) and key not in self.shapes_fixed else {}
-                self.shapes_met.add(key)
-                exe = self._compile(local, spec, split, sizes, per_rank=(rows, member), dynamic=symbolic)
-                if symbolic and exe.accepts is None:
-                    self.shapes_fixed.add(key)
-                self._keep(key if exe.accepts is not None else static, exe)
+                exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
+                    local, spec, split, sizes, per_rank=(rows, member), dynamic=symbolic))
             except CaptureError as e:
                 if self.plan is not None or self.config.pipeline > 1:
                     raise
@@ -339,6 +315,22 @@ class ParallelRuntime:
         return self.executables.find((self.casts.check(), key), lambda: [narrow(x, split[i]) if i in split else x
                                                                          for i, x in enumerate(leaves)])
 
+    def _compiled(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
+                  compile: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
+        """The cache policy, one for every kind of call (a global batch, per-rank batches, a pipeline's
+        micro-batch), after ``_find`` found no graph for ``key`` (symbolic sizes) nor ``static`` (these sizes):
+        ``compile`` one, with ``dynamic``'s symbolic sizes in evaluation and from a key's second shape in
+        training (as torch.compile's automatic dynamic shapes: a script with one shape pays no symbolic
+        capture), as these sizes where symbolic capture failed before; kept under the key it accepts."""
+        symbolic = dynamic if (not torch.is_grad_enabled() or key in self.shapes_met) and key not in self.shapes_fixed \
+            else {}
+        self.shapes_met.add(key)
+        exe = compile(symbolic)
+        if symbolic and exe.accepts is None:  # symbolic sizes failed or were fixed: not tried again
+            self.shapes_fixed.add(key)
+        self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
+        return exe
+
     def _keep(self, key: Any, exe: Executable) -> None:
         """Caches a compiled graph; one warning the first time a signature has to go (each new input shape
         then costs a capture)."""
@@ -363,7 +355,12 @@ class ParallelRuntime:
         self.fallback = True
         sync = data_parallel_sync(error, self.params, self.mesh.rank, self.config.world_size, self.sync_enabled)
         if sync is not None:
-            self._syncs.append(sync)
+            self._add_sync(sync, "world")
+
+    def _add_sync(self, sync: GradSync, axis: str) -> None:
+        """Keeps a gradient sync; its hooks on the parameters are the model's patches (``autopar.patches``)."""
+        self._syncs.append(sync)
+        patches.of_model(self._model()).add(f"gradient hooks ({axis})", sync.remove)
 
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
         return run_data_parallel(self._forward_whole, self._model(), self.mesh, self.config.world_size,
@@ -375,121 +372,47 @@ class ParallelRuntime:
 
     # ---- compiling --------------------------------------------------------------------------------
 
-    def _capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
-                 sizes: tuple[int, ...], index: int, segments: tuple[int, ...] = (),
-                 dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None) -> Captured:
-        self.shadow.train(self._training())
-        requires_grad = {name: p.requires_grad for name, p in self.params.items()}
-        captured = capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
-                                 segments=segments, device=self.mesh.device, dynamic=dynamic, arrived=arrived)
-        if not torch.is_grad_enabled() and self.config.pipeline == 1:  # a cache comes back split (kept.py)
-            captured.gm.meta["autopar_kept_outputs"] = state_outputs(captured.out_spec)
-        return captured
-
     def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], local_outputs: bool = False,
                  per_rank: tuple[tuple[int, ...], int] | None = None,
                  dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
                  ) -> Executable:
-        """``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
+        """This call's graph (``autopar.runtime.compiler``), planned at the model's first capture.
+        ``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
         input dims captured as symbolic sizes (``symbolic_dims``); if that capture fails, or the graph
         computes numbers from the batch, these sizes are captured as they are."""
         index = self.mesh.index("batch") if split else 0
         segments = per_rank[0] if per_rank is not None and split else ()
-        captured = None
-        if dynamic:
-            try:
-                captured = self._capture(leaves, spec, split, sizes, index, segments, dynamic, arrived)
-                # the graph computes numbers from the batch, or the batch analysis fixed a length (entries
-                # per row of per-token values): these sizes are captured as they are
-                if split and (whole_constants(captured.gm, analyze_batch(captured.gm)) or sizes_fixed(captured.gm)):
-                    captured = None
-            except CaptureError as e:
-                log.debug("autopar: capture with symbolic sequence sizes failed (%s); capturing these sizes", e)
-        if captured is None:
-            captured = self._capture(leaves, spec, split, sizes, index, segments, arrived=arrived)
-        if split:
-            self._find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
+        captured = self.compiler.capture_call(leaves, spec, split, sizes, index, segments, dynamic, arrived)
         if self.plan is None:
             # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
             # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
             plan = None
             if per_rank is None or self.mesh.rank == 0:
-                canonical = captured if index == 0 else self._capture(
+                canonical = captured if index == 0 else self.compiler.capture(
                     leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
-                with hinted(canonical.gm):  # plans and estimates see the capture's example sizes
-                    plan = make_plan(canonical.gm, self.config)
-                    if self.config.pipeline > 1:  # the stages first: each rank recomputes for its own memory
-                        plan = dataclasses.replace(plan, pipeline=self._plan_pipeline(canonical.gm, plan))
-                    plan = dataclasses.replace(plan, memory=self._plan_memory(canonical.gm, plan))
+                plan = decide_plan(canonical.gm, self.config, self.plan_options())
+                if not plan.memory.fits and self.mesh.rank == 0:
+                    log.warning("autopar: %s", plan.memory.summary().replace("\n", "; "))
             if per_rank is not None:
                 box = [plan]
                 C.broadcast_objects(box, 0, self.mesh.control)
                 plan = box[0]
             self._adopt(plan)
-        pipelined = self.config.pipeline > 1
-        gm, records = run_passes(captured.gm, self.plan, PIPELINE_PASSES if pipelined else PASSES)
-        for note in (n for r in records if r.name == "split_batch" for n in r.notes):
-            if note not in self._warned and self.mesh.rank == 0:
-                log.warning("autopar: %s (correct, but that op is not data-parallel).", note)
-            self._warned.add(note)
-        output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
-        rows = BatchRows(sizes)
-        bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
-                     local_outputs, per_rank)
-        inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
-        constants = {}
-        for name, value in captured.constants.items():
-            real = self._real_constant(name)  # a tensor attribute of the model: its current value
-            value = real if real is not None else value
-            if isinstance(value, torch.Tensor) and value.device.type == "meta":
-                raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
-                                   "capture; autopar cannot recover its data. Register it as a buffer.")
-            constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
-        program = None
-        if pipelined:
-            program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
-                              self.finish_grads, symbolic=captured.accepts is not None)
-            if self.store.held is None:
-                self.store.hold(program.readers())
-        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows)
+        return self.compiler.executable(captured, self.plan, split, sizes, local_outputs, per_rank)
 
-    def _find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
-                              split: dict[int, int], sizes: tuple[int, ...], index: int,
-                              segments: tuple[int, ...] = ()) -> None:
-        """Numbers computed from the batch size where the model works on the whole batch (``loss.sum() /
-        x.size(0)``): the capture saw this rank's rows; a second capture with twice as many tells which
-        numbers scale with them, and ``passes.split_batch`` gives them the whole batch's value."""
-        facts = analyze_batch(captured.gm)
-        if not whole_constants(captured.gm, facts):
-            return
-        if segments:
-            raise PlanError(f"{type(self._model()).__name__} computes with numbers after a reduction over the batch "
-                            "inside forward (e.g. loss.sum() / x.size(0)); under per-rank batches the ranks that split "
-                            "the model pool their rows, and each one's number would be its own batch's. Compute the "
-                            "loss outside the model, or use a grid whose tensor and pipeline degrees are 1.")
-        doubled = tuple(2 * s if i == index else s for i, s in enumerate(sizes))
-        try:
-            other = self._capture(leaves, spec, split, doubled, index)
-        except CaptureError as e:
-            raise PlanError(f"{type(self._model()).__name__} uses numbers after a reduction over the batch inside "
-                            "forward; autopar captures it with twice this rank's rows to tell which of them are the "
-                            f"batch size, and that capture failed ({e}). Compute the loss outside the model, or use "
-                            "data=1 and depth=1.") from e
-        captured.gm.meta["autopar_batch_constants"] = batch_constants(
-            captured.gm, other.gm, facts, sizes[index], doubled[index])
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned and self.mesh.rank == 0:
+            log.warning("autopar: %s", message)
+        self._warned.add(message)
 
-    def _plan_pipeline(self, gm: fx.GraphModule, plan: Plan):
-        report = estimate_step(gm, plan)
-        chain = pipeline_chain(gm, plan, report.collectives)  # gm is one micro-batch's graph
-        num_stages = self.config.pipeline * self.pipe.stages_per_rank
-        if len(chain) < num_stages:
-            raise PlanError(f"the model has {len(chain)} blocks to cut into pipeline stages, fewer than "
-                            f"pipeline={self.config.pipeline} x {self.pipe.stages_per_rank} stages per rank = "
-                            f"{num_stages}. Lower pipeline= (or chunks=).")
-        planned = plan_pipeline(chain, self.config.pipeline, self.num_microbatches, self.pipe.stages_per_rank)
-        return dataclasses.replace(planned, schedule=self.pipe.schedule)
+    def plan_options(self) -> PlanOptions:
+        """What this model's plan depends on beyond the grid: the user's memory and pipeline options, and this
+        device's memory shared by the ranks on it."""
+        checkpoint = self.memory.checkpoint
+        budget = None if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
+        return PlanOptions(checkpoint, budget, self.memory.precision, self.num_microbatches,
+                           self.pipe.stages_per_rank, self.pipe.schedule, strict=True)
 
     def finish_grads(self) -> None:
         """pipeline > 1, after backward (or after the schedule's last micro-batch): the step's gradients into
@@ -514,11 +437,9 @@ class ParallelRuntime:
                                                        self.inputs.batch_dims)
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
-        key = ("pipeline", spec, self._training(), global_batch // m, tuple(signature(x) for x in micro))
-        exe = self._find(key, micro, {}, ())
-        if exe is None:
-            exe = self._compile(micro, spec, split, micro_sizes, True)
-            self._keep(key, exe)
+        key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))
+        exe = self._find(key, micro, {}, ()) or self._compiled(
+            key, key, {}, lambda _: self._compile(micro, spec, split, micro_sizes, True))
         local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
         values = dict(zip(placeholders(exe.gm), self._graph_inputs(exe, local)))
@@ -539,29 +460,6 @@ class ParallelRuntime:
                 flat.append(local[int(target)])
         return flat
 
-    def _plan_memory(self, gm: fx.GraphModule, plan: Plan) -> MemoryPlan:
-        checkpoint = self.memory.checkpoint
-        budget = checkpoint if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
-        profile = estimate_memory(gm, plan, half_dtype(self.memory.precision))
-        if plan.pipeline is not None:
-            memory = pipeline_memory(profile, plan, self.num_microbatches, checkpoint, budget)
-            if isinstance(checkpoint, int) and not memory.fits:
-                raise PlanError(f"checkpoint={checkpoint:,} bytes per device: a pipeline rank does not fit even "
-                                f"recomputing every block of its stages ({memory.summary().splitlines()[0]}). "
-                                "Raise the budget, or use more pipeline or tensor ranks.")
-        else:
-            memory = plan_memory(profile, checkpoint, budget, strict=isinstance(checkpoint, int))
-        if not memory.fits and self.mesh.rank == 0:
-            log.warning("autopar: %s", memory.summary().replace("\n", "; "))
-        return memory
-
-    def _real_constant(self, name: str) -> Any:
-        """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""
-        obj: Any = self._model()
-        for part in name.split("."):
-            obj = getattr(obj, part, None)
-        return obj if isinstance(obj, torch.Tensor) else None
-
     # ---- parameters -------------------------------------------------------------------------------
 
     def _adopt(self, plan: Plan) -> None:
@@ -574,8 +472,8 @@ class ParallelRuntime:
             if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else finish_grads
                 synced.setdefault(axis, {})[id(p)] = p
         for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
-            self._syncs.append(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
-                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled))
+            self._add_sync(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
+                                    half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled), axis)
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())

@@ -21,7 +21,7 @@ from autopar.decisions import Plan
 from autopar.runtime import collectives as C
 from autopar.runtime.absent import Absent
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.parameters import local_of, local_view, make_dtensor
+from autopar.runtime.param_layout import local_of, local_view, make_dtensor
 from autopar.runtime.pipeline import owner
 
 

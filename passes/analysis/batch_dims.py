@@ -1,7 +1,7 @@
 """Where the batch lies in every tensor of a captured graph, and which ops mix its rows.
 
 Data and depth parallelism split the batch: each rank runs the captured graph on its own rows (the
-graph was captured with this rank's row count, ``gm.meta["autopar_batch"]``). That is exact for ops
+graph was captured with this rank's row count, ``GraphInfo.batch``). That is exact for ops
 that treat rows independently. This analysis follows the batch dim through every op (views merge it
 with other dims or split it off, transposes move it) and finds the ops that do not:
 
@@ -29,8 +29,6 @@ The per-op rules are in ``passes.analysis.batch_rules``.
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
-from enum import StrEnum
 from typing import Any
 
 import torch
@@ -38,55 +36,12 @@ from torch import fx
 
 from autopar.compat import pytree
 from autopar.errors import PlanError
-from passes.analysis.batch_rules import (VIEWS, BatchDim, Gather, Reduce, Reduction, Rules, known,
-                                        map_batch_through_view)
-from passes.analysis.graph_facts import carries_grad, module_of, tensor_inputs, tensor_meta
-from passes.ir import batch_reduce, gather_rows, input_info, scatter_rows, sum_grad, vocab_cross_entropy
+from passes.analysis.batch_facts import BatchDim, BatchFacts, State, describe
+from passes.analysis.batch_rules import VIEWS, Gather, Reduce, Rules, known, map_batch_through_view
+from passes.analysis.graph_facts import carries_grad, tensor_inputs, tensor_meta
+from passes.ir import batch_reduce, gather_rows, graph_info, input_info, scatter_rows, sum_grad, vocab_cross_entropy
 
 aten = torch.ops.aten
-
-
-class State(StrEnum):
-    SPLIT = "split"
-    WHOLE = "whole"
-    NONE = "none"
-
-
-@dataclass
-class BatchFacts:
-    dims: dict[fx.Node, Any] = field(default_factory=dict)
-    """Per node: its BatchDim when SPLIT, else None (a tuple of them for ops returning several tensors)."""
-    states: dict[fx.Node, State] = field(default_factory=dict)
-    requires_grad: dict[fx.Node, bool] = field(default_factory=dict)
-    reductions: dict[fx.Node, Reduction] = field(default_factory=dict)
-    gathers: dict[fx.Node, dict[fx.Node, BatchDim]] = field(default_factory=dict)
-    """Consumer -> {SPLIT producer: its batch dim}: the producer's rows are gathered for the consumer."""
-    scatters: dict[fx.Node, BatchDim] = field(default_factory=dict)
-    """Gathered consumers whose output keeps their input's shape: each rank takes its rows back."""
-    row_index: dict[fx.Node, int] = field(default_factory=dict)
-    """``arange(rows)`` (and views of it): tensors enumerating this rank's rows along the given dim.
-    Indexing a SPLIT tensor's rows with one (HF's masks: ``mask[arange(B)[:, None], ...]``) stays on
-    this rank's rows."""
-
-    def batch_dim(self, node: Any) -> BatchDim | None:
-        d = self.dims.get(node) if isinstance(node, fx.Node) else None
-        return d if isinstance(d, BatchDim) else None
-
-    def state(self, node: Any) -> State:
-        return self.states.get(node, State.NONE) if isinstance(node, fx.Node) else State.NONE
-
-    def notes(self) -> tuple[str, ...]:
-        """One line per op that sees the whole batch (its inputs' rows are gathered)."""
-        out = []
-        for consumer in self.gathers:
-            out.append(f"{_describe(consumer)} works along the batch dim: its input rows are gathered over data "
-                       "x depth and it runs on the whole batch on every rank")
-        return tuple(out)
-
-
-def _describe(node: fx.Node) -> str:
-    name = getattr(node.target, "__name__", str(node.target))
-    return f"op {name} in module '{module_of(node) or '<root>'}'"
 
 
 _MARKERS = (batch_reduce, gather_rows, scatter_rows, sum_grad, vocab_cross_entropy)
@@ -98,7 +53,7 @@ _MARKERS = (batch_reduce, gather_rows, scatter_rows, sum_grad, vocab_cross_entro
 def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
     """Follows the batch through ``gm`` (see the module docstring)."""
     facts = BatchFacts()
-    batch = gm.meta.get("autopar_batch")
+    batch = graph_info(gm).batch
     has_rows = batch is not None and batch.local_sizes[batch.index] > 0
     rows = local_rows(gm) if has_rows else 0
     rules = Rules(facts, rows)
@@ -146,7 +101,7 @@ def analyze_batch(gm: fx.GraphModule) -> BatchFacts:
 def local_rows(gm: fx.GraphModule) -> Any:
     """This rank's row count in ``gm``: a SymInt where the graph was captured for every batch size (the
     batch dim of its split inputs symbolic), else the recorded number."""
-    batch = gm.meta["autopar_batch"]
+    batch = graph_info(gm).batch
     for node in gm.graph.nodes:
         info = input_info(node) if node.op == "placeholder" else None
         if info is not None and info.batch_split:
@@ -227,7 +182,7 @@ def whole_constants(gm: fx.GraphModule, facts: BatchFacts) -> bool:
     """Whether any op computed from the whole batch takes a number (``loss / x.size(0)`` does): such a
     number may be this rank's row count, captured where the serial model had the whole batch's. In a graph
     captured for every batch size the row count is a symbol, and such an op takes a value made from it."""
-    rows = local_rows(gm) if gm.meta.get("autopar_batch") is not None else None
+    rows = local_rows(gm) if graph_info(gm).batch is not None else None
     symbol = rows.node.expr if isinstance(rows, torch.SymInt) else None
     for node in gm.graph.nodes:
         if node.op != "call_function" or node in facts.reductions or facts.state(node) is not State.WHOLE:
@@ -277,7 +232,7 @@ def batch_constants(gm: fx.GraphModule, other: fx.GraphModule, facts: BatchFacts
                 continue
             if y * rows != x * other_rows:
                 raise BatchConstantError(
-                    f"{_describe(a)} takes {x} with {rows} rows and {y} with {other_rows}: a number computed from the "
+                    f"{describe(a)} takes {x} with {rows} rows and {y} with {other_rows}: a number computed from the "
                     "batch size that is not a multiple of it")
             out.setdefault(a.name, {})[i] = Fraction(x) / rows
     return out

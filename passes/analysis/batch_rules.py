@@ -5,53 +5,19 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autopar.compat import OpOverload, op_schema
+from passes.analysis.batch_facts import BatchDim, BatchFacts, Reduction
 from passes.analysis.graph_facts import tensor_inputs, tensor_meta
 from passes.ir import scatter_rows, sum_grad, vocab_cross_entropy
 
-if TYPE_CHECKING:
-    from passes.analysis.batch_dims import BatchFacts
 
 aten = torch.ops.aten
-
-
-@dataclass(frozen=True, slots=True)
-class BatchDim:
-    """Where a SPLIT tensor holds the batch: dim ``dim``, whose size is (this rank's rows) x ``factor``,
-    rows outermost (``(B, T, C) -> (B*T, C)`` gives dim 0, factor T)."""
-
-    dim: int
-    factor: Any = 1
-    """An int, or a SymInt where a symbolic length is part of each row (a graph captured for every length)."""
-
-    def static_factor(self) -> int:
-        """The entries per row as a number, or 0 where they are symbolic: the runtime's batch ops count them
-        at each call (``int()`` would fix the length the graph was captured for)."""
-        f = self.factor
-        if isinstance(f, torch.SymInt):
-            known = f.node.maybe_as_int()
-            return 0 if known is None else int(known)
-        return int(f)
-
-
-@dataclass(frozen=True, slots=True)
-class Reduction:
-    """A reduction over the batch dim that a partial sum completes."""
-
-    kind: str
-    """"sum", "mean" (over ``dims``), or the loss op's reduction: "loss_sum", "loss_mean"."""
-    batch: BatchDim
-    """Where the reduced input holds the batch."""
-    dims: tuple[int, ...] = ()
-    """sum/mean: the reduced dims (the batch dim among them)."""
-    keepdim: bool = False
 
 
 # ---- the op families ------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from torch import fx
 
 from autopar.config import AGREEMENT_BYTES, ParallelConfig
 from autopar.decisions import EmbeddingMode, Orientation, ParamPlan, collective_bytes
-from passes.analysis.batch_dims import BatchDim, BatchFacts
+from passes.analysis.batch_facts import BatchDim, BatchFacts
 from passes.analysis.batch_rules import CLASS_LOSSES
 from passes.analysis.graph_facts import (
     MatmulMatch,
@@ -40,8 +40,9 @@ from passes.analysis.graph_facts import (
     rows_of,
     tensor_meta,
 )
-from passes.analysis.layouts import LayoutResult, kept_split, output_node
-from passes.ir import BatchInfo, Sharding, input_info, vocab_cross_entropy
+from passes.analysis.layout_rules import LayoutResult, output_node
+from passes.analysis.layouts import kept_split
+from passes.ir import BatchInfo, Sharding, graph_info, input_info, vocab_cross_entropy
 
 
 @dataclass(frozen=True, slots=True)
@@ -237,7 +238,7 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
 def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[MatmulMatch],
                      params: Mapping[str, ParamPlan] | None, config: ParallelConfig) -> list[Collective]:
     """Every collective this rank issues in one forward + backward + gradient sync, in graph order."""
-    batch: BatchInfo | None = gm.meta.get("autopar_batch")
+    batch: BatchInfo | None = graph_info(gm).batch
     by_node = {m.node: m for m in matmuls}
     out: list[Collective] = []
     for node in gm.graph.nodes:

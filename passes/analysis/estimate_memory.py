@@ -51,7 +51,7 @@ from autopar.compat import pytree
 from autopar.decisions import Plan
 from passes.analysis.graph_facts import attention_flops, module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
-from passes.ir import Sharding, input_info
+from passes.ir import Sharding, graph_info, input_info
 
 log = logging.getLogger(__name__)
 
@@ -410,7 +410,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
 
 def _output_bytes(gm: fx.GraphModule) -> list[int]:
     """Bytes of each tensor output, full on every rank (gathered over features and the batch)."""
-    batch = gm.meta.get("autopar_batch")
+    batch = graph_info(gm).batch
     sizes = []
     for out in pytree.tree_leaves(gm.graph.output_node().args):
         t = tensor_meta(out) if isinstance(out, fx.Node) else None

@@ -43,8 +43,9 @@ from passes.analysis.graph_facts import (
     param_uses,
     tensor_meta,
 )
-from passes.analysis.layouts import LayoutResult, output_node, propagate_layouts
-from passes.ir import Sharding
+from passes.analysis.layout_rules import LayoutResult, output_node
+from passes.analysis.layouts import propagate_layouts
+from passes.ir import Sharding, graph_info
 
 aten = torch.ops.aten
 
@@ -142,7 +143,7 @@ def embedding_decider(plan: Plan) -> Callable[[str], tuple[EmbeddingMode, str]]:
 
 
 def local_batch_of(gm: fx.GraphModule) -> int | None:
-    batch = gm.meta.get("autopar_batch")
+    batch = graph_info(gm).batch
     split = batch is not None and (len(batch.local_sizes) > 1 or len(batch.segments) > 1)
     return batch.local_sizes[batch.index] if split else None
 

@@ -26,6 +26,7 @@ from passes.analysis.estimate_costs import (
 )
 from passes.analysis.graph_facts import param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
+from passes.ir import graph_info
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +103,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
     matches = list(by_node.values())
     params = {p.name: p for p in plan.params}
     colls = list_collectives(gm, res, matches, params, config)
-    batch = gm.meta.get("autopar_batch")
+    batch = graph_info(gm).batch
     scale = Fraction(batch.global_size, batch.local_sizes[batch.index]) if batch is not None else Fraction(1)
 
     shapes: dict[str, tuple[int, ...]] = {}

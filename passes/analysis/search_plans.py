@@ -223,7 +223,7 @@ def arrival_skew(calls: int, compute: float, machine: Machine, config: ParallelC
 
 
 def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: str = "fp32") -> StepTime:
-    """``step_seconds`` of a planned grid from its step report (``autopar.trace.plan_model``'s, under
+    """``step_seconds`` of a planned grid from its step report (``autopar.planner.plan_model``'s, under
     ``precision``)."""
     layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
     memory = report.rank_memory or plan.memory

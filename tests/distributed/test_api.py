@@ -11,8 +11,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.runtime.parameters import local_of
-from autopar.context import runtime_of
+from autopar.runtime.param_layout import local_of
+from autopar.parallel_model import runtime_of
 from autopar.errors import ConfigError, ContextError, InputError, NotInitializedError, StateDictError
 from autopar.examples.fc_net import FC_Net
 from tests.helpers import SMALL, batches, rel_err, train

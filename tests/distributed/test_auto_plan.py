@@ -201,7 +201,7 @@ def no_degrees_worker(budget_share: float | None, example: bool) -> dict:
     sets the budget here), with one warning line."""
     import logging
 
-    from autopar.context import training_state_bytes
+    from autopar.grid_choice import training_state_bytes
 
     records: list[logging.LogRecord] = []
     handler = logging.Handler()

@@ -16,7 +16,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.errors import AutoparError
 from tests.helpers import rel_err
 

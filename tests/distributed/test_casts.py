@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 import autopar
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.errors import ParameterError
 from autopar.examples import zoo
 from tests import zoo_helpers as Z

@@ -134,7 +134,7 @@ class _SelfCheckpointed(nn.Module):
 
 def _user_checkpoint_run(tensor: tuple[int, int, int]) -> tuple[float, dict]:
     import autopar
-    from autopar.context import runtime_of
+    from autopar.parallel_model import runtime_of
 
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=tensor, checkpoint="none"):

@@ -28,7 +28,7 @@ import autopar
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.errors import CheckpointError, ContextError, StateDictError
 from autopar.examples import zoo
-from autopar.runtime.parameters import local_of
+from autopar.runtime.param_layout import local_of
 from tests.zoo_helpers import batches as zoo_batches
 
 RESUME_TOL = 1e-6

@@ -23,7 +23,7 @@ from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.errors import AgreementError, ParameterError
 from autopar.runtime.deferred import DeferredInitError
-from autopar.runtime.parameters import local_of
+from autopar.runtime.param_layout import local_of
 
 MODELS = {
     "fc_net": (lambda: FC_Net(num_layers=2, hidden=32, image_size=4), lambda: (torch.randn(4, 1, 4, 4),)),

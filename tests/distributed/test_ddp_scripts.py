@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import autopar
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.errors import InputError
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from tests.helpers import rel_err

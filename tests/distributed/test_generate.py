@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.examples import zoo
 
 MODES = {

@@ -9,12 +9,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
 from autopar.runtime.collectives import comm_calls
 from autopar.runtime.absent import Absent
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.parameters import local_of
+from autopar.runtime.param_layout import local_of
 from tests.helpers import SMALL, rel_err
 
 

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.config import ParallelConfig
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.planner import plan_model
 from autopar.examples import zoo
 from autopar.examples.nanogpt import GPTConfig, NanoGPT

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 import autopar
 from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPT, GPTConfig
-from autopar.runtime.parameters import local_of
+from autopar.runtime.param_layout import local_of
 from tests.helpers import SMALL, batches, rel_err
 
 TOL = 1e-5  # float32 sums in another order: ~1e-7 per step; a wrong clip factor moves losses by 1e-3 and more

@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.config import ParallelConfig
-from autopar.context import runtime_of
-from autopar.runtime.parameters import local_of
+from autopar.parallel_model import runtime_of
+from autopar.runtime.param_layout import local_of
 from autopar.examples.fc_net import FC_Net
 from autopar.planner import plan_model
 from tests.helpers import SMALL, batches, rel_err, serial_run

@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
-from autopar.runtime.parameters import held_numel
-from autopar.context import runtime_of
+from autopar.runtime.param_layout import held_numel
+from autopar.parallel_model import runtime_of
 from autopar.errors import InputError, PlanError
 from autopar.examples import zoo
 from autopar.examples.fc_net import FC_Net, synthetic_mnist

@@ -19,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.examples import zoo
 
 # (rows, length) per step: lengths vary at every step, rows at some (a last, smaller batch)

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
-from autopar.context import runtime_of
+from autopar.parallel_model import runtime_of
 from autopar.examples.titan_llama import TitanLlama, TitanLlamaArgs
 from tests.helpers import rel_err
 

@@ -1,0 +1,155 @@
+"""Compiles one input signature of a parallel model into an ``Executable`` on this rank.
+
+Two steps, with the plan decided between them by the runtime (``ParallelRuntime._compile``):
+
+- ``Compiler.capture_call``: the model's meta shadow captured for this rank's rows of the batch, with
+  symbolic sizes where asked and possible, and the numbers the model computes from the batch size;
+- ``Compiler.executable``: the passes run under the plan, the marker ops bound to this rank's process
+  groups, the model's tensor constants, and under a pipeline this rank's stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.capture import Captured, capture_shard, state_outputs
+from autopar.compat import pytree
+from autopar.config import MemoryConfig, ParallelConfig
+from autopar.decisions import Plan
+from autopar.errors import CaptureError, PlanError
+from autopar.memory import half_dtype
+from autopar.runtime.binding import bind_markers, gather_spec, travels
+from autopar.runtime.executables import Executable
+from autopar.runtime.mesh import Mesh
+from autopar.runtime.ops import BatchRows
+from autopar.runtime.parameters import ParamStore
+from autopar.runtime.pipeline import Program
+from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
+from passes.analysis.graph_facts import sizes_fixed
+from passes.insert_checkpoints import insert_checkpoints
+from passes.ir import input_info, record_graph_info
+from passes.runner import run_passes
+from passes.shard_linears import shard_linears
+from passes.split_batch import split_batch
+from passes.split_stages import split_stages
+
+log = logging.getLogger(__name__)
+
+PASSES = (split_batch, shard_linears, insert_checkpoints)
+#: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
+PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
+
+
+class Compiler:
+    """Captures and compiles the graphs of one parallel model on this rank."""
+
+    def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
+                 memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None]) -> None:
+        """``finish_grads``: what a pipeline's backward ends with (the runtime's); ``warn_once``: one warning line
+        per distinct message, on rank 0."""
+        self._model = weakref.ref(model)
+        self.shadow, self.store, self.mesh, self.config, self.memory = shadow, store, mesh, config, memory
+        self.finish_grads, self.warn_once = finish_grads, warn_once
+
+    def capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
+                index: int, segments: tuple[int, ...] = (), dynamic: dict[int, dict[int, Any]] | None = None,
+                arrived: dict[int, Any] | None = None) -> Captured:
+        """The shadow captured for batch shard ``index``'s rows (as the model is now: training or not)."""
+        self.shadow.train(self._model().training)
+        requires_grad = {name: p.requires_grad for name, p in self.store.params.items()}
+        captured = capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                                 segments=segments, device=self.mesh.device, dynamic=dynamic, arrived=arrived)
+        if not torch.is_grad_enabled() and self.config.pipeline == 1:  # a cache comes back split (kept.py)
+            record_graph_info(captured.gm, kept_outputs=state_outputs(captured.out_spec))
+        return captured
+
+    def capture_call(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
+                     index: int, segments: tuple[int, ...], dynamic: dict[int, dict[int, Any]] | None,
+                     arrived: dict[int, Any] | None) -> Captured:
+        """This call's capture: with ``dynamic``'s symbolic sizes where that capture works and the graph
+        computes nothing from the batch size, else with these sizes; then the numbers computed from the batch
+        size (``find_batch_constants``)."""
+        captured = None
+        if dynamic:
+            try:
+                captured = self.capture(leaves, spec, split, sizes, index, segments, dynamic, arrived)
+                # the graph computes numbers from the batch, or the batch analysis fixed a length (entries
+                # per row of per-token values): these sizes are captured as they are
+                if split and (whole_constants(captured.gm, analyze_batch(captured.gm)) or sizes_fixed(captured.gm)):
+                    captured = None
+            except CaptureError as e:
+                log.debug("autopar: capture with symbolic sequence sizes failed (%s); capturing these sizes", e)
+        if captured is None:
+            captured = self.capture(leaves, spec, split, sizes, index, segments, arrived=arrived)
+        if split:
+            self.find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
+        return captured
+
+    def find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
+                             split: dict[int, int], sizes: tuple[int, ...], index: int,
+                             segments: tuple[int, ...] = ()) -> None:
+        """Numbers computed from the batch size where the model works on the whole batch (``loss.sum() /
+        x.size(0)``): the capture saw this rank's rows; a second capture with twice as many tells which
+        numbers scale with them, and ``passes.split_batch`` gives them the whole batch's value."""
+        facts = analyze_batch(captured.gm)
+        if not whole_constants(captured.gm, facts):
+            return
+        name = type(self._model()).__name__
+        if segments:
+            raise PlanError(f"{name} computes with numbers after a reduction over the batch "
+                            "inside forward (e.g. loss.sum() / x.size(0)); under per-rank batches the ranks that split "
+                            "the model pool their rows, and each one's number would be its own batch's. Compute the "
+                            "loss outside the model, or use a grid whose tensor and pipeline degrees are 1.")
+        doubled = tuple(2 * s if i == index else s for i, s in enumerate(sizes))
+        try:
+            other = self.capture(leaves, spec, split, doubled, index)
+        except CaptureError as e:
+            raise PlanError(f"{name} uses numbers after a reduction over the batch inside "
+                            "forward; autopar captures it with twice this rank's rows to tell which of them are the "
+                            f"batch size, and that capture failed ({e}). Compute the loss outside the model, or use "
+                            "data=1 and depth=1.") from e
+        record_graph_info(captured.gm, batch_constants=batch_constants(
+            captured.gm, other.gm, facts, sizes[index], doubled[index]))
+
+    def executable(self, captured: Captured, plan: Plan, split: dict[int, int], sizes: tuple[int, ...],
+                   local_outputs: bool, per_rank: tuple[tuple[int, ...], int] | None) -> Executable:
+        """``captured`` compiled under ``plan`` for this rank. ``per_rank``: (each member's rows, this rank's
+        member index) under per-rank batches."""
+        pipelined = self.config.pipeline > 1
+        gm, records = run_passes(captured.gm, plan, PIPELINE_PASSES if pipelined else PASSES)
+        for note in (n for r in records if r.name == "split_batch" for n in r.notes):
+            self.warn_once(f"{note} (correct, but that op is not data-parallel).")
+        output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
+        rows = BatchRows(sizes)
+        bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
+                     local_outputs, per_rank)
+        inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
+        constants = {}
+        for name, value in captured.constants.items():
+            real = self._real_constant(name)  # a tensor attribute of the model: its current value
+            value = real if real is not None else value
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
+                                   "capture; autopar cannot recover its data. Register it as a buffer.")
+            constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
+        program = None
+        if pipelined:
+            program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
+                              self.finish_grads, symbolic=captured.accepts is not None)
+            if self.store.held is None:
+                self.store.hold(program.readers())
+        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
+                          captured.accepts, rows)
+
+    def _real_constant(self, name: str) -> Any:
+        """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""
+        obj: Any = self._model()
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None
