@@ -355,7 +355,7 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     gives each grid a copy recording its own split: every grid of 4 ranks, pipelines and uneven shards
     (a batch of 6 rows) included, scores exactly as when captured on its own. Mutation: sharing the
     capture without its own split (the first grid's BatchInfo) changes the uneven grids' scores."""
-    from autopar import trace
+    from autopar import planner
     from autopar.examples import zoo
     from autopar.search import score
 
@@ -364,8 +364,8 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
         llama = zoo.build_model("llama", layers=6)
     inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=6, seq=16))
     captured = []
-    real = trace.capture_shard
-    trace.capture_shard = lambda *a, **k: captured.append((a[4] or (None,))[a[5]]) or real(*a, **k)
+    real = planner.capture_shard
+    planner.capture_shard = lambda *a, **k: captured.append((a[4] or (None,))[a[5]]) or real(*a, **k)
     try:
         shared: dict = {}
         grids = candidates(4, 6)
@@ -373,7 +373,7 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
         rows = list(captured)
         alone = [score(llama, inputs, c, machine, captures={}) for c in grids]
     finally:
-        trace.capture_shard = real
+        planner.capture_shard = real
     assert len(rows) == len(set(rows)) < len(grids) / 2, rows  # one capture per row count
     assert any(len(set(c.config.batch_sizes(6))) > 1 for c in grids)  # uneven shards are among them
     for c, a, b in zip(grids, together, alone):
