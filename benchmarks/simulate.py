@@ -17,7 +17,8 @@ process (a process has one default process group). Columns:
     python -m benchmarks --simulate 4 --size tiny --grids t4x1x1 t2x2x1 --repeats 3 --device cpu
 
 A simulated rank's losses are not the model's (its collectives did nothing): only times and counts mean
-something. Absolute times are this machine's; compare rows of one run.
+something. Absolute times are this machine's; compare rows of one run. Pipeline grids are refused: a
+pipeline rank needs the other stages' activations, which the fake process group does not carry.
 """
 
 from __future__ import annotations
@@ -147,9 +148,12 @@ def main(argv: list[str] | None = None) -> int:
     grids = args.grids or default_grids(args.world)
     for g in grids:
         try:
-            parse_grid(g, args.world)
+            grid = parse_grid(g, args.world)
         except ValueError as e:
             p.error(str(e))
+        if grid.pipeline > 1:  # rank 0 would wait on the other stages' activations, which no rank sends
+            p.error(f"grid {g!r} has a pipeline: a pipeline rank's step needs the other stages' activations, which "
+                    "the fake process group does not carry. Simulate tensor and data grids (t..., d...).")
     rows = [(SERIAL, "serial (whole model, whole batch)")]
     rows += [] if args.no_compile else [(COMPILED, "serial, torch.compile")]
     rows += [(g, f"autopar {g}, rank 0") for g in grids]

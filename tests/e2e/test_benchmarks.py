@@ -98,6 +98,8 @@ def test_simulate_times_one_rank_of_each_grid_on_this_device(tmp_path):
     assert "vs serial/4" in done.stdout
 
 
-def test_simulate_rejects_a_grid_of_another_world():
+def test_simulate_rejects_a_grid_of_another_world_and_a_pipeline():
     done = _bench("--simulate", "4", "--grids", "t2x1x1-d1", "--device", "cpu")
     assert done.returncode == 2 and "needs 2 ranks" in done.stderr
+    done = _bench("--simulate", "4", "--grids", "p4", "--device", "cpu")
+    assert done.returncode == 2 and "fake process group does not carry" in done.stderr
