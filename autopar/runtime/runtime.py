@@ -190,7 +190,7 @@ class ParallelRuntime:
             else global_batch
         key = (spec, self._model().training, batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
                local_outputs) if dynamic else static
-        exe = self._find(key, leaves, split, sizes) or (self._find(static, leaves, split, sizes) if dynamic else None)
+        exe = self._cached(key, static, leaves, split, sizes)
         if exe is None and key in self.uncaptured:  # an evaluation call that could not be captured before
             self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
             return self._forward_local(*whole((args, kwargs))), None, ()
@@ -255,7 +255,7 @@ class ParallelRuntime:
         static = ("per-rank", spec, self._model().training, rows, tuple(signature(x) for x in local))
         key = ("per-rank", spec, self._model().training, rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
                ) if dynamic else static
-        exe = self._find(key, local, {}, ()) or (self._find(static, local, {}, ()) if dynamic else None)
+        exe = self._cached(key, static, local, {}, ())
         if exe is None:
             try:
                 exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
@@ -314,6 +314,13 @@ class ParallelRuntime:
 
         return self.executables.find((self.casts.check(), key), lambda: [narrow(x, split[i]) if i in split else x
                                                                          for i, x in enumerate(leaves)])
+
+    def _cached(self, key: Any, static: Any, leaves: list[Any], split: dict[int, int],
+                sizes: tuple[int, ...]) -> Executable | None:
+        """The cache policy's lookup, for every kind of call: the graph for ``key`` (symbolic sizes) that takes
+        these inputs, else the one captured for these sizes (``static``), else None (``_compiled`` makes one)."""
+        exe = self._find(key, leaves, split, sizes)
+        return exe if exe is not None or static == key else self._find(static, leaves, split, sizes)
 
     def _compiled(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
                   compile: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
@@ -438,7 +445,7 @@ class ParallelRuntime:
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))
-        exe = self._find(key, micro, {}, ()) or self._compiled(
+        exe = self._cached(key, key, micro, {}, ()) or self._compiled(
             key, key, {}, lambda _: self._compile(micro, spec, split, micro_sizes, True))
         local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
