@@ -31,6 +31,13 @@ What lives here, and why each is private:
   ``fx_without_stack_traces``: fx's switch for graphs that are only analysed (torch >= 2.13).
 - ``storage_key``, ``version_of``: a storage's identity and a tensor's in-place version counter.
 - ``resolve_process_group``: a functional collective's group name -> its ProcessGroup.
+- ``functional_all_reduce`` / ``functional_all_gather`` / ``functional_reduce_scatter``,
+  ``FUNCTIONAL_COLLECTIVES``: torch's functional collectives (``torch.ops._c10d_functional``), the ones a
+  compiled graph holds as nodes.
+- ``assert_all``: a check a compiled graph runs on a tensor's values (``torch._assert_async``).
+- ``compile_errors``: what torch.compile raises when a graph does not compile (``torch._dynamo.exc``).
+- ``inductor_backend`` / ``inductor_overlap_options``: Inductor with a hook on each graph it compiles
+  (``torch._inductor.compile_fx``), and its compute/communication overlap options where this torch has them.
 - ``fake_store``: the store of torch's fake process group (a simulated world on one device).
 - ``import_compiler``: imports torch._dynamo (before forking ranks; the first collective would).
 - ``schedule_action_types``: the actions torch's pipeline schedules order, and their kinds (tests read them).
@@ -53,7 +60,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = [
     "all_gather_into", "buffer_slots", "deregister_pytree_nodes", "disabled_torch_function_impl",
-    "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "dtensor_op_handlers", "dtensor_spec",
+    "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "FUNCTIONAL_COLLECTIVES",
+    "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all", "compile_errors", "inductor_backend",
+    "inductor_overlap_options", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
     "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
     "OpOverload", "optimizer_global_hooks", "parameter_slots", "post_accumulate_grad_hooks", "pytree",
@@ -93,6 +102,40 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Any = None, a
 def resolve_process_group(name: str) -> dist.ProcessGroup:
     """The ProcessGroup a functional collective names by ``group_name``."""
     return dist.distributed_c10d._resolve_process_group(name)
+
+
+# torch's functional collectives (``torch.ops._c10d_functional``): out-of-place ops a compiled graph holds as
+# nodes (Inductor schedules them; ``wait_tensor`` marks where the result is needed). Eager autopar calls the
+# in-place ``torch.distributed`` ones instead (measured faster there: no wrapper tensors).
+_funcol = torch.ops._c10d_functional
+
+#: The functional collectives a compiled graph may hold, by the kind ``comm_stats`` counts them as, and which
+#: argument names the group.
+FUNCTIONAL_COLLECTIVES: dict[Any, str] = {
+    _funcol.all_reduce.default: "all_reduce",
+    _funcol.all_gather_into_tensor.default: "all_gather",
+    _funcol.reduce_scatter_tensor.default: "reduce_scatter",
+}
+
+
+def group_name(group: Any) -> str:
+    """The name functional collectives take for ``group`` (None: the world)."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+def functional_all_reduce(t: torch.Tensor, op: str, group: Any) -> torch.Tensor:
+    """``t`` reduced over ``group`` ("sum", "max" or "min"), as a new tensor (traceable)."""
+    return _funcol.wait_tensor(_funcol.all_reduce(t, op, group_name(group)))
+
+
+def functional_all_gather(t: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+    """Every rank's ``t`` concatenated along dim 0 (traceable)."""
+    return _funcol.wait_tensor(_funcol.all_gather_into_tensor(t, size, group_name(group)))
+
+
+def functional_reduce_scatter(t: torch.Tensor, size: int, group: Any) -> torch.Tensor:
+    """``t`` summed over ``group``, this rank's 1/size chunk of dim 0 (traceable)."""
+    return _funcol.wait_tensor(_funcol.reduce_scatter_tensor(t, "sum", size, group_name(group)))
 
 
 # --- autograd ----------------------------------------------------------------------------------------
@@ -311,6 +354,60 @@ def fake_store() -> dist.Store:
 def import_compiler() -> None:
     """Imports torch's compiler stack (dynamo), which the first functional collective would import."""
     import torch._dynamo  # noqa: F401
+
+
+# --- compiling (torch.compile, Inductor) ------------------------------------------------------------
+
+def inductor_backend(wrap: Callable[[fx.GraphModule], Callable[[Callable], Callable]],
+                     config_patches: dict[str, Any]) -> Callable:
+    """A ``torch.compile`` backend: Inductor, with every graph it compiles (forward and backward, after
+    AOTAutograd's partition) shown to ``wrap(graph)`` before Inductor's own passes rewrite it (in place:
+    e.g. functional collectives made in-place); what that returns wraps the compiled graph, and runs in
+    its place. AOTAutograd's on-disk cache is off inside it: a graph loaded from that cache would skip
+    ``wrap``. So is its common-subexpression elimination over the joint graph, which would merge a
+    backward's weight all-gather with the forward's and keep the gathered weight alive between them (the
+    memory a depth-sharded weight exists to save; each graph is still simplified on its own)."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+
+    def inner(gm: fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Callable:
+        around = wrap(gm)
+        compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+        def run(inputs: list[Any]) -> Any:
+            return compiled(inputs)
+        run._boxed_call = True  # Inductor's calling convention: one list of inputs, freed as read
+        return around(run)
+
+    def backend(gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        patch = {k: False for k in ("enable_autograd_cache", "cse") if hasattr(functorch_config, k)}
+        with functorch_config.patch(patch):
+            return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
+    return backend
+
+
+def compile_errors() -> tuple[type[BaseException], ...]:
+    """What ``torch.compile`` raises when a graph does not compile (dynamo's and the backend's errors)."""
+    from torch._dynamo import exc
+
+    return tuple(getattr(exc, n) for n in ("Unsupported", "BackendCompilerFailed", "TorchRuntimeError",
+                                           "InternalTorchDynamoError", "UserError") if hasattr(exc, n))
+
+
+def assert_all(ok: torch.Tensor, message: str) -> None:
+    """Raises ``message`` when the 0-d bool tensor ``ok`` is false, checked where the tensor is (traceable:
+    a compiled graph checks it without reading it back; on CUDA, asynchronously)."""
+    torch._assert_async(ok, message)
+
+
+def inductor_overlap_options() -> dict[str, Any]:
+    """Inductor's options that reorder collectives to overlap compute, those this torch has (by feature)."""
+    from torch._inductor import config as inductor_config
+
+    options = {}
+    if hasattr(inductor_config, "reorder_for_compute_comm_overlap"):
+        options["reorder_for_compute_comm_overlap"] = True
+    return options
 
 
 # --- pipelining --------------------------------------------------------------------------------------

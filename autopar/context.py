@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.modules import module as module_hooks
 
 from autopar import patches
-from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
+from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import AgreementError, ConfigError, ContextError, NotInitializedError
 from autopar.grid_choice import choose_at_first_call, choose_grid_now, too_big_for_data_parallel
 from autopar.memory import release_freed_memory
@@ -83,7 +83,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
                      eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
-                     defer_init: bool = True, plan: str | None = None) -> Iterator[ParallelConfig | None]:
+                     defer_init: bool = True, plan: str | None = None,
+                     compile: bool | str = "auto") -> Iterator[ParallelConfig | None]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -140,6 +141,10 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             parameters are replicated DTensors, as under a tensor grid: build the optimizer, load a state
             dict, or enter ``no_sync()`` as usual. Default None: the degrees as given (none given: see
             ``data``).
+        compile: True: each rank's program (forward and backward, each pipeline stage) runs under
+            ``torch.compile`` with Inductor, its collectives as graph nodes (autopar/runtime/compiled.py);
+            a graph that does not compile runs eagerly with one warning line. False: eagerly, op by op.
+            "auto" (default): compiled on CUDA devices, eager on CPU. Same results either way.
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -152,7 +157,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     """
     options = _options(tensor=tensor, data=data, pipeline=pipeline, microbatches=microbatches, schedule=schedule,
                        chunks=chunks, checkpoint=checkpoint, precision=precision, reduce_dtype=reduce_dtype,
-                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan)
+                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan, compile=compile)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -194,6 +199,7 @@ class _Options:
     memory: MemoryConfig
     pipe: PipelineConfig
     inputs: InputConfig
+    compile: CompileConfig = CompileConfig()
     open: bool = False
     """No degree and no plan given: data parallel where the model's training state fits half a device
     (``too_big_for_data_parallel``), else ``plan="auto"``."""
@@ -203,7 +209,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
              microbatches: int | None = None, schedule: str | None = None, chunks: int | None = None,
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
-             plan: str | None = None) -> _Options:
+             plan: str | None = None, compile: bool | str = "auto") -> _Options:
     """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
@@ -223,7 +229,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
     return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype), pipe,
-                    InputConfig(batch, eval_timeout, batch_dims),
+                    InputConfig(batch, eval_timeout, batch_dims), CompileConfig(compile),
                     open=plan is None and tensor is None and data is None and pipeline is None)
 
 
@@ -247,13 +253,14 @@ def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: 
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():
         for model, config, pipe, later in plans:
             parallelize(model, config, example_inputs=example_inputs, memory=options.memory, pipe=pipe,
-                        inputs=options.inputs, deferred=deferred, choose=options.given if later else None)
+                        inputs=options.inputs, deferred=deferred, choose=options.given if later else None,
+                        compile=options.compile)
 
 
 def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tuple | None = None,
                 memory: MemoryConfig | None = None, pipe: PipelineConfig | None = None,
                 inputs: InputConfig | None = None, deferred: Deferred | None = None,
-                choose: dict[str, int] | None = None) -> nn.Module:
+                choose: dict[str, int] | None = None, compile: CompileConfig | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end).
 
     ``deferred``: the block's recorded construction (autopar/runtime/deferred.py). Grids that split
@@ -282,7 +289,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
     _agree_on_parameters(model, mesh)
     runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig(),
                               inputs or InputConfig(), (deferred, sinks) if sinks else None,
-                              dtensors=True if choose is not None else None)
+                              dtensors=True if choose is not None else None, compile=compile or CompileConfig())
     if choose is not None:  # any grid may shard the parameters the optimizer will hold: DTensors already
         runtime.choose = functools.partial(choose_at_first_call, weakref.ref(model), choose)
     runtimes[model] = runtime

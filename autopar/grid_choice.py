@@ -143,7 +143,7 @@ def choose_at_first_call(ref: weakref.ref, given: dict[str, int], args: tuple, k
     installed = {k: vars(model).pop(k) for k in ("forward", "generate", "no_sync") if k in vars(model)}
     try:
         new = ParallelRuntime(model, config, Mesh(config), old.memory, pipe, old.inputs, old.store.pending,
-                              dtensors=True)
+                              dtensors=True, compile=old.compile)
     finally:
         vars(model).update(installed)
     new.original_forward, new.calls.mode, new.no_sync_depth = old.original_forward, old.calls.mode, old.no_sync_depth

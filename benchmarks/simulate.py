@@ -4,8 +4,9 @@ Each grid's rank 0 runs under torch's fake process group (backend "fake": every 
 so its step is that rank's own compute plus autopar's overhead: what this device spends per step as one of
 W ranks, before any communication. The model is ``autopar.examples.gpu_check``'s HF Llama, trained as a
 script does (AdamW, HF's ``labels=`` loss, the script's bf16 autocast). Rows: the serial model (whole
-model, whole batch), the serial model under ``torch.compile``, and each grid's rank 0, each in a child
-process (a process has one default process group). Columns:
+model, whole batch), the serial model under ``torch.compile``, and each grid's rank 0 with autopar's eager
+per-rank program and with ``compile=True`` (``autopar.runtime.compiled``), each in a child process (a
+process has one default process group). Columns:
 
 - step ms (median of ``--repeats`` after two warm-up steps), kernels per step (CUDA kernels; on the CPU,
   the aten ops called from Python), peak MiB (CUDA);
@@ -61,11 +62,13 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         return measure(torch.compile(model) if args.child == COMPILED else model, ids, device, args.repeats)
     import autopar
 
-    grid = parse_grid(args.child, args.world)
+    text, _, mode = args.child.partition(":")
+    grid = parse_grid(text, args.world)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
-    with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline):
+    with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline,
+                                  compile=mode == COMPILED):
         model = build_llama(args.size)
     model.to(device)
     return measure(model, ids, device, args.repeats)
@@ -131,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="autopar grids as python -m benchmarks takes them (t<row>x<col>x<depth>, d<data>, p<pipeline>)")
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per row (median)")
-    p.add_argument("--no-compile", action="store_true", help="leave out the torch.compile row (slow to compile)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="leave out the compiled rows: serial under torch.compile, autopar with compile=True")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each row's child process")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -156,13 +160,15 @@ def main(argv: list[str] | None = None) -> int:
                     "the fake process group does not carry. Simulate tensor and data grids (t..., d...).")
     rows = [(SERIAL, "serial (whole model, whole batch)")]
     rows += [] if args.no_compile else [(COMPILED, "serial, torch.compile")]
-    rows += [(g, f"autopar {g}, rank 0") for g in grids]
+    for g in grids:
+        rows.append((f"{g}:eager", f"autopar {g}, rank 0"))
+        rows += [] if args.no_compile else [(f"{g}:{COMPILED}", f"autopar {g}, rank 0, compile=True")]
     out = []
     for key, label in rows:
         got = {"row": key, "label": label, **run_row(args, key)}
         if key != COMPILED:
             try:
-                got["predicted_ms"] = predicted_ms(args.size, key, args.world)
+                got["predicted_ms"] = predicted_ms(args.size, key.partition(":")[0], args.world)
             except Exception as e:  # the prediction is a column; a failure shows as an empty cell
                 got["predicted_error"] = str(e).splitlines()[0][:120]
         out.append(got)

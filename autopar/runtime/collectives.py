@@ -3,6 +3,10 @@
 Bytes are what this rank sends under ring algorithms (``autopar.decisions.collective_bytes``),
 counted from the tensors actually passed, so the count is the same on gloo (which emulates
 reduce-scatter with all-reduce) and NCCL. Groups of one are skipped and count nothing.
+
+Traced by ``torch.compile`` (``autopar.runtime.compiled``), the same calls emit torch's functional
+collectives, which the compiled graph holds as nodes; each compiled graph then counts the collectives
+it holds every time it runs (``record``), so ``comm_stats()`` reads the same in both.
 """
 
 from __future__ import annotations
@@ -13,7 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.compat import all_gather_into, reduce_scatter_into
+from autopar.compat import (all_gather_into, functional_all_gather, functional_all_reduce, functional_reduce_scatter,
+                            reduce_scatter_into)
 from autopar.decisions import COLLECTIVE_KINDS, collective_bytes
 
 
@@ -42,6 +47,11 @@ def comm_calls() -> dict[str, int]:
     return dict(_stats.calls)
 
 
+def record(kind: str, group_size: int, message_bytes: int) -> None:
+    """Counts one collective a compiled graph ran (``autopar.runtime.compiled``)."""
+    _stats.record(kind, group_size, message_bytes)
+
+
 def reset_comm_stats() -> None:
     global _stats
     _stats = _CommStats()
@@ -59,6 +69,8 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int, op: str = "
     possible)."""
     if size == 1:
         return t
+    if torch.compiler.is_compiling():
+        return functional_all_reduce(t.contiguous(), op, group)
     t = t.contiguous()
     _stats.record("all_reduce", size, _nbytes(t))
     dist.all_reduce(t, op=_OPS[op], group=group)
@@ -78,6 +90,8 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Te
     """Concatenates every rank's ``t`` along dim 0, in group order."""
     if size == 1:
         return t
+    if torch.compiler.is_compiling():
+        return functional_all_gather(t.contiguous(), size, group)
     t = t.contiguous()
     out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     _stats.record("all_gather", size, _nbytes(out))
@@ -97,6 +111,8 @@ def reduce_scatter(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torc
     """Sums ``t`` over the group and returns this rank's 1/size chunk of dim 0."""
     if size == 1:
         return t
+    if torch.compiler.is_compiling():
+        return functional_reduce_scatter(t.contiguous(), size, group)
     t = t.contiguous()
     out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _stats.record("reduce_scatter", size, _nbytes(t))

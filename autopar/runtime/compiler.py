@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import fx, nn
 
 from autopar.capture import Captured, capture_shard, state_outputs
 from autopar.compat import pytree
@@ -25,6 +25,7 @@ from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, travels
+from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.executables import Executable
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import BatchRows
@@ -50,12 +51,14 @@ class Compiler:
     """Captures and compiles the graphs of one parallel model on this rank."""
 
     def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
-                 memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None]) -> None:
+                 memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None],
+                 compiled: bool = False) -> None:
         """``finish_grads``: what a pipeline's backward ends with (the runtime's); ``warn_once``: one warning line
-        per distinct message, on rank 0."""
+        per distinct message, on rank 0; ``compiled``: run the bound graphs under torch.compile
+        (``autopar.runtime.compiled``)."""
         self._model = weakref.ref(model)
         self.shadow, self.store, self.mesh, self.config, self.memory = shadow, store, mesh, config, memory
-        self.finish_grads, self.warn_once = finish_grads, warn_once
+        self.finish_grads, self.warn_once, self.compiled = finish_grads, warn_once, compiled
 
     def capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
                 index: int, segments: tuple[int, ...] = (), dynamic: dict[int, dict[int, Any]] | None = None,
@@ -141,11 +144,17 @@ class Compiler:
         program = None
         if pipelined:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
-                              self.finish_grads, symbolic=captured.accepts is not None)
+                              self.finish_grads, symbolic=captured.accepts is not None, wrap=self._wrap)
             if self.store.held is None:
                 self.store.hold(program.readers())
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows)
+                          captured.accepts, rows, self._wrap(gm, "the per-rank graph"))
+
+    def _wrap(self, gm: fx.GraphModule, name: str) -> Callable[..., Any]:
+        """How a bound graph runs: compiled (``autopar.runtime.compiled``) or as it is."""
+        if not self.compiled:
+            return gm
+        return CompiledGraph(gm, f"{name} of {type(self._model()).__name__}", self.mesh.device, self.warn_once)
 
     def _real_constant(self, name: str) -> Any:
         """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""

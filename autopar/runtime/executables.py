@@ -51,6 +51,12 @@ class Executable:
     """Captured with symbolic sizes: whether it takes input leaves of these sizes (None: static)."""
     rows: Any = None
     """The ``ops.BatchRows`` its batch ops read: each batch shard's rows, set before each run."""
+    run: Callable[..., Any] | None = None
+    """How ``gm`` runs: compiled (``autopar.runtime.compiled``), or (None) ``gm`` itself."""
+
+    def __post_init__(self) -> None:
+        if self.run is None:
+            self.run = self.gm
 
 
 def signature(x: Any, dynamic: dict[int, Any] | None = None) -> Any:

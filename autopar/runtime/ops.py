@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from autopar.compat import assert_all
 from autopar.runtime import collectives as C
 from autopar.decisions import EmbeddingMode, split_chunks
 from autopar.errors import InputError
@@ -293,7 +294,11 @@ def vocab_parallel_losses(mesh: Mesh, axis: str, logits: torch.Tensor, targets: 
     local_vocab = x.shape[-1]
     vocab = vocab or local_vocab * n
     valid = targets != ignore_index
-    if bool((valid & ((targets < 0) | (targets >= vocab))).any()):
+    if torch.compiler.is_compiling():  # the check runs in the compiled graph (no value to name there)
+        assert_all(~(valid & ((targets < 0) | (targets >= vocab))).any(),
+                   f"cross-entropy target out of bounds for {vocab} classes (ignore_index is {ignore_index}). Fix "
+                   "the labels or the model's vocabulary size.")
+    elif bool((valid & ((targets < 0) | (targets >= vocab))).any()):
         bad = targets[valid & ((targets < 0) | (targets >= vocab))]
         raise InputError(f"cross-entropy target {int(bad[0])} is out of bounds for {vocab} classes "
                          f"({bad.numel()} such targets; ignore_index is {ignore_index}). Fix the labels or the "

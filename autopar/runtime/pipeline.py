@@ -100,9 +100,12 @@ class StageAdapter(nn.Module):
     """
 
     def __init__(self, spec: StageSpec, stage: fx.GraphModule, bound: dict[fx.Node, Any],
-                 precision: torch.dtype | None, device_type: str, is_last: bool) -> None:
+                 precision: torch.dtype | None, device_type: str, is_last: bool,
+                 run: Callable[..., Any] | None = None) -> None:
+        """``run``: how the stage's graph runs (None: itself)."""
         super().__init__()
         self.spec, self.stage, self.bound = spec, stage, bound
+        self.run = run or stage.__call__  # (a function, not a submodule)
         self.precision, self.device_type, self.is_last = precision, device_type, is_last
         self.count_sends = False
 
@@ -115,10 +118,10 @@ class StageAdapter(nn.Module):
                 if isinstance(t, torch.Tensor) and t.requires_grad:
                     C.count_send(t)
         if self.precision is None:
-            out = self.stage(*args)
+            out = self.run(*args)
         else:
             with torch.autocast(self.device_type, dtype=self.precision):
-                out = self.stage(*args)
+                out = self.run(*args)
         for g in self.spec.getitems:
             env[g] = out[g.args[1]]
         sent = tuple(env[v] if isinstance(v, fx.Node) else v for v in self.spec.sent)
@@ -365,8 +368,10 @@ class Program:
     """This rank's stages of one compiled executable, for both paths."""
 
     def __init__(self, gm: fx.GraphModule, travels: Callable[[fx.Node], bool], mesh: Mesh,
-                 precision: torch.dtype | None, at_end_of_backward: Callable[[], None], symbolic: bool = False) -> None:
-        """``symbolic``: ``gm`` was captured with symbolic sizes; each call's sizes travel with its values."""
+                 precision: torch.dtype | None, at_end_of_backward: Callable[[], None], symbolic: bool = False,
+                 wrap: Callable[[fx.GraphModule, str], Callable[..., Any]] | None = None) -> None:
+        """``symbolic``: ``gm`` was captured with symbolic sizes; each call's sizes travel with its values.
+        ``wrap(stage, name)``: how each stage's graph runs (compiled: ``autopar.runtime.compiled``)."""
         self.specs = stage_specs(gm, travels)
         self.mesh = mesh
         self.num_ranks = mesh.size("pipeline")
@@ -375,7 +380,9 @@ class Program:
         self.attrs = {n: _fetch(gm, str(n.target)) for n in gm.graph.nodes if n.op == "get_attr"}
         num = len(self.specs)
         self.adapters = {s.index: StageAdapter(s, gm.get_submodule(str(s.call.target)), self.bound, precision,
-                                               mesh.device.type, s.index == num - 1)
+                                               mesh.device.type, s.index == num - 1,
+                                               wrap(gm.get_submodule(str(s.call.target)), f"stage {s.index}")
+                                               if wrap is not None else None)
                          for s in self.specs if owner(s.index, self.num_ranks) == self.me}
         group = mesh.group("pipeline")
         self.links = [Link(mesh.peer(owner(k, self.num_ranks)), mesh.peer(owner(k + 1, self.num_ranks)), group,

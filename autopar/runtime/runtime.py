@@ -21,7 +21,7 @@ from autopar import patches
 from autopar.capture import (batch_leaves, input_names, meta_shadow, microbatch_leaves, register_hf_caches,
                              split_batch_leaves, symbolic_dims)
 from autopar.compat import pytree, queue_backward_callback
-from autopar.config import InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
+from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, InputError
 from autopar.memory import device_budget, half_dtype
@@ -61,10 +61,11 @@ class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
                  memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
                  inputs: InputConfig = InputConfig(), pending: tuple[Deferred, dict[int, Sink]] | None = None,
-                 dtensors: bool | None = None) -> None:
+                 dtensors: bool | None = None, compile: CompileConfig = CompileConfig()) -> None:
         """``pending``: the recorded construction of the parameters and buffers built at the first call.
         ``dtensors``: ParamStore's (True for a provisional grid, replaced by the one chosen at the first call)."""
         self.config, self.mesh, self.memory, self.pipe, self.inputs = config, mesh, memory, pipe, inputs
+        self.compile = compile
         self.pure_data = config.num_tensor == 1 and config.pipeline == 1
         """No collective in forward for a batch of this rank's own (data parallelism only)."""
         self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data)
@@ -87,7 +88,7 @@ class ParallelRuntime:
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.casts = Casts(model, self.shadow, self.store)
         self.compiler = Compiler(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
-                                 self._warn_once)
+                                 self._warn_once, compile.enabled(mesh.device.type))
         """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.plan: Plan | None = None
         self.executables = Executables()
@@ -220,10 +221,10 @@ class ParallelRuntime:
             out = exe.program.run_sequential(values)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         if dtype is None:
-            out = exe.gm(*flat)
+            out = exe.run(*flat)
         else:
             with torch.autocast(self.mesh.device.type, dtype=dtype):
-                out = exe.gm(*flat)
+                out = exe.run(*flat)
             # Outputs come back in float32, as the serial model's do (the loss then runs in fp32).
             out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
             if self.memory.precision == "fp16" and torch.is_grad_enabled():

@@ -1,0 +1,96 @@
+"""The per-rank program compiled: ``torch.compile`` (Inductor) over a bound graph, collectives as nodes.
+
+``auto_parallelize(compile=True)`` hands each bound per-rank graph (a whole executable, or each pipeline
+stage of one) to ``torch.compile`` with Inductor, whole (``fullgraph``: one graph or none):
+
+- The marker ops' autograd Functions (``autopar.runtime.ops``) are traced, forward and backward, so
+  AOTAutograd builds one joint forward+backward graph and partitions it: Inductor fuses the elementwise
+  work around the matmuls (norms, rotary, SwiGLU, autocast casts) in both directions. This is
+  torch.compile's own joint graph, not one autopar exports: the runtime around it (per-rank batches,
+  pipeline schedules, gradient hooks, the optimizer) stays as eager autopar runs it.
+- Traced, the collectives (``autopar.runtime.collectives``) are torch's functional collectives
+  (``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` + ``wait_tensor``), which
+  the graph holds as nodes and Inductor's compute/communication reordering may move
+  (``compat.inductor_overlap_options``, on CUDA where this torch has it).
+- Bytes: every graph Inductor compiles (forward, backward) is read for the collectives it holds, and
+  counts them in ``comm_stats()`` each time it runs, as eager autopar counts each call.
+
+A graph that does not compile (dynamo cannot trace it, Inductor fails) runs eagerly, with one warning line
+naming why; the error is raised before the graph runs (``fullgraph``), so every rank falls back at the
+same point with nothing issued. Sizes are static (``dynamic=False``): each signature the runtime caches
+is its own graph.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx
+
+from autopar.compat import (FUNCTIONAL_COLLECTIVES, compile_errors, inductor_backend, inductor_overlap_options,
+                            resolve_process_group, size_hint)
+from autopar.runtime import collectives as C
+
+log = logging.getLogger(__name__)
+
+
+def _nbytes(value: Any) -> int:
+    return int(size_hint(value.numel())) * value.element_size()
+
+
+def collectives_of(graph: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
+    """The collectives a compiled graph holds, in order: (kind, group size, bytes as ``comm_stats`` counts
+    them: the input of an all-reduce or reduce-scatter, the output of an all-gather)."""
+    out = []
+    for node in graph.graph.nodes:
+        kind = FUNCTIONAL_COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        size = resolve_process_group(node.args[-1]).size()
+        value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        out.append((kind, size, _nbytes(value)))
+    return tuple(out)
+
+
+def _counted(graph: fx.GraphModule) -> Callable[[Callable], Callable]:
+    """What wraps ``graph`` compiled: it counts the graph's collectives each time it runs."""
+    held = collectives_of(graph)
+
+    def around(run: Callable) -> Callable:
+        if not held:
+            return run
+
+        def counted(inputs: list[Any]) -> Any:
+            for kind, size, nbytes in held:
+                C.record(kind, size, nbytes)
+            return run(inputs)
+        counted._boxed_call = True  # (Inductor's calling convention: one list of inputs)
+        return counted
+    return around
+
+
+class CompiledGraph:
+    """A bound graph (or pipeline stage) run through ``torch.compile``; eager after a failed compile."""
+
+    def __init__(self, gm: fx.GraphModule, name: str, device: torch.device, warn: Callable[[str], None]) -> None:
+        self.gm, self.name, self.warn = gm, name, warn
+        options = inductor_overlap_options() if device.type == "cuda" else {}
+        self.compiled = torch.compile(gm, backend=inductor_backend(_counted, options), fullgraph=True, dynamic=False)
+        self.failed: str | None = None
+        """Why the graph runs eagerly (None: it runs compiled)."""
+
+    def __call__(self, *args: Any) -> Any:
+        if self.failed is None:
+            try:
+                return self.compiled(*args)
+            except compile_errors() as e:
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                self.failed = f"{type(e).__name__}: {reason}"
+                self.warn(f"compile=True: {self.name} does not compile ({self.failed[:300]}); it runs "
+                          "eagerly (same results, launched op by op). Report the model, or pass compile=False "
+                          "to silence this.")
+                log.debug("autopar: why %s does not compile", self.name, exc_info=True)
+        return self.gm(*args)
