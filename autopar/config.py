@@ -172,11 +172,12 @@ COMPILE_MODES: tuple[bool | str, ...] = (False, True, "auto")
 class CompileConfig:
     """Whether the per-rank program runs compiled: ``auto_parallelize(compile=...)``.
 
-    True: each bound per-rank graph (each pipeline stage) runs under ``torch.compile`` with Inductor
-    (``autopar.runtime.compiled``); False: eagerly, op by op; "auto" (default): compiled on CUDA devices,
-    where launching kernels one by one costs more than the compute of a rank's share (measured: one rank's
-    step at 4-way tensor parallelism took longer than the whole serial step on an H200), eager on CPU,
-    where compiling takes longer than it saves in a short run.
+    True: each bound per-rank graph of static sizes (each pipeline stage) runs under ``torch.compile`` with
+    Inductor (``autopar.runtime.compiled``); False: eagerly, op by op; "auto" (default): the graphs of
+    training calls (gradients enabled) on CUDA devices, where launching kernels one by one costs more than
+    the compute of a rank's share (measured: one rank's step at 4-way tensor parallelism took longer than
+    the whole serial step on an H200); eager on CPU, where compiling takes longer than it saves in a short
+    run, and for evaluation and ``generate()``, whose many shapes would each compile.
     """
 
     mode: bool | str = "auto"
@@ -185,8 +186,9 @@ class CompileConfig:
         if not any(self.mode is m or (isinstance(m, str) and self.mode == m) for m in COMPILE_MODES):
             raise ConfigError(f"compile={self.mode!r} is invalid. Use True, False or 'auto' (compiled on CUDA).")
 
-    def enabled(self, device_type: str) -> bool:
-        return self.mode is True or (self.mode == "auto" and device_type == "cuda")
+    def enabled(self, device_type: str, training: bool) -> bool:
+        """Whether a graph is compiled: on this device type, for a call with gradients or without."""
+        return self.mode is True or (self.mode == "auto" and device_type == "cuda" and training)
 
 
 BATCH_MODES: tuple[str, ...] = ("auto", "global", "per-rank")

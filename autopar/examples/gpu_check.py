@@ -33,12 +33,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-#: Model sizes: (hidden, layers, heads, kv heads, intermediate, vocab). "small" is ~20M parameters.
-SIZES = {"tiny": (64, 2, 4, 2, 128, 256), "small": (512, 4, 8, 4, 1376, 8192)}
+#: Model sizes: (hidden, layers, heads, kv heads, intermediate, vocab). "small" is ~20M parameters; "medium"
+#: has TinyLlama-1.1B's layer shape with 8 layers, ~0.5B parameters (issue 34's model).
+SIZES = {"tiny": (64, 2, 4, 2, 128, 256), "small": (512, 4, 8, 4, 1376, 8192),
+         "medium": (2048, 8, 32, 4, 5632, 32000)}
 #: The dtype of the script's autocast (bf16 runs on CUDA and on the CPU).
 AUTOCAST = torch.bfloat16
 #: Tokens per step: (batch, sequence) for each size.
-BATCH = {"tiny": (8, 32), "small": (8, 512)}
+BATCH = {"tiny": (8, 32), "small": (8, 512), "medium": (8, 1024)}
 
 
 def build_llama(size: str) -> torch.nn.Module:
@@ -101,6 +103,7 @@ def train(model: torch.nn.Module, data: list[torch.Tensor], device: torch.device
 def parity(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     """Checks 1 and 2 in a world of one process."""
     import autopar
+    from autopar.parallel_model import runtime_of
 
     rows = []
     with world_of_one(device):
@@ -114,7 +117,11 @@ def parity(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any
         want, got = train(serial, data, device), train(model, data, device)
         gap = max(abs(a - b) for a, b in zip(got, want))
         tol = 2e-2 * max(abs(w) for w in want)  # bf16 autocast: ~3 significant digits; fp32 was < 1e-5 here
-        rows.append({"check": f"train ({str(AUTOCAST).removeprefix('torch.')} autocast, {args.steps} steps)",
+        graphs = runtime_of(model).compiled_graphs()
+        how = (f"compiled ({sum(g.compiled_runs for g in graphs)} compiled runs"
+               f"{', fell back: ' + graphs[0].failed[:80] if any(g.failed for g in graphs) else ''})"
+               if graphs else "eager")
+        rows.append({"check": f"train ({str(AUTOCAST).removeprefix('torch.')} autocast, {args.steps} steps, {how})",
                      "result": f"max |loss - eager| {gap:.2g}", "ok": gap <= tol})
         serial.eval()
         model.eval()

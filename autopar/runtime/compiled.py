@@ -81,11 +81,15 @@ class CompiledGraph:
         self.compiled = torch.compile(gm, backend=inductor_backend(_counted, options), fullgraph=True, dynamic=False)
         self.failed: str | None = None
         """Why the graph runs eagerly (None: it runs compiled)."""
+        self.compiled_runs = 0
+        """Calls that ran compiled (the plan report and tests read it)."""
 
     def __call__(self, *args: Any) -> Any:
         if self.failed is None:
             try:
-                return self.compiled(*args)
+                out = self.compiled(*args)
+                self.compiled_runs += 1
+                return out
             except compile_errors() as e:
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 self.failed = f"{type(e).__name__}: {reason}"

@@ -20,7 +20,7 @@ from torch import fx, nn
 
 from autopar.capture import Captured, capture_shard, state_outputs
 from autopar.compat import pytree
-from autopar.config import MemoryConfig, ParallelConfig
+from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
@@ -52,13 +52,13 @@ class Compiler:
 
     def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
                  memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None],
-                 compiled: bool = False) -> None:
+                 compile: CompileConfig = CompileConfig(False)) -> None:
         """``finish_grads``: what a pipeline's backward ends with (the runtime's); ``warn_once``: one warning line
-        per distinct message, on rank 0; ``compiled``: run the bound graphs under torch.compile
+        per distinct message, on rank 0; ``compile``: which bound graphs run under torch.compile
         (``autopar.runtime.compiled``)."""
         self._model = weakref.ref(model)
         self.shadow, self.store, self.mesh, self.config, self.memory = shadow, store, mesh, config, memory
-        self.finish_grads, self.warn_once, self.compiled = finish_grads, warn_once, compiled
+        self.finish_grads, self.warn_once, self.compile = finish_grads, warn_once, compile
 
     def capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
                 index: int, segments: tuple[int, ...] = (), dynamic: dict[int, dict[int, Any]] | None = None,
@@ -144,15 +144,19 @@ class Compiler:
         program = None
         if pipelined:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
-                              self.finish_grads, symbolic=captured.accepts is not None, wrap=self._wrap)
+                              self.finish_grads, symbolic=captured.accepts is not None,
+                              wrap=None if captured.accepts is not None else self._wrap)
             if self.store.held is None:
                 self.store.hold(program.readers())
+        # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
+        # a compiled graph of static sizes would compile again for each
+        run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph")
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows, self._wrap(gm, "the per-rank graph"))
+                          captured.accepts, rows, run)
 
     def _wrap(self, gm: fx.GraphModule, name: str) -> Callable[..., Any]:
-        """How a bound graph runs: compiled (``autopar.runtime.compiled``) or as it is."""
-        if not self.compiled:
+        """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled``) or as it is."""
+        if not self.compile.enabled(self.mesh.device.type, torch.is_grad_enabled()):
             return gm
         return CompiledGraph(gm, f"{name} of {type(self._model()).__name__}", self.mesh.device, self.warn_once)
 

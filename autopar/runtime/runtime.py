@@ -32,6 +32,7 @@ from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.binding import placeholders
 from autopar.runtime.casts import Casts
 from autopar.runtime.checkpoint import state_dict_post_hook
+from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.compiler import Compiler
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
@@ -88,7 +89,7 @@ class ParallelRuntime:
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.casts = Casts(model, self.shadow, self.store)
         self.compiler = Compiler(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
-                                 self._warn_once, compile.enabled(mesh.device.type))
+                                 self._warn_once, compile)
         """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.plan: Plan | None = None
         self.executables = Executables()
@@ -491,6 +492,12 @@ class ParallelRuntime:
 
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.store.full_state_dict(state)
+
+    def compiled_graphs(self) -> list[CompiledGraph]:
+        """The graphs this model runs under ``compile=True`` (each executable's, or each pipeline stage's)."""
+        runs = [r for graphs in self.executables.values() for exe in graphs
+                for r in ([exe.run] if exe.program is None else [a.run for a in exe.program.adapters.values()])]
+        return [r for r in runs if isinstance(r, CompiledGraph)]
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         return self.store.full_grads()
