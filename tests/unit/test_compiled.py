@@ -44,3 +44,18 @@ def test_a_graph_that_does_not_compile_runs_eagerly_with_one_warning():
         torch.testing.assert_close(run(x), gm(x))
     assert run.failed is not None and run.compiled_runs == 0
     assert len(warnings) == 1 and "the test graph does not compile" in warnings[0] and "runs eagerly" in warnings[0]
+
+
+def test_compile_option_is_checked_and_auto_compiles_training_on_cuda_only():
+    import pytest
+
+    from autopar.config import CompileConfig
+    from autopar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="compile='yes' is invalid"):
+        CompileConfig("yes")
+    with pytest.raises(ConfigError):
+        CompileConfig(1)
+    auto = CompileConfig()
+    assert auto.enabled("cuda", True) and not auto.enabled("cuda", False) and not auto.enabled("cpu", True)
+    assert CompileConfig(True).enabled("cpu", False) and not CompileConfig(False).enabled("cuda", True)
