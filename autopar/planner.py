@@ -32,7 +32,7 @@ from autopar.memory import device_budget, half_dtype
 from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory, stage_memory
 from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
 from passes.analysis.estimate_costs import Collective, loss_collectives
-from passes.analysis.estimate_memory import MemoryProfile, estimate_memory
+from passes.analysis.estimate_memory import MemoryProfile, compiled_recompute, estimate_memory
 from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, graph_copy, hinted
 from passes.analysis.make_plan import layouts_for, make_plan
 from passes.analysis.pipeline_comm import pipeline_collectives, pipeline_flops
@@ -63,6 +63,9 @@ class PlanOptions:
     strict: bool = False
     """Raise when a byte budget cannot be met even recomputing every block (the runtime's; the CLIs show
     the plan that does not fit)."""
+    compiled: bool = False
+    """Training runs under ``compile=True``: a recomputed block also keeps its collectives' outputs
+    (``estimate_memory.compiled_recompute``)."""
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -107,6 +110,8 @@ def stages_of_chain(chain: tuple[ChainSegment, ...], config: ParallelConfig, opt
 def choose_memory(profile: MemoryProfile, plan: Plan, options: PlanOptions) -> MemoryPlan:
     """Which blocks recompute their activations so that a rank fits ``options``' budget."""
     budget = options.bytes_per_device
+    if options.compiled:
+        profile = compiled_recompute(profile)
     if plan.pipeline is not None:
         memory = pipeline_memory(profile, plan, options.microbatches, options.checkpoint, budget)
         if options.strict and isinstance(options.checkpoint, int) and not memory.fits:

@@ -421,7 +421,8 @@ class ParallelRuntime:
         checkpoint = self.memory.checkpoint
         budget = None if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
         return PlanOptions(checkpoint, budget, self.memory.precision, self.num_microbatches,
-                           self.pipe.stages_per_rank, self.pipe.schedule, strict=True)
+                           self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
+                           compiled=self.compile.enabled(self.mesh.device.type, training=True))
 
     def finish_grads(self) -> None:
         """pipeline > 1, after backward (or after the schedule's last micro-batch): the step's gradients into

@@ -80,6 +80,10 @@ class SegmentCost:
     copies: int = 1
     """Micro-batches whose activations of it are held at once (a pipeline rank's in flight): each keeps
     what it saves (or, recomputed, its inputs); one at a time runs it, with its transients."""
+    collective_bytes: int = 0
+    """The outputs of the collectives its forward issues on this rank (a 3D matmul's all-reduced output, a
+    depth-gathered weight block, a layout's gather). Recomputed under ``compile=True`` it keeps them besides
+    its inputs: torch's partitioner never issues a collective again (``compiled_recompute``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +373,8 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     flops = dict.fromkeys(order, Fraction(0))
     attention = dict.fromkeys(order, Fraction(0))
     ops = dict.fromkeys(order, 0)
+    collective = dict.fromkeys(order, Fraction(0))
+    half = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     for node, seg in seg_of.items():
         if node.op == "call_function" and node.target is not operator.getitem:
@@ -383,6 +389,8 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                 read[seg].add(arg)
                 inputs[seg] += val.numel() * val.element_size() * shard_fraction(res.sharding(arg), sizes)
             dst = res.conversions.get((node, arg))
+            if dst is not None and not res.sharding(arg).is_replicated and (val := tensor_meta(arg)) is not None:
+                collective[seg] += val.numel() * val.element_size() * shard_fraction(dst, sizes)  # its gather
             if dst is not None and not res.sharding(arg).is_replicated and arg in rec.largest:
                 # A gather before this op builds the whole tensor (and its gradient in backward).
                 peak[seg] = max(peak[seg], 2 * rec.largest[arg] * shard_fraction(dst, sizes)
@@ -392,12 +400,21 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
             o = plan.matmul(m.weight).orientation
             flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features,
                                    config.size(o.in_axis) * config.size(o.out_axis))
+            if o.is_3d:  # its output's all-reduce, and the weight block gathered over depth
+                out = tensor_meta(node)
+                size = half or out.element_size()
+                if config.size(o.in_axis) > 1:
+                    collective[seg] += out.numel() * size * shard_fraction(res.sharding(node), sizes)
+                if config.depth > 1:
+                    collective[seg] += Fraction(m.in_features * m.out_features * size,
+                                                config.size(o.in_axis) * config.size(o.out_axis))
         if (a := attention_flops(node)):  # over the heads this rank holds
             attention[seg] += a * shard_fraction(res.sharding(node), sizes)
 
     segments = tuple(SegmentCost(name, not name.startswith("<"), int(saved[name]), int(inputs[name]),
                                  int(peak[name]), int(flops[name] + attention[name]), ops=ops[name],
-                                 attention_flops=int(attention[name])) for name in order)
+                                 attention_flops=int(attention[name]), collective_bytes=int(collective[name]))
+                     for name in order)
     # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
     # the largest output and to need two more in its backward, as cross-entropy on logits does.
     outputs = _output_bytes(gm)
@@ -406,6 +423,14 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                 SegmentCost("<loss>", False, largest, 0, 2 * largest, 0))
     frozen = tuple(name for node in params if (name := param_name(node)) and not res.requires_grad.get(node))
     return dataclasses.replace(static_memory(segments, plan, frozen), output_bytes=sum(outputs))
+
+
+def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
+    """``profile`` as ``compile=True`` runs it: a recomputed segment keeps its collectives' outputs besides its
+    inputs (torch's partitioner never issues a collective again, so it saves their outputs from forward)."""
+    segments = tuple(dataclasses.replace(s, input_bytes=s.input_bytes + s.collective_bytes) if s.checkpointable
+                     else s for s in profile.segments)
+    return dataclasses.replace(profile, segments=segments)
 
 
 def _output_bytes(gm: fx.GraphModule) -> list[int]:
