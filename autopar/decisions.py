@@ -86,14 +86,23 @@ def split_chunks(parts: tuple[int, ...], n: int, index: int) -> list[tuple[int, 
     """(start, length) of rank ``index``'s piece of each segment of a dim made of ``parts``.
 
     A sharded dim is a concatenation of segments (one, or q/k/v of a fused projection); each
-    segment is split evenly over the ``n`` ranks of the axis, and a rank keeps its piece of each.
+    segment is split over the ``n`` ranks of the axis, and a rank keeps its piece of each. A segment
+    that does not divide (a vocabulary of 50257 over 4) is split as ``torch.chunk`` and DTensor's
+    ``Shard`` split it: pieces of ``ceil(size / n)``, the last rank's smaller (``uneven_split``).
     """
     out, start = [], 0
     for size in parts:
-        k = size // n
-        out.append((start + index * k, k))
+        k = -(-size // n)
+        first = min(index * k, size)
+        out.append((start + first, min(k, size - first)))
         start += size
     return out
+
+
+def uneven_split(size: int, n: int) -> bool:
+    """Whether one segment of ``size`` may be split over ``n`` ranks unevenly (``split_chunks``): it does not
+    divide, and every rank still gets a piece (9 over 4 would leave the last rank none: 3+3+3+0)."""
+    return size % n != 0 and size >= n and (n - 1) * -(-size // n) < size
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,15 +164,17 @@ class ParamPlan:
     split_dim: int = 0
 
     def local_numel(self, config: ParallelConfig) -> int:
+        """Elements of this parameter on a rank; split unevenly (``uneven_split``): on the ranks with the
+        largest piece (the first ones)."""
         numel = 1
         for s in self.shape:
             numel *= s
         if self.kind is ParamKind.WEIGHT_3D:
             return numel // (config.row * config.col * config.depth)
-        if self.kind is ParamKind.BIAS:
-            return numel // config.size(self.orientation.out_axis)
-        if self.kind is ParamKind.SPLIT:
-            return numel // config.size(self.split_axis)
+        if self.kind in (ParamKind.BIAS, ParamKind.SPLIT):
+            n = config.size(self.orientation.out_axis if self.kind is ParamKind.BIAS else self.split_axis)
+            size = self.shape[0 if self.kind is ParamKind.BIAS else self.split_dim]
+            return numel // size * -(-size // n)
         return numel
 
 
@@ -225,6 +236,14 @@ class MemoryPlan:
             lines.append(f"recomputed in backward: {len(self.recompute)}/{len(self.blocks)} blocks "
                          f"(+{overhead:.1%} FLOPs): {_ranges(self.recompute)}")
         return "\n".join(lines)
+
+
+def _uneven(size: int, n: int, axis: str) -> str:
+    """' (split unevenly: ...)' for a dim of ``size`` split over ``n`` ranks that does not divide, else ''."""
+    if n <= 1 or size % n == 0:
+        return ""
+    pieces = [length for _, length in (split_chunks((size,), n, i)[0] for i in range(n))]
+    return f" (split unevenly over {axis}={n}: {'+'.join(map(str, pieces))})"
 
 
 def _seconds(x: float) -> str:
@@ -351,9 +370,13 @@ class Plan:
             what = m.orientation.value if not m.reason else f"replicated ({m.reason})"
             if len(m.parts) > 1:
                 what += f" (fused {'+'.join(map(str, m.parts))})"
+            if m.orientation.is_sharded and len(m.parts) <= 1:
+                what += _uneven(m.out_features, c.size(m.orientation.out_axis), m.orientation.out_axis)
             lines.append(f"  {m.weight:<40} {m.op:<7} {m.in_features:>6} -> {m.out_features:<6} {what}")
         for e in self.embeddings:
             what = f"{e.mode.value}-parallel over {e.axis}" if e.axis else f"replicated ({e.reason})"
+            if e.axis and e.mode is EmbeddingMode.VOCAB:
+                what += _uneven(e.num_embeddings, c.size(e.axis), e.axis)
             lines.append(f"  {e.weight:<40} {'lookup':<7} {e.num_embeddings:>6} x {e.embedding_dim:<6} {what}")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.memory is not None:

@@ -52,5 +52,6 @@ def vocab_parallel_sum(mesh: Any, logits: torch.Tensor, spec: Any, targets: torc
     """(sum of this rank's tokens' losses, differentiable; its count of valid tokens)."""
     sharding = spec.sharding if spec is not None else None
     axis = "" if sharding is None or sharding.is_replicated else sharding.axis
-    per_token, valid = vocab_parallel_losses(mesh, axis, logits, targets, ignore_index)
+    per_token, valid = vocab_parallel_losses(mesh, axis, logits, targets, ignore_index,
+                                             vocab=sharding.full_size if axis else None)
     return per_token.sum(), valid.sum().to(torch.float32)

@@ -56,12 +56,27 @@ def join_pieces(pieces: list[torch.Tensor], dim: int, parts: tuple[int, ...]) ->
     return torch.cat([split[i][j] for j in range(len(sizes)) for i in range(len(pieces))], dim)
 
 
-def gather_sharded(x: torch.Tensor, s: Sharding, mesh: Mesh) -> torch.Tensor:
-    n, _ = _axis(mesh, s)
+def gather_pieces(x: torch.Tensor, dim: int, parts: tuple[int, ...], full: int, group: Any, n: int) -> torch.Tensor:
+    """Every rank's piece of ``dim`` (``full`` long, segments ``parts``), joined in rank order. A single segment
+    split unevenly (``decisions.uneven_split``) travels padded to the largest piece and is cut back."""
     if n == 1:
         return x
-    stacked = C.all_gather(x.unsqueeze(0), mesh.group(s.axis), n)  # (n, *local)
-    return join_pieces(list(stacked.unbind(0)), s.dim, s.parts)
+    if len(parts) <= 1 and full % n:
+        k = -(-full // n)
+        lengths = [length for _, length in (split_chunks((full,), n, i)[0] for i in range(n))]
+        if x.shape[dim] < k:
+            pad = list(x.shape)
+            pad[dim] = k - x.shape[dim]
+            x = torch.cat([x, x.new_zeros(pad)], dim)
+        stacked = C.all_gather(x.contiguous().unsqueeze(0), group, n)
+        return torch.cat([stacked[i].narrow(dim, 0, lengths[i]) for i in range(n)], dim)
+    stacked = C.all_gather(x.contiguous().unsqueeze(0), group, n)  # (n, *local)
+    return join_pieces(list(stacked.unbind(0)), dim, parts)
+
+
+def gather_sharded(x: torch.Tensor, s: Sharding, mesh: Mesh) -> torch.Tensor:
+    n, _ = _axis(mesh, s)
+    return gather_pieces(x, s.dim, s.parts, s.full_size, mesh.group(s.axis), n)
 
 
 class _Gather(torch.autograd.Function):
@@ -264,8 +279,7 @@ class EmbeddingOp:
         if self.spec.mode is EmbeddingMode.HIDDEN:
             return aten.embedding.default(weight, ids, padding_idx)
         n, i = self.mesh.size(self.spec.axis), self.mesh.index(self.spec.axis)
-        rows = self.spec.num_embeddings // n
-        start = i * rows
+        start, rows = split_chunks((self.spec.num_embeddings,), n, i)[0]  # (uneven: the last rank's is smaller)
         mine = (ids >= start) & (ids < start + rows)
         local_ids = (ids - start).masked_fill(~mine, 0)
         local_pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
@@ -307,7 +321,7 @@ def vocab_parallel_losses(mesh: Mesh, axis: str, logits: torch.Tensor, targets: 
         peak = x.max(dim=-1).values
         peak = C.all_reduce(peak, mesh.group(axis), n, op="max") if n > 1 else peak
     shifted = x - peak.unsqueeze(-1)
-    local_t = targets - i * local_vocab
+    local_t = targets - split_chunks((vocab,), n, i)[0][0]  # this rank's first class (uneven splits too)
     mine = valid & (local_t >= 0) & (local_t < local_vocab)
     picked = shifted.gather(-1, local_t.masked_fill(~mine, 0).unsqueeze(-1)).squeeze(-1) * mine
     parts = [shifted.exp().sum(-1), picked] + ([shifted.sum(-1)] if label_smoothing else [])

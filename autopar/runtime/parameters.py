@@ -25,7 +25,7 @@ from autopar.runtime.absent import Absent
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.mapped import FileMaps, release_pages
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import join_pieces
+from autopar.runtime.ops import gather_pieces
 from autopar.runtime.param_layout import (DIMS, TIED_DIMS, distribute_parameters, local_of, local_piece,
                                           make_dtensor, own_piece, placements, set_layout, splits_parameters)
 from autopar.runtime.pending import LazyRead, is_pending, loaded_value
@@ -276,10 +276,7 @@ class ParamStore:
 
         def gather(t: torch.Tensor, axis: str, dim: int, parts: tuple[int, ...]) -> torch.Tensor:
             n = m.size(axis)
-            if n == 1:
-                return t
-            stacked = C.all_gather(t.contiguous().unsqueeze(0), m.group(axis), n)
-            return join_pieces(list(stacked.unbind(0)), dim, parts)
+            return gather_pieces(t, dim, parts, pp.shape[dim], m.group(axis), n) if n > 1 else t
 
         if pp.kind is ParamKind.SPLIT:
             return gather(local, pp.split_axis, pp.split_dim, pp.parts).contiguous()

@@ -107,15 +107,26 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     return [x for x in out if x.group_size > 1]
 
 
+def gathered_bytes(t: Any, s: Sharding, config: ParallelConfig) -> int:
+    """The bytes an all-gather of ``t``'s pieces under ``s`` moves: the whole tensor, or (a segment split
+    unevenly, ``decisions.uneven_split``) every rank's piece padded to the largest (``ops.gather_pieces``)."""
+    nbytes = t.numel() * t.element_size()
+    n = config.size(s.axis) if not s.is_replicated else 1
+    if n > 1 and len(s.parts) == 1 and s.full_size % n:
+        return nbytes // s.full_size * -(-s.full_size // n) * n
+    return nbytes
+
+
 def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requires_grad: bool,
                            config: ParallelConfig, where: str, at: str = "") -> list[Collective]:
     t = tensor_meta(producer)
-    nbytes = t.numel() * t.element_size()
     out = []
     if not src.is_replicated:
-        out.append(Collective("all_gather", src.axis, config.size(src.axis), nbytes, "forward", where, at))
+        out.append(Collective("all_gather", src.axis, config.size(src.axis), gathered_bytes(t, src, config), "forward",
+                              where, at))
     if not dst.is_replicated and requires_grad:
-        out.append(Collective("all_gather", dst.axis, config.size(dst.axis), nbytes, "backward", where, at))
+        out.append(Collective("all_gather", dst.axis, config.size(dst.axis), gathered_bytes(t, dst, config),
+                              "backward", where, at))
     return [c for c in out if c.group_size > 1]
 
 
@@ -132,7 +143,7 @@ def output_collectives(producer: fx.Node, sharding: Sharding, batch_dim: BatchDi
     out = []
     if not sharding.is_replicated:
         out.append(Collective("all_gather", sharding.axis, config.size(sharding.axis),
-                              t.numel() * t.element_size(), "forward", "<output>"))
+                              gathered_bytes(t, sharding, config), "forward", "<output>"))
     if batch_dim is not None and batch is not None:
         out.append(Collective("all_gather", "batch", config.num_batch_shards,
                               _padded_rows_bytes(t, batch_dim, batch), "forward", "<output>"))
@@ -204,7 +215,7 @@ def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConf
     if sharding.dim == t.dim() - 1 and len(sharding.parts) == 1:
         out = vocab_loss_collectives(t, t.dim() - 1, sharding.axis, config, "<loss>")
     else:
-        out = [Collective("all_gather", sharding.axis, size, t.numel() * t.element_size(), "forward", "<loss>")]
+        out = [Collective("all_gather", sharding.axis, size, gathered_bytes(t, sharding, config), "forward", "<loss>")]
     return [c for c in out if c.group_size > 1]
 
 

@@ -146,10 +146,17 @@ class LayoutRules:
         x, s, xt = self.x(node)
         val = tensor_meta(node)
         mapped = _map_through_view(tuple(xt.shape), tuple(val.shape), s)
-        if mapped is None or not self.divides(mapped):
+        if mapped is None:
             return None
         sizes = list(node.args[1])  # the view's own sizes (symbolic ones stay graph nodes): only the split dim changes
-        if sizes[mapped.dim] != -1:
+        if not self.divides(mapped):
+            # a dim split unevenly (a vocabulary) that the view keeps whole: each rank's size is its own, so -1
+            # infers it; a view that would cut the split dim into pieces of its own (heads) is not split
+            if (self.divides(s) or len(mapped.parts) != 1 or mapped.full_size != s.full_size
+                    or any(v == -1 for i, v in enumerate(sizes) if i != mapped.dim)):
+                return None
+            sizes[mapped.dim] = -1
+        elif sizes[mapped.dim] != -1:
             sizes[mapped.dim] = mapped.full_size // self.n(mapped)
         return Decision(mapped, {x: s}, (node.target, (x, sizes), node.kwargs))
 
@@ -162,7 +169,10 @@ class LayoutRules:
         out = Sharding(s.layout, o, s.parts)
         sizes = list(node.args[1])
         if sizes[o] != -1:
-            sizes[o] = out.full_size // self.n(out)
+            if not self.divides(out):  # an uneven split: the local size differs by rank
+                sizes[o] = -1
+            else:
+                sizes[o] = out.full_size // self.n(out)
         return Decision(out, {x: s}, (node.target, (x, sizes, *node.args[2:]), node.kwargs))
 
     def unsqueeze(self, node: fx.Node) -> Decision | None:
@@ -202,7 +212,7 @@ class LayoutRules:
         step = node.args[4] if len(node.args) > 4 else 1
         start, end = _clamp(start, s.full_size), _clamp(end, s.full_size)
         segs = _segments_between(s.parts, start, end)
-        if segs is None or step != 1:
+        if segs is None or step != 1 or not self.divides(s):  # (uneven: local bounds differ by rank)
             return None
         a, b = segs
         n = self.n(s)
@@ -221,6 +231,8 @@ class LayoutRules:
         dim %= xt.dim()
         if dim != s.dim:
             return Decision(tuple(s for _ in vals), {x: s})
+        if not self.divides(s):
+            return None
         pieces, outs, start = [], [], 0
         for v in vals:
             size = int(v.shape[dim])
@@ -247,6 +259,8 @@ class LayoutRules:
         parts: list[int] = []
         for t in tensors:
             s = self.res.sharding(t)
+            if not s.is_replicated and not self.divides(s):
+                return None
             if s.is_replicated:
                 s = Sharding(first.layout, dim, (int(tensor_meta(t).shape[dim]),))
                 if not self.divides(s):
@@ -290,7 +304,7 @@ class LayoutRules:
         first = next(self.res.sharding(i) for i in (a, b) if not self.res.sharding(i).is_replicated)
         src = a if not self.res.sharding(a).is_replicated else b
         o = first.dim + val.dim() - tensor_meta(src).dim()
-        if o >= val.dim() - 2:
+        if o >= val.dim() - 2 or not self.divides(first):
             return None
         needs, broadcast = {}, []
         for i in (a, b):
@@ -321,7 +335,8 @@ class LayoutRules:
         args = dict(zip(("weight", "reduction", "ignore_index", "label_smoothing"), node.args[2:]), **node.kwargs)
         class_dim = 1 if xt.dim() > 1 else 0
         tt = tensor_meta(target) if isinstance(target, fx.Node) else None
-        if (s.dim != class_dim or len(s.parts) != 1 or not self.divides(s) or tt is None or tt.is_floating_point()
+        # (one segment, split evenly or not: the loss reads each rank's offset from the vocabulary's size)
+        if (s.dim != class_dim or len(s.parts) != 1 or tt is None or tt.is_floating_point()
                 or args.get("weight") is not None):
             return None  # class probabilities or class weights: gathered (correct, not vocabulary-parallel)
         spec = VocabLossSpec(s.axis, class_dim, int(args.get("reduction", 1)), int(args.get("ignore_index", -100)),
@@ -347,7 +362,7 @@ class LayoutRules:
         dim %= dt.dim()
         ds, ss = self.res.sharding(dst), self.res.sharding(src)
         if (ds.is_replicated and not ss.is_replicated and ss.dim != dim and st.shape[ss.dim] == ss.full_size
-                and self._fresh(dst, ss)):
+                and self._fresh(dst, ss)):  # (_fresh: split evenly)
             size = list(dst.args[0])
             size[ss.dim] = ss.full_size // self.n(ss)
             self.res.shardings[dst] = ds = ss
@@ -372,6 +387,8 @@ class LayoutRules:
         dims = sorted(d % xt.dim() for d in dims)
         keepdim = bool(node.args[2]) if len(node.args) > 2 else bool(node.kwargs.get("keepdim", False))
         if s.dim in dims:
+            if _REDUCE[node.target] and not self.divides(s):  # a mean of unequal pieces is not their mean
+                return None
             return Decision(REPLICATED, {x: s}, reduce=ReduceSpec(s.axis, _REDUCE[node.target]))
         o = s.dim if keepdim else s.dim - sum(d < s.dim for d in dims)
         return Decision(Sharding(s.layout, o, s.parts), {x: s})

@@ -32,7 +32,8 @@ from torch import fx
 
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
-from autopar.decisions import EmbeddingMode, EmbeddingPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan
+from autopar.decisions import (EmbeddingMode, EmbeddingPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan,
+                                uneven_split)
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import list_collectives, total_bytes
 from passes.analysis.graph_facts import (
@@ -89,7 +90,7 @@ def _divides(m: MatmulMatch, o: Orientation, parts: tuple[int, ...], config: Par
     if o in _OUT and out_split == 1:
         return f"{o.value}: {o.out_axis}=1"
     for p in parts or (m.out_features,):
-        if p % out_split:
+        if p % out_split and not (o in _OUT and not parts and uneven_split(p, out_split)):
             what = f"output piece {p}" if parts else f"out_features {p}"
             return f"{o.value}: {what} not divisible by {o.out_axis}={out_split}"
     if m.in_features % in_split:
@@ -262,8 +263,12 @@ class _Planner:
         table = tensor_meta(self.lookups[weight][0].args[0])
         num, dim = int(table.shape[0]), int(table.shape[1])
         axes = sorted(("row", "col"), key=lambda a: -self.config.size(a))
+        # the vocabulary may split unevenly (50257 rows over 4); the hidden dim only evenly (every op after the
+        # lookup would see pieces of unequal widths)
         options = [(mode, axis) for mode, size in ((EmbeddingMode.HIDDEN, dim), (EmbeddingMode.VOCAB, num))
-                   for axis in axes if self.config.size(axis) > 1 and size % self.config.size(axis) == 0]
+                   for axis in axes if self.config.size(axis) > 1 and (
+                       size % self.config.size(axis) == 0
+                       or mode is EmbeddingMode.VOCAB and uneven_split(size, self.config.size(axis)))]
         largest = max(tensor_meta(nodes[0].args[0]).numel() for nodes in self.lookups.values())
         if options and table.numel() < largest:
             options.append((EmbeddingMode.REPLICATED, ""))

@@ -53,15 +53,27 @@ def test_fc_net_plan_alternates_orientations_and_converts_only_at_layernorm():
     assert records[0].name == "shard_linears" and records[0].changed
 
 
-def test_layer_that_does_not_divide_stays_replicated_with_reason():
-    config = ParallelConfig(data=1, row=4, col=4, depth=1)
+def test_layer_that_cannot_be_split_stays_replicated_with_reason():
+    """10 classes over 8 ranks: even pieces do not exist, and uneven ones (2+2+2+2+2+0+0+0) would leave ranks
+    empty."""
+    config = ParallelConfig(data=1, row=8, col=8, depth=1)
     cap = captured(FC_Net(**SMALL), torch.randn(4, 1, 8, 8), config)
     plan = make_plan(cap.gm, config)
     clf = plan.matmul("clf.weight")
     assert clf.orientation is Orientation.REPLICATED
-    assert "out_features 10 not divisible by row=4" in clf.reason
+    assert "out_features 10 not divisible by row=8" in clf.reason
     assert any("clf.weight stays replicated" in n for n in plan.notes)
     assert "clf.weight" in plan.summary()
+
+
+def test_a_head_that_does_not_divide_splits_unevenly_and_the_plan_says_so():
+    """10 classes over row=4 at (4, 4): the output head splits 3+3+3+1 (DTensor's Shard pieces)."""
+    config = ParallelConfig(data=1, row=4, col=4, depth=1)
+    cap = captured(FC_Net(**SMALL), torch.randn(4, 1, 8, 8), config)
+    plan = make_plan(cap.gm, config)
+    clf = plan.matmul("clf.weight")
+    assert clf.orientation is Orientation.OUT_ROW and not clf.reason
+    assert "split unevenly over row=4: 3+3+3+1" in plan.summary()
 
 
 def test_addmm_conv1d_and_mm_weights_are_matched():

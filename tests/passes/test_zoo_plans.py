@@ -72,13 +72,27 @@ def test_gqa_heads_that_do_not_divide_stay_whole_with_a_reason():
 def test_unshardable_head_is_reported_with_its_reason():
     import transformers
 
-    with torch.device("meta"):  # a vocabulary of 127 does not divide by row=2
-        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=127, n_embd=32, n_layer=1, n_head=4))
-    plan, report = plan_model(model, (torch.zeros(4, 8, dtype=torch.long),), ParallelConfig(1, 2, 1, 1))
+    with torch.device("meta"):  # a vocabulary of 3 over row=4: no even split, and an uneven one leaves a rank empty
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=3, n_embd=32, n_layer=1, n_head=4,
+                                                                     bos_token_id=0, eos_token_id=0))
+    plan, report = plan_model(model, (torch.zeros(4, 8, dtype=torch.long),), ParallelConfig(1, 4, 1, 1))
     text = format_report(plan, report, batch_size=4, rank=0)
-    assert "not sharded:" in text and "out_features 127 not divisible by row=2" in text
+    assert "not sharded:" in text and "out_features 3 not divisible by row=4" in text
     assert any(n.startswith("lm_head.weight stays replicated") for n in plan.notes)
-    assert 0.5 < report.matmul_flops_sharded / report.flops_per_step < 0.95
+    assert report.matmul_flops_sharded < report.flops_per_step
+
+
+def test_an_indivisible_vocabulary_splits_unevenly_and_the_report_says_so():
+    import transformers
+
+    with torch.device("meta"):  # 127 over row=2: 64+63, the tied embedding table too
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=127, n_embd=32, n_layer=1, n_head=4,
+                                                                     bos_token_id=0, eos_token_id=0))
+    plan, report = plan_model(model, (torch.zeros(4, 8, dtype=torch.long),), ParallelConfig(1, 2, 1, 1))
+    summary = plan.summary()
+    assert summary.count("split unevenly over row=2: 64+63") == 2, summary  # the head and its tied table
+    assert not any("lm_head.weight stays replicated" in n for n in plan.notes)
+    assert report.matmul_flops_sharded == report.flops_per_step
 
 
 def test_cli_prints_coverage_for_a_zoo_model(capsys):
