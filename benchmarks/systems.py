@@ -32,12 +32,15 @@ class Grid:
     tensor: tuple[int, int, int]
     data: int
     pipeline: int
+    compiled: bool = False
+    """The token ``c``: ``auto_parallelize(compile=True)`` (else compile=False: eager, on every device)."""
 
     @property
     def label(self) -> str:
         parts = [f"t{'x'.join(map(str, self.tensor))}"] if self.tensor != (1, 1, 1) else []
         parts += [f"d{self.data}"] if self.data > 1 or not parts and self.pipeline == 1 else []
         parts += [f"p{self.pipeline}"] if self.pipeline > 1 else []
+        parts += ["c"] if self.compiled else []
         return "-".join(parts)
 
     @property
@@ -57,14 +60,15 @@ class Grid:
 
 
 def parse_grid(text: str, world: int) -> Grid:
-    """``t2x2x1-d2-p2`` -> Grid; tokens in any order, each at most once; data defaults to what is left."""
+    """``t2x2x1-d2-p2`` -> Grid; tokens in any order, each at most once; data defaults to what is left; ``c``:
+    the per-rank program compiled."""
     found: dict[str, str] = {}
     for token in text.split("-"):
-        m = re.fullmatch(r"(t)(\d+)x(\d+)x(\d+)|([dp])(\d+)", token)
-        if m is None or (m.group(1) or m.group(5)) in found:
+        m = re.fullmatch(r"(t)(\d+)x(\d+)x(\d+)|([dp])(\d+)|(c)", token)
+        if m is None or (m.group(1) or m.group(5) or m.group(7)) in found:
             raise ValueError(f"bad autopar grid {text!r} (token {token!r}). Write tokens t<row>x<col>x<depth>, "
-                             "d<data>, p<pipeline> joined by '-', each at most once, e.g. t2x2x1-d2")
-        found[m.group(1) or m.group(5)] = token
+                             "d<data>, p<pipeline> and c (compiled) joined by '-', each at most once, e.g. t2x2x1-d2")
+        found[m.group(1) or m.group(5) or m.group(7)] = token
     tensor = tuple(int(v) for v in re.findall(r"\d+", found.get("t", "t1x1x1")))
     pipeline = int(found.get("p", "p1")[1:])
     inner = tensor[0] * tensor[1] * tensor[2] * pipeline
@@ -72,7 +76,7 @@ def parse_grid(text: str, world: int) -> Grid:
     if data * inner != world or min(*tensor, pipeline, data) < 1:
         raise ValueError(f"autopar grid {text!r} needs {data * inner} ranks (tensor {tensor}, data {data}, "
                          f"pipeline {pipeline}), not {world}. Make the product of the degrees {world}.")
-    return Grid(tensor, data, pipeline)
+    return Grid(tensor, data, pipeline, "c" in found)
 
 
 def default_grids(world: int) -> list[str]:
@@ -210,7 +214,7 @@ def autopar_grid(bm: BenchModel, ctx: Context, grid: Grid) -> Runner:
     import autopar
 
     torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline,
+    with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline, compile=grid.compiled,
                                   **(dict(microbatches=ctx.microbatches, schedule=ctx.schedule)
                                      if grid.pipeline > 1 else {})):
         model = bm.build().to(ctx.device)
