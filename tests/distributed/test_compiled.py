@@ -6,7 +6,8 @@ FC_Net) the serial model's numbers too. Every case must have run compiled: a gra
 eager (``CompiledGraph.failed``) fails the test, so the comparison cannot pass by comparing eager with
 eager. Cases: tensor (row x col), depth with data, col x depth, pipeline stages (plain calls and
 ``train_step``), full checkpointing, per-rank batches (DDP semantics), clipping, and nanoGPT's loss
-inside forward with a vocabulary-parallel cross-entropy. Compiling on 2 CPU cores is slow: marked slow.
+inside forward with a vocabulary-parallel cross-entropy, and GPT-2 with a vocabulary split unevenly
+(64+63). Compiling on 2 CPU cores is slow: marked slow.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import autopar
 from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.parallel_model import runtime_of
-from tests.helpers import SMALL, batches, rel_err, serial_run
+from tests.distributed.test_uneven import _build as uneven_model
+from tests.helpers import SMALL, rel_err
 
 TOL = 1e-5
 NANO = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32)
@@ -32,8 +34,9 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3) -
     torch.manual_seed(0)
     per_rank = options.get("batch") == "per-rank"
     with autopar.auto_parallelize(compile=compiled, **options):
-        model = FC_Net(**SMALL) if kind == "fc" else NanoGPT(GPTConfig(**NANO))
-    # nanoGPT: SGD, as tests/distributed/test_loss_in_forward.py does (Adam turns gradients that are zero in
+        model = FC_Net(**SMALL) if kind == "fc" else NanoGPT(GPTConfig(**NANO)) if kind == "nano" else \
+            uneven_model("gpt2")
+    # the LMs: SGD, as tests/distributed/test_loss_in_forward.py does (Adam turns gradients that are zero in
     # exact arithmetic, ~1e-9 here, into full steps of noise)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "fc" else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
@@ -48,11 +51,15 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3) -
             else:
                 loss = F.cross_entropy(model(x), y)
                 loss.backward()
-        else:
+        elif kind == "nano":
             x = torch.randint(0, 128, (4, 16), generator=g)
             y = torch.randint(0, 128, (4, 16), generator=g)
             y[1, 8:] = -1  # ignored targets
             loss = model(x, y)[1]
+            loss.backward()
+        else:  # GPT-2 with a vocabulary of 127: split unevenly (tests/distributed/test_uneven.py)
+            x = torch.randint(0, 127, (4, 16), generator=g)
+            loss = model(x, labels=x, use_cache=False).loss
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         comm.append(autopar.comm_stats()["total"])
@@ -105,7 +112,8 @@ CASES = {
         ("t1x2x1", "fc", {"tensor": (1, 2, 1)}, "call"),
         ("p2", "fc", {"pipeline": 2}, "call"),
         ("p2 train_step", "fc", {"pipeline": 2}, "train_step"),
-        ("nanogpt t2x1x1 loss in forward", "nano", {"tensor": (2, 1, 1)}, "call")],
+        ("nanogpt t2x1x1 loss in forward", "nano", {"tensor": (2, 1, 1)}, "call"),
+        ("gpt2 vocab 127 t2x1x1 (64+63)", "gpt2", {"tensor": (2, 1, 1)}, "call")],
     4: [("t2x2x1", "fc", {"tensor": (2, 2, 1)}, "call"),
         ("t1x1x2 d2", "fc", {"tensor": (1, 1, 2), "data": 2}, "call"),
         ("t1x2x2 checkpoint full", "fc", {"tensor": (1, 2, 2), "checkpoint": "full"}, "call"),
