@@ -21,7 +21,7 @@ import autopar
 from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.parallel_model import runtime_of
-from tests.distributed.test_uneven import _build as uneven_model
+from tests.distributed.test_uneven import build_model as uneven_model
 from tests.helpers import SMALL, rel_err
 
 TOL = 1e-5

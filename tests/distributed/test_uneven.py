@@ -28,7 +28,7 @@ MODELS = {
 }
 
 
-def _build(name: str) -> torch.nn.Module:
+def build_model(name: str) -> torch.nn.Module:
     import transformers
 
     config_cls, model_cls, kwargs = MODELS[name]
@@ -67,16 +67,16 @@ def _train(model: torch.nn.Module, data: list[torch.Tensor], grads_of) -> dict:
 def _worker(name: str, tensor: tuple[int, int, int]) -> dict:
     data = _data(name)
     torch.manual_seed(0)
-    serial = _build(name)
+    serial = build_model(name)
     want = _train(serial, data, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
     want_params = {k: v.detach().clone() for k, v in serial.state_dict().items()}
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=tensor, data=dist.get_world_size() // (tensor[0] * tensor[1] * tensor[2])):
-        model = _build(name)
+        model = build_model(name)
     got = _train(model, data, lambda m: {k: v for k, v in runtime_of(m).full_grads().items() if v is not None})
     final = autopar.full_state_dict(model)
     with torch.device("meta"):
-        shadow = _build(name)
+        shadow = build_model(name)
     ids = torch.empty(4, 16, dtype=torch.long, device="meta")
     _, report = plan_model(shadow, (ids,), runtime_of(model).config, kwargs={"labels": ids, "use_cache": False},
                            rank=dist.get_rank())
@@ -104,20 +104,20 @@ def _dcp_and_train_step_worker() -> dict:
 
     data = _data("gpt2")
     torch.manual_seed(0)
-    serial = _build("gpt2")
+    serial = build_model("gpt2")
     plain = F.cross_entropy(serial(data[0], use_cache=False).logits.reshape(-1, 127), data[0].reshape(-1))
     plain.backward()  # train_step's serial meaning (autopar/train.py)
     want_grads = {n: p.grad.clone() for n, p in serial.named_parameters()}
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=(4, 1, 1)):
-        model = _build("gpt2")
+        model = build_model("gpt2")
     loss = autopar.train_step(model, {"input_ids": data[0], "use_cache": False}, data[0], F.cross_entropy)
     got_grads = {k: v for k, v in runtime_of(model).full_grads().items() if v is not None}
     box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(box)
     dcp.save(model.state_dict(), checkpoint_id=box[0])
     with autopar.auto_parallelize(tensor=(2, 2, 1)):
-        other = _build("gpt2")
+        other = build_model("gpt2")
     other(data[0], use_cache=False)  # sharded: the load reshards into 64+63
     sd = other.state_dict()
     dcp.load(sd, checkpoint_id=box[0])
