@@ -61,8 +61,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 __all__ = [
     "all_gather_into", "buffer_slots", "deregister_pytree_nodes", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "FUNCTIONAL_COLLECTIVES",
-    "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all", "compile_errors", "inductor_backend",
-    "inductor_overlap_options", "dtensor_op_handlers", "dtensor_spec",
+    "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all",
+    "compile_errors", "inductor_backend", "inductor_overlap_options", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
     "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
     "OpOverload", "optimizer_global_hooks", "parameter_slots", "post_accumulate_grad_hooks", "pytree",
@@ -371,13 +371,8 @@ def inductor_backend(wrap: Callable[[fx.GraphModule], Callable[[Callable], Calla
     from torch._inductor.compile_fx import compile_fx, compile_fx_inner
 
     def inner(gm: fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Callable:
-        around = wrap(gm)
-        compiled = compile_fx_inner(gm, example_inputs, *args, **kwargs)
-
-        def run(inputs: list[Any]) -> Any:
-            return compiled(inputs)
-        run._boxed_call = True  # Inductor's calling convention: one list of inputs, freed as read
-        return around(run)
+        around = wrap(gm)  # (before compile_fx_inner's passes rewrite gm)
+        return around(compile_fx_inner(gm, example_inputs, *args, **kwargs))
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         patch = {k: False for k in ("enable_autograd_cache", "cse") if hasattr(functorch_config, k)}

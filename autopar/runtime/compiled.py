@@ -60,7 +60,7 @@ def _counted(graph: fx.GraphModule) -> Callable[[Callable], Callable]:
     held = collectives_of(graph)
 
     def around(run: Callable) -> Callable:
-        if not held:
+        if not held:  # Inductor's own compiled graph, unwrapped
             return run
 
         def counted(inputs: list[Any]) -> Any:
