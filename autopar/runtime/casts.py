@@ -60,6 +60,11 @@ class Casts:
                 reattach_tensor_hooks(p)
             self._values = [weakref.ref(v) for v in values]
         dtypes = self._dtypes(values)
+        if dtypes == self.dtypes and any(getattr(module(), leaf) is not self.store.buffers[name]
+                                         for (module, leaf), name in zip(self._owners, self.store.buffers)):
+            # a move (model.to(device)) gave the buffers new tensors: the table follows (the graph read the
+            # old ones, on the old device, and a model that moves them back itself paid a copy per call)
+            self.store.buffers.update(dict(self._model().named_buffers(remove_duplicate=False)))
         if dtypes != self.dtypes:
             if any(d.is_complex for d in dtypes):
                 raise ParameterError(f"{type(self._model()).__name__} was cast to a complex dtype "

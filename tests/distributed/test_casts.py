@@ -209,3 +209,24 @@ def test_casts_between_pipeline_steps_match_serial(distributed):
     for r in distributed(pipeline_worker, 2, timeout=600):
         for use_train_step, dtype, loss, grads in r:
             assert loss <= TOL[dtype] and grads <= TOL[dtype], r
+
+
+def _new_buffer_worker() -> dict:
+    """A buffer given a new tensor after the first call (``model.to(device)`` does this to every buffer; a script
+    may rescale RoPE): the next call reads the new one, as serial does (it read the first call's)."""
+    serial, model = _pair("llama", (2, 1, 1), 1)
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(1))
+    gaps = []
+    with torch.no_grad():
+        model(ids)
+        for m in (serial, model):
+            rotary = m.model.rotary_emb
+            rotary.inv_freq = rotary.inv_freq * 0.5  # (a registered buffer: a new tensor in _buffers)
+        want, got = serial(ids).logits, model(ids).logits
+        gaps.append(float((got - want).abs().max() / want.abs().max()))
+    return {"gap": max(gaps)}
+
+
+def test_a_buffer_replaced_after_the_first_call_is_read(distributed):
+    for got in distributed(_new_buffer_worker, 2):
+        assert got["gap"] < 1e-5, got
