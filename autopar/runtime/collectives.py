@@ -11,6 +11,8 @@ it holds every time it runs (``record``), so ``comm_stats()`` reads the same in 
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from fractions import Fraction
 from typing import Any
 
@@ -50,6 +52,29 @@ def comm_calls() -> dict[str, int]:
 def record(kind: str, group_size: int, message_bytes: int) -> None:
     """Counts one collective a compiled graph ran (``autopar.runtime.compiled``)."""
     _stats.record(kind, group_size, message_bytes)
+
+
+class _Held:
+    """Collectives issued while a CUDA graph is captured: held, not counted (``held``)."""
+
+    def __init__(self, into: list[tuple[str, int, int]]) -> None:
+        self.into = into
+
+    def record(self, kind: str, group_size: int, message_bytes: int) -> None:
+        self.into.append((kind, group_size, message_bytes))
+
+
+@contextlib.contextmanager
+def held() -> Iterator[list[tuple[str, int, int]]]:
+    """Inside, collectives are listed, not counted (a CUDA graph's capture runs nothing: each replay counts
+    them with ``record``, ``autopar.runtime.graphed``)."""
+    global _stats
+    outer, into = _stats, []
+    _stats = _Held(into)
+    try:
+        yield into
+    finally:
+        _stats = outer
 
 
 def reset_comm_stats() -> None:

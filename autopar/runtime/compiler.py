@@ -25,6 +25,7 @@ from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, travels
+from autopar.runtime import graphed
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.executables import Executable
 from autopar.runtime.mesh import Mesh
@@ -34,7 +35,7 @@ from autopar.runtime.pipeline import Program
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
 from passes.analysis.graph_facts import sizes_fixed
 from passes.insert_checkpoints import insert_checkpoints
-from passes.ir import input_info, record_graph_info
+from passes.ir import InputKind, input_info, record_graph_info
 from passes.runner import run_passes
 from passes.shard_linears import shard_linears
 from passes.split_batch import split_batch
@@ -151,8 +152,27 @@ class Compiler:
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
         run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph")
+        graphs = None if pipelined else self._graphs(gm, inputs, run)
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows, run)
+                          captured.accepts, rows, run, graphs)
+
+    def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
+                run: Callable[..., Any]) -> graphed.CallGraphs | None:
+        """How this graph's repeated evaluation calls replay as CUDA graphs (``autopar.runtime.graphed``): what
+        is captured is the graph compiled for their sizes under ``compile=True``, else the eager graph."""
+        capture = graphed.capture_for(self.mesh.device)
+        if capture is None or self.compile.mode is False:
+            return None
+        written = graphed.written_inputs(gm)
+        copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
+        name = f"the per-rank graph of {type(self._model()).__name__}"
+        warm = run if isinstance(run, CompiledGraph) or not self.compile.enabled(self.mesh.device.type, False) \
+            else CompiledGraph(gm, name, self.mesh.device, self.warn_once)
+        nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        unused = frozenset(i for i, n in enumerate(nodes) if not n.users)
+        names = [f"{kind.name.lower()} {target}" for kind, target in inputs]
+        return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
+                                  names=names, unused=unused)
 
     def _wrap(self, gm: fx.GraphModule, name: str) -> Callable[..., Any]:
         """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled``) or as it is."""

@@ -23,6 +23,7 @@ from autopar.compat import pytree
 from passes.ir import InputKind
 
 if TYPE_CHECKING:
+    from autopar.runtime.graphed import CallGraphs
     from autopar.runtime.pipeline import Program
     from passes.runner import PassRecord
 
@@ -53,6 +54,9 @@ class Executable:
     """The ``ops.BatchRows`` its batch ops read: each batch shard's rows, set before each run."""
     run: Callable[..., Any] | None = None
     """How ``gm`` runs: compiled (``autopar.runtime.compiled``), or (None) ``gm`` itself."""
+    graphs: CallGraphs | None = None
+    """Its evaluation calls replayed as CUDA graphs where they repeat (``autopar.runtime.graphed``); None:
+    never (the CPU, ``compile=False``, a pipeline)."""
 
     def __post_init__(self) -> None:
         if self.run is None:

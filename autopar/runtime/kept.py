@@ -168,6 +168,9 @@ def wrap_generate(model: Any, generate: Callable[..., Any],
     ``following()`` too (the runtime checks its first call against the other ranks, not every step)."""
     @functools.wraps(generate)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if "disable_compile" not in kwargs and hasattr(getattr(model, "generation_config", None), "disable_compile"):
+            kwargs["disable_compile"] = True  # HF's own compile of the forward (static cache, CUDA) would trace
+            # autopar's runtime: autopar compiles and graphs the per-rank program itself (autopar.runtime.graphed)
         with generating(), following() if follows_from_logits(model, kwargs) else contextlib.nullcontext():
             return generate(*args, **kwargs)
     return wrapper

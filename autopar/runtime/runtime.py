@@ -221,11 +221,12 @@ class ParallelRuntime:
             values = dict(zip(placeholders(exe.gm), flat))
             out = exe.program.run_sequential(values)
             return pytree.tree_unflatten(list(out), exe.out_spec)
+        graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
         if dtype is None:
-            out = exe.run(*flat)
+            out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
         else:
             with torch.autocast(self.mesh.device.type, dtype=dtype):
-                out = exe.run(*flat)
+                out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
             # Outputs come back in float32, as the serial model's do (the loss then runs in fp32).
             out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
             if self.memory.precision == "fp16" and torch.is_grad_enabled():
@@ -499,6 +500,11 @@ class ParallelRuntime:
         runs = [r for graphs in self.executables.values() for exe in graphs
                 for r in ([exe.run] if exe.program is None else [a.run for a in exe.program.adapters.values()])]
         return [r for r in runs if isinstance(r, CompiledGraph)]
+
+    def graph_replays(self) -> int:
+        """Evaluation calls replayed as CUDA graphs (``autopar.runtime.graphed``), over the graphs kept."""
+        return sum(exe.graphs.replays() for graphs in self.executables.values() for exe in graphs
+                   if exe.graphs is not None)
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         return self.store.full_grads()
