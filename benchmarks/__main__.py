@@ -18,6 +18,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
     python -m benchmarks --readme                        # also rewrites docs/benchmarks.md's results section
     python -m benchmarks --inference                     # generate() latency (benchmarks/inference.py)
     python -m benchmarks --simulate 4                    # rank 0 of 4-rank grids on this one device
+    python -m benchmarks --simulate 4 --decode           # one rank's static-cache decoding, per token
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ def _update_readme(text: str, command: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if "--simulate" in argv and "--decode" in argv:  # one rank's decoding: benchmarks/simulate_decode.py
+        from benchmarks import simulate_decode
+
+        argv.remove("--decode")
+        return simulate_decode.main(argv)
     if "--simulate" in argv:  # one rank of W on this device: benchmarks/simulate.py
         from benchmarks import simulate
 

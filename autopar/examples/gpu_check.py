@@ -132,6 +132,14 @@ def parity(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any
         same = torch.equal(want_ids, got_ids)
         rows.append({"check": f"generate (greedy, {args.new_tokens} tokens, fp32)",
                      "result": "tokens equal" if same else "tokens differ", "ok": same})
+        kw = dict(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
+                  cache_implementation="static")
+        serial.generation_config.disable_compile = True  # (the oracle runs op by op)
+        want_ids, got_ids = serial.generate(prompt, **kw), model.generate(prompt, **kw)
+        same, replays = torch.equal(want_ids, got_ids), runtime_of(model).graph_replays()
+        rows.append({"check": f"generate (greedy, static cache, {args.new_tokens} tokens, fp32, "
+                              f"{replays} steps replayed as CUDA graphs)",
+                     "result": "tokens equal" if same else "tokens differ", "ok": same})
     return rows
 
 
