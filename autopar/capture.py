@@ -409,10 +409,18 @@ def state_outputs(out_spec: pytree.TreeSpec) -> frozenset[int]:
     return frozenset(kept)
 
 
-def input_names(args: tuple, kwargs: dict) -> list[int | str]:
-    """For each flattened (args, kwargs) leaf, the input it belongs to: a position or a keyword."""
+def input_names(args: tuple, kwargs: dict, spec: pytree.TreeSpec | None = None) -> list[int | str]:
+    """For each flattened (args, kwargs) leaf, the input it belongs to: a position or a keyword. ``spec``: the
+    TreeSpec of ``(args, kwargs)`` flattened, read instead of flattening again (a decode step's cache is
+    hundreds of leaves through HF's flatten)."""
+    if spec is not None and spec.num_children == 2:
+        positional, named = spec.children()
+        if positional.type is tuple and named.type is dict:
+            out: list[int | str] = [i for i, child in enumerate(positional.children()) for _ in range(child.num_leaves)]
+            out += [key for key, child in zip(named.context, named.children()) for _ in range(child.num_leaves)]
+            return out
     paths = pytree.tree_flatten_with_path((tuple(args), dict(kwargs)))[0]
-    out: list[int | str] = []
+    out = []
     for path, _ in paths:
         top = path[1] if len(path) > 1 else path[0]
         out.append(getattr(top, "idx", getattr(top, "key", None)))

@@ -62,7 +62,7 @@ __all__ = [
     "all_gather_into", "buffer_slots", "deregister_pytree_nodes", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "FUNCTIONAL_COLLECTIVES",
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all",
-    "compile_errors", "inductor_backend", "inductor_overlap_options", "dtensor_op_handlers", "dtensor_spec",
+    "compile_errors", "dispatch_mode_active", "inductor_backend", "inductor_overlap_options", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
     "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
     "OpOverload", "optimizer_global_hooks", "parameter_slots", "post_accumulate_grad_hooks", "pytree",
@@ -387,6 +387,14 @@ def compile_errors() -> tuple[type[BaseException], ...]:
 
     return tuple(getattr(exc, n) for n in ("Unsupported", "BackendCompilerFailed", "TorchRuntimeError",
                                            "InternalTorchDynamoError", "UserError") if hasattr(exc, n))
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a user's TorchDispatchMode is active (a FLOP counter, a byte meter): torch.compile does not run
+    under one, and a CUDA graph's replay would not pass through it."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return _get_current_dispatch_mode() is not None
 
 
 def assert_all(ok: torch.Tensor, message: str) -> None:

@@ -152,21 +152,24 @@ class Compiler:
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
         run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph")
-        graphs = None if pipelined else self._graphs(gm, inputs, run)
+        graphs = None if pipelined else self._graphs(gm, inputs, run, output_specs)
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
                           captured.accepts, rows, run, graphs)
 
     def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
-                run: Callable[..., Any]) -> graphed.CallGraphs | None:
+                run: Callable[..., Any], output_specs: list[Any]) -> graphed.CallGraphs | None:
         """How this graph's repeated evaluation calls replay as CUDA graphs (``autopar.runtime.graphed``): what
-        is captured is the graph compiled for their sizes under ``compile=True``, else the eager graph."""
+        is captured is the graph compiled for their sizes under ``compile=True``, else the eager graph. A graph
+        that returns a cache kept split (a decode step's) is captured eager: its outputs are DTensors made in
+        the graph, which dynamo does not trace (``DTensor.from_local`` on autopar's mesh)."""
         capture = graphed.capture_for(self.mesh.device)
         if capture is None or self.compile.mode is False:
             return None
         written = graphed.written_inputs(gm)
         copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
         name = f"the per-rank graph of {type(self._model()).__name__}"
-        warm = run if isinstance(run, CompiledGraph) or not self.compile.enabled(self.mesh.device.type, False) \
+        kept = any(getattr(spec, "keep_split", False) for spec in output_specs)
+        warm = run if isinstance(run, CompiledGraph) or kept or not self.compile.enabled(self.mesh.device.type, False) \
             else CompiledGraph(gm, name, self.mesh.device, self.warn_once)
         nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
         unused = frozenset(i for i, n in enumerate(nodes) if not n.users)

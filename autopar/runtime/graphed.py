@@ -51,7 +51,7 @@ from torch import fx
 
 from torch.distributed.tensor import DTensor
 
-from autopar.compat import local_tensor, op_schema, storage_key
+from autopar.compat import dispatch_mode_active, local_tensor, op_schema, storage_key
 from autopar.runtime import collectives as C
 
 log = logging.getLogger(__name__)
@@ -114,19 +114,20 @@ class Source:
     whole: tuple | None
     """A DTensor output of this local tensor: (mesh, placements, shape, stride); None: a plain tensor."""
     last: tuple[weakref.ref, weakref.ref] | None = None
-    """(the input, the output) of the last call: the same input gets the same output back (a decode step's
-    cache is the one the step before returned; wrapping it again costs a DTensor per layer and step)."""
+    """(the local tensor of the output, the output) of the last call: a call whose input is that local tensor
+    (a decode step's cache is the one the step before returned) gets the same output back, not a new DTensor
+    per layer and step."""
 
     def of(self, x: torch.Tensor) -> torch.Tensor:
         """The output on this call's input ``x`` (the same memory as at capture)."""
         if self.last is not None and self.last[0]() is x and (out := self.last[1]()) is not None:
-            return out
+            return out  # (x is what the last call returned: this step's cache is the step before's)
         local = x if self.view is None else x.as_strided(self.view[0], self.view[1], x.storage_offset() + self.view[2])
         out = local
         if self.whole is not None:
             mesh, placements, shape, stride = self.whole
             out = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-        self.last = (weakref.ref(x), weakref.ref(out))
+        self.last = (weakref.ref(local_tensor(out) if isinstance(out, DTensor) else out), weakref.ref(out))
         return out
 
 
@@ -196,7 +197,7 @@ class CallGraphs:
         """This call's outputs: ``runner`` (the executable as it runs) for the first call of these inputs,
         ``warm`` (what is captured) for the second, a replay from the third."""
         warm = self.warm
-        key = None if self.failed else self.key(flat)
+        key = None if self.failed or dispatch_mode_active() else self.key(flat)  # (a replay skips a dispatch mode)
         if key is None:
             return runner(*flat)
         try:

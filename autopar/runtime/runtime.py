@@ -158,7 +158,7 @@ class ParallelRuntime:
             return self._forward_local(args, kwargs), None, ()
         leaves, spec = pytree.tree_flatten((args, kwargs))
         leaves, arrived = arrived_inputs(leaves, self.mesh)  # a cache an earlier call returned split
-        names = input_names(args, kwargs)
+        names = input_names(args, kwargs, spec)
         declared = self.inputs.batch_dims
         mode, every = (GLOBAL, None) if example else self.calls.check(
             leaves, spec, batch_leaves(leaves, names, declared)[0], grad)

@@ -59,3 +59,20 @@ def test_compile_option_is_checked_and_auto_compiles_training_on_cuda_only():
     auto = CompileConfig()
     assert auto.enabled("cuda", True) and not auto.enabled("cuda", False) and not auto.enabled("cpu", True)
     assert CompileConfig(True).enabled("cpu", False) and not CompileConfig(False).enabled("cuda", True)
+
+
+def test_under_a_dispatch_mode_a_call_runs_eagerly_and_the_graph_stays_compiled():
+    """A script's FLOP counter (a TorchDispatchMode) around a step: torch.compile refuses to run under one
+    (it raised 'found no compiled frames'); that call runs eagerly and is counted by the mode."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    warnings: list[str] = []
+    gm = _graph(lambda y: y @ y.T)
+    run = CompiledGraph(gm, "the test graph", torch.device("cpu"), warnings.append)
+    x = torch.randn(4, 3)
+    with FlopCounterMode(display=False) as counter:
+        out = run(x)
+    assert counter.get_total_flops() > 0 and run.compiled_runs == 0 and run.failed is None and not warnings
+    torch.testing.assert_close(out, gm(x))
+    torch.testing.assert_close(run(x), gm(x))
+    assert run.compiled_runs == 1

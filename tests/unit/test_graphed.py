@@ -54,3 +54,13 @@ def test_replays_copy_in_and_hand_back():
     assert all(torch.equal(y, torch.full((2,), float(i))) for i, y in enumerate(kept))  # copies, not overwritten
     assert float(counter) == 5 and torch.equal(cache[:, 0], torch.full((2,), 10.0))
     assert C.comm_calls()["all_reduce"] == 5
+
+
+def test_input_names_from_the_spec_match_the_paths():
+    from autopar.capture import input_names
+    from autopar.compat import pytree
+
+    for args, kwargs in [((torch.ones(2), [torch.ones(1), 3]), {"b": {"x": torch.ones(1), "y": None}, "a": 2}),
+                         ((), {"ids": torch.ones(1)}), ((torch.ones(1),), {})]:
+        spec = pytree.tree_flatten((tuple(args), dict(kwargs)))[1]
+        assert input_names(args, kwargs, spec) == input_names(args, kwargs)
