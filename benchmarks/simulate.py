@@ -92,17 +92,41 @@ def predicted_ms(size: str, grid_text: str, world: int) -> float | None:
     return (scored.time.compute + scored.time.optimizer) * 1e3
 
 
-def run_row(args: argparse.Namespace, grid: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.simulate", "--child", grid, "--world", str(args.world),
-           "--size", args.size, "--device", args.device, "--repeats", str(args.repeats)]
+def run_child(module: str, key: str, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
+    """One row of ``module`` (``--child key``) in a child process (a process has one default process group):
+    its JSON line, or the error that ended it."""
+    cmd = [sys.executable, "-m", module, "--child", key, "--world", str(args.world), "--size", args.size,
+           "--device", args.device, *extra]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {args.timeout:.0f} s"}
     if done.returncode != 0:
         tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        return {"error": tail[0][:120]}
+        return {"error": tail[0][:160]}
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def run_row(args: argparse.Namespace, grid: str) -> dict[str, Any]:
+    return run_child("benchmarks.simulate", grid, args, "--repeats", str(args.repeats))
+
+
+def check_grids(p: argparse.ArgumentParser, grids: list[str], world: int) -> None:
+    """Every grid parses for this world and has no pipeline (or the parser exits naming why)."""
+    for g in grids:
+        try:
+            grid = parse_grid(g, world)
+        except ValueError as e:
+            p.error(str(e))
+        if grid.pipeline > 1:  # rank 0 would wait on the other stages' activations, which no rank sends
+            p.error(f"grid {g!r} has a pipeline: a pipeline rank's step needs the other stages' activations, which "
+                    "the fake process group does not carry. Simulate tensor and data grids (t..., d...).")
+
+
+def markdown(header: str, cols: tuple[str, ...], body: list[tuple[str, ...]]) -> str:
+    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
+    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
+    return "\n".join([header, "", line(cols), line(["-" * w for w in widths]), *map(line, body)])
 
 
 def table(rows: list[dict[str, Any]], world: int, header: str) -> str:
@@ -121,43 +145,46 @@ def table(rows: list[dict[str, Any]], world: int, header: str) -> str:
                      f"{r['ms'] / (serial / world):.2f}x" if per_rank and serial else "",
                      f"{r['ms'] / (compiled / world):.2f}x" if per_rank and compiled else "",
                      f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else ""))
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([header, "", line(cols), line(["-" * w for w in widths]), *map(line, body)])
+    return markdown(header, cols, body)
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks --simulate", description=__doc__.splitlines()[0])
+def parser(prog: str, description: str, cuda_size: str, grids_help: str) -> argparse.ArgumentParser:
+    """The options of every simulated benchmark: the world, model size, grids, device, timeout, JSON, child."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
     p.add_argument("--world", "--simulate", dest="world", type=int, default=4, help="simulated world size W")
-    p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: small on CUDA, tiny on the CPU")
-    p.add_argument("--grids", nargs="+", default=None, metavar="GRID",
-                   help="autopar grids as python -m benchmarks takes them (t<row>x<col>x<depth>, d<data>, p<pipeline>)")
+    p.add_argument("--size", choices=tuple(SIZES), default=None, help=f"default: {cuda_size} on CUDA, tiny on the CPU")
+    p.add_argument("--grids", nargs="+", default=None, metavar="GRID", help=grids_help)
     p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--repeats", type=int, default=5, help="timed steps per row (median)")
-    p.add_argument("--no-compile", action="store_true",
-                   help="leave out the compiled rows: serial under torch.compile, autopar with compile=True")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds for each row's child process")
     p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def settle(args: argparse.Namespace, cuda_size: str) -> torch.device:
+    """The device the rows run on; ``args``' device and size made concrete, torch's threads set."""
     device = pick_device(args.device)
     args.device = device.type
-    args.size = args.size or ("small" if device.type == "cuda" else "tiny")
+    args.size = args.size or (cuda_size if device.type == "cuda" else "tiny")
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser("python -m benchmarks --simulate", __doc__.splitlines()[0], "small",
+               "autopar grids as python -m benchmarks takes them (t<row>x<col>x<depth>, d<data>, p<pipeline>)")
+    p.add_argument("--repeats", type=int, default=5, help="timed steps per row (median)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="leave out the compiled rows: serial under torch.compile, autopar with compile=True")
+    args = p.parse_args(argv)
+    device = settle(args, "small")
     if args.child is not None:
         print(json.dumps(child(args)))
         return 0
     if args.world < 2:
         p.error("--simulate takes a world size of at least 2")
     grids = args.grids or default_grids(args.world)
-    for g in grids:
-        try:
-            grid = parse_grid(g, args.world)
-        except ValueError as e:
-            p.error(str(e))
-        if grid.pipeline > 1:  # rank 0 would wait on the other stages' activations, which no rank sends
-            p.error(f"grid {g!r} has a pipeline: a pipeline rank's step needs the other stages' activations, which "
-                    "the fake process group does not carry. Simulate tensor and data grids (t..., d...).")
+    check_grids(p, grids, args.world)
     rows = [(SERIAL, "serial (whole model, whole batch)")]
     rows += [] if args.no_compile else [(COMPILED, "serial, torch.compile")]
     for g in grids:
@@ -173,11 +200,17 @@ def main(argv: list[str] | None = None) -> int:
                 got["predicted_error"] = str(e).splitlines()[0][:120]
         out.append(got)
         print(f"  {label}: {got.get('ms', got.get('error'))}", file=sys.stderr, flush=True)
+    return report(args, device, out, "simulated", f"batch {BATCH[args.size][0]}x{BATCH[args.size][1]}, bf16 autocast",
+                  lambda header: table(out, args.world, header))
+
+
+def report(args: argparse.Namespace, device: torch.device, out: list[dict[str, Any]], what: str, setting: str,
+           render: Any) -> int:
+    """Prints the table (``render(header)``), writes ``--json``; the exit status (1 when a row failed)."""
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     hidden, layers = SIZES[args.size][:2]
-    header = (f"simulated rank 0 of {args.world} ranks on one {name} (torch {torch.__version__}): {args.size} Llama "
-              f"(hidden {hidden}, {layers} layers), batch {BATCH[args.size][0]}x{BATCH[args.size][1]}, bf16 autocast")
-    print(table(out, args.world, header))
+    print(render(f"{what} rank 0 of {args.world} ranks on one {name} (torch {torch.__version__}): {args.size} "
+                 f"Llama (hidden {hidden}, {layers} layers), {setting}"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"world": args.world, "size": args.size, "device": name, "rows": out}, f, indent=1)

@@ -26,9 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import time
 from typing import Any
@@ -37,6 +35,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.examples.gpu_check import SIZES, build_llama, pick_device
+from benchmarks.simulate import check_grids, markdown, parser, report, run_child, settle
 from benchmarks.systems import parse_grid
 
 SERIAL, HF_COMPILED = "serial", "serial-compiled"
@@ -99,19 +98,6 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
             "compiled_runs": sum(g.compiled_runs for g in runtime.compiled_graphs())}
 
 
-def run_row(args: argparse.Namespace, key: str) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "benchmarks.simulate_decode", "--child", key, "--world", str(args.world),
-           "--size", args.size, "--device", args.device]
-    try:
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {args.timeout:.0f} s"}
-    if done.returncode != 0:
-        tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["(no output)"]
-        return {"error": tail[0][:160]}
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def table(rows: list[dict[str, Any]], header: str) -> str:
     compiled = next((r["ms"] for r in rows if r["row"] == HF_COMPILED and "ms" in r), None)
     cols = ("row", "ms/token", "vs whole model compiled", "replayed steps")
@@ -122,56 +108,30 @@ def table(rows: list[dict[str, Any]], header: str) -> str:
             continue
         body.append((r["label"], f"{r['ms']:.2f}", f"{r['ms'] / compiled:.2f}x" if compiled else "",
                      str(r["replays"]) if "replays" in r else ""))
-    widths = [max(len(c), *(len(b[i]) for b in body)) for i, c in enumerate(cols)]
-    line = lambda cells: "| " + " | ".join(c.ljust(w) for c, w in zip(cells, widths)) + " |"  # noqa: E731
-    return "\n".join([header, "", line(cols), line(["-" * w for w in widths]), *map(line, body)])
+    return markdown(header, cols, body)
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m benchmarks --simulate W --decode", description=__doc__.splitlines()[0])
-    p.add_argument("--world", "--simulate", dest="world", type=int, default=4, help="simulated world size W")
-    p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: medium on CUDA, tiny on the CPU")
-    p.add_argument("--grids", nargs="+", default=None, metavar="GRID", help="tensor grids (default: t<W>x1x1 t1x<W>x1)")
+    p = parser("python -m benchmarks --simulate W --decode", __doc__.splitlines()[0], "medium",
+               "tensor grids (default: t<W>x1x1 t1x<W>x1)")
     p.add_argument("--modes", nargs="+", default=list(MODES), choices=tuple(MODES))
-    p.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
-    p.add_argument("--timeout", type=float, default=600.0, help="seconds for each row's child process")
-    p.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
-    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    device = pick_device(args.device)
-    args.device = device.type
-    args.size = args.size or ("medium" if device.type == "cuda" else "tiny")
-    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    device = settle(args, "medium")
     if args.child is not None:
         print(json.dumps(child(args)))
         return 0
     grids = args.grids or [f"t{args.world}x1x1", f"t1x{args.world}x1"]
-    for g in grids:
-        try:
-            grid = parse_grid(g, args.world)
-        except ValueError as e:
-            p.error(str(e))
-        if grid.pipeline > 1:
-            p.error(f"grid {g!r} has a pipeline, which the fake process group cannot carry: simulate t... and d... grids.")
+    check_grids(p, grids, args.world)
     rows = [(SERIAL, "whole model, eager"), (HF_COMPILED, "whole model, HF's compiled decode (reduce-overhead)")]
     rows += [(f"{g}:{m}", f"autopar {g} rank 0, compile={MODES[m]!r}") for g in grids for m in args.modes]
     out = []
     for key, label in rows:
-        got = {"row": key, "label": label, **run_row(args, key)}
+        got = {"row": key, "label": label, **run_child("benchmarks.simulate_decode", key, args)}
         out.append(got)
         print(f"  {label}: {got.get('ms', got.get('error'))} {' | '.join(got.get('notes', []))}", file=sys.stderr,
               flush=True)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    hidden, layers = SIZES[args.size][:2]
-    header = (f"simulated decode, rank 0 of {args.world} ranks on one {name} (torch {torch.__version__}): {args.size} "
-              f"Llama (hidden {hidden}, {layers} layers), fp32, batch 1, prompt {PROMPT}, {NEW_TOKENS} new tokens, "
-              "static cache")
-    print(table(out, header))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"world": args.world, "size": args.size, "device": name, "rows": out}, f, indent=1)
-    return 1 if any("error" in r for r in out) else 0
-
+    return report(args, device, out, "simulated decode,",
+                  f"fp32, batch 1, prompt {PROMPT}, {NEW_TOKENS} new tokens, static cache", lambda h: table(out, h))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -22,12 +22,12 @@ MODES = {
 }
 
 
-def serial_and_parallel(name: str, tensor: tuple, data: int = 1) -> tuple:
+def serial_and_parallel(name: str, tensor: tuple, data: int = 1, compile: bool | str = "auto") -> tuple:
     """The zoo model built serially and inside auto_parallelize with the same seed, both in eval mode."""
     torch.manual_seed(0)
     serial = zoo.build_model(name).eval()
     torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=tensor, data=data):
+    with autopar.auto_parallelize(tensor=tensor, data=data, compile=compile):
         model = zoo.build_model(name)
     return serial, model.eval()
 

@@ -2,8 +2,8 @@
 graphs with their semantics: the capture runs nothing, a replay reruns the captured call on the captured
 inputs and writes into the captured outputs. The oracle is the serial model: the same tokens through
 ``generate()`` with HF's static cache, the same logits at every step of a decode loop the script writes
-(each step's logits kept), and the bytes of eager autopar. The real CUDA graphs run in
-``tests/gpu/test_graphed_cuda.py`` where there is a GPU."""
+(each step's logits kept), and the bytes of eager autopar. The real CUDA graphs run in ``gpu_check``'s
+static-cache row and ``python -m benchmarks --simulate W --decode`` on a device."""
 
 from __future__ import annotations
 
@@ -13,11 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-import autopar
-from autopar.examples import zoo
 from autopar.parallel_model import runtime_of
 from autopar.runtime import collectives as C
 from autopar.runtime import graphed
+from tests.distributed.test_generate import serial_and_parallel
 
 pytestmark = pytest.mark.slow
 
@@ -45,15 +44,6 @@ def on_the_cpu(monkeypatch_target: Any = graphed) -> None:
     monkeypatch_target.capture_for = lambda device: stand_in_capture
 
 
-def build(name: str, tensor: tuple, compile: Any = "auto") -> tuple[torch.nn.Module, torch.nn.Module]:
-    torch.manual_seed(0)
-    serial = zoo.build_model(name).eval()
-    torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=tensor, compile=compile):
-        model = zoo.build_model(name)
-    return serial, model.eval()
-
-
 def decode_loop(model: torch.nn.Module, ids: torch.Tensor, steps: int) -> list[torch.Tensor]:
     """A script's own greedy loop over HF's StaticCache: every step's logits, kept."""
     from transformers import StaticCache
@@ -77,8 +67,8 @@ def graphed_worker(name: str, tensor: tuple, tokens: int, compile: Any = "auto")
     handler = logging.Handler(logging.WARNING)
     handler.emit = lambda record: warnings.append(record.getMessage())  # type: ignore[method-assign]
     logging.getLogger("autopar").addHandler(handler)
-    serial, model = build(name, tensor, compile)
-    _, eager = build(name, tensor, compile=False)
+    serial, model = serial_and_parallel(name, tensor, compile=compile)
+    _, eager = serial_and_parallel(name, tensor, compile=False)
     ids = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(3))
     kw = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, cache_implementation="static")
     out: dict[str, Any] = {}
