@@ -101,6 +101,22 @@ def test_simulate_times_one_rank_of_each_grid_on_this_device(tmp_path):
     assert "vs serial/4" in done.stdout and "compile=True" in done.stdout
 
 
+@pytest.mark.slow
+def test_simulate_decode_times_one_rank_per_token(tmp_path):
+    """``--simulate 4 --decode``: per-token time of the whole model (eager, HF's compiled decode) and of rank 0
+    of a grid; on the CPU nothing replays (CUDA graphs only)."""
+    out = tmp_path / "decode.json"
+    done = _bench("--simulate", "4", "--decode", "--size", "tiny", "--grids", "t4x1x1", "--modes", "eager", "graphs",
+                  "--device", "cpu", "--json", str(out))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = {r["row"]: r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"serial", "serial-compiled", "t4x1x1:eager", "t4x1x1:graphs"}
+    assert all(r["ms"] > 0 for r in rows.values()) and rows["t4x1x1:graphs"]["replays"] == 0
+    assert "ms/token" in done.stdout
+    done = _bench("--simulate", "4", "--decode", "--grids", "p4", "--device", "cpu")
+    assert done.returncode == 2 and "fake process group" in done.stderr
+
+
 def test_simulate_rejects_a_grid_of_another_world_and_a_pipeline():
     done = _bench("--simulate", "4", "--grids", "t2x1x1-d1", "--device", "cpu")
     assert done.returncode == 2 and "needs 2 ranks" in done.stderr
