@@ -88,12 +88,14 @@ def written_inputs(gm: fx.GraphModule) -> frozenset[int]:
 
 def cuda_capture(runner: Callable[..., Any], inputs: list[Any]) -> tuple[Callable[[], None], Any]:
     """``runner(*inputs)`` recorded as a CUDA graph (nothing runs). Under the caller's autocast, casts are not
-    cached across the capture (a cached cast would live in the graph's memory, freed after it)."""
+    cached across the capture (a cached cast would live in the graph's memory, freed after it). Nothing here
+    runs on the CPU: ``tests/distributed/test_graphed.py`` stands in for it with the same semantics."""
     graph = torch.cuda.CUDAGraph()
     device = "cuda"
     autocast = (torch.autocast(device, dtype=torch.get_autocast_dtype(device), cache_enabled=False)
                 if torch.is_autocast_enabled(device) else contextlib.nullcontext())
-    with autocast, torch.cuda.graph(graph):
+    with autocast, torch.cuda.graph(graph, capture_error_mode="thread_local"):  # (NCCL's watchdog thread
+        # queries its events while this thread captures: only this thread's unsafe calls are errors)
         outputs = runner(*inputs)
     return graph.replay, outputs
 
