@@ -24,7 +24,7 @@ from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
-from autopar.runtime.binding import bind_markers, gather_spec, travels
+from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
 from autopar.runtime import graphed
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.executables import Executable
@@ -171,8 +171,7 @@ class Compiler:
         kept = any(getattr(spec, "keep_split", False) for spec in output_specs)
         warm = run if isinstance(run, CompiledGraph) or kept or not self.compile.enabled(self.mesh.device.type, False) \
             else CompiledGraph(gm, name, self.mesh.device, self.warn_once)
-        nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        unused = frozenset(i for i, n in enumerate(nodes) if not n.users)
+        unused = frozenset(i for i, n in enumerate(placeholders(gm)) if not n.users)
         names = [f"{kind.name.lower()} {target}" for kind, target in inputs]
         return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
                                   names=names, unused=unused)

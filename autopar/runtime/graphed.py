@@ -186,25 +186,22 @@ class CallGraphs:
 
     def key(self, flat: list[Any]) -> Any:
         """What must repeat for a replay (the inputs copied in: their sizes; those read in place: their memory;
-        other values: themselves); None when these inputs cannot be graphed."""
+        other values: themselves); None when these inputs cannot be graphed (an unhashable value)."""
+        key = (tuple((x.shape, x.stride(), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
+                     for x in map(flat.__getitem__, self.copied)),
+               tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
+                     for x in map(flat.__getitem__, self.in_place)))
         try:
-            return (tuple((x.shape, x.stride(), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else x
-                          for x in map(flat.__getitem__, self.copied)),
-                    tuple((x.data_ptr(), x.shape, x.stride(), x.dtype) if isinstance(x, torch.Tensor) else x
-                          for x in map(flat.__getitem__, self.in_place)))
-        except TypeError:  # an unhashable value
+            hash(key)
+        except TypeError:
             return None
+        return key
 
     def run(self, runner: Callable[..., Any], flat: list[Any]) -> Any:
         """This call's outputs: ``runner`` (the executable as it runs) for the first call of these inputs,
         ``warm`` (what is captured) for the second, a replay from the third."""
-        warm = self.warm
         key = None if self.failed or dispatch_mode_active() else self.key(flat)  # (a replay skips a dispatch mode)
         if key is None:
-            return runner(*flat)
-        try:
-            hash(key)
-        except TypeError:
             return runner(*flat)
         seen = self.seen.pop(key, None) or _Seen()
         self.seen[key] = seen  # most recently used last
@@ -214,16 +211,16 @@ class CallGraphs:
         if seen.calls < WARM_CALLS:
             return runner(*flat)
         if seen.calls == WARM_CALLS:
-            return warm(*flat)
+            return self.warm(*flat)
         if seen.graphed is None:
-            seen.graphed = None if seen.refused else self._capture(warm, flat)
+            seen.graphed = None if seen.refused else self._capture(flat)
             if seen.graphed is None:
                 seen.refused = True
                 return runner(*flat)
         out = self._replay(seen.graphed, flat)
         return runner(*flat) if out is None else out
 
-    def _capture(self, warm: Callable[..., Any], flat: list[Any]) -> Graphed | None:
+    def _capture(self, flat: list[Any]) -> Graphed | None:
         elsewhere = [f"{self.names[i] if i < len(self.names) else i} ({x.device}"
                      f"{', requires grad' if x.requires_grad else ''})" for i, x in enumerate(flat)
                      if i not in self.unused and isinstance(x, torch.Tensor)
@@ -236,7 +233,7 @@ class CallGraphs:
         inputs = [owned.get(i, x) for i, x in enumerate(flat)]
         try:
             with C.held() as collectives:
-                replay, outputs = self.capture(warm, inputs)
+                replay, outputs = self.capture(self.warm, inputs)
         except Exception as e:  # noqa: BLE001 (any capture failure: the executable runs as it did)
             reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             self.failed = f"{type(e).__name__}: {reason}"
@@ -284,6 +281,3 @@ class CallGraphs:
     def replays(self) -> int:
         """Calls replayed so far, over the graphs kept."""
         return sum(s.graphed.replays for s in self.seen.values() if s.graphed is not None)
-
-    def graphs(self) -> int:
-        return sum(s.graphed is not None for s in self.seen.values())

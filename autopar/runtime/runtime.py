@@ -222,11 +222,9 @@ class ParallelRuntime:
             out = exe.program.run_sequential(values)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
-        if dtype is None:
+        with torch.autocast(self.mesh.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
             out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
-        else:
-            with torch.autocast(self.mesh.device.type, dtype=dtype):
-                out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
+        if dtype is not None:
             # Outputs come back in float32, as the serial model's do (the loss then runs in fp32).
             out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
             if self.memory.precision == "fp16" and torch.is_grad_enabled():
