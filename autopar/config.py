@@ -173,11 +173,13 @@ class CompileConfig:
     """Whether the per-rank program runs compiled: ``auto_parallelize(compile=...)``.
 
     True: each bound per-rank graph of static sizes (each pipeline stage) runs under ``torch.compile`` with
-    Inductor (``autopar.runtime.compiled``); False: eagerly, op by op; "auto" (default): the graphs of
-    training calls (gradients enabled) on CUDA devices, where launching kernels one by one costs more than
-    the compute of a rank's share (measured: one rank's step at 4-way tensor parallelism took longer than
-    the whole serial step on an H200); eager on CPU, where compiling takes longer than it saves in a short
-    run, and for evaluation and ``generate()``, whose many shapes would each compile.
+    Inductor (``autopar.runtime.compiled``); False: eagerly, op by op; "auto" (default), on CUDA devices,
+    where launching kernels one by one costs more than the compute of a rank's share (measured: one rank's
+    step at 4-way tensor parallelism took longer than the whole serial step on an H200): the graphs of
+    training calls (gradients enabled), and the evaluation calls replayed as CUDA graphs (a static cache's
+    decode steps, ``autopar.runtime.graphed``: the same sizes at every step, as HF's ``generate`` compiles
+    a static cache's decode on CUDA); eager on CPU, where compiling takes longer than it saves in a short
+    run, and for other evaluation calls, whose many shapes would each compile.
     """
 
     mode: bool | str = "auto"
@@ -186,9 +188,10 @@ class CompileConfig:
         if not any(self.mode is m or (isinstance(m, str) and self.mode == m) for m in COMPILE_MODES):
             raise ConfigError(f"compile={self.mode!r} is invalid. Use True, False or 'auto' (compiled on CUDA).")
 
-    def enabled(self, device_type: str, training: bool) -> bool:
-        """Whether a graph is compiled: on this device type, for a call with gradients or without."""
-        return self.mode is True or (self.mode == "auto" and device_type == "cuda" and training)
+    def enabled(self, device_type: str, training: bool, replayed: bool = False) -> bool:
+        """Whether a graph is compiled: on this device type, for a call with gradients or without
+        (``replayed``: an evaluation call captured as a CUDA graph)."""
+        return self.mode is True or (self.mode == "auto" and device_type == "cuda" and (training or replayed))
 
 
 BATCH_MODES: tuple[str, ...] = ("auto", "global", "per-rank")

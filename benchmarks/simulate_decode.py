@@ -9,8 +9,11 @@ batch 1, a 16-token prompt, 48 new tokens. Rows, each in a child process:
 - the whole model: eager, and as HF compiles it (``generate`` with a static cache on CUDA compiles the
   forward with ``torch.compile(mode="reduce-overhead")``: Inductor and CUDA graphs);
 - each grid's rank 0 with ``compile=False`` (op by op), ``compile="auto"`` (the default: the decode step
-  replayed as a CUDA graph of the eager per-rank graph, ``autopar.runtime.graphed``) and ``compile=True``
-  (Inductor for the decode step's sizes, then replayed as a CUDA graph).
+  compiled by Inductor for its sizes and replayed as a CUDA graph, ``autopar.runtime.graphed``) and
+  ``compile=True`` (the same, and the prompt's call compiled too).
+
+The fake process group computes nothing across ranks (a gathered logit row holds only this rank's share),
+so these rows time a rank; they do not check its tokens (``gpu_check`` and the tests do).
 
 ms/token is the median time between consecutive forwards of a warm ``generate()`` (each stamped after a
 device synchronize), so steps that compile or capture do not count; the table also gives it against the

@@ -12,7 +12,7 @@ it holds every time it runs (``record``), so ``comm_stats()`` reads the same in 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
 
@@ -33,6 +33,23 @@ class _CommStats:
         self.bytes[kind] += collective_bytes(kind, group_size, message_bytes)
         self.calls[kind] += 1
 
+    def add(self, tally: Tally) -> None:
+        for kind, nbytes, calls in tally.sums:
+            self.bytes[kind] += nbytes
+            self.calls[kind] += calls
+
+
+class Tally:
+    """Collectives a graph holds, summed per kind once, counted together at each run (``record_tally``)."""
+
+    def __init__(self, collectives: Sequence[tuple[str, int, int]]) -> None:
+        bytes_, calls = {}, {}
+        for kind, size, nbytes in collectives:
+            bytes_[kind] = bytes_.get(kind, Fraction(0)) + collective_bytes(kind, size, nbytes)
+            calls[kind] = calls.get(kind, 0) + 1
+        self.sums = tuple((kind, bytes_[kind], calls[kind]) for kind in bytes_)
+        self.held = tuple(collectives)
+
 
 _stats = _CommStats()
 
@@ -52,6 +69,14 @@ def comm_calls() -> dict[str, int]:
 def record(kind: str, group_size: int, message_bytes: int) -> None:
     """Counts one collective a compiled graph ran (``autopar.runtime.compiled``)."""
     _stats.record(kind, group_size, message_bytes)
+
+
+def record_tally(tally: Tally) -> None:
+    """Counts every collective of ``tally`` (a CUDA graph's replay, ``autopar.runtime.graphed``)."""
+    if isinstance(_stats, _Held):
+        _stats.into.extend(tally.held)
+        return
+    _stats.add(tally)
 
 
 class _Held:

@@ -58,14 +58,14 @@ def collectives_of(graph: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
 def _counted(graph: fx.GraphModule) -> Callable[[Callable], Callable]:
     """What wraps ``graph`` compiled: it counts the graph's collectives each time it runs."""
     held = collectives_of(graph)
+    tally = C.Tally(held)
 
     def around(run: Callable) -> Callable:
         if not held:  # Inductor's own compiled graph, unwrapped
             return run
 
         def counted(inputs: list[Any]) -> Any:
-            for kind, size, nbytes in held:
-                C.record(kind, size, nbytes)
+            C.record_tally(tally)
             return run(inputs)
         counted._boxed_call = True  # (Inductor's calling convention: one list of inputs)
         return counted

@@ -28,6 +28,7 @@ from autopar.runtime.binding import bind_markers, gather_spec, placeholders, tra
 from autopar.runtime import graphed
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.executables import Executable
+from autopar.runtime.kept import KeptOutputs
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import BatchRows
 from autopar.runtime.parameters import ParamStore
@@ -152,24 +153,23 @@ class Compiler:
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
         run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph")
-        graphs = None if pipelined else self._graphs(gm, inputs, run, output_specs)
+        graphs = None if pipelined else self._graphs(gm, inputs, run)
+        kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows, run, graphs)
+                          captured.accepts, rows, run, graphs, kept or None)
 
     def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
-                run: Callable[..., Any], output_specs: list[Any]) -> graphed.CallGraphs | None:
+                run: Callable[..., Any]) -> graphed.CallGraphs | None:
         """How this graph's repeated evaluation calls replay as CUDA graphs (``autopar.runtime.graphed``): what
-        is captured is the graph compiled for their sizes under ``compile=True``, else the eager graph. A graph
-        that returns a cache kept split (a decode step's) is captured eager: its outputs are DTensors made in
-        the graph, which dynamo does not trace (``DTensor.from_local`` on autopar's mesh)."""
+        is captured is the graph compiled for their sizes where ``compile`` says so (``CompileConfig``), else
+        the eager graph."""
         capture = graphed.capture_for(self.mesh.device)
         if capture is None or self.compile.mode is False:
             return None
         written = graphed.written_inputs(gm)
         copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
         name = f"the per-rank graph of {type(self._model()).__name__}"
-        kept = any(getattr(spec, "keep_split", False) for spec in output_specs)
-        warm = run if isinstance(run, CompiledGraph) or kept or not self.compile.enabled(self.mesh.device.type, False) \
+        warm = run if isinstance(run, CompiledGraph) or not self.compile.enabled(self.mesh.device.type, False, True) \
             else CompiledGraph(gm, name, self.mesh.device, self.warn_once)
         unused = frozenset(i for i, n in enumerate(placeholders(gm)) if not n.users)
         names = [f"{kind.name.lower()} {target}" for kind, target in inputs]

@@ -24,6 +24,7 @@ from passes.ir import InputKind
 
 if TYPE_CHECKING:
     from autopar.runtime.graphed import CallGraphs
+    from autopar.runtime.kept import KeptOutputs
     from autopar.runtime.pipeline import Program
     from passes.runner import PassRecord
 
@@ -57,6 +58,8 @@ class Executable:
     graphs: CallGraphs | None = None
     """Its evaluation calls replayed as CUDA graphs where they repeat (``autopar.runtime.graphed``); None:
     never (the CPU, ``compile=False``, a pipeline)."""
+    kept: KeptOutputs | None = None
+    """Its outputs kept split (a cache), made DTensors after it runs; None: it keeps none."""
 
     def __post_init__(self) -> None:
         if self.run is None:

@@ -5,8 +5,8 @@ at every token, and at a rank's share of the model its kernels are too small to 
 CUDA, an evaluation call (no gradients, no pipeline) whose inputs repeat exactly (user inputs' shapes,
 strides and dtypes; the storage of everything read in place; the values of non-tensor inputs) is:
 
-1. run as usual, twice (the second time through the runner it will be captured with: under
-   ``compile=True`` the graph compiled by Inductor for these sizes, else the eager per-rank graph), so that
+1. run as usual, twice (the second time through the runner it will be captured with: unless
+   ``compile=False``, the graph compiled by Inductor for these sizes, else the eager per-rank graph), so that
    compiling, autotuning and lazy initialization happen outside the capture;
 2. captured as a CUDA graph at the third call (``torch.cuda.CUDAGraph``; the capture runs nothing), then
    replayed for it and every later call.
@@ -21,7 +21,8 @@ and its inputs start the count again):
 - **Other inputs** (token ids, positions, the mask) are copied into the graph's own buffers.
 - **Outputs** live in the graph's memory, which the next replay overwrites: each is copied out (one step's
   logits, batch x 1 x vocabulary), except those that are (views of) inputs written in place, returned as
-  views of the caller's tensors.
+  the caller's tensors (or views of them; a cache kept split becomes a DTensor after the graph,
+  ``kept.KeptOutputs``).
 - **Every tensor input is on the CUDA device**; a capture that fails (a host sync or a host copy inside
   the graph) leaves that executable without graphs, with one warning line naming why.
 - **Collectives** issued while capturing are counted in ``comm_stats()`` at each replay
@@ -40,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -49,9 +49,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from torch.distributed.tensor import DTensor
-
-from autopar.compat import dispatch_mode_active, local_tensor, op_schema, storage_key
+from autopar.compat import dispatch_mode_active, op_schema, storage_key
 from autopar.runtime import collectives as C
 
 log = logging.getLogger(__name__)
@@ -113,24 +111,10 @@ class Source:
     """The input's position."""
     view: tuple | None
     """None: the input itself; else (size, stride, storage offset from the input's)."""
-    whole: tuple | None
-    """A DTensor output of this local tensor: (mesh, placements, shape, stride); None: a plain tensor."""
-    last: tuple[weakref.ref, weakref.ref] | None = None
-    """(the local tensor of the output, the output) of the last call: a call whose input is that local tensor
-    (a decode step's cache is the one the step before returned) gets the same output back, not a new DTensor
-    per layer and step."""
 
     def of(self, x: torch.Tensor) -> torch.Tensor:
         """The output on this call's input ``x`` (the same memory as at capture)."""
-        if self.last is not None and self.last[0]() is x and (out := self.last[1]()) is not None:
-            return out  # (x is what the last call returned: this step's cache is the step before's)
-        local = x if self.view is None else x.as_strided(self.view[0], self.view[1], x.storage_offset() + self.view[2])
-        out = local
-        if self.whole is not None:
-            mesh, placements, shape, stride = self.whole
-            out = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-        self.last = (weakref.ref(local_tensor(out) if isinstance(out, DTensor) else out), weakref.ref(out))
-        return out
+        return x if self.view is None else x.as_strided(self.view[0], self.view[1], x.storage_offset() + self.view[2])
 
 
 @dataclass
@@ -146,7 +130,8 @@ class Graphed:
     """Per output: where it is in an input read in place; None for an output in the graph's memory."""
     read_in_place: frozenset[int]
     """The storages (base pointers) of the inputs read in place: a copied-in input must not share one."""
-    collectives: list[tuple[str, int, int]]
+    collectives: C.Tally
+    """The collectives issued while capturing, counted at each replay."""
     replays: int = 0
 
 
@@ -168,7 +153,7 @@ class CallGraphs:
     warn: Callable[[str], None]
     name: str
     warm: Callable[..., Any]
-    """What is captured (the graph compiled for these sizes under ``compile=True``, else as it runs)."""
+    """What is captured (the graph compiled for these sizes, ``CompileConfig.enabled``; else as it runs)."""
     device_type: str = "cuda"
     """Where every tensor input must be (a host tensor would be read once, at capture)."""
     seen: OrderedDict[Any, _Seen] = field(default_factory=OrderedDict)
@@ -242,20 +227,18 @@ class CallGraphs:
             log.debug("autopar: why %s could not be captured", self.name, exc_info=True)
             return None
         storages = {storage_key(x): (i, x) for i, x in enumerate(flat)
-                    if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and i not in owned}
+                    if isinstance(x, torch.Tensor) and i not in owned}
         flat_out = list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
         sources: list[Source | None] = []
         for y in flat_out:
-            local = local_tensor(y) if isinstance(y, DTensor) else y
-            found = storages.get(storage_key(local)) if isinstance(local, torch.Tensor) else None
-            if found is None or found[1].dtype != local.dtype:
+            found = storages.get(storage_key(y)) if isinstance(y, torch.Tensor) else None
+            if found is None or found[1].dtype != y.dtype:
                 sources.append(None)  # (a reinterpreting view of an input: handed back as a copy)
                 continue
             i, x = found
-            view = None if local is x else (tuple(local.shape), local.stride(), local.storage_offset() - x.storage_offset())
-            whole = (y.device_mesh, tuple(y.placements), tuple(y.shape), y.stride()) if isinstance(y, DTensor) else None
-            sources.append(Source(i, view, whole))
-        return Graphed(replay, owned, flat_out, sources, frozenset(storages), collectives)
+            same = y.shape == x.shape and y.stride() == x.stride() and y.storage_offset() == x.storage_offset()
+            sources.append(Source(i, None if same else (tuple(y.shape), y.stride(), y.storage_offset() - x.storage_offset())))
+        return Graphed(replay, owned, flat_out, sources, frozenset(storages), C.Tally(collectives))
 
     def _replay(self, graphed: Graphed, flat: list[Any]) -> list[Any] | None:
         """The outputs of a replay on ``flat``; None when an input to copy in shares the storage of one read
@@ -266,8 +249,7 @@ class CallGraphs:
             buffer.copy_(flat[i])
         graphed.replay()
         graphed.replays += 1
-        for kind, size, nbytes in graphed.collectives:
-            C.record(kind, size, nbytes)
+        C.record_tally(graphed.collectives)
         out = []
         for y, source in zip(graphed.outputs, graphed.sources):
             if source is not None:  # the caller's own tensor (or a view of it), read in place by the graph

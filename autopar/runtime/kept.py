@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,7 @@ import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
-from autopar.compat import pytree
+from autopar.compat import local_tensor, pytree
 from autopar.capture import is_cache_type
 from autopar.decisions import Layout
 from autopar.runtime.mesh import Mesh
@@ -59,19 +60,66 @@ def kept_output(x: torch.Tensor, mesh: Mesh, sharding: Sharding, batch_dim: int 
     return DTensor.from_local(x, device_mesh, placements, run_check=False)  # (even splits: kept_split)
 
 
+def keeps(spec: Any, sizes: tuple[int, ...]) -> bool:
+    """Whether an output of ``GatherOutputSpec`` ``spec`` stays split (a cache the next call reads split) when
+    the batch shards have ``sizes`` rows: its rows are kept only where they split evenly."""
+    return bool(getattr(spec, "keep_split", False)) and (not spec.batch_split or len(set(sizes)) <= 1)
+
+
+class KeptOutputs:
+    """The outputs a graph keeps split, made DTensors after it ran. The graph returns their local pieces
+    (``ops.GatherOutputOp``): a graph under ``torch.compile`` or replayed as a CUDA graph then holds no
+    DTensor (dynamo does not trace ``DTensor.from_local`` on autopar's mesh). A piece that is the tensor
+    the last call returned (a decode step's cache, written in place) gets that call's DTensor back, not a
+    new one per layer and step."""
+
+    def __init__(self, specs: list[Any], mesh: Mesh) -> None:
+        self.specs = {i: s for i, s in enumerate(specs) if getattr(s, "keep_split", False)}
+        self.mesh = mesh
+        self.last: dict[int, tuple[weakref.ref, weakref.ref, torch.Size]] = {}
+        """Per output: (the DTensor's local tensor, the DTensor, that tensor's shape) of the last call."""
+
+    def __bool__(self) -> bool:
+        return bool(self.specs)
+
+    def __call__(self, out: list[Any], sizes: tuple[int, ...]) -> list[Any]:
+        for i, spec in self.specs.items():
+            x = out[i]
+            if not keeps(spec, sizes) or not isinstance(x, torch.Tensor):
+                continue  # (gathered whole in the graph)
+            last = self.last.get(i)
+            if last is not None and last[0]() is x and x.shape == last[2] and (d := last[1]()) is not None:
+                out[i] = d  # (x is the piece of the DTensor the last call returned: the next call's input)
+                continue
+            out[i] = d = kept_output(x, self.mesh, spec.sharding, spec.batch_dim if spec.batch_split else None)
+            piece = local_tensor(d)  # (DTensor.from_local wraps a view of x)
+            self.last[i] = (weakref.ref(piece), weakref.ref(d), piece.shape)
+        return out
+
+
 def arrived_sharding(x: Any, mesh: Mesh) -> Arrived | None:
     """How an input that autopar returned split (``kept_output``) is laid out; None for anything else."""
     if not isinstance(x, DTensor) or x.device_mesh is not mesh.param_mesh():
         return None
-    placed = dict(zip(x.device_mesh.mesh_dim_names, x.placements, strict=True))
+    sizes = (mesh.size("batch"), mesh.size("row"), mesh.size("col"))
+    return _arrived(x.device_mesh.mesh_dim_names, tuple(x.placements), tuple(x.shape), sizes)
+
+
+@functools.lru_cache(maxsize=256)
+def _arrived(names: tuple[str, ...], placements: tuple, shape: tuple[int, ...],
+             sizes: tuple[int, int, int]) -> Arrived | None:
+    """``arrived_sharding`` of a DTensor on the parameters' mesh (axis ``names``), of this ``shape``, placed as
+    ``placements``, with (batch, row, col) ``sizes``: one decode step's cache layers all look alike."""
+    size = dict(zip(("batch", "row", "col"), sizes))
+    placed = dict(zip(names, placements, strict=True))
     rows = {placed[axis] for axis in BATCH_AXES}
     if len(rows) != 1:
         return None
     row, = rows
     batch_dim = None
     if isinstance(row, Shard):
-        batch_dim = row.dim % x.dim()
-        if x.shape[batch_dim] % mesh.size("batch"):
+        batch_dim = row.dim % len(shape)
+        if shape[batch_dim] % size["batch"]:
             return None
     elif not isinstance(row, Replicate):
         return None
@@ -81,10 +129,10 @@ def arrived_sharding(x: Any, mesh: Mesh) -> Arrived | None:
         if len(split) != 1 or split[0][0] not in ("row", "col") or not isinstance(split[0][1], Shard):
             return None
         (axis, placement), = split
-        dim = placement.dim % x.dim()
-        if x.shape[dim] % mesh.size(axis) or dim == batch_dim:
+        dim = placement.dim % len(shape)
+        if shape[dim] % size[axis] or dim == batch_dim:
             return None
-        sharding = Sharding(Layout(axis), dim, (int(x.shape[dim]),))
+        sharding = Sharding(Layout(axis), dim, (int(shape[dim]),))
     if sharding is None and batch_dim is None:
         return None
     return Arrived(sharding, batch_dim)

@@ -15,7 +15,7 @@ from autopar.compat import assert_all
 from autopar.runtime import collectives as C
 from autopar.decisions import EmbeddingMode, split_chunks
 from autopar.errors import InputError
-from autopar.runtime.kept import kept_output
+from autopar.runtime.kept import keeps
 from autopar.runtime.mesh import Mesh
 from passes.ir import (
     BatchReduceSpec,
@@ -399,9 +399,10 @@ class GatherOutputOp:
 
     def __call__(self, x: torch.Tensor, gather_features: bool = True) -> torch.Tensor:
         sizes = self.rows.sizes
-        if self.spec.keep_split and gather_features and (not self.spec.batch_split or len(set(sizes)) == 1):
-            # a cache the next call reads split (autopar.runtime.kept); rows are kept where they split evenly
-            return kept_output(x, self.mesh, self.spec.sharding, self.spec.batch_dim if self.spec.batch_split else None)
+        if gather_features and keeps(self.spec, sizes):
+            # a cache the next call reads split: this rank's piece, made a DTensor after the graph ran
+            # (autopar.runtime.kept.KeptOutputs)
+            return x
         if not self.spec.sharding.is_replicated and gather_features:
             x = _Gather.apply(x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:

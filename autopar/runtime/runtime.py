@@ -160,8 +160,8 @@ class ParallelRuntime:
         leaves, arrived = arrived_inputs(leaves, self.mesh)  # a cache an earlier call returned split
         names = input_names(args, kwargs, spec)
         declared = self.inputs.batch_dims
-        mode, every = (GLOBAL, None) if example else self.calls.check(
-            leaves, spec, batch_leaves(leaves, names, declared)[0], grad)
+        found = batch_leaves(leaves, names, declared)
+        mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, found[0], grad)
         if mode == PER_RANK:
             if local_outputs:
                 raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
@@ -170,7 +170,6 @@ class ParallelRuntime:
             return self._run_per_rank(args, kwargs, leaves, spec, every), None, ()
         if self.fallback:
             return self._run_data_parallel(args, kwargs), None, ()
-        found = batch_leaves(leaves, names, declared)
         shards = self.config.num_batch_shards
         if not grad and self.config.pipeline == 1 and 0 < found[1] < shards:
             shards = 1  # an evaluation batch with fewer rows than data x depth: every batch rank runs it whole
@@ -224,6 +223,8 @@ class ParallelRuntime:
         graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
         with torch.autocast(self.mesh.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
             out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
+        if exe.kept is not None:
+            out = exe.kept(list(out), exe.rows.sizes)
         if dtype is not None:
             # Outputs come back in float32, as the serial model's do (the loss then runs in fp32).
             out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
@@ -494,9 +495,11 @@ class ParallelRuntime:
         return self.store.full_state_dict(state)
 
     def compiled_graphs(self) -> list[CompiledGraph]:
-        """The graphs this model runs under ``compile=True`` (each executable's, or each pipeline stage's)."""
+        """The graphs this model runs compiled (each executable's, or each pipeline stage's, and those captured
+        as CUDA graphs)."""
         runs = [r for graphs in self.executables.values() for exe in graphs
-                for r in ([exe.run] if exe.program is None else [a.run for a in exe.program.adapters.values()])]
+                for r in ([exe.run] if exe.program is None else [a.run for a in exe.program.adapters.values()])
+                + ([exe.graphs.warm] if exe.graphs is not None and exe.graphs.warm is not exe.run else [])]
         return [r for r in runs if isinstance(r, CompiledGraph)]
 
     def graph_replays(self) -> int:

@@ -87,6 +87,7 @@ def graphed_worker(name: str, tensor: tuple, tokens: int, compile: Any = "auto")
     want_steps, got_steps = decode_loop(serial, ids, tokens), decode_loop(model, ids, tokens)
     out["loop"] = max(float((g - w).abs().max()) for g, w in zip(got_steps, want_steps))
     out["eager replays"] = runtime_of(eager).graph_replays()
+    out["compiled runs"] = sum(g.compiled_runs for g in runtime.compiled_graphs())
     out["warnings"] = [w for w in warnings if "compile" in w or "CUDA graphs" in w]
     return out
 
@@ -95,7 +96,8 @@ def graphed_worker(name: str, tensor: tuple, tokens: int, compile: Any = "auto")
                          ids=["t2x1x1", "t1x2x1", "t2x1x1-compile"])
 def test_static_cache_decode_replays_with_serial_tokens(distributed: Any, tensor: tuple, compile: Any) -> None:
     """8 new tokens: the first from prefill, decode steps 1-2 warm, 3-7 replayed, in each generate(). Under
-    compile=True the decode step (it returns the cache split) is captured eager, without a warning."""
+    compile=True the decode step that is captured (it returns the cache split) is the one Inductor compiled:
+    it ran compiled at the warm step of each generate() and each decode loop, without a warning."""
     for got in distributed(graphed_worker, 2, "llama", tensor, 8, compile, timeout=600):
         assert not got["warnings"], got
         assert got["tokens"] and got["again"], got
@@ -103,3 +105,5 @@ def test_static_cache_decode_replays_with_serial_tokens(distributed: Any, tensor
         assert got["loop"] < 1e-5, got  # each step's logits kept: a replay must not overwrite the last one's
         assert got["bytes equal"], got
         assert got["eager replays"] == 0, got
+        assert (got["compiled runs"] >= 3) if compile is True else got["compiled runs"] == 0, got  # (the stand-in
+        # capture and replays run the compiled graph too)
