@@ -17,8 +17,9 @@ so these rows time a rank; they do not check its tokens (``gpu_check`` and the t
 
 ms/token is the median time between consecutive forwards of a warm ``generate()`` (each stamped after a
 device synchronize), so steps that compile or capture do not count; the table also gives it against the
-whole model's compiled decode (the issue's goal: a rank of 4 at <= 0.5x). On the CPU there are no CUDA
-graphs: only the eager and Inductor rows differ.
+whole model's compiled decode (the issue's goal: a rank of 4 at <= 0.5x). On CUDA, "device busy" is the
+kernels' time per token of one more ``generate()`` (torch.profiler): ms/token minus it is roughly the
+Python per step. On the CPU there are no CUDA graphs: only the eager and Inductor rows differ.
 
     python -m benchmarks --simulate 4 --decode
     python -m benchmarks --simulate 4 --decode --size tiny --device cpu --grids t4x1x1
@@ -44,11 +45,12 @@ from benchmarks.systems import parse_grid
 SERIAL, HF_COMPILED = "serial", "serial-compiled"
 MODES = {"eager": False, "graphs": "auto", "compiled": True}
 PROMPT, NEW_TOKENS = 16, 48
+GENERATE = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
 
 
 def per_token_ms(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> tuple[float, torch.Tensor]:
     """Median ms between consecutive forwards of a greedy static-cache ``generate()`` (after one warm-up call)."""
-    kw = dict(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, cache_implementation="static")
+    kw = GENERATE
     stamps: list[float] = []
 
     def stamp(*_: Any) -> None:
@@ -67,6 +69,25 @@ def per_token_ms(model: torch.nn.Module, ids: torch.Tensor, device: torch.device
     return statistics.median(steps) * 1e3, out
 
 
+def device_ms_per_token(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> float | None:
+    """The device's busy time per token of one more ``generate()`` (its kernels' time, summed by
+    torch.profiler, over the new tokens): what the time per token would be without Python. None on the CPU."""
+    if device.type != "cuda":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
+            model.generate(ids, **GENERATE)
+            torch.cuda.synchronize(device)
+        total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
+                    for e in prof.key_averages())
+    except Exception as e:  # noqa: BLE001 (a profiler that cannot trace here: the column stays empty)
+        print(f"device busy time not measured: {type(e).__name__}: {e}", file=sys.stderr)
+        return None
+    return total / 1e3 / NEW_TOKENS
+
+
 def child(args: argparse.Namespace) -> dict[str, Any]:
     from autopar.compat import fake_store
 
@@ -79,7 +100,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         if args.child == SERIAL:
             model.generation_config.disable_compile = True
         ms, _ = per_token_ms(model, ids, device)
-        return {"ms": ms}
+        return {"ms": ms, "device_ms": device_ms_per_token(model, ids, device)}
     import autopar
     from autopar.parallel_model import runtime_of
 
@@ -96,21 +117,23 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     handler.emit = lambda record: notes.append(record.getMessage()[:300])  # type: ignore[method-assign]
     logging.getLogger("autopar").addHandler(handler)
     ms, _ = per_token_ms(model, ids, device)
+    busy = device_ms_per_token(model, ids, device)  # (a third generate(): replayed too, if the profiler allows)
     runtime = runtime_of(model)
-    return {"ms": ms, "replays": runtime.graph_replays(), "notes": notes[:3],
+    return {"ms": ms, "replays": runtime.graph_replays(), "notes": notes[:3], "device_ms": busy,
             "compiled_runs": sum(g.compiled_runs for g in runtime.compiled_graphs())}
 
 
 def table(rows: list[dict[str, Any]], header: str) -> str:
     compiled = next((r["ms"] for r in rows if r["row"] == HF_COMPILED and "ms" in r), None)
-    cols = ("row", "ms/token", "vs whole model compiled", "replayed steps")
+    cols = ("row", "ms/token", "vs whole model compiled", "replayed steps", "device busy ms/token")
     body = []
     for r in rows:
         if "error" in r:
-            body.append((r["label"], f"failed: {r['error']}", "", ""))
+            body.append((r["label"], f"failed: {r['error']}", "", "", ""))
             continue
+        busy = r.get("device_ms")
         body.append((r["label"], f"{r['ms']:.2f}", f"{r['ms'] / compiled:.2f}x" if compiled else "",
-                     str(r["replays"]) if "replays" in r else ""))
+                     str(r["replays"]) if "replays" in r else "", f"{busy:.2f}" if busy is not None else ""))
     return markdown(header, cols, body)
 
 

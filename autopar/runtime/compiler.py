@@ -28,7 +28,7 @@ from autopar.runtime.binding import bind_markers, gather_spec, placeholders, tra
 from autopar.runtime import graphed
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.executables import Executable
-from autopar.runtime.kept import KeptOutputs
+from autopar.runtime.kept import KeptOutputs, OutputTree
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import BatchRows
 from autopar.runtime.parameters import ParamStore
@@ -156,7 +156,8 @@ class Compiler:
         graphs = None if pipelined else self._graphs(gm, inputs, run)
         kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows, run, graphs, kept or None)
+                          captured.accepts, rows, run, graphs, kept or None,
+                          OutputTree(captured.out_spec) if kept else None)
 
     def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
                 run: Callable[..., Any]) -> graphed.CallGraphs | None:

@@ -24,7 +24,7 @@ from passes.ir import InputKind
 
 if TYPE_CHECKING:
     from autopar.runtime.graphed import CallGraphs
-    from autopar.runtime.kept import KeptOutputs
+    from autopar.runtime.kept import KeptOutputs, OutputTree
     from autopar.runtime.pipeline import Program
     from passes.runner import PassRecord
 
@@ -60,6 +60,8 @@ class Executable:
     never (the CPU, ``compile=False``, a pipeline)."""
     kept: KeptOutputs | None = None
     """Its outputs kept split (a cache), made DTensors after it runs; None: it keeps none."""
+    tree: OutputTree | None = None
+    """Its outputs in the model's structure, the cache moved into the caller's (None: ``out_spec`` as is)."""
 
     def __post_init__(self) -> None:
         if self.run is None:

@@ -97,19 +97,16 @@ class KeptOutputs:
         return out
 
 
-def arrived_sharding(x: Any, mesh: Mesh) -> Arrived | None:
-    """How an input that autopar returned split (``kept_output``) is laid out; None for anything else."""
-    if not isinstance(x, DTensor) or x.device_mesh is not mesh.param_mesh():
-        return None
-    sizes = (mesh.size("batch"), mesh.size("row"), mesh.size("col"))
-    return _arrived(x.device_mesh.mesh_dim_names, tuple(x.placements), tuple(x.shape), sizes)
+def _sizes(mesh: Mesh) -> tuple[int, int, int]:
+    return mesh.size("batch"), mesh.size("row"), mesh.size("col")
 
 
 @functools.lru_cache(maxsize=256)
 def _arrived(names: tuple[str, ...], placements: tuple, shape: tuple[int, ...],
              sizes: tuple[int, int, int]) -> Arrived | None:
-    """``arrived_sharding`` of a DTensor on the parameters' mesh (axis ``names``), of this ``shape``, placed as
-    ``placements``, with (batch, row, col) ``sizes``: one decode step's cache layers all look alike."""
+    """How a DTensor on the parameters' mesh (axis ``names``), of this ``shape``, placed as ``placements``, with
+    (batch, row, col) ``sizes``, arrived (None: not as autopar returns a split output). Cached: one decode
+    step's cache layers all look alike."""
     size = dict(zip(("batch", "row", "col"), sizes))
     placed = dict(zip(names, placements, strict=True))
     rows = {placed[axis] for axis in BATCH_AXES}
@@ -140,10 +137,12 @@ def _arrived(names: tuple[str, ...], placements: tuple, shape: tuple[int, ...],
 
 def arrived_inputs(leaves: list[Any], mesh: Mesh) -> tuple[list[Any], dict[int, Arrived]]:
     """The leaves with every DTensor autopar cannot take split made whole, and the split ones' layouts."""
-    arrived, out = {}, []
+    arrived, out, sizes = {}, [], None
     for i, x in enumerate(leaves):
         if isinstance(x, DTensor):
-            a = arrived_sharding(x, mesh)
+            sizes = sizes or _sizes(mesh)
+            param_mesh = x.device_mesh is mesh.param_mesh()
+            a = _arrived(x.device_mesh.mesh_dim_names, tuple(x.placements), tuple(x.shape), sizes) if param_mesh else None
             if a is None:
                 x = x.full_tensor()
             else:
@@ -163,15 +162,66 @@ def read_in_place(leaves: list[Any], arrived: Mapping[int, Arrived], split: Mapp
     return [whole(x) if i in arrived and i not in taken else x for i, x in enumerate(leaves)], taken
 
 
+def given_cache(args: tuple, kwargs: dict) -> Any:
+    """The one HF cache object a call passes (None: none, or several)."""
+    given = [v for v in (*args, *kwargs.values()) if is_cache_type(type(v))]
+    return given[0] if len(given) == 1 else None
+
+
+class OutputTree:
+    """A graph's output leaves in the model's structure (``out_spec``), with the cache among them (a child of
+    the top node: HF's ModelOutput holds it) moved into the object the caller passed, as ``carry_cache``
+    does. When the cache's leaves are the very tensors the last call moved into that same object (a decode
+    step hands back the cache it was given, read in place), the object already holds them, and is handed
+    back as it is: HF's cache is otherwise rebuilt from its TreeSpec at every step (its unflatten imports
+    each layer's class by path), which costs more than a replayed step. Were the caller's cache changed
+    since (another tensor in a layer), this call's inputs, and so its outputs, would be other tensors."""
+
+    def __init__(self, spec: pytree.TreeSpec) -> None:
+        self.spec = spec
+        self.caches: list[tuple[int, int, pytree.TreeSpec]] = []
+        """(first leaf, end, the cache's spec) of each cache child of the top node."""
+        self.short: pytree.TreeSpec | None = None
+        """``spec`` with each cache child a leaf (None: no cache child)."""
+        self.last: tuple[weakref.ref, tuple] | None = None
+        """(the caller's cache, its leaves) as the last call left them."""
+        if spec.is_leaf():
+            return
+        children, start, leaf = [], 0, pytree.tree_flatten(0)[1]
+        for child in spec.children():
+            if is_cache_type(child.type):
+                self.caches.append((start, start + child.num_leaves, child))
+            children.append(leaf if is_cache_type(child.type) else child)
+            start += child.num_leaves
+        if len(self.caches) == 1:
+            self.short = pytree.TreeSpec(spec.type, spec.context, children)
+
+    def __call__(self, leaves: list[Any], given: Any = None) -> Any:
+        if self.short is None or given is None:
+            return pytree.tree_unflatten(leaves, self.spec)
+        (start, end, spec), = self.caches
+        part = leaves[start:end]
+        if self.last is not None and self.last[0]() is given and len(self.last[1]) == len(part) \
+                and all(r() is x if isinstance(r, weakref.ref) else r is x for r, x in zip(self.last[1], part)):
+            cache = given
+        else:
+            cache = pytree.tree_unflatten(part, spec)
+            if type(cache) is type(given):
+                given.__dict__.update(vars(cache))
+                cache = given
+                self.last = (weakref.ref(given), tuple(weakref.ref(x) if isinstance(x, torch.Tensor) else x
+                                                       for x in part))
+        return pytree.tree_unflatten([*leaves[:start], cache, *leaves[end:]], self.short)
+
+
 def carry_cache(args: tuple, kwargs: dict, out: Any) -> Any:
     """Serial's in-place cache: HF's forward updates the cache object it is given and returns that object.
     autopar's graph returns a new one (built from its outputs); this moves its state into the object the
     caller passed (so ``model(x, past_key_values=cache)`` leaves ``cache`` filled, as serial) and returns
     that object in its place. Nothing when no single cache went in, or one of another type came out."""
-    given = [v for v in (*args, *kwargs.values()) if is_cache_type(type(v))]
-    if len(given) != 1 or not isinstance(out, dict):  # (HF's ModelOutput is a dict)
+    cache = given_cache(args, kwargs)
+    if cache is None or not isinstance(out, dict):  # (HF's ModelOutput is a dict)
         return out
-    cache = given[0]
     returned = [k for k, v in out.items() if is_cache_type(type(v))]
     if len(returned) != 1 or out[returned[0]] is cache or type(out[returned[0]]) is not type(cache):
         return out

@@ -39,7 +39,7 @@ from autopar.runtime.executables import Executable, Executables, signature
 from autopar.runtime.fallback import (OwnForward, data_parallel_sync, fallback_reason, forward_local, forward_whole,
                                       run_data_parallel, say_eval_fallback)
 from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.kept import arrived_inputs, carry_cache, read_in_place, whole, wrap_generate
+from autopar.runtime.kept import arrived_inputs, carry_cache, given_cache, read_in_place, whole, wrap_generate
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import scatter_batch
 from autopar.runtime.parameters import ParamStore
@@ -186,19 +186,23 @@ class ParallelRuntime:
         # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
         rows_symbolic = not split or min(sizes) > 1
         dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split))
-        static = (spec, self._model().training, global_batch, tuple(signature(x) for x in leaves), local_outputs)
+        training = self._model().training
+
+        def these_sizes() -> Any:
+            return spec, training, global_batch, tuple(signature(x) for x in leaves), local_outputs
+
         batch = ("split", len(sizes)) if rows_symbolic and any(d in dynamic.get(i, {}) for i, d in split.items()) \
             else global_batch
-        key = (spec, self._model().training, batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
-               local_outputs) if dynamic else static
-        exe = self._cached(key, static, leaves, split, sizes)
+        key = (spec, training, batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
+               local_outputs) if dynamic else these_sizes()
+        exe = self._cached(key, these_sizes if dynamic else None, leaves, split, sizes)
         if exe is None and key in self.uncaptured:  # an evaluation call that could not be captured before
             self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
             return self._forward_local(*whole((args, kwargs))), None, ()
         if exe is None:
             sharding = {i: a.sharding for i, a in arrived.items() if a.sharding is not None}
             try:
-                exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
+                exe = self._compiled(key, these_sizes() if dynamic else key, dynamic, lambda symbolic: self._compile(
                     leaves, spec, split, sizes, local_outputs, dynamic=symbolic, arrived=sharding))
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
@@ -211,10 +215,12 @@ class ParallelRuntime:
         local = [local_of(x) if i in arrived else scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x
                  for i, x in enumerate(leaves)]
         exe.rows.sizes = sizes
-        return self._execute(exe, self._graph_inputs(exe, local)), exe.output_specs, sizes
+        return (self._execute(exe, self._graph_inputs(exe, local), given_cache(args, kwargs)), exe.output_specs,
+                sizes)
 
-    def _execute(self, exe: Executable, flat: list[Any]) -> Any:
-        """Runs ``exe`` on its placeholders' values; returns the outputs in the model's structure."""
+    def _execute(self, exe: Executable, flat: list[Any], given: Any = None) -> Any:
+        """Runs ``exe`` on its placeholders' values; returns the outputs in the model's structure (``given``:
+        the cache object the call passed, which receives the cache the graph returns)."""
         dtype = half_dtype(self.memory.precision)
         if exe.program is not None:
             values = dict(zip(placeholders(exe.gm), flat))
@@ -230,6 +236,8 @@ class ParallelRuntime:
             out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
             if self.memory.precision == "fp16" and torch.is_grad_enabled():
                 self._agree_on_overflow_after_backward(out)
+        if exe.tree is not None:
+            return exe.tree(list(out), given)
         return pytree.tree_unflatten(list(out), exe.out_spec)
 
     def _run_per_rank(self, args: tuple, kwargs: dict, leaves: list[Any], spec: pytree.TreeSpec,
@@ -257,7 +265,7 @@ class ParallelRuntime:
         static = ("per-rank", spec, self._model().training, rows, tuple(signature(x) for x in local))
         key = ("per-rank", spec, self._model().training, rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
                ) if dynamic else static
-        exe = self._cached(key, static, local, {}, ())
+        exe = self._cached(key, (lambda: static) if static is not key else None, local, {}, ())
         if exe is None:
             try:
                 exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
@@ -317,12 +325,13 @@ class ParallelRuntime:
         return self.executables.find((self.casts.check(), key), lambda: [narrow(x, split[i]) if i in split else x
                                                                          for i, x in enumerate(leaves)])
 
-    def _cached(self, key: Any, static: Any, leaves: list[Any], split: dict[int, int],
+    def _cached(self, key: Any, static: Callable[[], Any] | None, leaves: list[Any], split: dict[int, int],
                 sizes: tuple[int, ...]) -> Executable | None:
         """The cache policy's lookup, for every kind of call: the graph for ``key`` (symbolic sizes) that takes
-        these inputs, else the one captured for these sizes (``static``), else None (``_compiled`` makes one)."""
+        these inputs, else the one captured for these sizes (``static()``, made only then; None: ``key`` is
+        these sizes), else None (``_compiled`` makes one)."""
         exe = self._find(key, leaves, split, sizes)
-        return exe if exe is not None or static == key else self._find(static, leaves, split, sizes)
+        return exe if exe is not None or static is None else self._find(static(), leaves, split, sizes)
 
     def _compiled(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
                   compile: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
@@ -448,7 +457,7 @@ class ParallelRuntime:
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))
-        exe = self._cached(key, key, micro, {}, ()) or self._compiled(
+        exe = self._cached(key, None, micro, {}, ()) or self._compiled(
             key, key, {}, lambda _: self._compile(micro, spec, split, micro_sizes, True))
         local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
