@@ -10,7 +10,11 @@ process has one default process group). Columns:
 
 - step ms (median of ``--repeats`` after two warm-up steps), kernels per step (CUDA kernels; on the CPU,
   the aten ops called from Python), peak MiB (CUDA);
-- the step against serial / W and compiled serial / W (the ideal split of the work);
+- the step against serial / W and compiled serial / W (the ideal split of the work), and, for a tensor
+  grid of all W ranks, against "one rank's share" (``SHARE``): the serial model with 1/W of its heads,
+  key/value heads, intermediate size and vocabulary (``build_llama(ways=W)``), compiled, on the same batch.
+  That is what a W-way tensor rank computes at best with no communication: its matmuls' share, and the
+  norms, residual stream and rotary every tensor rank repeats (issue 34's goal: <= 1.2x of it);
 - the planner's predicted compute for that rank (matmuls, elementwise work, per-op overhead and the
   optimizer update, ``passes.analysis.search_plans.plan_seconds`` on ``autopar.search.local_machine``).
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import subprocess
 import sys
@@ -37,7 +42,7 @@ import torch.distributed as dist
 from autopar.examples.gpu_check import AUTOCAST, BATCH, SIZES, batches, build_llama, measure, pick_device
 from benchmarks.systems import parse_grid
 
-SERIAL, COMPILED = "serial", "compiled"
+SERIAL, COMPILED, SHARE = "serial", "compiled", "share"
 
 
 def default_grids(world: int) -> list[str]:
@@ -60,6 +65,9 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     if args.child in (SERIAL, COMPILED):
         model = build_llama(args.size).to(device)
         return measure(torch.compile(model) if args.child == COMPILED else model, ids, device, args.repeats)
+    if args.child == SHARE:  # one rank's share of a W-way tensor group as a model of its own, compiled
+        model = build_llama(args.size, ways=args.world).to(device)
+        return measure(torch.compile(model), ids % model.config.vocab_size, device, args.repeats)
     import autopar
 
     text, _, mode = args.child.partition(":")
@@ -132,18 +140,21 @@ def markdown(header: str, cols: tuple[str, ...], body: list[tuple[str, ...]]) ->
 def table(rows: list[dict[str, Any]], world: int, header: str) -> str:
     serial = next((r["ms"] for r in rows if r["row"] == SERIAL and "ms" in r), None)
     compiled = next((r["ms"] for r in rows if r["row"] == COMPILED and "ms" in r), None)
+    share = next((r["ms"] for r in rows if r["row"] == SHARE and "ms" in r), None)
     cols = ("row", "step ms", "kernels/step", "peak MiB", f"vs serial/{world}", f"vs compiled/{world}",
-            "predicted compute ms")
+            "vs share", "predicted compute ms")
     body = []
     for r in rows:
         if "error" in r:
-            body.append((r["label"], f"failed: {r['error']}", "", "", "", "", ""))
+            body.append((r["label"], f"failed: {r['error']}", "", "", "", "", "", ""))
             continue
-        per_rank = r["row"] not in (SERIAL, COMPILED)
+        per_rank = r["row"] not in (SERIAL, COMPILED, SHARE)
+        tensor = per_rank and math.prod(parse_grid(r["row"].partition(":")[0], world).tensor) == world
         body.append((r["label"], f"{r['ms']:.1f}", str(r["kernels"]),
                      f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "",
                      f"{r['ms'] / (serial / world):.2f}x" if per_rank and serial else "",
                      f"{r['ms'] / (compiled / world):.2f}x" if per_rank and compiled else "",
+                     f"{r['ms'] / share:.2f}x" if tensor and share else "",
                      f"{r['predicted_ms']:.1f}" if r.get("predicted_ms") is not None else ""))
     return markdown(header, cols, body)
 
@@ -186,14 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     grids = args.grids or default_grids(args.world)
     check_grids(p, grids, args.world)
     rows = [(SERIAL, "serial (whole model, whole batch)")]
-    rows += [] if args.no_compile else [(COMPILED, "serial, torch.compile")]
+    rows += [] if args.no_compile else [(COMPILED, "serial, torch.compile"),
+                                        (SHARE, f"one rank's share as a model (1/{args.world} of the heads, "
+                                                "intermediate, vocabulary), torch.compile")]
     for g in grids:
         rows.append((f"{g}:eager", f"autopar {g}, rank 0"))
         rows += [] if args.no_compile else [(f"{g}:{COMPILED}", f"autopar {g}, rank 0, compile=True")]
     out = []
     for key, label in rows:
         got = {"row": key, "label": label, **run_row(args, key)}
-        if key != COMPILED:
+        if key not in (COMPILED, SHARE):
             try:
                 got["predicted_ms"] = predicted_ms(args.size, key.partition(":")[0], args.world)
             except Exception as e:  # the prediction is a column; a failure shows as an empty cell

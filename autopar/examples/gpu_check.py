@@ -43,14 +43,18 @@ AUTOCAST = torch.bfloat16
 BATCH = {"tiny": (8, 32), "small": (8, 512), "medium": (8, 1024)}
 
 
-def build_llama(size: str) -> torch.nn.Module:
-    """An HF Llama of the given size with random weights (no dropout)."""
+def build_llama(size: str, ways: int = 1) -> torch.nn.Module:
+    """An HF Llama of the given size with random weights (no dropout). ``ways`` > 1: one tensor rank's share of
+    it as a model of its own (heads, key/value heads, intermediate size and vocabulary divided by ``ways``,
+    the hidden size and head size kept): the compute a rank of a ``ways``-way tensor group cannot avoid
+    (its matmuls' share, and the norms, residual and rotary every rank repeats) with no communication."""
     import transformers
 
     hidden, layers, heads, kv, ffn, vocab = SIZES[size]
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=ffn,
-                                      num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv,
-                                      max_position_embeddings=1024, attention_dropout=0.0)
+    config = transformers.LlamaConfig(vocab_size=-(-vocab // ways), hidden_size=hidden,
+                                      intermediate_size=-(-ffn // ways), num_hidden_layers=layers,
+                                      num_attention_heads=max(1, heads // ways), num_key_value_heads=max(1, kv // ways),
+                                      head_dim=hidden // heads, max_position_embeddings=1024, attention_dropout=0.0)
     return transformers.LlamaForCausalLM(config)
 
 
