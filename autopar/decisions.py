@@ -289,6 +289,8 @@ class PipelinePlan:
     """Stages per rank (interleaved schedules): stage k runs on rank k mod (number of ranks)."""
     schedule: str = ""
     """The torch schedule that runs the stages ('' when only planned: the trace)."""
+    rates: str = ""
+    """The machine whose rates priced the stages (``choose_stages.Hardware.name``)."""
 
     @property
     def ranks(self) -> int:
@@ -308,7 +310,8 @@ class PipelinePlan:
         lines = [f"pipeline: {shape}, {self.num_microbatches} micro-batches; bottleneck "
                  f"{_seconds(self.bottleneck_seconds)} per micro-batch "
                  f"({self.bottleneck_seconds / self.lower_bound_seconds:.3f}x the lower bound), predicted "
-                 f"bubble {self.bubble_fraction:.1%} ({schedule})"]
+                 f"bubble {self.bubble_fraction:.1%} ({schedule})"
+                 + (f"; stages cut for {self.rates} rates" if self.rates else "")]
         for k, st in enumerate(self.stages):
             where = f" (rank {k % ranks})" if self.chunks_per_rank > 1 else ""
             lines.append(f"  stage {k}{where}: {_ranges(st.segments)}  {_seconds(st.seconds)}, "

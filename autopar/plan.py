@@ -25,7 +25,8 @@ import torch
 from autopar.config import PipelineConfig
 from autopar.errors import AutoparError, ConfigError
 from autopar.model_file import load_model_file, meta_inputs
-from autopar.search import BUILT_IN, KEEP, SCREENED, gib, load_machine, score, search
+from autopar.machines import BUILT_IN, load_machine
+from autopar.search import KEEP, SCREENED, gib, score, search
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import DEGREES, Candidate, Scored, why_slower
 

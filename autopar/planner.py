@@ -28,9 +28,10 @@ from autopar.capture import (batch_leaves, capture_shard, input_names, meta_shad
 from autopar.config import MemoryConfig, ParallelConfig
 from autopar.decisions import MemoryPlan, PipelinePlan, Plan
 from autopar.errors import ConfigError, PlanError
+from autopar.machines import local_rates
 from autopar.memory import device_budget, half_dtype
 from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory, stage_memory
-from passes.analysis.choose_stages import ChainSegment, pipeline_chain, plan_pipeline
+from passes.analysis.choose_stages import ChainSegment, Hardware, pipeline_chain, plan_pipeline
 from passes.analysis.estimate_costs import Collective, loss_collectives
 from passes.analysis.estimate_memory import MemoryProfile, compiled_recompute, estimate_memory
 from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, graph_copy, hinted
@@ -66,6 +67,9 @@ class PlanOptions:
     compiled: bool = False
     """Training runs under ``compile=True``: a recomputed block also keeps its collectives' outputs
     (``estimate_memory.compiled_recompute``)."""
+    hardware: Hardware | None = None
+    """The rates pipeline stages are cut with; None: this machine's (``autopar.machines.local_rates``), as the
+    runtime here would cut them."""
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -103,7 +107,8 @@ def stages_of_chain(chain: tuple[ChainSegment, ...], config: ParallelConfig, opt
         raise PlanError(f"the model has {len(chain)} blocks to cut into pipeline stages, fewer than "
                         f"pipeline={config.pipeline} x {options.chunks} stages per rank = {num_stages}. "
                         "Lower pipeline= (or chunks=).")
-    planned = plan_pipeline(chain, config.pipeline, options.microbatches, options.chunks)
+    hardware = options.hardware or local_rates(config)
+    planned = plan_pipeline(chain, config.pipeline, options.microbatches, options.chunks, hardware)
     return planned if options.schedule is None else dataclasses.replace(planned, schedule=options.schedule)
 
 
@@ -143,7 +148,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
                budget: int | None = None, precision: str = "fp32", pipeline: int = 1,
                microbatches: int = 1, chunks: int = 1, per_rank: bool = False,
                batch_dims: dict[int | str, int | None] | None = None,
-               captures: dict[Any, Any] | None = None) -> tuple[Plan, StepReport]:
+               captures: dict[Any, Any] | None = None, hardware: Hardware | None = None) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch (or, with
     ``per_rank``, for ``inputs`` as every rank's own batch, DDP-style: ``auto_parallelize(batch="per-rank")``,
     every rank with as many rows). ``batch_dims`` is auto_parallelize's.
@@ -162,7 +167,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     last blocks are not planned alike, the whole model is captured instead.
 
     ``captures``: a dict kept between calls for the same model and inputs (the plan search's): a capture
-    depends only on the rows each batch shard gets, so grids alike in that share it.
+    depends only on the rows each batch shard gets, so grids alike in that share it. ``hardware``: the rates
+    the pipeline's stages are cut with (default: this machine's, as the runtime here cuts them).
     """
     slowest = rank == SLOWEST
     rank = 0 if slowest else rank
@@ -202,17 +208,18 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             full = repeat_plan(plan, repeats)
             return _finish(full, repeat_report(report, full, repeats), repeat_memory(profile, full, repeats),
                            repeat_chain(chain, repeats), loss, checkpoint, budget, pipeline, microbatches,
-                           chunks, rank, slowest)
+                           chunks, rank, slowest, hardware)
     plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
                                                         batch_dims, _cache_for(captures, "whole"))
     return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank,
-                   slowest)
+                   slowest, hardware)
 
 
 def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
             loss: tuple[Collective, ...], checkpoint: str | int, budget: int | None, pipeline: int,
-            microbatches: int, chunks: int, rank: int, slowest: bool = False) -> tuple[Plan, StepReport]:
-    options = PlanOptions(checkpoint, budget, microbatches=microbatches, chunks=chunks)
+            microbatches: int, chunks: int, rank: int, slowest: bool = False,
+            hardware: Hardware | None = None) -> tuple[Plan, StepReport]:
+    options = PlanOptions(checkpoint, budget, microbatches=microbatches, chunks=chunks, hardware=hardware)
     plan = dataclasses.replace(plan, memory=choose_memory(profile, plan, options))
     report = dataclasses.replace(report, rank_saved_bytes=sum(s.saved_bytes for s in profile.segments),
                                  rank_attention_flops=ATTENTION_STEP_FACTOR * sum(s.attention_flops

@@ -8,43 +8,22 @@ import contextlib
 import dataclasses
 import gc
 import math
-import os
 from collections.abc import Iterator
-from importlib import resources
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from autopar.calibrate import cpu_cores
 from autopar.compat import pytree
 from autopar.config import ParallelConfig
-from autopar.errors import AutoparError, ConfigError, PlanError
-from autopar.memory import device_budget
+from autopar.errors import AutoparError, PlanError
+from autopar.machines import local_machine
 from autopar.model_file import meta_inputs
 from autopar.planner import SLOWEST, plan_model
+from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import (Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans,
                                           screen, shape_of)
-
-BUILT_IN = ("h100-80gb", "a100-80gb", "cpu")
-
-
-def load_machine(spec: str, gpus_per_node: int | None = None) -> Machine:
-    """A built-in hardware description by name, or a JSON file of ``Machine``'s fields."""
-    if spec in BUILT_IN:
-        text = resources.files("autopar").joinpath("hardware", f"{spec}.json").read_text()
-    elif Path(spec).is_file():
-        text = Path(spec).read_text()
-    else:
-        raise ConfigError(f"unknown hardware {spec!r}: use one of {', '.join(BUILT_IN)} or a JSON file with the "
-                          f"fields of passes.analysis.machine.Machine")
-    try:
-        machine = Machine.from_json(text)
-    except (ValueError, TypeError) as e:
-        raise ConfigError(f"hardware description {spec!r} is not valid: {e}") from e
-    return machine if gpus_per_node is None else dataclasses.replace(machine, gpus_per_node=gpus_per_node)
 
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
@@ -55,7 +34,8 @@ def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machin
     try:
         plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint, kwargs=kwargs,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
-                                  microbatches=candidate.microbatches, chunks=candidate.chunks, captures=captures)
+                                  microbatches=candidate.microbatches, chunks=candidate.chunks, captures=captures,
+                                  hardware=Hardware.of(machine, candidate.config))
     except AutoparError as e:
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
     # the step is the slowest rank's (plan_seconds reads its report), the memory the fullest rank's: under
@@ -175,18 +155,6 @@ def _grids(options: list[dict[str, int]]) -> str:
 def _batch_size(inputs: tuple) -> int:
     tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
     return int(tensors[0].shape[0]) if tensors else 1
-
-
-def local_machine(world: int) -> Machine:
-    """This machine as the search sees it: the built-in description of its GPU (H100, A100; else H100's
-    figures) with the device's memory, or the CPU's with its memory shared by the ranks."""
-    gpu = torch.cuda.is_available()
-    name = torch.cuda.get_device_name() if gpu else ""
-    base = load_machine("a100-80gb" if "A100" in name else "h100-80gb" if gpu else "cpu")
-    device = torch.device("cuda", torch.cuda.current_device()) if gpu else torch.device("cpu")
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return dataclasses.replace(base, memory_bytes=device_budget(device, world), gpus_per_node=max(local, 1),
-                               cores=0 if gpu else cpu_cores())
 
 
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,

@@ -21,8 +21,10 @@ from autopar.compat import pytree
 from autopar.config import ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import AutoparError
+from autopar.machines import BUILT_IN, load_machine
 from autopar.model_file import load_model_file, meta_inputs
 from autopar.planner import plan_model
+from passes.analysis.choose_stages import Hardware
 from passes.analysis.report import StepReport
 
 log = logging.getLogger(__name__)
@@ -147,6 +149,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-per-device", type=parse_bytes, default=None, metavar="SIZE",
                         help="memory budget per device for --checkpoint auto, e.g. 80GB, 80GiB or 2e9 "
                              "(default: this machine's memory shared by the ranks)")
+    parser.add_argument("--hardware", default=None, metavar="NAME|JSON",
+                        help=f"the machine whose rates cut --pipeline's stages: {', '.join(BUILT_IN)} or a JSON file "
+                             "(python -m autopar.plan --calibrate writes one); default: this machine, as "
+                             "auto_parallelize here would cut them")
     parser.add_argument("--capture-all-blocks", action="store_true",
                         help="capture every repeated block instead of three (slower; the plan is the same "
                              "whenever the shortcut applies)")
@@ -160,10 +166,12 @@ def main(argv: list[str] | None = None) -> int:
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
         batch_size = leaves[0].shape[0] if leaves else 0
+        hardware = None if args.hardware is None else Hardware.of(load_machine(args.hardware), config)
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
                                   checkpoint=args.checkpoint, budget=args.memory_per_device,
                                   precision=args.precision, pipeline=args.pipeline,
-                                  microbatches=args.microbatches or args.pipeline, chunks=args.chunks)
+                                  microbatches=args.microbatches or args.pipeline, chunks=args.chunks,
+                                  hardware=hardware)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

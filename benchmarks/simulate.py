@@ -16,7 +16,7 @@ process has one default process group). Columns:
   That is what a W-way tensor rank computes at best with no communication: its matmuls' share, and the
   norms, residual stream and rotary every tensor rank repeats (issue 34's goal: <= 1.2x of it);
 - the planner's predicted compute for that rank (matmuls, elementwise work, per-op overhead and the
-  optimizer update, ``passes.analysis.search_plans.plan_seconds`` on ``autopar.search.local_machine``).
+  optimizer update, ``passes.analysis.search_plans.plan_seconds`` on ``autopar.machines.local_machine``).
 
     python -m benchmarks --simulate 4                        # CUDA if there is one, else the CPU
     python -m benchmarks --simulate 4 --size tiny --grids t4x1x1 t2x2x1 --repeats 3 --device cpu
@@ -84,7 +84,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def predicted_ms(size: str, grid_text: str, world: int) -> float | None:
     """The planner's compute (+ optimizer update) for the grid's slowest rank, in ms; None if it fails."""
-    from autopar.search import local_machine, score
+    from autopar.machines import local_machine
+    from autopar.search import score
     from passes.analysis.search_plans import Candidate
 
     grid = parse_grid(grid_text, world) if grid_text != SERIAL else parse_grid("d1", 1)

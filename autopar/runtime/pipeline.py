@@ -113,9 +113,10 @@ class StageAdapter(nn.Module):
         env = dict(self.bound)
         env.update((v, _number(v, t)) for v, t in zip(self.spec.received, received))
         args = [env[a] for a in self.spec.call.args]
-        if self.count_sends and self.spec.index > 0:  # PipelineStage sends these gradients back
-            for t in received:
-                if isinstance(t, torch.Tensor) and t.requires_grad:
+        for t in received:
+            if isinstance(t, torch.Tensor) and t.requires_grad:  # PipelineStage sends these gradients back,
+                t.register_hook(_contiguous)  # and gloo and NCCL send only contiguous tensors
+                if self.count_sends and self.spec.index > 0:
                     C.count_send(t)
         if self.precision is None:
             out = self.run(*args)
@@ -129,7 +130,8 @@ class StageAdapter(nn.Module):
             sent = tuple(t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in sent)
         if not self.is_last:
             # a symbolic size a later stage reads (a graph captured for every length) travels as a 0-d tensor
-            sent = tuple(torch.tensor(t, device=self.device_type) if _is_size(v, t) else t
+            sent = tuple(torch.tensor(t, device=self.device_type) if _is_size(v, t)
+                         else t.contiguous() if isinstance(t, torch.Tensor) else t  # (a view may cross a cut)
                          for v, t in zip(self.spec.sent, sent))
             for v, t in zip(self.spec.sent, sent):
                 if not isinstance(t, torch.Tensor):
@@ -139,6 +141,10 @@ class StageAdapter(nn.Module):
                 if self.count_sends:
                     C.count_send(t)
         return sent
+
+
+def _contiguous(grad: torch.Tensor) -> torch.Tensor:
+    return grad.contiguous()
 
 
 def _is_size(node: Any, value: Any) -> bool:

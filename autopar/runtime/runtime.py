@@ -24,6 +24,7 @@ from autopar.compat import pytree, queue_backward_callback
 from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, InputError
+from autopar.machines import local_rates
 from autopar.memory import device_budget, half_dtype
 from autopar.planner import PlanOptions, decide_plan, pooled_rows
 from autopar.runtime import collectives as C
@@ -425,13 +426,14 @@ class ParallelRuntime:
         self._warned.add(message)
 
     def plan_options(self) -> PlanOptions:
-        """What this model's plan depends on beyond the grid: the user's memory and pipeline options, and this
-        device's memory shared by the ranks on it."""
+        """What this model's plan depends on beyond the grid: the user's memory and pipeline options, this
+        device's memory shared by the ranks on it, and its rates (the pipeline's stages are cut for them)."""
         checkpoint = self.memory.checkpoint
         budget = None if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
         return PlanOptions(checkpoint, budget, self.memory.precision, self.num_microbatches,
                            self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
-                           compiled=self.compile.enabled(self.mesh.device.type, training=True))
+                           compiled=self.compile.enabled(self.mesh.device.type, training=True),
+                           hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None)
 
     def finish_grads(self) -> None:
         """pipeline > 1, after backward (or after the schedule's last micro-batch): the step's gradients into

@@ -11,22 +11,29 @@ covered); ``time`` separates into a term of ``i`` and a term of ``j``, so each s
 min-max over an ``n x n`` table: 1,000 segments and 8 stages take milliseconds.
 
 ``Hardware`` holds the rates that turn FLOPs and bytes into seconds. Only their ratios matter to the
-choice; the defaults are one H100-class GPU per rank (documented on the fields).
+choice; the defaults are one H100-class GPU per rank (documented on the fields), and ``Hardware.of`` reads
+them from a described machine (``passes.analysis.machine``): the runtime cuts for the machine it runs on,
+where a CPU's matmuls are ~20,000 times slower against its links than an H100's, so the same model's
+best cut differs (a tiny Llama's 4 stages: H100 rates keep the embedding alone, since a cut's transfer
+outweighs a block's compute; CPU rates balance the blocks and the head).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 from torch import fx
 
+from autopar.config import ParallelConfig
 from autopar.decisions import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import AGREEMENT, Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import shard_fraction, segment_names
 from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, attention_flops, module_of, param_name, tensor_meta
+from passes.analysis.machine import Machine
 from passes.analysis.make_plan import layouts_for
 from passes.ir import input_info
 
@@ -42,6 +49,15 @@ class Hardware:
     collective_seconds: float = 0.0
     """Fixed cost of one collective (latency). The planner's default leaves it out: at the sizes it
     plans for, bytes dominate; ``estimate_step_seconds`` uses it for a machine it was measured on."""
+    name: str = "H100-class default"
+    """What the rates describe, as the plan report names them."""
+
+    @staticmethod
+    def of(machine: Machine, config: ParallelConfig) -> Hardware:
+        """``machine``'s rates for ``config``'s grid: tensor collectives on the link of the tensor axes, stage
+        transfers on the pipeline axis's (within a node when the pipeline's ranks are)."""
+        tensor = machine.link(config, "row+col+depth")[0]
+        return Hardware(machine.flops_per_second, tensor, machine.link(config, "pipeline")[0], name=machine.name)
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +178,16 @@ class ChainSegment:
     crossing: tuple[tuple[int, bool], ...] = ()
     """Each tensor a cut after this segment would send: (this rank's bytes, whether its gradient is
     sent back)."""
+    attention_flops: float = 0.0
+    """This rank's attention work of its forward and backward, in FLOPs of its stage's time."""
+
+
+def priced(chain: Sequence[ChainSegment], hardware: Hardware) -> tuple[ChainSegment, ...]:
+    """``chain`` with each segment's ``seconds`` and ``cut_seconds`` under ``hardware``'s rates."""
+    return tuple(dataclasses.replace(
+        s, seconds=(s.flops + s.attention_flops) / hardware.flops_per_second
+        + sum(float(c.bytes) for c in s.collectives) / hardware.tensor_bytes_per_second,
+        cut_seconds=sum(b * (1 + g) for b, g in s.crossing) / hardware.pipeline_bytes_per_second) for s in chain)
 
 
 def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collective],
@@ -189,14 +215,12 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
                 config, plan.matmul(m.weight).orientation)
         if (a := attention_flops(node)):  # its stage's time, not its matmul FLOPs (reported apart)
             attention[seg] += ATTENTION_STEP_FACTOR * a * float(shard_fraction(res.sharding(node), sizes))
-    comm = dict.fromkeys(order, 0.0)
     issued: dict[str, list[Collective]] = {name: [] for name in order}
     by_name = {n.name: seg for n, seg in seg_of.items()}
     for c in collectives:
         if c.phase == "step" or c.where in ("<input>", "<output>", AGREEMENT):
             continue  # once per step (gradient sync), or not run by a pipeline (train_step's loss instead)
         seg = by_name.get(c.node) or of_param.get(c.where) or of_module.get(c.where) or order[-1]
-        comm[seg] += float(c.bytes)
         issued[seg].append(c)
     crossing: list[list[tuple[int, bool]]] = [[] for _ in order]  # tensors live across a cut after segment k
     last = len(order) - 1
@@ -221,20 +245,20 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         for a in node.all_input_nodes:
             if (name := param_name(a)) in params:
                 held[seg][name] = params[name]
-    return tuple(ChainSegment(name, (flops[name] + attention[name]) / hardware.flops_per_second
-                              + comm[name] / hardware.tensor_bytes_per_second,
-                              sum(b * (1 + g) for b, g in crossing[k]) / hardware.pipeline_bytes_per_second,
-                              tuple(held[name].items()), tuple(issued[name]), flops[name], tuple(crossing[k]))
-                 for k, name in enumerate(order))
+    return priced([ChainSegment(name, 0.0, 0.0, tuple(held[name].items()), tuple(issued[name]), flops[name],
+                                tuple(crossing[k]), attention[name]) for k, name in enumerate(order)], hardware)
 
 
 def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatches: int,
-                  chunks_per_rank: int = 1) -> PipelinePlan:
+                  chunks_per_rank: int = 1, hardware: Hardware | None = None) -> PipelinePlan:
     """Stages for ``chain`` (per-micro-batch times) and what the pipeline is predicted to cost.
 
     With ``chunks_per_rank`` v > 1 (interleaved schedules) the chain is cut into P x v stages, the
-    largest of which is minimized, and stage k runs on rank k mod P.
+    largest of which is minimized, and stage k runs on rank k mod P. ``hardware``: the rates to price the
+    chain with first (default: the times it carries).
     """
+    if hardware is not None:
+        chain = priced(chain, hardware)
     costs = [s.seconds for s in chain]
     cuts = [s.cut_seconds for s in chain[:-1]]
     total = num_stages * chunks_per_rank
@@ -248,4 +272,5 @@ def plan_pipeline(chain: Sequence[ChainSegment], num_stages: int, num_microbatch
             holders.setdefault(name, []).append(k)
     shared = tuple((name, tuple(ks)) for name, ks in holders.items() if len(ks) > 1)
     return PipelinePlan(plans, max(st.seconds for st in stages), lower_bound(costs, total, cuts), num_microbatches,
-                        bubble_fraction(num_stages, num_microbatches, chunks_per_rank), shared, chunks_per_rank)
+                        bubble_fraction(num_stages, num_microbatches, chunks_per_rank), shared, chunks_per_rank,
+                        rates=hardware.name if hardware is not None else "")

@@ -132,6 +132,8 @@ def test_zoo_pipeline_matches_serial(name, world, tensor, data, pipe, use_train_
     Z.assert_matches_serial(results, losses, grads, TOL, name)
     plan = results[0]["plan"]
     assert len(plan.pipeline.stages) == pipe["pipeline"]
+    # cut for the machine that runs them (mutation: stages_of_chain cutting at H100 rates whatever it is told)
+    assert torch.cuda.is_available() or plan.pipeline.rates == "cpu"
     if name == "gpt2":  # the tied weight is read by the first and the last stage: gradients summed
         assert [s for _, s in plan.pipeline.shared] == [(0, pipe["pipeline"] - 1)]
 

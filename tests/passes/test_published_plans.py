@@ -32,7 +32,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from autopar.search import load_machine, score, search
+from autopar.machines import load_machine
+from autopar.search import score, search
 from passes.analysis.search_plans import candidates
 
 transformers = pytest.importorskip("transformers")

@@ -6,15 +6,17 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
+from autopar.machines import load_machine
 from autopar.planner import plan_model
 from autopar.trace import main
+from passes.analysis.choose_stages import Hardware
 
 
-def _plan(name: str, pipeline: int, repeat: bool = True, layers: int = 8):
+def _plan(name: str, pipeline: int, repeat: bool = True, layers: int = 8, hardware: Hardware | None = None):
     with torch.device("meta"):
         model = zoo.build_model(name, layers=layers)
     return plan_model(model, zoo.example_inputs(name, batch=8, seq=64), ParallelConfig(1, 2, 1, 1),
-                      pipeline=pipeline, microbatches=8, repeat=repeat)[0]
+                      pipeline=pipeline, microbatches=8, repeat=repeat, hardware=hardware)[0]
 
 
 def test_equal_blocks_split_evenly_and_every_segment_is_placed_once():
@@ -40,10 +42,24 @@ def test_equal_blocks_split_evenly_and_every_segment_is_placed_once():
 
 
 def test_tiny_blocks_are_cut_where_transfers_are_cheapest():
-    # Tiny layers compute in nanoseconds; moving a hidden state takes microseconds. Interior stages pay
-    # two transfers, so they get the fewest blocks.
-    blocks = [sum(n.startswith("model.layers.") for n in s.segments) for s in _plan("llama", 4).pipeline.stages]
+    # At an H100's rates tiny layers compute in nanoseconds; moving a hidden state takes microseconds.
+    # Interior stages pay two transfers, so they get the fewest blocks.
+    plan = _plan("llama", 4, hardware=Hardware())
+    blocks = [sum(n.startswith("model.layers.") for n in s.segments) for s in plan.pipeline.stages]
     assert sum(blocks) == 8 and blocks[0] + blocks[-1] > blocks[1] + blocks[2]
+
+
+def test_stages_are_cut_for_the_machine_that_runs_them():
+    """The same tiny blocks at a CPU's rates (the default on a machine without a GPU, as the runtime there
+    cuts them): compute outweighs the transfers, so the interior stages get as many blocks as the ends,
+    and the head's stage fewer. Mutation: the runtime's default left at H100 rates fails the first check."""
+    cpu = Hardware.of(load_machine("cpu"), ParallelConfig(1, 2, 1, 1, pipeline=4))
+    for plan in (_plan("llama", 4, hardware=cpu), *(() if torch.cuda.is_available() else (_plan("llama", 4),))):
+        blocks = [sum(n.startswith("model.layers.") for n in s.segments) for s in plan.pipeline.stages]
+        assert sum(blocks) == 8 and blocks[1] + blocks[2] >= blocks[0] + blocks[-1], blocks
+        assert "stages cut for cpu rates" in plan.pipeline.summary()
+    h100 = _plan("llama", 4, hardware=Hardware.of(load_machine("h100-80gb"), ParallelConfig(1, 2, 1, 1, pipeline=4)))
+    assert "stages cut for h100-80gb rates" in h100.pipeline.summary()
 
 
 def test_copied_blocks_give_the_stages_of_a_full_capture():

@@ -10,8 +10,9 @@ import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.search import BUILT_IN, load_machine
+from autopar.machines import BUILT_IN, load_machine
 from autopar.planner import plan_model
+from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import (Candidate, Scored, StepTime, candidates, plan_seconds, rank_plans, step_seconds,
                                          why_slower)
@@ -277,7 +278,8 @@ def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
     """Planning only the closed-form screen's best few grids (search_plans.screen) gives the best plan that
     planning every grid gives, on FC_Net and a tiny Llama (mutation: a screen without the pipelines'
     sends keeps four pipelines on an H100 and drops the tiny Llama's best, data 8)."""
-    from autopar.search import load_machine, search
+    from autopar.machines import load_machine
+    from autopar.search import search
 
     machine = load_machine(hardware)
     cases = fc_net_and_tiny_llama()
@@ -303,16 +305,17 @@ def test_a_pipeline_rank_holds_its_stages_memory():
         wide = transformers.LlamaForCausalLM(dataclasses.replace(llama.config, vocab_size=4 * llama.config.vocab_size))
     inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=8, seq=16))
     four = ParallelConfig(1, 1, 1, 1, pipeline=4)
-    plan, report = plan_model(llama, inputs, four, pipeline=4, microbatches=8)
+    h100 = Hardware()  # the stages as an H100 cuts them (the embedding alone on rank 0), on any machine
+    plan, report = plan_model(llama, inputs, four, pipeline=4, microbatches=8, hardware=h100)
     stage, whole = report.rank_memory, plan.memory
     assert stage.param_bytes < whole.param_bytes / 2
-    _, last = plan_model(llama, inputs, four, rank=3, pipeline=4, microbatches=8)
+    _, last = plan_model(llama, inputs, four, rank=3, pipeline=4, microbatches=8, hardware=h100)
     # a micro-batch's logits (1 x 16 x vocab) are the last rank's alone: 4x the vocabulary leaves rank 0's
     # activations as they were (its stages are the same) and grows the last rank's by 3x the logits
     logits = 16 * llama.config.vocab_size * 4
     assert logits <= last.rank_memory.activation_bytes
-    wide_plan, wide_first = plan_model(wide, inputs, four, pipeline=4, microbatches=8)
-    _, wide_last = plan_model(wide, inputs, four, rank=3, pipeline=4, microbatches=8)
+    wide_plan, wide_first = plan_model(wide, inputs, four, pipeline=4, microbatches=8, hardware=h100)
+    _, wide_last = plan_model(wide, inputs, four, rank=3, pipeline=4, microbatches=8, hardware=h100)
     assert wide_plan.pipeline.stages[0].segments == plan.pipeline.stages[0].segments
     assert wide_first.rank_memory.activation_bytes == stage.activation_bytes
     assert wide_last.rank_memory.activation_bytes >= last.rank_memory.activation_bytes + 3 * logits
