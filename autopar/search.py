@@ -119,7 +119,8 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                           precision=precision, captures=captures)
     shape = shape_of(probe, shards)
     half = precision in ("bf16", "fp16")
-    screened = sorted(((*screen(shape, c, machine, half), c) for c in grids),
+    prices: dict[Any, float] = {}
+    screened = sorted(((*screen(shape, c, machine, half, prices), c) for c in grids),
                       key=lambda t: (t[1] > machine.memory_bytes, t[0]))
     near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
     first = min(keep, max(near, MIN_KEEP))

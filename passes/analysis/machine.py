@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import MESH_AXES, ParallelConfig
+from autopar.decisions import collective_bytes
 from passes.analysis.estimate_costs import Collective
 
 
@@ -106,15 +107,21 @@ class Machine:
         lies within a node (interpolated in log-log, extrapolated at the measured bandwidth), else its
         link's bandwidth and latency."""
         axis = "pipeline" if c.kind == "send" else c.axis
-        rate, latency = self.link(config, axis)
         crossed = c.phase != "step" and sum(config.size(a) > 1 for a in ("row", "col", "depth")) > 1
+        return self.on_link(self.link(config, axis), crossed, c.kind, c.group_size, c.message_bytes)
+
+    def on_link(self, link: tuple[float, float], crossed: bool, kind: str, group_size: int, message_bytes: int
+                ) -> float:
+        """``seconds`` of a collective whose group's link (``link``: bytes per second, seconds per call) and
+        crossing (a forward or backward collective of a grid with two or more tensor axes) are known."""
+        rate, latency = link
         points = None
         if crossed:
-            points = (self.crossed_collectives or {}).get(c.kind, {}).get(c.group_size)
-        points = points or (self.collectives or {}).get(c.kind, {}).get(c.group_size)
+            points = (self.crossed_collectives or {}).get(kind, {}).get(group_size)
+        points = points or (self.collectives or {}).get(kind, {}).get(group_size)
         if not points or rate != self.intra_bytes_per_second or latency != self.intra_latency:
-            return float(c.bytes) / rate + latency
-        return interpolate(points, c.message_bytes)
+            return float(collective_bytes(kind, group_size, message_bytes)) / rate + latency
+        return interpolate(points, message_bytes)
 
 
 def interpolate(points: Sequence[tuple[int, float]], size: int) -> float:

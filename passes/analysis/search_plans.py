@@ -20,9 +20,8 @@ Pure: the caller plans each candidate (it captures the model) and passes the res
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,11 +71,10 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
         raise ValueError(f"unknown degrees {unknown}; expected some of {DEGREES}")
-    divisors = [d for d in range(1, world + 1) if world % d == 0]
     out = []
-    for degrees in itertools.product(divisors, repeat=len(DEGREES)):
+    for degrees in _factorings(world, len(DEGREES)):
         grid = dict(zip(DEGREES, degrees))
-        if _product(degrees) != world or any(grid[k] != v for k, v in fixed.items()):
+        if any(grid[k] != v for k, v in fixed.items()):
             continue
         shards = grid["data"] * grid["depth"]
         if global_batch < shards:
@@ -97,16 +95,22 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     return out
 
 
+def _factorings(n: int, parts: int) -> Iterator[tuple[int, ...]]:
+    """Every ordered ``parts``-tuple of positive integers whose product is ``n``, in lexicographic order
+    (``itertools.product`` over the divisors, filtered, in its order; 3,072's 26 divisors make 11.9 million
+    5-tuples, of which 3,920 multiply to it)."""
+    if parts == 1:
+        yield (n,)
+        return
+    for d in range(1, n + 1):
+        if n % d == 0:
+            for rest in _factorings(n // d, parts - 1):
+                yield (d, *rest)
+
+
 def factorizations(world: int, fixed: Mapping[str, int] | None = None) -> list[dict[str, int]]:
     """The degree assignments ``candidates`` would try, ignoring the batch (for an error message)."""
     return [dataclasses.asdict(c) for c in candidates(world, world ** 2, fixed=fixed, max_microbatches=1, chunks=(1,))]
-
-
-def _product(values: Iterable[int]) -> int:
-    out = 1
-    for v in values:
-        out *= v
-    return out
 
 
 def halved(c: Collective) -> Collective:
@@ -309,41 +313,72 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
                       report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards)
 
 
-def _tensor_seconds(shape: ModelShape, c: Candidate, machine: Machine, flip: int, half: bool) -> tuple[float, float]:
+class _Prices:
+    """``machine.seconds`` of one candidate's collectives, as ``(kind, axis, group size, message bytes, phase)``
+    (bf16/fp16 halved as ``halved``): each link read once per candidate, each (link, collective) priced once
+    per ``memo`` (the search's: the screen prices tens of thousands of grids, and their collectives repeat)."""
+
+    def __init__(self, machine: Machine, config: ParallelConfig, half: bool, memo: dict[Any, float]) -> None:
+        self.machine, self.config, self.half, self.memo = machine, config, half, memo
+        self.links: dict[str, tuple[float, float]] = {}
+        self.multi = sum(config.size(a) > 1 for a in ("row", "col", "depth")) > 1
+
+    def __call__(self, kind: str, axis: str, group_size: int, message_bytes: int, phase: str) -> float:
+        if self.half and phase in ("forward", "backward") and "depth" not in axis and axis != "world":
+            message_bytes //= 2
+        where = "pipeline" if kind == "send" else axis
+        link = self.links.get(where)
+        if link is None:
+            link = self.links[where] = self.machine.link(self.config, where)
+        crossed = phase != "step" and self.multi
+        key = (link, crossed, kind, group_size, message_bytes)
+        seconds = self.memo.get(key)
+        if seconds is None:
+            seconds = self.memo[key] = self.machine.on_link(link, crossed, kind, group_size, message_bytes)
+        return seconds
+
+
+def _tensor_seconds(shape: ModelShape, c: Candidate, price: _Prices, flip: int) -> tuple[float, float]:
     """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2): their
     seconds and how many."""
-    config, shards = c.config, c.data * c.depth
+    shards = c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
     total = count = 0.0
     for rows, k, n, parity, layers, _ in shape.matmuls:
         transposed = parity ^ flip
         a, b = (c.col, c.row) if transposed else (c.row, c.col)
         m_d = max(rows // (shards * micro), 1)
-        calls = []
+        seconds, calls = 0.0, 0
         if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
             w = n * k * 4 // (c.row * c.col)
-            calls += [Collective("all_gather", "depth", c.depth, w, "forward", ""),
-                      Collective("all_gather", "depth", c.depth, w, "backward", ""),
-                      Collective("reduce_scatter", "depth", c.depth, w, "backward", "")]
+            seconds += (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
+                                                                                     "backward")
+                        + price("reduce_scatter", "depth", c.depth, w, "backward"))
+            calls += 3
         if b > 1:  # the output's partial sums
-            calls.append(Collective("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward", ""))
+            seconds += price("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward")
+            calls += 1
         if a > 1:  # the input gradient's
-            calls.append(Collective("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward", ""))
-        total += layers * micro / c.pipeline * sum(machine.seconds(config, halved(x) if half else x) for x in calls)
-        count += layers * micro / c.pipeline * len(calls)
+            seconds += price("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward")
+            calls += 1
+        total += layers * micro / c.pipeline * seconds
+        count += layers * micro / c.pipeline * calls
     return total, count
 
 
-def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False) -> tuple[float, int]:
+def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
+           memo: dict[Any, float] | None = None) -> tuple[float, int]:
     """(predicted seconds, least memory per device) of ``candidate`` in closed form: AxoNN's per-layer
     collectives (DESIGN-NOTES section 2) on even splits, without planning it. The memory is a floor:
     parameters, gradients and optimizer state, and (without a pipeline, whose ranks hold unequal parts)
     the least activations any recomputation keeps, split over every tensor rank (some stay whole: a
-    floor). Ranks grids for the search to plan the most promising exactly; not a plan's prediction."""
+    floor). Ranks grids for the search to plan the most promising exactly; not a plan's prediction.
+    ``memo``: collective prices kept between calls on the same machine (``_Prices``)."""
     c, config = candidate, candidate.config
     shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
     if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
         return math.inf, 0
+    price = _Prices(machine, config, half, {} if memo is None else memo)
     micro = c.microbatches if stages > 1 else 1
     calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
              for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
@@ -356,20 +391,19 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
     # over row) the screen takes the cheaper
-    comm, blocking = min(_tensor_seconds(shape, candidate, machine, flip, half) for flip in (0, 1))
+    comm, blocking = min(_tensor_seconds(shape, candidate, price, flip) for flip in (0, 1))
     if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
         rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
         message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
-        send = Collective("send", "pipeline", 2, message, "forward", "")
-        comm += 2 * micro * c.chunks * machine.seconds(config, halved(send) if half else send)
+        comm += 2 * micro * c.chunks * price("send", "pipeline", 2, message, "forward")
         blocking += 2 * micro * c.chunks
     comm += arrival_skew(round(blocking), compute, machine, config)
     params = shape.param_bytes // (tensor * c.depth * stages)
     sync = 0.0
-    if c.data > 1:  # in the runtime's buckets
+    if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
         full, rest = divmod(params, BUCKET_BYTES)
-        sync = sum(machine.seconds(config, Collective("all_reduce", "data", c.data, size, "step", ""))
-                   for size in [BUCKET_BYTES] * full + ([rest] if rest else []))
+        sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
+        sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
     update = 7 * params / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
     bubble = 0.0
     if stages > 1:
