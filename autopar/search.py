@@ -81,8 +81,9 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
            kwargs: dict | None = None) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``search_plans.screen``, from one
-    plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly; the rest
-    follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per
+    plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly, each pipeline
+    grid under both schedules (the screen does not price the interleaved schedule's recomputation); the
+    rest follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per
     pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster)."""
     with _collector_skips_what_exists():
         return _search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
@@ -124,17 +125,32 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                       key=lambda t: (t[1] > machine.memory_bytes, t[0]))
     near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
     first = min(keep, max(near, MIN_KEEP))
-    scored = planned([c for *_, c in screened[:first]])
+    by_grid = {c: (seconds, memory) for seconds, memory, c in screened}
+    chosen: dict[Candidate, None] = {}
+
+    def choose(grids: list[Candidate]) -> list[Candidate]:
+        """``grids`` and the other schedules of each (1F1B's and the interleaved one, same micro-batches):
+        the screen does not price the recomputation that the interleaved schedule's extra micro-batches in
+        flight may need, so exact planning chooses between them."""
+        new = []
+        for c in grids:
+            for other in (c, *(dataclasses.replace(c, chunks=v) for v in chunks if v != c.chunks)):
+                if other in by_grid and other not in chosen:
+                    chosen[other] = None
+                    new.append(other)
+        return new
+
+    scored = planned(choose([c for *_, c in screened[:first]]))
     # the screen counts no activations: while none of the planned grids fits, plan the next ones it would
     # fit, up to ROUNDS times as many
     done = first
     while not any(s.fits for s in scored) and done < min(len(screened), ROUNDS * keep):
         more = [c for _, memory, c in screened[done:done + keep] if memory <= machine.memory_bytes]
         done += keep
-        scored += planned(more)
+        scored += planned(choose(more))
     return rank_plans(scored) + [
         Scored(c, None, memory, memory <= machine.memory_bytes, reason=_screened(seconds, memory, c, shape, machine))
-        for seconds, memory, c in screened[done:]]
+        for seconds, memory, c in screened[done:] if c not in chosen]
 
 
 def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine) -> str:

@@ -20,6 +20,9 @@ CASES = {
     "fc_net-100-layers": dict(world=8, hardware="h100-80gb"),
     "llama-100-layers": dict(world=8, hardware="h100-80gb"),
     "llama-2-70b": dict(world=1024, hardware="h100-80gb", batch=512, seq=2048),
+    # Megatron-LM's 145.6B and 1T GPT (Narayanan et al. 2021, Table 1), bf16 (tests/passes/test_published_plans.py)
+    "gpt-145.6b": dict(world=1536, hardware="a100-80gb", batch=2304, seq=2048, gpt=(80, 12288, 96), precision="bf16"),
+    "gpt-1008b": dict(world=3072, hardware="a100-80gb", batch=3072, seq=2048, gpt=(128, 25600, 160), precision="bf16"),
 }
 
 
@@ -36,6 +39,13 @@ def _build(case: str):  # noqa: ANN202  (a model and its meta inputs)
         if case == "llama-100-layers":
             return zoo.build_model("llama", layers=100), meta_inputs(zoo.example_inputs("llama"), 16, 128)
         spec = CASES[case]
+        if "gpt" in spec:
+            import transformers
+
+            layers, hidden, heads = spec["gpt"]
+            config = transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads, n_inner=4 * hidden,
+                                             vocab_size=51200, n_positions=spec["seq"], use_cache=False)
+            return transformers.GPT2LMHeadModel(config), (torch.empty(spec["batch"], spec["seq"], dtype=torch.long),)
         return zoo.build_model(case), meta_inputs(zoo.example_inputs(case), spec["batch"], spec["seq"])
 
 
@@ -49,7 +59,8 @@ def run_case(case: str, exhaustive: bool) -> dict:
     for _ in range(1 if exhaustive else 3):
         start = time.perf_counter()
         model, inputs = _build(case)
-        ranked = search(model, inputs, spec["world"], machine, keep=None if exhaustive else 8)
+        ranked = search(model, inputs, spec["world"], machine, keep=None if exhaustive else 8,
+                        precision=spec.get("precision", "fp32"))
         times.append(time.perf_counter() - start)
     best = ranked[0]
     return {"case": case, "world": spec["world"], "grids": len(ranked),

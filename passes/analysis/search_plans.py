@@ -27,7 +27,9 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.decisions import Plan
+from passes.analysis.choose_stages import choose_stages
 from passes.analysis.estimate_costs import Collective, matmul_split
+from passes.analysis.estimate_memory import block_of
 from passes.analysis.machine import Machine
 from passes.analysis.report import StepReport
 
@@ -294,6 +296,13 @@ class ModelShape:
     saves more than its inputs)."""
     attention_flops: float = 0.0
     """The attention products' FLOPs of a step over the global batch, forward and backward."""
+    segment_flops: tuple[tuple[float, bool], ...] = ()
+    """Matmul and attention FLOPs of each link of the chain, in order (the runs of matmuls outside the
+    blocks, and each block), and whether it is a block: how evenly a pipeline's stages can split the work
+    (``stage_imbalance``)."""
+    outside_flops: float = 0.0
+    """The FLOPs of the matmuls outside the blocks (a language model's head): a grid with two tensor axes
+    splits them over one (the vocabulary over the larger), not both."""
 
 
 def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
@@ -301,6 +310,7 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
     holds the whole model and 1/shards of the batch; 1: one rank). Matmuls alternate orientation as
     Megatron pairs them (a column-split layer feeds a row-split one)."""
     groups: dict[tuple[int, int, int, int], list[float]] = {}
+    links: list[tuple[str, float]] = []  # (block, or '' outside the blocks; FLOPs)
     for i, r in enumerate(report.layers):
         rows = shards
         for d in r.in_shape[:-1]:
@@ -308,9 +318,36 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
         key = (rows, r.in_shape[-1], r.out_shape[-1], i % 2)
         count, flops = groups.get(key, [0, 0.0])
         groups[key] = [count + 1, flops + r.flops]
+        block = block_of(r.module) or ""
+        if links and links[-1][0] == block:
+            links[-1] = (block, links[-1][1] + r.flops)
+        else:
+            links.append((block, float(r.flops)))
+    blocks = sum(1 for b, _ in links if b)
+    attention = report.rank_attention_flops * shards / blocks if blocks else 0.0  # (the blocks compute it)
     return ModelShape(tuple((*k, int(c), f) for k, (c, f) in groups.items()), report.rank_update_bytes,
                       report.rank_saved_bytes * shards, report.rank_ops, report.segments,
-                      report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards)
+                      report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards,
+                      tuple((f + (attention if b else 0.0), bool(b)) for b, f in links),
+                      sum(f for b, f in links if not b))
+
+
+def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1) -> float:
+    """How much more work the busiest of ``ranks`` pipeline ranks does than the average, when a chain of
+    links costing ``segment_flops`` is cut into ``ranks x chunks`` stages as the planner cuts it (the
+    smallest largest stage; stage k on rank k mod ranks). 128 equal blocks and a head half a block's
+    size on 64 stages: 2.5 blocks on the head's stage against 2.0 on average, 1.25; on 128 stages, 1.5
+    against 1.0. 1.0 without links to read."""
+    total = sum(segment_flops)
+    stages = ranks * chunks
+    if ranks <= 1 or not total:
+        return 1.0
+    links = [0.0] * max(stages - len(segment_flops), 0) + list(segment_flops)  # (links without matmuls)
+    cut = choose_stages(links, [0.0] * (len(links) - 1), stages)
+    loads = [0.0] * ranks
+    for k, st in enumerate(cut):
+        loads[k % ranks] += st.seconds
+    return max(loads) / (total / ranks)
 
 
 class _Prices:
@@ -369,10 +406,14 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, price: _Prices, flip: int) 
 def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
            memo: dict[Any, float] | None = None) -> tuple[float, int]:
     """(predicted seconds, least memory per device) of ``candidate`` in closed form: AxoNN's per-layer
-    collectives (DESIGN-NOTES section 2) on even splits, without planning it. The memory is a floor:
-    parameters, gradients and optimizer state, and (without a pipeline, whose ranks hold unequal parts)
-    the least activations any recomputation keeps, split over every tensor rank (some stay whole: a
-    floor). Ranks grids for the search to plan the most promising exactly; not a plan's prediction.
+    collectives (DESIGN-NOTES section 2) on even splits, the head's matmuls over one tensor axis, and the
+    busiest pipeline rank's share of the blocks (``stage_imbalance``), without planning it. The memory is a
+    floor: parameters, gradients and optimizer state, and (without a pipeline, whose ranks hold unequal
+    parts) the least activations any recomputation keeps, split over every tensor rank (some stay whole: a
+    floor). Not priced: the recomputation a pipeline's activations need to fit (the interleaved schedule
+    keeps more micro-batches in flight), which the search leaves to exact planning (it plans both schedules
+    of a grid it keeps). Ranks grids for the search to plan the most promising exactly; not a plan's
+    prediction.
     ``memo``: collective prices kept between calls on the same machine (``_Prices``)."""
     c, config = candidate, candidate.config
     shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
@@ -382,8 +423,10 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     micro = c.microbatches if stages > 1 else 1
     calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
              for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
-    compute = (sum(f for *_, f in shape.matmuls) / (shards * tensor * stages) / machine.flops_per_second
-               * matmul_slowdown(calls, machine, half))
+    # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
+    widen = tensor / max(c.row, c.col)
+    flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
+    compute = flops / (shards * tensor * stages) / machine.flops_per_second * matmul_slowdown(calls, machine, half)
     compute += shape.ops * micro / stages * machine.op_seconds
     # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
     compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
@@ -392,6 +435,12 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
     # over row) the screen takes the cheaper
     comm, blocking = min(_tensor_seconds(shape, candidate, price, flip) for flip in (0, 1))
+    if stages > 1:  # the busiest pipeline rank's share: the stages cannot split the blocks evenly
+        key = ("imbalance", stages, c.chunks, widen)
+        if key not in price.memo:
+            price.memo[key] = stage_imbalance([f if block else f * widen for f, block in shape.segment_flops],
+                                              stages, c.chunks)
+        compute, comm = compute * price.memo[key], comm * price.memo[key]
     if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
         rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
         message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
