@@ -118,9 +118,12 @@ def factorizations(world: int, fixed: Mapping[str, int] | None = None) -> list[d
 def halved(c: Collective) -> Collective:
     """``c`` under bf16/fp16 autocast: an activation's collective (forward or backward, not over depth,
     which gathers fp32 weights and reduces their gradients) moves half the bytes the fp32 count says."""
-    if c.phase in ("forward", "backward") and "depth" not in c.axis and c.axis != "world":
-        return dataclasses.replace(c, message_bytes=c.message_bytes // 2)
-    return c
+    return dataclasses.replace(c, message_bytes=c.message_bytes // 2) if _halves(c.phase, c.axis) else c
+
+
+def _halves(phase: str, axis: str) -> bool:
+    """Whether ``halved`` halves a collective of this phase and axis."""
+    return phase in ("forward", "backward") and "depth" not in axis and axis != "world"
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -199,11 +202,12 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     elif machine.memory_bytes_per_second:
         compute += 2 * saved_bytes / machine.memory_bytes_per_second
 
+    price = _Prices(machine, config, half, {})  # (a plan's thousands of collectives repeat a few shapes)
     blocking = [c for c in collectives if c.group_size > 1 and c.phase != "step"]
-    comm = sum(machine.seconds(config, halved(c) if half else c) for c in blocking)
+    comm = sum(price(c.kind, c.axis, c.group_size, c.message_bytes, c.phase) for c in blocking)
     comm += arrival_skew(len(blocking), compute, machine, config)
     buckets = [c for c in bucketed(c for c in collectives if c.phase == "step") if c.group_size > 1]
-    sync = sum(machine.seconds(config, c) for c in buckets)
+    sync = sum(price(c.kind, c.axis, c.group_size, c.message_bytes, c.phase) for c in buckets)
     if machine.memory_bytes_per_second:  # into the bucket and back
         sync += 4 * sum(c.message_bytes for c in buckets if c.kind == "all_reduce") / machine.memory_bytes_per_second
     bubble = 0.0
@@ -361,7 +365,7 @@ class _Prices:
         self.multi = sum(config.size(a) > 1 for a in ("row", "col", "depth")) > 1
 
     def __call__(self, kind: str, axis: str, group_size: int, message_bytes: int, phase: str) -> float:
-        if self.half and phase in ("forward", "backward") and "depth" not in axis and axis != "world":
+        if self.half and _halves(phase, axis):
             message_bytes //= 2
         where = "pipeline" if kind == "send" else axis
         link = self.links.get(where)
