@@ -19,6 +19,7 @@ from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
     Collective,
     bytes_by_kind,
+    bytes_grouped,
     list_collectives,
     matmul_flops,
     matmul_split,
@@ -135,9 +136,7 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
               plan: Plan) -> StepReport:
     """Totals over the per-matmul rows and every collective; each row's bytes are its module's and its
     weight's and bias's collectives (each counted at its first row), the rest listed by where they occur."""
-    by_where: dict[str, Fraction] = {}
-    for c in colls:
-        by_where[c.where] = by_where.get(c.where, Fraction(0)) + c.bytes
+    by_where = {where: sum(b.values(), Fraction(0)) for where, b in bytes_grouped(colls, lambda c: c.where).items()}
     counted: set[str] = set()
     with_comm = []
     for r in rows:
@@ -146,19 +145,20 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
         with_comm.append(dataclasses.replace(r, comm_bytes=sum((by_where.get(n, Fraction(0)) for n in names),
                                                                Fraction(0))))
     rows = with_comm
-    other: dict[str, Fraction] = {}
     shared = shared_names(plan)
-    for c in colls:
-        if c.where in counted:
-            continue
-        label = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(c.where)
-        if label is None and c.kind == "send":
-            label = f"pipeline sends ({c.phase})"
-        elif label is None and c.where in shared:
-            label = "tied weight gradients over the pipeline"
-        elif label is None:
-            label = "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
-        other[label] = other.get(label, Fraction(0)) + c.bytes
+
+    def label(c: Collective) -> str:
+        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(c.where)
+        if fixed is not None:
+            return fixed
+        if c.kind == "send":
+            return f"pipeline sends ({c.phase})"
+        if c.where in shared:
+            return "tied weight gradients over the pipeline"
+        return "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
+
+    other = {what: sum(b.values(), Fraction(0))
+             for what, b in bytes_grouped([c for c in colls if c.where not in counted], label).items()}
     param_bytes = sum(p.local_numel(plan.config) * 4 for p in plan.params)  # fp32 parameters
     return StepReport(tuple(rows), tuple(other.items()), num_parameters, sum(r.flops for r in rows),
                       sum(r.flops for r in rows if r.is_sharded), param_bytes, total_bytes(colls),
