@@ -16,6 +16,8 @@ Before -> After::
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 from torch import fx
 
@@ -31,20 +33,11 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> PassResult:
     if plan.pipeline is None or len(plan.pipeline.stages) < 2:
         return PassResult(gm, False)
     _sink_prologue(gm)
-    stage_of = {seg: k for k, st in enumerate(plan.pipeline.stages) for seg in st.segments}
-    runs: list[list[fx.Node]] = [[] for _ in plan.pipeline.stages]
     seg_of = segment_names(gm)
     position = {n: i for i, n in enumerate(seg_of)}
-    stage = 0
-    for node, seg in seg_of.items():
-        if seg in stage_of:
-            stage = stage_of[seg]
-        elif not seg.startswith("<outside>"):
-            raise PlanError(f"segment {seg!r} of the graph is in no pipeline stage of the plan. The model "
-                            "changed after it was planned; build a new model inside auto_parallelize.")
-        # else: nodes outside every block that the planned capture did not have there (a graph of another
-        # input signature, sizes read between blocks in a graph of symbolic sizes) join the stage before them
-        runs[stage].append(node)
+    runs: list[list[fx.Node]] = [[] for _ in plan.pipeline.stages]
+    for nodes, stage in _staged_runs(list(seg_of.items()), plan):
+        runs[stage].extend(nodes)
     for k, nodes in enumerate(runs):
         if not nodes or position[nodes[-1]] - position[nodes[0]] != len(nodes) - 1:
             raise PlanError(f"pipeline stage {k}'s nodes are not consecutive in the graph; this is an autopar "
@@ -53,6 +46,38 @@ def split_stages(gm: fx.GraphModule, plan: Plan) -> PassResult:
         outline(gm, nodes, f"stage_{k}")
     sizes = ", ".join(str(len(n)) for n in runs)
     return PassResult(gm, True, (f"split into {len(runs)} pipeline stages of {sizes} nodes",))
+
+
+def _staged_runs(seg_of: list[tuple[fx.Node, str]], plan: Plan) -> list[tuple[list[fx.Node], int]]:
+    """The graph's runs of nodes of one segment, each with its stage. A block's run goes to the block's
+    stage. Runs outside the blocks are numbered by their order in each graph, and a graph of another input
+    signature may have runs the planned capture did not (a decode step's cache reads inside a layer, sizes
+    read between blocks under symbolic sizes), which shifts the numbers. So an outside run is matched by
+    position: one between two runs of the same block stays with that block; else it takes the stage of the
+    plan's next segment when that is an outside one (the plan's run at this place), and otherwise joins the
+    stage before it."""
+    stages = plan.pipeline.stages
+    stage_of = {seg: k for k, st in enumerate(stages) for seg in st.segments}
+    order = [seg for st in stages for seg in st.segments]
+    index = {seg: i for i, seg in enumerate(order)}
+    grouped = [(seg, [n for n, _ in group]) for seg, group in itertools.groupby(seg_of, key=lambda t: t[1])]
+    blocks = [seg if not seg.startswith("<outside>") else None for seg, _ in grouped]
+    out, stage, at = [], 0, -1  # at: the plan's segment last matched
+    for i, (seg, nodes) in enumerate(grouped):
+        if not seg.startswith("<outside>"):
+            if seg not in stage_of:
+                raise PlanError(f"segment {seg!r} of the graph is in no pipeline stage of the plan. The model "
+                                "changed after it was planned; build a new model inside auto_parallelize.")
+            stage, at = stage_of[seg], index[seg]
+        else:
+            before = next((b for b in reversed(blocks[:i]) if b is not None), None)
+            after = next((b for b in blocks[i + 1:] if b is not None), None)
+            if not (before is not None and before == after) and at + 1 < len(order) \
+                    and order[at + 1].startswith("<outside>"):
+                at += 1
+                stage = stage_of[order[at]]
+        out.append((nodes, stage))
+    return out
 
 
 def _sink_prologue(gm: fx.GraphModule) -> None:
