@@ -152,6 +152,9 @@ class MemoryConfig:
     """dtype of gradient reductions (weight-gradient reduce-scatters and gradient all-reduces): fp32,
     or the compute dtype to halve their bytes. Activations and weight all-gathers always travel in
     the compute dtype."""
+    shard_optimizer: bool = False
+    """Each data rank keeps the optimizer state of 1/data of every parameter, steps that part and all-gathers
+    the updated parameters (ZeRO stage 1, ``autopar.runtime.data_shards``)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -159,6 +162,9 @@ class MemoryConfig:
         if self.reduce_dtype not in ("fp32", self.precision):
             raise ConfigError(f"reduce_dtype={self.reduce_dtype!r} is invalid with precision={self.precision!r}. "
                               f"Use 'fp32' or {self.precision!r}.")
+        if not isinstance(self.shard_optimizer, bool):
+            raise ConfigError(f"shard_optimizer={self.shard_optimizer!r} is invalid. Use True (the optimizer state "
+                              "split over the data ranks) or False.")
         c = self.checkpoint
         if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
             raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "

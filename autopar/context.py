@@ -84,7 +84,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
                      eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
                      defer_init: bool = True, plan: str | None = None,
-                     compile: bool | str = "auto") -> Iterator[ParallelConfig | None]:
+                     compile: bool | str = "auto", shard_optimizer: bool = False) -> Iterator[ParallelConfig | None]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -145,6 +145,10 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             ``torch.compile`` with Inductor, its collectives as graph nodes (autopar/runtime/compiled.py);
             a graph that does not compile runs eagerly with one warning line. False: eagerly, op by op.
             "auto" (default): compiled on CUDA devices, eager on CPU. Same results either way.
+        shard_optimizer: True: each data rank keeps the optimizer state of 1/data of every parameter (ZeRO
+            stage 1, Megatron's distributed optimizer), steps that part and all-gathers the updated parameters
+            (autopar/runtime/data_shards.py). Gradients stay whole, as under DDP. For torch.optim's elementwise
+            optimizers (Adam, AdamW, SGD, ...); another keeps its whole state with one warning line.
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -157,7 +161,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     """
     options = _options(tensor=tensor, data=data, pipeline=pipeline, microbatches=microbatches, schedule=schedule,
                        chunks=chunks, checkpoint=checkpoint, precision=precision, reduce_dtype=reduce_dtype,
-                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan, compile=compile)
+                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan, compile=compile,
+                       shard_optimizer=shard_optimizer)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -209,7 +214,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
              microbatches: int | None = None, schedule: str | None = None, chunks: int | None = None,
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
-             plan: str | None = None, compile: bool | str = "auto") -> _Options:
+             plan: str | None = None, compile: bool | str = "auto", shard_optimizer: bool = False) -> _Options:
     """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
@@ -228,7 +233,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
         given["chunks"] = pipe.stages_per_rank
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
-    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype), pipe,
+    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer), pipe,
                     InputConfig(batch, eval_timeout, batch_dims), CompileConfig(compile),
                     open=plan is None and tensor is None and data is None and pipeline is None)
 

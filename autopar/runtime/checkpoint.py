@@ -26,6 +26,7 @@ from autopar.compat import disabled_torch_function_impl, dtensor_spec, local_or_
 from autopar.errors import CheckpointError
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
+from autopar.runtime.data_shards import piece_of
 from autopar.runtime.param_layout import local_indices, local_of, local_piece, make_dtensor, runs
 
 SCALAR_STATE = frozenset({"step", "eta", "mu"})
@@ -143,7 +144,7 @@ def full_optimizer_state(store: Any, optimizer: torch.optim.Optimizer) -> dict[s
             entry = {}
             for k, v in keys.items():
                 if isinstance(v, str) and v == "layout":
-                    local = local_of(mine[k]) if held and k in mine else None
+                    local = piece_of(mine[k]) if held and k in mine else None
                     entry[k] = local.clone() if pp is None else store.full(local, pp)
                 else:
                     entry[k] = v.clone() if isinstance(v, torch.Tensor) else v

@@ -17,6 +17,7 @@ given: correct wherever DTensor supports its ops, at DTensor's speed.
 
 from __future__ import annotations
 
+import logging
 from collections import ChainMap, defaultdict
 from collections.abc import Callable
 from typing import Any
@@ -32,8 +33,11 @@ from autopar.compat import dtensor_spec, local_tensor
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
+from autopar.runtime.data_shards import DataShards, Layout
 from autopar.runtime.parameters import owner_of
-from autopar.runtime.param_layout import make_dtensor
+from autopar.runtime.param_layout import local_of, make_dtensor
+
+log = logging.getLogger(__name__)
 
 ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad,
                          torch.optim.Adadelta, torch.optim.Adamax, torch.optim.NAdam, torch.optim.RAdam,
@@ -42,9 +46,11 @@ ELEMENTWISE = frozenset({torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, t
 
 
 _twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_chunk_twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _swapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
-"""optimizer -> (the stand-in its step runs on, [(parameter, twin, state before the step)], absent parameters)
-during its step."""
+"""optimizer -> (the stand-in its step runs on, [(parameter, twin, state before the step)], absent parameters,
+[(parameter, twin, state before the step, its Layout, its mesh, its DataShards)]) during its step."""
+_warned: set[type] = set()
 
 
 def _ours(p: Any) -> bool:
@@ -67,6 +73,44 @@ def _local(value: Any) -> Any:
     return local_tensor(value) if isinstance(value, DTensor) else value
 
 
+def _data_shards(p: Any) -> tuple[DataShards, Any] | None:
+    """The DataShards splitting ``p``'s optimizer state over data and its store (``shard_optimizer=True``)."""
+    store = owner_of(p)
+    shards = getattr(store, "data_shards", None)
+    return None if shards is None else (shards, store)
+
+
+def _chunk_twin(p: Any, piece: torch.Tensor, layout: Layout) -> nn.Parameter:
+    """A plain parameter viewing this data rank's chunk of ``p``'s local piece (the step updates it in place)."""
+    view = layout.chunk(piece.detach())
+    twin = _chunk_twins.get(p)
+    if twin is None or twin.data_ptr() != view.data_ptr() or twin.shape != view.shape \
+            or twin.stride() != view.stride():
+        twin = _chunk_twins[p] = nn.Parameter(view, requires_grad=p.requires_grad)
+    return twin
+
+
+def _chunk_state(key: str, value: Any, piece: torch.Tensor, layout: Layout) -> Any:
+    """State ``value`` of a data-sharded parameter as its twin's step reads it: this rank's chunk."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key in SCALAR_STATE:
+        return value
+    if isinstance(value, DTensor) and tuple(value.placements) == layout.placements:
+        return local_tensor(value)
+    local = _local(value)
+    if local.shape == piece.shape:  # whole (built before sharding, or loaded): keep the chunk
+        return layout.chunk(local).clone()
+    return local
+
+
+def _wrap_chunk(key: str, value: Any, p: Any, layout: Layout, mesh: Any, before: Any) -> Any:
+    """A data-sharded parameter's new state ``value`` as kept between steps: a DTensor split over data."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or key in SCALAR_STATE:
+        return value
+    if isinstance(before, DTensor) and local_tensor(before) is value:
+        return before
+    return checkpointable(make_dtensor(value, mesh, layout.placements, p.shape))
+
+
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
     for group in optimizer.param_groups:  # state made before the first call sharded its parameter
         for p in group["params"]:
@@ -74,12 +118,33 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
             if store is not None and isinstance(p, DTensor):
                 relayout_state(store, optimizer, p)
     if type(optimizer) not in ELEMENTWISE:
+        if type(optimizer) not in _warned and any(_data_shards(p) for g in optimizer.param_groups
+                                                  for p in g["params"]):
+            _warned.add(type(optimizer))
+            log.warning("autopar: shard_optimizer=True splits the state of torch.optim's elementwise optimizers "
+                        "(%s); %s keeps its whole state on every data rank.",
+                        ", ".join(sorted(c.__name__ for c in ELEMENTWISE)), type(optimizer).__name__)
         return None
-    swapped, absent, groups = [], [], []
+    swapped, absent, groups, sharded = [], [], [], []
     state: defaultdict[Any, dict] = defaultdict(dict)  # as Optimizer.state
     for group in optimizer.param_groups:
         params = list(group["params"])
         for i, p in enumerate(params):
+            found = None if (_ours(p) and _absent(p)) else _data_shards(p)
+            if found is not None:
+                shards, store = found
+                piece = local_of(p)
+                mesh = p.device_mesh if isinstance(p, DTensor) else store.mesh.param_mesh()
+                layout = shards.layout(p, piece, mesh.ndim)
+                if layout is not None:
+                    twin = _chunk_twin(p, piece, layout)
+                    twin.grad = None if p.grad is None else layout.chunk(local_of(p.grad))
+                    before = optimizer.state.get(p)
+                    if before:
+                        state[twin] = {k: _chunk_state(k, v, piece, layout) for k, v in before.items()}
+                    params[i] = twin
+                    sharded.append((p, twin, before or {}, layout, mesh, shards))
+                    continue
             if not _ours(p) or _absent(p):  # (another pipeline stage's: no gradient here, the step skips it)
                 if _ours(p):
                     absent.append(p)
@@ -94,22 +159,22 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
             params[i] = twin
             swapped.append((p, twin, before or {}))
         groups.append(ChainMap({"params": params}, group))  # the group's other keys read through, as they are now
-    if not swapped and not absent:
+    if not swapped and not absent and not sharded:
         return None
     # The step runs on a stand-in sharing everything but its groups and state: the optimizer the script holds
     # never holds the twins, so a step that raises leaves it as it was.
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(vars(optimizer))
     stand_in.param_groups, stand_in.state = groups, state
-    _swapped[optimizer] = (stand_in, swapped, absent)
+    _swapped[optimizer] = (stand_in, swapped, absent, sharded)
     return (stand_in, *args[1:]), kwargs
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stand_in, swapped, absent = _swapped.pop(optimizer, (None, (), ()))
+    stand_in, swapped, absent, sharded = _swapped.pop(optimizer, (None, (), (), ()))
     if stand_in is None:
         return
-    twins = {id(twin) for _, twin, _ in swapped}
+    twins = {id(twin) for _, twin, _ in swapped} | {id(twin) for _, twin, *_ in sharded}
     for p, state in stand_in.state.items():  # state of plain parameters, made by this step
         if id(p) not in twins and state:
             optimizer.state[p] = state
@@ -120,6 +185,16 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
         if state:
             optimizer.state[p] = {k: _wrap(k, v, p, before.get(k)) for k, v in state.items()}
             template = template or optimizer.state[p]
+    gathers: dict[int, tuple[DataShards, list]] = {}
+    for p, twin, before, layout, mesh, shards in sharded:
+        state = stand_in.state.get(twin)
+        twin.grad = None
+        if state:
+            optimizer.state[p] = {k: _wrap_chunk(k, v, p, layout, mesh, before.get(k)) for k, v in state.items()}
+            template = template or optimizer.state[p]
+        gathers.setdefault(id(shards), (shards, []))[1].append((local_of(p).detach(), layout))
+    for shards, pieces in gathers.values():  # every data rank's updated chunks, into every rank's parameters
+        shards.gather(pieces)
     for p in absent:
         if template and not optimizer.state.get(p):
             optimizer.state[p] = {k: _absent_like(v, p) for k, v in template.items()}

@@ -28,6 +28,7 @@ from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import gather_pieces
 from autopar.runtime.param_layout import (DIMS, TIED_DIMS, distribute_parameters, local_of, local_piece,
                                           make_dtensor, own_piece, placements, set_layout, splits_parameters)
+from autopar.runtime.data_shards import DataShards
 from autopar.runtime.pending import LazyRead, is_pending, loaded_value
 
 log = logging.getLogger(__name__)
@@ -75,6 +76,9 @@ class ParamStore:
         for p in self.unique():
             _owners[id(p)] = weakref.ref(self)
         self.plan: Plan | None = None
+        self.data_shards: DataShards | None = None
+        """Set by the runtime under ``shard_optimizer=True`` with data > 1: the optimizer keeps this data rank's
+        chunk of each parameter's state (``autopar.runtime.data_shards``)."""
         self.readers: dict[str, tuple[int, ...]] = {}
         """pipeline > 1: parameter name -> the pipeline coordinates whose stages read it."""
         self.held: set[int] | None = None

@@ -27,6 +27,7 @@ from autopar.errors import CaptureError, InputError
 from autopar.machines import local_rates
 from autopar.memory import device_budget, half_dtype
 from autopar.planner import PlanOptions, decide_plan, pooled_rows
+from autopar.runtime.data_shards import DataShards
 from autopar.runtime import collectives as C
 from autopar.runtime import executables, norms, optim
 from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
@@ -82,6 +83,9 @@ class ParallelRuntime:
             installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))
         self.store = ParamStore(model, config, mesh, pending, dtensors)
         self.params = self.store.params
+        if memory.shard_optimizer and config.data > 1:
+            self.store.data_shards = DataShards(mesh)
+            optim.install()  # each data rank steps its chunk of every parameter
         if self.store.dtensors:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
             optim.install()  # torch.optim's elementwise optimizers step on the local pieces

@@ -1,0 +1,84 @@
+"""``shard_optimizer=True`` (ZeRO stage 1): each data rank keeps 1/data of every parameter's optimizer state,
+steps it and all-gathers the parameters; losses, gradients, parameters and the full optimizer state equal
+serial's on every grid kind with data >= 2, through the script's own clipping and accumulation."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+from autopar.examples.fc_net import FC_Net
+from autopar.runtime.absent import Absent
+from autopar.runtime.param_layout import local_of
+from tests.helpers import SMALL, batches, rel_err
+
+GRIDS = {"d4": dict(data=4), "d2t2": dict(data=2, tensor=(2, 1, 1)), "d2p2": dict(data=2, pipeline=2),
+         "d2t1x2": dict(data=2, tensor=(1, 2, 1))}
+
+
+def _script(model: torch.nn.Module, data: list, accumulate: int = 1) -> tuple[list[float], torch.optim.Optimizer]:
+    """A serial training loop: AdamW with weight decay, clipping, two micro-steps of accumulation."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    losses = []
+    for x, y in data:
+        for part in (x.chunk(accumulate) if accumulate > 1 else (x,)):
+            rows = part.shape[0]
+            loss = F.cross_entropy(model(part), y[:rows]) if accumulate == 1 else None
+            if loss is None:
+                loss = F.cross_entropy(model(part), y[:rows])
+                y = y[rows:]
+            (loss / accumulate).backward()
+            losses.append(loss.item())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+    return losses, opt
+
+
+def _state_bytes(opt: torch.optim.Optimizer) -> int:
+    """Bytes of optimizer state this rank stores (another pipeline stage's parameters' state stores none)."""
+    return sum(local_of(v).numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
+               if isinstance(v, torch.Tensor) and v.dim() > 0 and not isinstance(local_of(v), Absent))
+
+
+def _worker(grids: dict) -> dict:
+    data = batches(steps=3, batch=16, last=16)
+    out = {}
+    for name, grid in grids.items():
+        for shard in (False, True):
+            torch.manual_seed(0)
+            with autopar.auto_parallelize(**grid, shard_optimizer=shard):
+                model = FC_Net(**SMALL)
+            autopar.reset_comm_stats()
+            losses, opt = _script(model, data)
+            full = autopar.full_optimizer_state_dict(model, opt)
+            out[name, shard] = dict(losses=losses, params=autopar.full_state_dict(model),
+                                    state=full["state"], bytes=_state_bytes(opt),
+                                    comm=autopar.comm_stats())
+            autopar.detach(model)
+    return out
+
+
+def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distributed):
+    data = batches(steps=3, batch=16, last=16)
+    torch.manual_seed(0)
+    serial = FC_Net(**SMALL)
+    losses, opt = _script(serial, data)
+    names = {id(p): n for n, p in serial.named_parameters()}
+    state = {names[id(p)]: s for p, s in opt.state.items()}
+    results = distributed(_worker, 4, GRIDS)
+    for r, res in enumerate(results):
+        for (name, shard), got in res.items():
+            where = f"{name} shard={shard} rank {r}"
+            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, where
+            for k, v in serial.state_dict().items():
+                assert rel_err(got["params"][k], v) < 1e-5, (where, k)
+            for k, s in state.items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert rel_err(got["state"][k][key], s[key]) < 1e-5, (where, k, key)
+        for name in GRIDS:
+            whole, split = res[name, False]["bytes"], res[name, True]["bytes"]
+            data = GRIDS[name]["data"]
+            assert split < whole / data * 1.3, (name, r, split, whole)
