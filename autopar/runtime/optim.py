@@ -145,9 +145,10 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
                     params[i] = twin
                     sharded.append((p, twin, before or {}, layout, mesh, shards))
                     continue
-            if not _ours(p) or _absent(p):  # (another pipeline stage's: no gradient here, the step skips it)
-                if _ours(p):
+            if not _ours(p) or _absent(p):
+                if _ours(p):  # another pipeline stage's: left out of the step (DCP's first step gives it a zero grad)
                     absent.append(p)
+                    params[i] = None
                 if optimizer.state.get(p):
                     state[p] = optimizer.state[p]
                 continue
@@ -158,7 +159,7 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
                 state[twin] = {k: _local(v) for k, v in before.items()}
             params[i] = twin
             swapped.append((p, twin, before or {}))
-        groups.append(ChainMap({"params": params}, group))  # the group's other keys read through, as they are now
+        groups.append(ChainMap({"params": [p for p in params if p is not None]}, group))  # the group's other keys read through, as they are now
     if not swapped and not absent and not sharded:
         return None
     # The step runs on a stand-in sharing everything but its groups and state: the optimizer the script holds

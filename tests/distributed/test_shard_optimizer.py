@@ -82,3 +82,72 @@ def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distribut
             whole, split = res[name, False]["bytes"], res[name, True]["bytes"]
             data = GRIDS[name]["data"]
             assert split < whole / data * 1.3, (name, r, split, whole)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list) -> list[float]:
+    losses = []
+    for x, y in data:
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+RESUMES = [("dcp", "d2t2", True, "d4", False), ("dcp", "d4", False, "d2p2", True),
+           ("dcp", "d4", True, "d2t1x2", True), ("full", "d2t2", True, "d4", True)]
+"""(how it is saved, the grid and shard_optimizer of the run that saves, those of the run that resumes)."""
+
+
+def _resume_worker() -> dict:
+    from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
+                                                         set_model_state_dict, set_optimizer_state_dict)
+    import tempfile
+    import torch.distributed.checkpoint as dcp
+    data = batches(steps=4, batch=16, last=16)
+    out = {}
+    for how, src, src_shard, dst, dst_shard in RESUMES:
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(**GRIDS[src], shard_optimizer=src_shard):
+            model = FC_Net(**SMALL)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        losses = _train(model, opt, data[:2])
+        box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(box)
+        if how == "dcp":
+            dcp.save({"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)},
+                     checkpoint_id=box[0])
+        else:
+            saved = (autopar.full_state_dict(model), autopar.full_optimizer_state_dict(model, opt))
+        autopar.detach(model)
+        torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
+        with autopar.auto_parallelize(**GRIDS[dst], shard_optimizer=dst_shard):
+            model = FC_Net(**SMALL)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+        if how == "dcp":
+            model(data[0][0])  # the first call shards the parameters
+            state = {"model": get_model_state_dict(model), "optim": get_optimizer_state_dict(model, opt)}
+            dcp.load(state, checkpoint_id=box[0])
+            set_model_state_dict(model, state["model"])
+            set_optimizer_state_dict(model, opt, state["optim"])
+        else:
+            model.load_state_dict(saved[0])
+            autopar.load_full_optimizer_state_dict(model, opt, saved[1])
+        losses += _train(model, opt, data[2:])
+        out[how, src, dst] = dict(losses=losses, params=autopar.full_state_dict(model))
+        autopar.detach(model)
+    return out
+
+
+def test_optimizer_state_resumes_across_grids_sharded_or_not(distributed):
+    data = batches(steps=4, batch=16, last=16)
+    torch.manual_seed(0)
+    serial = FC_Net(**SMALL)
+    losses = _train(serial, torch.optim.AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1), data)
+    for r, res in enumerate(distributed(_resume_worker, 4)):
+        for key, got in res.items():
+            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (key, r, got["losses"], losses)
+            for k, v in serial.state_dict().items():
+                assert rel_err(got["params"][k], v) < 1e-5, (key, r, k)
