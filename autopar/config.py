@@ -36,16 +36,22 @@ class ParallelConfig:
     """Tensor-parallel ranks splitting each weight block and the batch (the paper's G_d)."""
     pipeline: int = 1
     """Pipeline stages: each rank holds the layers of one stage (or several, interleaved)."""
+    shard_optimizer: bool = False
+    """The data ranks split the optimizer state (ZeRO stage 1): each keeps, steps and then all-gathers 1/data of
+    every parameter (``auto_parallelize(shard_optimizer=True)``, ``autopar.runtime.data_shards``)."""
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"parallel degree {name}={value!r} is invalid. Use an integer >= 1.")
+        if not isinstance(self.shard_optimizer, bool):
+            raise ConfigError(f"shard_optimizer={self.shard_optimizer!r} is invalid. Use True (the optimizer state "
+                              "split over the data ranks) or False.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
-                  world_size: int | None = None, pipeline: int = 1) -> ParallelConfig:
+                  world_size: int | None = None, pipeline: int = 1, shard_optimizer: bool = False) -> ParallelConfig:
         """Validates the user's ``tensor=(row, col, depth)``, ``pipeline`` and ``data`` against the world size.
 
         ``data=None`` means "every rank not used by tensor or pipeline parallelism" (pure data
@@ -68,7 +74,7 @@ class ParallelConfig:
                                   f"multiple of {used} processes or change tensor=/pipeline=.")
             else:
                 data = world_size // used
-        config = cls(data, row, col, depth, pipeline)
+        config = cls(data, row, col, depth, pipeline, shard_optimizer)
         if world_size is not None and config.world_size != world_size:
             raise ConfigError(
                 f"world size {world_size} does not match data*pipeline*row*col*depth = "
@@ -131,7 +137,8 @@ class ParallelConfig:
 
     def __str__(self) -> str:
         stages = f" pipeline={self.pipeline}" if self.pipeline > 1 else ""
-        return f"data={self.data}{stages} tensor=(row={self.row}, col={self.col}, depth={self.depth})"
+        zero = " shard_optimizer" if self.shard_optimizer and self.data > 1 else ""
+        return f"data={self.data}{stages} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -227,7 +227,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
         given.update(zip(("row", "col", "depth"), tuple(tensor)))
     config = None if plan == "auto" else ParallelConfig.from_user(
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
-        pipeline=1 if pipeline is None else pipeline)
+        pipeline=1 if pipeline is None else pipeline, shard_optimizer=shard_optimizer)
     pipe = PipelineConfig(microbatches, schedule or "1f1b", chunks)
     if schedule is not None or chunks is not None:  # the search keeps the user's schedule's stages per rank
         given["chunks"] = pipe.stages_per_rank
@@ -250,7 +250,8 @@ def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: 
         config, pipe = None if big else options.config, options.pipe
         later = config is None and example_inputs is None
         if later:  # a provisional grid until each model's first call chooses one
-            config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size())
+            config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size(),
+                                              shard_optimizer=options.memory.shard_optimizer)
         elif config is None:  # (plan="auto" chooses one grid for one model: several raise)
             config, pipe = choose_grid_now([model] if big else roots, example_inputs, options.given, options.memory, pipe)
         plans.append((model, config, pipe, later))

@@ -177,6 +177,33 @@ class ParamPlan:
             return numel // size * -(-size // n)
         return numel
 
+    def local_shape(self, config: ParallelConfig) -> tuple[int, ...]:
+        """The shape of this parameter's piece on a rank (the largest one where a split is uneven)."""
+        shape = list(self.shape)
+        for dim, n in self.split_dims(config).items():
+            shape[dim] = -(-shape[dim] // n)
+        return tuple(shape)
+
+    def split_dims(self, config: ParallelConfig) -> dict[int, int]:
+        """The dims of this parameter the tensor axes split, and into how many pieces each."""
+        out: dict[int, int] = {}
+
+        def split(dim: int, n: int) -> None:
+            if n > 1:
+                out[dim] = out.get(dim, 1) * n
+
+        o = self.orientation
+        if self.kind is ParamKind.WEIGHT_3D:
+            out_dim, in_dim = (1, 0) if self.weight_in_out else (0, 1)
+            split(out_dim, config.size(o.out_axis))
+            split(in_dim, config.size(o.in_axis))
+            split(0, config.depth)  # the block's rows, again over depth
+        elif self.kind is ParamKind.BIAS:
+            split(0, config.size(o.out_axis))
+        elif self.kind is ParamKind.SPLIT:
+            split(self.split_dim, config.size(self.split_axis))
+        return out
+
 
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:

@@ -27,6 +27,7 @@ from autopar.compat import StridedShard, local_tensor
 from autopar.runtime import collectives as C
 from autopar.runtime.grad_sync import BUCKET_BYTES
 from autopar.runtime.mesh import Mesh
+from passes.analysis.optimizer_shards import chunk_rows, state_split_dim
 
 DATA_DIM = 0
 """The data axis's dim in every parameter mesh (``param_layout.DIMS`` and ``TIED_DIMS`` start with it)."""
@@ -34,9 +35,7 @@ DATA_DIM = 0
 
 def bounds(n: int, size: int, index: int) -> tuple[int, int]:
     """Rows [lo, hi) of ``n`` that chunk ``index`` of ``size`` holds (``torch.chunk``'s split, empty at the end)."""
-    step = -(-n // size)
-    lo = min(n, index * step)
-    return lo, min(n, lo + step)
+    return chunk_rows(n, size, index)
 
 
 class Layout:
@@ -62,12 +61,11 @@ class DataShards:
         """The split of ``p``'s state (``piece``: its local tensor; ``ndim``: its mesh's dims, for a plain
         parameter the store's parameter mesh); None when its state stays whole."""
         placements = p.placements if isinstance(p, DTensor) else (Replicate(),) * ndim
-        split = {q.dim for q in placements if isinstance(q, Shard | StridedShard)}
-        for dim in range(piece.dim()):
-            if dim not in split and piece.shape[dim] > 1:
-                lo, hi = bounds(piece.shape[dim], self.size, self.index)
-                return Layout(dim, lo, hi, (Shard(dim), *placements[DATA_DIM + 1:]))
-        return None
+        dim = state_split_dim(piece.shape, {q.dim for q in placements if isinstance(q, Shard | StridedShard)})
+        if dim is None:
+            return None
+        lo, hi = bounds(piece.shape[dim], self.size, self.index)
+        return Layout(dim, lo, hi, (Shard(dim), *placements[DATA_DIM + 1:]))
 
     def gather(self, pieces: Sequence[tuple[torch.Tensor, Layout]]) -> None:
         """Every data rank's updated chunks into each local piece (in place): all-gathers in buckets."""

@@ -83,7 +83,7 @@ class ParallelRuntime:
             installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))
         self.store = ParamStore(model, config, mesh, pending, dtensors)
         self.params = self.store.params
-        if memory.shard_optimizer and config.data > 1:
+        if config.shard_optimizer and config.data > 1:
             self.store.data_shards = DataShards(mesh)
             optim.install()  # each data rank steps its chunk of every parameter
         if self.store.dtensors:

@@ -42,6 +42,7 @@ from passes.analysis.graph_facts import (
 )
 from passes.analysis.layout_rules import LayoutResult, output_node
 from passes.analysis.layouts import kept_split
+from passes.analysis.optimizer_shards import gathered_numel
 from passes.ir import BatchInfo, Sharding, graph_info, input_info, vocab_cross_entropy
 
 
@@ -243,6 +244,10 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         axis = "+".join(plan.grad_axes)
         nbytes = plan.local_numel(config) * t.element_size()
         out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
+        if config.shard_optimizer and config.data > 1:  # the updated chunks, from every data rank
+            numel = gathered_numel(plan.local_shape(config), plan.split_dims(config), config.data)
+            if numel:
+                out.append(Collective("all_gather", "data", config.data, numel * t.element_size(), "step", name))
     return [c for c in out if c.group_size > 1]
 
 

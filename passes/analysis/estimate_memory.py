@@ -51,6 +51,7 @@ from autopar.compat import pytree
 from autopar.decisions import Plan
 from passes.analysis.graph_facts import attention_flops, module_of, param_name, rows_of, tensor_meta
 from passes.analysis.make_plan import layouts_for
+from passes.analysis.optimizer_shards import kept_numel
 from passes.ir import Sharding, graph_info, input_info
 
 log = logging.getLogger(__name__)
@@ -450,7 +451,12 @@ def _output_bytes(gm: fx.GraphModule) -> list[int]:
 
 def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[str, ...]) -> MemoryProfile:
     """The profile of ``segments`` with parameter, gradient and optimizer bytes from ``plan``."""
-    local = {p.name: p.local_numel(plan.config) * 4 for p in plan.params}  # fp32
+    config = plan.config
+    local = {p.name: p.local_numel(config) * 4 for p in plan.params}  # fp32
     trainable = sum(b for name, b in local.items() if name not in frozen)
+    state = trainable
+    if config.shard_optimizer and config.data > 1:  # each data rank keeps one chunk of every piece's state
+        state = sum(4 * kept_numel(p.local_shape(config), p.split_dims(config), config.data)
+                    for p in plan.params if p.name not in frozen)
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
-    return MemoryProfile(segments, sum(local.values()), trainable, 2 * trainable, frozen, largest)
+    return MemoryProfile(segments, sum(local.values()), trainable, 2 * state, frozen, largest)

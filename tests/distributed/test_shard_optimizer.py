@@ -10,7 +10,10 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.examples.fc_net import FC_Net
+from autopar.parallel_model import runtime_of
+from autopar.planner import plan_model
 from autopar.runtime.absent import Absent
+from autopar.runtime.collectives import comm_calls
 from autopar.runtime.param_layout import local_of
 from tests.helpers import SMALL, batches, rel_err
 
@@ -53,10 +56,25 @@ def _worker(grids: dict) -> dict:
                 model = FC_Net(**SMALL)
             autopar.reset_comm_stats()
             losses, opt = _script(model, data)
-            full = autopar.full_optimizer_state_dict(model, opt)
-            out[name, shard] = dict(losses=losses, params=autopar.full_state_dict(model),
-                                    state=full["state"], bytes=_state_bytes(opt),
-                                    comm=autopar.comm_stats())
+            state = {k: {j: torch.as_tensor(v).clone() for j, v in e.items()}  # (the step below changes them)
+                     for k, e in autopar.full_optimizer_state_dict(model, opt)["state"].items()}
+            params = {k: v.clone() for k, v in autopar.full_state_dict(model).items()}
+            x, y = data[0]
+            F.cross_entropy(model(x), y).backward()
+            autopar.reset_comm_stats()
+            opt.step()  # the step's own bytes: the parameters' all-gather
+            sent = autopar.comm_stats()
+            runtime = runtime_of(model)
+            with torch.device("meta"):
+                shadow = FC_Net(**SMALL)
+            _, report = plan_model(shadow, (x,), runtime.config, rank=dist.get_rank(),
+                                   pipeline=runtime.config.pipeline, microbatches=runtime.num_microbatches)
+            out[name, shard] = dict(losses=losses, params=params,
+                                    state=state, bytes=_state_bytes(opt),
+                                    predicted_bytes=autopar.plan_of(model).memory.optimizer_bytes,
+                                    gathered=sent.get("all_gather", 0.0), calls=comm_calls().get("all_gather", 0),
+                                    predicted_gathered=float(sum(c.bytes for c in report.collectives
+                                                                 if c.phase == "step" and c.kind == "all_gather")))
             autopar.detach(model)
     return out
 
@@ -78,6 +96,13 @@ def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distribut
             for k, s in state.items():
                 for key in ("exp_avg", "exp_avg_sq"):
                     assert rel_err(got["state"][k][key], s[key]) < 1e-5, (where, k, key)
+        for (name, shard), got in res.items():
+            # the state kept, as the memory plan predicts it (the first data rank's chunk is the largest)
+            assert got["bytes"] <= got["predicted_bytes"] * 1.05, (name, shard, r, got["bytes"], got["predicted_bytes"])
+            if r == 0:
+                assert got["bytes"] >= got["predicted_bytes"] * 0.98, (name, shard, got["bytes"], got["predicted_bytes"])
+            assert got["gathered"] == got["predicted_gathered"], (name, shard, r, got)
+            assert (got["calls"] == 1) == shard, (name, shard, r, got["calls"])  # one bucket: one all-gather
         for name in GRIDS:
             whole, split = res[name, False]["bytes"], res[name, True]["bytes"]
             data = GRIDS[name]["data"]
