@@ -153,12 +153,16 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"the machine whose rates cut --pipeline's stages: {', '.join(BUILT_IN)} or a JSON file "
                              "(python -m autopar.plan --calibrate writes one); default: this machine, as "
                              "auto_parallelize here would cut them")
+    parser.add_argument("--shard-optimizer", action="store_true",
+                        help="each data rank keeps 1/data of the optimizer state and all-gathers the updated "
+                             "parameters, as auto_parallelize(shard_optimizer=True) runs it (ZeRO stage 1)")
     parser.add_argument("--capture-all-blocks", action="store_true",
                         help="capture every repeated block instead of three (slower; the plan is the same "
                              "whenever the shortcut applies)")
     args = parser.parse_args(argv)
     try:
-        config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1))
+        config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1),
+                                shard_optimizer=args.shard_optimizer)
         module = load_model_file(args.model)
         with torch.device("meta"):
             model = module.build_model()

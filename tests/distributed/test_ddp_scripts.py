@@ -77,7 +77,7 @@ def _train(model, spelling: str, grads_of, steps: int = 3, lengths: tuple[int, .
 
 
 def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync", unscaled: bool = False,
-               lengths: tuple[int, ...] = ()) -> dict:
+               lengths: tuple[int, ...] = (), shard_optimizer: bool = False) -> dict:
     torch.manual_seed(0)
     if grid is None:
         module = NanoGPT(GPTConfig(**CONFIG))
@@ -90,7 +90,7 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
 
         per_rank._Scaled.backward = staticmethod(lambda ctx, dy: (dy, None, None, None))
     tensor, data = grid
-    with autopar.auto_parallelize(tensor=tensor, data=data):
+    with autopar.auto_parallelize(tensor=tensor, data=data, shard_optimizer=shard_optimizer):
         model = NanoGPT(GPTConfig(**CONFIG))
     out = _train(model, spelling, lambda: {k: v.clone() for k, v in runtime_of(model).full_grads().items()},
                  lengths=lengths)
@@ -103,6 +103,14 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
 def test_ddp_script_with_loss_in_forward_matches_ddp(grid, distributed):
     want = distributed(ddp_worker, 4, None)
     got = distributed(ddp_worker, 4, GRIDS[grid], "no_sync" if grid == "t221" else "require_backward_grad_sync")
+    _check_against_ddp(grid, got, want)
+
+
+@pytest.mark.parametrize("grid", ["d4", "t211-d2"])
+def test_ddp_script_with_the_optimizer_state_sharded_matches_ddp(grid, distributed):
+    """``shard_optimizer=True`` under DDP's idioms (no_sync accumulation, two parameter groups, clipping)."""
+    want = distributed(ddp_worker, 4, None)
+    got = distributed(ddp_worker, 4, GRIDS[grid], "no_sync", shard_optimizer=True)
     _check_against_ddp(grid, got, want)
 
 

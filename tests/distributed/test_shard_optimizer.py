@@ -176,3 +176,80 @@ def test_optimizer_state_resumes_across_grids_sharded_or_not(distributed):
             assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (key, r, got["losses"], losses)
             for k, v in serial.state_dict().items():
                 assert rel_err(got["params"][k], v) < 1e-5, (key, r, k)
+
+
+def _scaler_worker() -> dict:
+    """fp16 with torch's GradScaler (unscale_, clipping, a skipped step), sharded and not."""
+    data = batches(steps=3, batch=16, last=16)
+    out = {}
+    for name in ("d4", "d2t2"):
+        for shard in (False, True):
+            torch.manual_seed(0)
+            with autopar.auto_parallelize(**GRIDS[name], precision="fp16", shard_optimizer=shard):
+                model = FC_Net(**SMALL)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+            weight = next(model.parameters())
+            losses, scales, skipped = [], [], []
+            for step, (x, y) in enumerate(data):
+                hook = weight.register_hook(lambda g: g * float("inf")) if step == 1 and dist.get_rank() == 0 \
+                    else None  # one rank's gradient overflows: every rank must skip this step
+                before = {k: v.clone() for k, v in autopar.full_state_dict(model).items()}
+                loss = F.cross_entropy(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+                scaler.step(opt)
+                scaler.update()
+                opt.zero_grad()
+                if hook is not None:
+                    hook.remove()
+                after = autopar.full_state_dict(model)
+                skipped.append(all(torch.equal(before[k], after[k]) for k in before))
+                losses.append(loss.item())
+                scales.append(scaler.get_scale())
+            out[name, shard] = dict(losses=losses, scales=scales, skipped=skipped,
+                                    params={k: v.clone() for k, v in autopar.full_state_dict(model).items()})
+            autopar.detach(model)
+    return out
+
+
+def test_fp16_grad_scaler_steps_and_skips_alike_sharded_or_not(distributed):
+    for r, res in enumerate(distributed(_scaler_worker, 4)):
+        for name in ("d4", "d2t2"):
+            whole, split = res[name, False], res[name, True]
+            assert split["skipped"] == whole["skipped"] == [False, True, False], (name, r, split["skipped"])
+            assert split["scales"] == whole["scales"], (name, r)
+            assert max(abs(a - b) for a, b in zip(split["losses"], whole["losses"])) < 1e-6, (name, r)
+            for k, v in whole["params"].items():
+                assert rel_err(split["params"][k], v) < 1e-6, (name, r, k)
+
+
+def _other_optimizer_worker() -> dict:
+    import logging
+    data = batches(steps=2, batch=16, last=16)
+    out = {}
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())
+    logging.getLogger("autopar").addHandler(handler)
+    for shard in (False, True):
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(data=4, shard_optimizer=shard):
+            model = FC_Net(**SMALL)
+        opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)  # not elementwise: its state stays whole
+        for x, y in data:
+            F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        out[shard] = {k: v.clone() for k, v in autopar.full_state_dict(model).items()}
+        autopar.detach(model)
+    out["warnings"] = [m for m in records if "shard_optimizer" in m]
+    return out
+
+
+def test_other_optimizers_keep_their_whole_state_with_one_warning(distributed):
+    for r, res in enumerate(distributed(_other_optimizer_worker, 4)):
+        assert len(res["warnings"]) == 1 and "Adafactor keeps its whole state" in res["warnings"][0], res["warnings"]
+        for k, v in res[False].items():
+            assert torch.equal(res[True][k], v), (r, k)

@@ -33,6 +33,23 @@ def test_trace_prints_table_and_writes_json(tmp_path, capsys):
     assert d["param_bytes_per_rank"] < 142_686_218 * 4 / 3
 
 
+def test_trace_shows_the_optimizer_state_sharded_over_data(tmp_path, capsys):
+    """--shard-optimizer: Adam's moments quartered at data=4, and the step all-gathers 3/4 of the parameters."""
+    got = {}
+    for flag in ([], ["--shard-optimizer"]):
+        out = tmp_path / f"plan{len(flag)}.json"
+        assert trace_main([EXAMPLE, "--data", "4", "--batch-size", "32", "--json", str(out), *flag]) == 0
+        got[bool(flag)] = json.loads(out.read_text())
+    assert "data=4 tensor=(row=1, col=1, depth=1) shard_optimizer" in capsys.readouterr().out
+    whole, split = got[False], got[True]
+    params = whole["memory"]["param_bytes"]
+    assert whole["memory"]["optimizer_bytes"] == 2 * params
+    assert abs(split["memory"]["optimizer_bytes"] - params / 2) <= 0.001 * params  # (chunks padded to 4 rows)
+    gathered = split["comm_bytes_by_kind"]["all_gather"] - whole["comm_bytes_by_kind"]["all_gather"]
+    assert abs(gathered - 0.75 * params) <= 0.001 * params
+    assert split["comm_bytes_by_kind"]["all_reduce"] == whole["comm_bytes_by_kind"]["all_reduce"]
+
+
 def test_trace_runs_as_module_and_reports_bad_input():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ok = subprocess.run([sys.executable, "-m", "autopar.trace", EXAMPLE, "--tensor", "4", "1", "1"],

@@ -13,6 +13,17 @@ def test_config_rejects_bad_degrees():
             ParallelConfig(data=bad)
 
 
+def test_shard_optimizer_is_a_bool_and_part_of_the_grid():
+    for bad in (1, "yes", None):
+        with pytest.raises(ConfigError, match="shard_optimizer=.* is invalid"):
+            ParallelConfig(data=2, shard_optimizer=bad)
+        with pytest.raises(ConfigError, match="shard_optimizer=.* is invalid"):
+            MemoryConfig(shard_optimizer=bad)
+    config = ParallelConfig.from_user(world_size=4, shard_optimizer=True)
+    assert config.shard_optimizer and str(config).endswith(" shard_optimizer")
+    assert "shard_optimizer" not in str(ParallelConfig(data=1, shard_optimizer=True))  # nothing to split over
+
+
 def test_config_from_user_infers_data_and_checks_world_size():
     assert ParallelConfig.from_user(world_size=8) == ParallelConfig(8, 1, 1, 1)
     assert ParallelConfig.from_user(tensor=(2, 2, 1), world_size=8) == ParallelConfig(2, 2, 2, 1)
