@@ -107,9 +107,22 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                         f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
     captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
 
+    def scored_one(c: Candidate) -> Scored:
+        return score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
+                     kwargs=kwargs)
+
     def planned(grids: list[Candidate]) -> list[Scored]:
-        return [score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
-                      kwargs=kwargs) for c in grids]
+        """Each grid's plan; one that does not fit, with its optimizer state split over data when that needs
+        less memory (ZeRO stage 1 sends a parameter all-gather more per step: only where memory needs it)."""
+        out = []
+        for c in grids:
+            s = scored_one(c)
+            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
+                split = scored_one(dataclasses.replace(c, shard_optimizer=True))
+                if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
+                    s = split
+            out.append(s)
+        return out
 
     if keep is None or len(grids) <= keep:
         return rank_plans(planned(grids))
@@ -121,11 +134,19 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     shape = shape_of(probe, shards)
     half = precision in ("bf16", "fp16")
     prices: dict[Any, float] = {}
-    screened = sorted(((*screen(shape, c, machine, half, prices), c) for c in grids),
-                      key=lambda t: (t[1] > machine.memory_bytes, t[0]))
+    def screened_one(c: Candidate) -> tuple[float, int, Candidate]:
+        seconds, memory = screen(shape, c, machine, half, prices)
+        if memory > machine.memory_bytes and c.data > 1:  # the optimizer state split over data, if it needs less
+            split = dataclasses.replace(c, shard_optimizer=True)
+            split_seconds, split_memory = screen(shape, split, machine, half, prices)
+            if split_memory < memory:
+                return split_seconds, split_memory, split
+        return seconds, memory, c
+
+    screened = sorted((screened_one(c) for c in grids), key=lambda t: (t[1] > machine.memory_bytes, t[0]))
     near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
     first = min(keep, max(near, MIN_KEEP))
-    by_grid = {c: (seconds, memory) for seconds, memory, c in screened}
+    in_screen = {c for *_, c in screened}
     chosen: dict[Candidate, None] = {}
 
     def choose(grids: list[Candidate]) -> list[Candidate]:
@@ -135,7 +156,9 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         new = []
         for c in grids:
             for other in (c, *(dataclasses.replace(c, chunks=v) for v in chunks if v != c.chunks)):
-                if other in by_grid and other not in chosen:
+                if other not in in_screen:  # screened with the optimizer state split over data, or not
+                    other = dataclasses.replace(other, shard_optimizer=not other.shard_optimizer)
+                if other in in_screen and other not in chosen:
                     chosen[other] = None
                     new.append(other)
         return new

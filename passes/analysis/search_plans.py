@@ -46,10 +46,13 @@ class Candidate:
     microbatches: int = 1
     chunks: int = 1
     """Stages per pipeline rank: 1 runs torch's 1F1B, more its Interleaved1F1B."""
+    shard_optimizer: bool = False
+    """The data ranks split the optimizer state (ZeRO stage 1): the search tries it on grids that do not fit."""
 
     @property
     def config(self) -> ParallelConfig:
-        return ParallelConfig(self.data, self.row, self.col, self.depth, pipeline=self.pipeline)
+        return ParallelConfig(self.data, self.row, self.col, self.depth, pipeline=self.pipeline,
+                              shard_optimizer=self.shard_optimizer)
 
     @property
     def tensor(self) -> tuple[int, int, int]:
@@ -58,6 +61,7 @@ class Candidate:
     def describe(self) -> str:
         micro = f" microbatches={self.microbatches}" if self.pipeline > 1 else ""
         micro += f" chunks={self.chunks}" if self.chunks > 1 else ""
+        micro += " shard_optimizer" if self.shard_optimizer else ""
         return (f"data={self.data} pipeline={self.pipeline} tensor={self.row},{self.col},{self.depth}{micro}")
 
 
@@ -457,13 +461,19 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         full, rest = divmod(params, BUCKET_BYTES)
         sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
         sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
-    update = 7 * params / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
+    state = 2 * params  # Adam's two moments
+    if c.shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
+        state //= c.data
+        full, rest = divmod(params, BUCKET_BYTES)
+        sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
+        sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
+    update = 7 * state / 2 / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
     bubble = 0.0
     if stages > 1:
         f = (stages - 1) / (c.chunks * micro + stages - 1)
         bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
     kept = shape.least_kept_bytes // (shards * tensor) if stages == 1 else 0  # (a pipeline's ranks: not priced)
-    return compute + comm + sync + update + bubble, 4 * params + kept
+    return compute + comm + sync + update + bubble, 2 * params + state + kept
 
 
 def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig) -> float:

@@ -253,3 +253,31 @@ def test_other_optimizers_keep_their_whole_state_with_one_warning(distributed):
         assert len(res["warnings"]) == 1 and "Adafactor keeps its whole state" in res["warnings"][0], res["warnings"]
         for k, v in res[False].items():
             assert torch.equal(res[True][k], v), (r, k)
+
+
+def _auto_worker(budget: int) -> dict:
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(plan="auto", data=4, checkpoint=budget):
+        model = FC_Net(num_layers=2, hidden=256, image_size=32)
+    data = [(torch.randn(16, 1, 32, 32, generator=torch.Generator().manual_seed(s)),
+             torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(s))) for s in range(2)]
+    losses, _ = _script(model, data)
+    runtime = runtime_of(model)
+    return dict(sharded=runtime.config.shard_optimizer, losses=losses,
+                params={k: v.clone() for k, v in autopar.full_state_dict(model).items()})
+
+
+def test_plan_auto_splits_the_optimizer_state_when_memory_needs_it(distributed):
+    """A 1.3M-parameter FC_Net on 4 data ranks: 21 MB of training state fit 40 MiB whole; under a 20 MiB budget
+    plan="auto" splits Adam's moments over data (13 MB), with serial's numbers."""
+    torch.manual_seed(0)
+    serial = FC_Net(num_layers=2, hidden=256, image_size=32)
+    data = [(torch.randn(16, 1, 32, 32, generator=torch.Generator().manual_seed(s)),
+             torch.randint(0, 10, (16,), generator=torch.Generator().manual_seed(s))) for s in range(2)]
+    losses, _ = _script(serial, data)
+    for budget, sharded in ((40 * 2**20, False), (20 * 2**20, True)):
+        for r, got in enumerate(distributed(_auto_worker, 4, budget)):
+            assert got["sharded"] == sharded, (budget, r)
+            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (budget, r)
+            for k, v in serial.state_dict().items():
+                assert rel_err(got["params"][k], v) < 1e-5, (budget, r, k)

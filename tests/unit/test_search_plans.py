@@ -362,7 +362,6 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     capture without its own split (the first grid's BatchInfo) changes the uneven grids' scores."""
     from autopar import planner
     from autopar.examples import zoo
-    from autopar.search import score
 
     machine = load_machine("h100-80gb")
     with torch.device("meta"):
@@ -416,7 +415,6 @@ def test_a_pipeline_fits_when_its_fullest_rank_does():
     memory, as the search did, says it fits; BLOOM's published grid then fitted 80 GB on paper while its
     first rank needed 88 GiB)."""
     from autopar.examples.fc_net import FC_Net
-    from autopar.search import score
     from autopar.planner import SLOWEST
 
     with torch.device("meta"):
@@ -496,7 +494,6 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
     any recomputation keeps) is never above what planning the grid finds with every block recomputed,
     over every grid of 8 ranks for FC_Net and a tiny Llama (mutation: activations not split over the
     tensor ranks exceed it on tensor grids), and counts activations (more than the static bytes)."""
-    from autopar.search import score
     from passes.analysis.search_plans import screen, shape_of
 
     h100 = load_machine("h100-80gb")
@@ -597,3 +594,29 @@ def test_grids_are_every_factoring_of_the_world_in_order():
         got = [(c.data, c.pipeline, c.row, c.col, c.depth) for c in candidates(world, world, max_microbatches=1,
                                                                                chunks=(1,))]
         assert list(dict.fromkeys(got)) == expected, world
+
+
+def test_the_search_splits_the_optimizer_state_over_data_only_where_memory_needs_it():
+    """FC_Net's tutorial shape (143M parameters) on 4 data ranks: 16 bytes a parameter fit 3 GiB, not 1.5 GiB;
+    with Adam's moments split over data (ZeRO stage 1) it fits, predicted slower (the parameters' all-gather)."""
+    from autopar.examples.fc_net import build_model, example_inputs
+    from autopar.search import search
+
+    with torch.device("meta"):
+        model = build_model()
+    x = example_inputs()[0].to("meta")
+    picks = {}
+    for gib in (3, 1.5):
+        best = search(model, (x,), 4, dataclasses.replace(MACHINE, memory_bytes=int(gib * 2**30)),
+                      fixed={"data": 4})[0]
+        assert best.fits, best
+        picks[gib] = best
+    assert not picks[3].candidate.shard_optimizer and picks[1.5].candidate.shard_optimizer
+    assert picks[1.5].candidate.describe().endswith(" shard_optimizer")
+    assert picks[1.5].seconds > picks[3].seconds and picks[1.5].memory_bytes < picks[3].memory_bytes - 2**29
+    # the screen agrees: less memory, more time
+    from passes.analysis.search_plans import screen, shape_of
+    _, probe = plan_model(model, (x,), ParallelConfig(4, 1, 1, 1), checkpoint="none")
+    shape = shape_of(probe, 4)
+    whole, split = (screen(shape, Candidate(4, 1, 1, 1, 1, shard_optimizer=s), MACHINE) for s in (False, True))
+    assert split[1] < whole[1] * 0.7 and split[0] > whole[0]
