@@ -233,8 +233,9 @@ def no_degrees_worker(budget_share: float | None, example: bool) -> dict:
     best = choose_grid(shadow, batches[0], torch.distributed.get_world_size(), budget=budget,
                        fixed=None if example else {"pipeline": 1})[0].candidate  # (a pipeline: train_step's)
     c = autopar.plan_of(model).config
-    return {"chosen": (c.data, c.pipeline, c.row, c.col, c.depth), "dtensor": dtensor, "loss": gap, "param": error,
-            "best": (best.data, best.pipeline, best.row, best.col, best.depth), "saved": saved,
+    return {"chosen": (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer), "dtensor": dtensor, "loss": gap,
+            "param": error, "best": (best.data, best.pipeline, best.row, best.col, best.depth, best.shard_optimizer),
+            "saved": saved,
             "warnings": [r.getMessage() for r in records if r.levelno >= logging.WARNING and "no degrees" in r.getMessage()],
             "infos": [r.getMessage() for r in records if r.levelno == logging.INFO and "no degrees" in r.getMessage()]}
 
@@ -243,17 +244,18 @@ def no_degrees_worker(budget_share: float | None, example: bool) -> dict:
 def test_no_degrees_mean_data_parallel_unless_the_model_is_too_big_for_it(distributed, budget_share, example):
     """A model whose training state (16 bytes per parameter) fits half the device stays data parallel with
     plain tensors, as under DDP; at 1.5x its state (data parallel needs 1.9x with its activations) the
-    search's grid (tensor (1, 4, 1) here) is chosen, at the first call or at the end of the block with
-    example inputs, and trains with serial's numbers. Mutation: ignoring the model's size (data parallel
-    always) leaves the too-big model on data=4 and fails."""
+    search's grid (data 4 with Adam's moments split over it here, 10 bytes a parameter; tensor (1, 4, 1) before
+    the search could split them) is chosen, at the first call or at the end of the block with example inputs,
+    and trains with serial's numbers. Mutation: ignoring the model's size (data parallel always) leaves the
+    too-big model on data=4 with its whole state and fails."""
     for rank, got in enumerate(distributed(no_degrees_worker, 4, budget_share, example, timeout=600)):
         assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
         if budget_share is None:
-            assert got["chosen"] == (4, 1, 1, 1, 1) and not got["dtensor"] and not got["warnings"], got
+            assert got["chosen"] == (4, 1, 1, 1, 1, False) and not got["dtensor"] and not got["warnings"], got
             assert got["saved"] == "saved", got  # DDP's contract: a rank-0 torch.save of both states works
             assert len(got["infos"]) == 1 and "data parallel over 4 ranks" in got["infos"][0], got
         else:
-            assert got["chosen"] == got["best"] != (4, 1, 1, 1, 1) and got["dtensor"], got
+            assert got["chosen"] == got["best"] != (4, 1, 1, 1, 1, False), got
             assert len(got["warnings"]) == (rank == 0), got
             assert all("exceeds half of a device" in w and "full_state_dict" in w for w in got["warnings"]), got
             assert "full_state_dict" in got["saved"], got  # as the warning says: raises, naming the way

@@ -281,3 +281,23 @@ def test_plan_auto_splits_the_optimizer_state_when_memory_needs_it(distributed):
             assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (budget, r)
             for k, v in serial.state_dict().items():
                 assert rel_err(got["params"][k], v) < 1e-5, (budget, r, k)
+
+
+def _rank0_save_worker() -> str:
+    import io
+    from autopar.errors import CheckpointError
+    data = batches(steps=1, batch=16, last=16)
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(data=4, shard_optimizer=True):
+        model = FC_Net(**SMALL)
+    _, opt = _script(model, data)
+    try:  # nanoGPT's rank-0 save: one rank's pickle would keep its own quarter of Adam's moments
+        torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, io.BytesIO())
+    except CheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_rank0_torch_save_of_the_split_state_raises_naming_the_fix(distributed):
+    message = distributed(_rank0_save_worker, 4)[0]
+    assert "autopar.full_optimizer_state_dict" in message, message

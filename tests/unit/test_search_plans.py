@@ -362,6 +362,7 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     capture without its own split (the first grid's BatchInfo) changes the uneven grids' scores."""
     from autopar import planner
     from autopar.examples import zoo
+    from autopar.search import score
 
     machine = load_machine("h100-80gb")
     with torch.device("meta"):
@@ -415,6 +416,7 @@ def test_a_pipeline_fits_when_its_fullest_rank_does():
     memory, as the search did, says it fits; BLOOM's published grid then fitted 80 GB on paper while its
     first rank needed 88 GiB)."""
     from autopar.examples.fc_net import FC_Net
+    from autopar.search import score
     from autopar.planner import SLOWEST
 
     with torch.device("meta"):
@@ -494,6 +496,7 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
     any recomputation keeps) is never above what planning the grid finds with every block recomputed,
     over every grid of 8 ranks for FC_Net and a tiny Llama (mutation: activations not split over the
     tensor ranks exceed it on tensor grids), and counts activations (more than the static bytes)."""
+    from autopar.search import score
     from passes.analysis.search_plans import screen, shape_of
 
     h100 = load_machine("h100-80gb")
