@@ -15,8 +15,8 @@ BLOOM-176B (BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Langua
 section 3.4): 384 A100 80GB GPUs in 48 nodes, tensor-parallel 4, pipeline-parallel 12, data-parallel 8, 2,048
 sequences of 2,048 tokens per step in micro-batches of 2, bf16; 70 layers, hidden 14,336, 112 heads,
 250,880 tokens' vocabulary (built as GPT-2 of that shape: ALiBi's biases instead of GPT-2's position table
-change no matmul). BLOOM shards its optimizer state over data (ZeRO-1); autopar does not, and the published
-shape fits 80 GB without it on its fullest rank (the first: the embedding, 6 blocks, 12 micro-batches in
+change no matmul). BLOOM shards its optimizer state over data (ZeRO-1); autopar's search does only where a
+grid does not fit without it, and the published shape fits 80 GB without it on its fullest rank (the first: the embedding, 6 blocks, 12 micro-batches in
 flight, its blocks recomputed one micro-batch at a time).
 
 Llama-3-405B (Dubey et al., "The Llama 3 Herd of Models", arXiv 2407.21783, section 3.3 and Table 4): 16,384
@@ -24,9 +24,10 @@ H100s, tensor 8 x pipeline 16 x data 128, 16M tokens per step as 2,048 sequences
 per micro-batch, an interleaved schedule, bf16; 126 layers, hidden 16,384, FFN 53,248, 128 heads with 8
 key/value heads, 128,256 tokens' vocabulary. Reproduced on time only: its grid does not fit autopar's memory
 (the first pipeline rank needs 120 GiB even recomputing every block: under autocast HF keeps the
-residual stream in fp32, whole on every tensor rank, and gradients and Adam's moments are not sharded over
-data; Llama 3 keeps it in bf16, splits it over the tensor ranks and shards the rest), so the search's pick
-is another grid, which must be predicted within 10% of the published grid's time.
+residual stream in fp32, whole on every tensor rank, and gradients are not sharded over data; with Adam's
+moments split over data, ``shard_optimizer``, it needs 94.8 GiB; Llama 3 keeps the stream in bf16, splits it
+over the tensor ranks and shards the rest), so the search's pick is another grid, which must be predicted
+within 10% of the published grid's time.
 """
 
 from __future__ import annotations
