@@ -1,6 +1,8 @@
 """``shard_optimizer=True`` (ZeRO stage 1): each data rank keeps 1/data of every parameter's optimizer state,
-steps it and all-gathers the parameters; losses, gradients, parameters and the full optimizer state equal
-serial's on every grid kind with data >= 2, through the script's own clipping and accumulation."""
+steps it and all-gathers the parameters; losses, parameters and the full optimizer state equal serial's on
+every grid kind with data >= 2 (tensor, depth, pipeline), through the script's own clipping, checkpoints
+(DCP and serial-format, across grids), fp16's GradScaler and ``plan="auto"``. DDP's accumulation idioms:
+``test_ddp_scripts.py``."""
 
 from __future__ import annotations
 
@@ -18,26 +20,26 @@ from autopar.runtime.param_layout import local_of
 from tests.helpers import SMALL, batches, rel_err
 
 GRIDS = {"d4": dict(data=4), "d2t2": dict(data=2, tensor=(2, 1, 1)), "d2p2": dict(data=2, pipeline=2),
-         "d2t1x2": dict(data=2, tensor=(1, 2, 1))}
+         "d2t1x2": dict(data=2, tensor=(1, 2, 1)), "d2t1x1x2": dict(data=2, tensor=(1, 1, 2))}
 
 
-def _script(model: torch.nn.Module, data: list, accumulate: int = 1) -> tuple[list[float], torch.optim.Optimizer]:
-    """A serial training loop: AdamW with weight decay, clipping, two micro-steps of accumulation."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list) -> list[float]:
+    """A serial training loop: clipping, then the step."""
     losses = []
     for x, y in data:
-        for part in (x.chunk(accumulate) if accumulate > 1 else (x,)):
-            rows = part.shape[0]
-            loss = F.cross_entropy(model(part), y[:rows]) if accumulate == 1 else None
-            if loss is None:
-                loss = F.cross_entropy(model(part), y[:rows])
-                y = y[rows:]
-            (loss / accumulate).backward()
-            losses.append(loss.item())
+        loss = F.cross_entropy(model(x), y)
+        loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         opt.step()
         opt.zero_grad()
-    return losses, opt
+        losses.append(loss.item())
+    return losses
+
+
+def _script(model: torch.nn.Module, data: list) -> tuple[list[float], torch.optim.Optimizer]:
+    """``_train`` with AdamW and weight decay."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return _train(model, opt, data), opt
 
 
 def _state_bytes(opt: torch.optim.Optimizer) -> int:
@@ -109,18 +111,6 @@ def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distribut
             assert split < whole / data * 1.3, (name, r, split, whole)
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, data: list) -> list[float]:
-    losses = []
-    for x, y in data:
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses
-
-
 RESUMES = [("dcp", "d2t2", True, "d4", False), ("dcp", "d4", False, "d2p2", True),
            ("dcp", "d4", True, "d2t1x2", True), ("full", "d2t2", True, "d4", True)]
 """(how it is saved, the grid and shard_optimizer of the run that saves, those of the run that resumes)."""
@@ -137,8 +127,7 @@ def _resume_worker() -> dict:
         torch.manual_seed(0)
         with autopar.auto_parallelize(**GRIDS[src], shard_optimizer=src_shard):
             model = FC_Net(**SMALL)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
-        losses = _train(model, opt, data[:2])
+        losses, opt = _script(model, data[:2])
         box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(box)
         if how == "dcp":
@@ -170,7 +159,7 @@ def test_optimizer_state_resumes_across_grids_sharded_or_not(distributed):
     data = batches(steps=4, batch=16, last=16)
     torch.manual_seed(0)
     serial = FC_Net(**SMALL)
-    losses = _train(serial, torch.optim.AdamW(serial.parameters(), lr=1e-2, weight_decay=0.1), data)
+    losses, _ = _script(serial, data)
     for r, res in enumerate(distributed(_resume_worker, 4)):
         for key, got in res.items():
             assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (key, r, got["losses"], losses)
