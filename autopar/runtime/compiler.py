@@ -27,6 +27,7 @@ from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
 from autopar.runtime import graphed
 from autopar.runtime.compiled import CompiledGraph
+from autopar.runtime.depth_buckets import bucket_depth_gathers
 from autopar.runtime.executables import Executable
 from autopar.runtime.kept import KeptOutputs, OutputTree
 from autopar.runtime.mesh import Mesh
@@ -134,6 +135,8 @@ class Compiler:
         rows = BatchRows(sizes)
         bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
                      local_outputs, per_rank)
+        if not pipelined and not self.compile.enabled(self.mesh.device.type, True):
+            bucket_depth_gathers(gm, self.mesh)  # one all-gather per block's weights each way (eager only)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
         for name, value in captured.constants.items():
