@@ -358,7 +358,7 @@ def test_greedy_generate_on_rank_0_alone_raises(distributed):
     assert "run evaluation and sampling on every rank" in distributed(rank0_generate_worker, 2, timeout=120)[0]
 
 
-LAYERS, MATMULS = 2, 2 * 7 + 1  # the zoo's tiny Llama: q/k/v/o and gate/up/down per layer, and the head
+LAYERS = 2  # the zoo's tiny Llama: 2 layers of 7 matmuls (q/k/v/o, gate/up/down), and the head
 
 
 _OLD_DTENSOR = pytest.mark.xfail(
@@ -382,9 +382,10 @@ def test_decode_runs_megatrons_collectives(distributed, name, tensor):
 
 def test_decode_keeps_the_cache_split_by_rows_with_depth(distributed):
     """Depth splits the batch: the cache stays split by rows between steps (a DTensor sharded over data x
-    depth). A decode step gathers the depth-split weights (one per matmul), the logits' rows and the call
-    check's few bytes; it gathered every layer's cache too (21 all-gathers, 48 KB; now 17, 46 KB)."""
-    _check_decode(distributed(decode_worker, 2, "llama", (1, 1, 2), timeout=600), {"all_gather": MATMULS + 2})
+    depth). A decode step gathers the depth-split weights (one all-gather per layer's seven, and the head's),
+    the logits' rows and the call check's few bytes; it gathered every layer's cache too (21 all-gathers,
+    48 KB), then each weight alone (17, 46 KB; ``autopar.runtime.depth_buckets``)."""
+    _check_decode(distributed(decode_worker, 2, "llama", (1, 1, 2), timeout=600), {"all_gather": LAYERS + 1 + 2})
 
 
 @pytest.mark.slow
