@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import fx
 
+from autopar.compat import version_of
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import MatmulOp
@@ -72,7 +73,7 @@ class DepthBucket:
         """Matmul ``index``'s block for its backward: the first to ask regathers the block's weights."""
         # (a block kept from before an in-place change of the weights is never taken: the bucket's saved shards
         # make autograd refuse such a backward, as the per-weight matmul's do; the versions say so here too)
-        versions = tuple(s._version for s in self.shards)
+        versions = tuple(version_of(s) for s in self.shards)
         entry = self.kept.pop(index, None)
         if entry is not None and entry[1] == versions and entry[0].dtype == dtype:
             return entry[0]

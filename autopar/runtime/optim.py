@@ -159,7 +159,8 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
                 state[twin] = {k: _local(v) for k, v in before.items()}
             params[i] = twin
             swapped.append((p, twin, before or {}))
-        groups.append(ChainMap({"params": [p for p in params if p is not None]}, group))  # the group's other keys read through, as they are now
+        # the group's other keys read through, as they are now
+        groups.append(ChainMap({"params": [p for p in params if p is not None]}, group))
     if not swapped and not absent and not sharded:
         return None
     # The step runs on a stand-in sharing everything but its groups and state: the optimizer the script holds
