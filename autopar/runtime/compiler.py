@@ -135,7 +135,7 @@ class Compiler:
         rows = BatchRows(sizes)
         bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
                      local_outputs, per_rank)
-        if not pipelined and not self.compile.enabled(self.mesh.device.type, True):
+        if not self.compile.enabled(self.mesh.device.type, True):
             bucket_depth_gathers(gm, self.mesh)  # one all-gather per block's weights each way (eager only)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}

@@ -58,3 +58,38 @@ def test_bucketed_depth_collectives_give_the_per_weight_numbers_in_fewer_calls(d
             assert res[name, "bytes"]["total"] == whole[name, "bytes"]["total"], (name, r)
             for kind in ("all_gather", "reduce_scatter"):  # the llama's blocks: 7 weights each
                 assert res[name, "calls"][kind] * 3 < whole[name, "calls"][kind], (name, r, kind, res[name, "calls"])
+
+
+def _pipeline_worker(bucketed: bool) -> dict:
+    from autopar.runtime import compiler
+
+    if not bucketed:
+        compiler.bucket_depth_gathers = lambda gm, mesh: 0
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(1, 1, 2), pipeline=2, microbatches=4):
+        model = zoo.build_model("llama", layers=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    out = {"losses": []}
+    for step, (args, kwargs, target) in enumerate(zoo_batches("llama", steps=3, batch=8)):
+        autopar.reset_comm_stats()
+        loss = autopar.train_step(model, args[0], target, F.cross_entropy)
+        if step == 1:  # (the first step captures)
+            out["calls"], out["bytes"] = comm_calls(), autopar.comm_stats()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(float(loss))
+    out["params"] = {k: v.clone() for k, v in autopar.full_state_dict(model).items()}
+    return out
+
+
+def test_pipeline_stages_bucket_their_blocks_too(distributed):
+    """pipeline 2 x depth 2 under ``train_step`` (1F1B, 4 micro-batches): each stage's blocks gather and
+    reduce-scatter their weights together, with the per-weight numbers and bytes."""
+    whole = distributed(_pipeline_worker, 4, False)
+    got = distributed(_pipeline_worker, 4, True)
+    for r, (res, want) in enumerate(zip(got, whole)):
+        assert max(abs(a - b) for a, b in zip(res["losses"], want["losses"])) < 1e-5, (r, res["losses"])
+        for k, v in want["params"].items():
+            assert rel_err(res["params"][k], v) < 1e-5, (r, k)
+        assert res["bytes"]["total"] == want["bytes"]["total"], r
+        assert res["calls"]["all_gather"] * 3 < want["calls"]["all_gather"], (r, res["calls"], want["calls"])
