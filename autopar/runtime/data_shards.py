@@ -33,11 +33,6 @@ DATA_DIM = 0
 """The data axis's dim in every parameter mesh (``param_layout.DIMS`` and ``TIED_DIMS`` start with it)."""
 
 
-def bounds(n: int, size: int, index: int) -> tuple[int, int]:
-    """Rows [lo, hi) of ``n`` that chunk ``index`` of ``size`` holds (``torch.chunk``'s split, empty at the end)."""
-    return chunk_rows(n, size, index)
-
-
 class Layout:
     """How one parameter's optimizer state is split over data: along ``dim`` of its local piece."""
 
@@ -64,7 +59,7 @@ class DataShards:
         dim = state_split_dim(piece.shape, {q.dim for q in placements if isinstance(q, Shard | StridedShard)})
         if dim is None:
             return None
-        lo, hi = bounds(piece.shape[dim], self.size, self.index)
+        lo, hi = chunk_rows(piece.shape[dim], self.size, self.index)
         return Layout(dim, lo, hi, (Shard(dim), *placements[DATA_DIM + 1:]))
 
     def gather(self, pieces: Sequence[tuple[torch.Tensor, Layout]]) -> None:
@@ -101,7 +96,7 @@ class DataShards:
                 piece.view(self.size, -1).copy_(out[:, offset:offset + width])
             else:
                 for j in range(self.size):
-                    lo, hi = bounds(n, self.size, j)
+                    lo, hi = chunk_rows(n, self.size, j)
                     if hi > lo:
                         part = piece.narrow(layout.dim, lo, hi - lo)
                         part.copy_(out[j, offset:offset + part.numel()].view(part.shape))
@@ -128,6 +123,6 @@ def whole_piece(value: DTensor) -> torch.Tensor:
     out = C.all_gather(padded, mesh.get_group(DATA_DIM), size)  # (size * rows, ...)
     parts = []
     for j in range(size):
-        lo, hi = bounds(n, size, j)
+        lo, hi = chunk_rows(n, size, j)
         parts.append(out[j * rows:j * rows + hi - lo])
     return torch.cat(parts).movedim(0, dim).contiguous()
