@@ -39,6 +39,11 @@ class ParallelConfig:
     shard_optimizer: bool = False
     """The data ranks split the optimizer state (ZeRO stage 1): each keeps, steps and then all-gathers 1/data of
     every parameter (``auto_parallelize(shard_optimizer=True)``, ``autopar.runtime.data_shards``)."""
+    sequence_parallel: bool = False
+    """Sequence parallelism (Korthikanti et al. 2022): where a matmul would all-reduce a whole output over
+    row (or col), it reduce-scatters it along the tokens instead, so the norms, residual adds and dropout
+    after it hold 1/row of the tokens; the next matmul all-gathers them and reduce-scatters their gradient
+    (``auto_parallelize(sequence_parallel=True)``, ``passes.analysis.layouts.sequence_split``)."""
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
@@ -48,10 +53,14 @@ class ParallelConfig:
         if not isinstance(self.shard_optimizer, bool):
             raise ConfigError(f"shard_optimizer={self.shard_optimizer!r} is invalid. Use True (the optimizer state "
                               "split over the data ranks) or False.")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is invalid. Use True (activations "
+                              "between matmuls split along the tokens over the tensor group) or False.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
-                  world_size: int | None = None, pipeline: int = 1, shard_optimizer: bool = False) -> ParallelConfig:
+                  world_size: int | None = None, pipeline: int = 1, shard_optimizer: bool = False,
+                  sequence_parallel: bool = False) -> ParallelConfig:
         """Validates the user's ``tensor=(row, col, depth)``, ``pipeline`` and ``data`` against the world size.
 
         ``data=None`` means "every rank not used by tensor or pipeline parallelism" (pure data
@@ -74,7 +83,7 @@ class ParallelConfig:
                                   f"multiple of {used} processes or change tensor=/pipeline=.")
             else:
                 data = world_size // used
-        config = cls(data, row, col, depth, pipeline, shard_optimizer)
+        config = cls(data, row, col, depth, pipeline, shard_optimizer, sequence_parallel)
         if world_size is not None and config.world_size != world_size:
             raise ConfigError(
                 f"world size {world_size} does not match data*pipeline*row*col*depth = "
@@ -138,7 +147,8 @@ class ParallelConfig:
     def __str__(self) -> str:
         stages = f" pipeline={self.pipeline}" if self.pipeline > 1 else ""
         zero = " shard_optimizer" if self.shard_optimizer and self.data > 1 else ""
-        return f"data={self.data}{stages} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}"
+        seq = " sequence_parallel" if self.sequence_parallel and max(self.row, self.col) > 1 else ""
+        return f"data={self.data}{stages} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}{seq}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +172,8 @@ class MemoryConfig:
     shard_optimizer: bool = False
     """Each data rank keeps the optimizer state of 1/data of every parameter, steps that part and all-gathers
     the updated parameters (ZeRO stage 1, ``autopar.runtime.data_shards``)."""
+    sequence_parallel: bool = False
+    """Activations between matmuls split along the tokens over the tensor group (``ParallelConfig``)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -172,6 +184,9 @@ class MemoryConfig:
         if not isinstance(self.shard_optimizer, bool):
             raise ConfigError(f"shard_optimizer={self.shard_optimizer!r} is invalid. Use True (the optimizer state "
                               "split over the data ranks) or False.")
+        if not isinstance(self.sequence_parallel, bool):
+            raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is invalid. Use True (activations "
+                              "between matmuls split along the tokens over the tensor group) or False.")
         c = self.checkpoint
         if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
             raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "

@@ -84,7 +84,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
                      eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
                      defer_init: bool = True, plan: str | None = None,
-                     compile: bool | str = "auto", shard_optimizer: bool = False) -> Iterator[ParallelConfig | None]:
+                     compile: bool | str = "auto", shard_optimizer: bool = False,
+                     sequence_parallel: bool = False) -> Iterator[ParallelConfig | None]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
     Args:
@@ -149,6 +150,12 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             stage 1, Megatron's distributed optimizer), steps that part and all-gathers the updated parameters
             (autopar/runtime/data_shards.py). Gradients stay whole, as under DDP. For torch.optim's elementwise
             optimizers (Adam, AdamW, SGD, ...); another keeps its whole state with one warning line.
+        sequence_parallel: True: where a matmul would all-reduce a whole output over the row (or col) ranks
+            (Megatron's row-parallel layer: attention's and the MLP's output projections), it reduce-scatters
+            it along the tokens instead, so the residual stream, norms and dropout between matmuls hold
+            1/row of the tokens; the next matmul all-gathers them and reduce-scatters their gradient. The
+            same bytes as the all-reduces; serial's numbers. Applies to tensors of three or more dims whose
+            token count divides by the group (a one-token decode step keeps the all-reduce).
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -162,7 +169,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     options = _options(tensor=tensor, data=data, pipeline=pipeline, microbatches=microbatches, schedule=schedule,
                        chunks=chunks, checkpoint=checkpoint, precision=precision, reduce_dtype=reduce_dtype,
                        batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan, compile=compile,
-                       shard_optimizer=shard_optimizer)
+                       shard_optimizer=shard_optimizer, sequence_parallel=sequence_parallel)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -214,7 +221,8 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
              microbatches: int | None = None, schedule: str | None = None, chunks: int | None = None,
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
-             plan: str | None = None, compile: bool | str = "auto", shard_optimizer: bool = False) -> _Options:
+             plan: str | None = None, compile: bool | str = "auto", shard_optimizer: bool = False,
+             sequence_parallel: bool = False) -> _Options:
     """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
@@ -227,13 +235,14 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
         given.update(zip(("row", "col", "depth"), tuple(tensor)))
     config = None if plan == "auto" else ParallelConfig.from_user(
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
-        pipeline=1 if pipeline is None else pipeline, shard_optimizer=shard_optimizer)
+        pipeline=1 if pipeline is None else pipeline, shard_optimizer=shard_optimizer,
+        sequence_parallel=sequence_parallel)
     pipe = PipelineConfig(microbatches, schedule or "1f1b", chunks)
     if schedule is not None or chunks is not None:  # the search keeps the user's schedule's stages per rank
         given["chunks"] = pipe.stages_per_rank
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
-    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer), pipe,
+    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer, sequence_parallel), pipe,
                     InputConfig(batch, eval_timeout, batch_dims), CompileConfig(compile),
                     open=plan is None and tensor is None and data is None and pipeline is None)
 
@@ -251,7 +260,8 @@ def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: 
         later = config is None and example_inputs is None
         if later:  # a provisional grid until each model's first call chooses one
             config = ParallelConfig.from_user(tensor=(1, 1, 1), data=None, world_size=dist.get_world_size(),
-                                              shard_optimizer=options.memory.shard_optimizer)
+                                              shard_optimizer=options.memory.shard_optimizer,
+                                              sequence_parallel=options.memory.sequence_parallel)
         elif config is None:  # (plan="auto" chooses one grid for one model: several raise)
             config, pipe = choose_grid_now([model] if big else roots, example_inputs, options.given, options.memory, pipe)
         plans.append((model, config, pipe, later))

@@ -111,7 +111,8 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
         raise chosen
     config = ParallelConfig.from_user(tensor=chosen.tensor, data=chosen.data, world_size=world,
                                       pipeline=chosen.pipeline,
-                                      shard_optimizer=memory.shard_optimizer or chosen.shard_optimizer)
+                                      shard_optimizer=memory.shard_optimizer or chosen.shard_optimizer,
+                                      sequence_parallel=memory.sequence_parallel or chosen.sequence_parallel)
     if chosen.pipeline > 1:
         pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
         if "chunks" not in given and chosen.chunks > 1:

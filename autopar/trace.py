@@ -156,13 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--shard-optimizer", action="store_true",
                         help="each data rank keeps 1/data of the optimizer state and all-gathers the updated "
                              "parameters, as auto_parallelize(shard_optimizer=True) runs it (ZeRO stage 1)")
+    parser.add_argument("--sequence-parallel", action="store_true",
+                        help="split the activations between matmuls along the tokens over the tensor group, as "
+                             "auto_parallelize(sequence_parallel=True) runs it")
     parser.add_argument("--capture-all-blocks", action="store_true",
                         help="capture every repeated block instead of three (slower; the plan is the same "
                              "whenever the shortcut applies)")
     args = parser.parse_args(argv)
     try:
         config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1),
-                                shard_optimizer=args.shard_optimizer)
+                                shard_optimizer=args.shard_optimizer, sequence_parallel=args.sequence_parallel)
         module = load_model_file(args.model)
         with torch.device("meta"):
             model = module.build_model()

@@ -134,6 +134,12 @@ class MatmulSpec:
     weight_in_out: bool
     has_bias: bool
     out_parts: tuple[int, ...] = ()
+    scatter_dim: int = -1
+    """Sequence parallelism: the output's partial sums are reduce-scattered along this dim (its tokens) over
+    ``orientation.in_axis`` instead of all-reduced; backward all-gathers the gradient along it (-1: off)."""
+    partial_dx: bool = False
+    """The input's gradient is left partial over ``orientation.out_axis``: the gather that made the input
+    (``ConvertSpec.partial_grad``) reduce-scatters it, in place of this matmul's all-reduce."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +154,9 @@ class EmbeddingSpec:
 class ConvertSpec:
     src: Sharding
     dst: Sharding
+    partial_grad: bool = False
+    """Every reader of the gathered tensor leaves its gradient partial over ``src.axis`` (``MatmulSpec.partial_dx``):
+    backward reduce-scatters it along ``src.dim`` (sequence parallelism's all-gather / reduce-scatter pair)."""
 
 
 @dataclass(frozen=True, slots=True)

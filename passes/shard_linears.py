@@ -67,7 +67,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
             continue
         key = (producer, dst)
         if key not in converted:
-            spec = ConvertSpec(res.sharding(producer), dst)
+            spec = ConvertSpec(res.sharding(producer), dst, key in res.partial_gathers)
             with graph.inserting_after(producer):
                 conv = graph.call_function(convert_layout, (producer, spec))
             conv.meta.update(val=producer.meta.get("val"), nn_module_stack=consumer.meta.get("nn_module_stack", {}))
@@ -99,7 +99,7 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
         w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
         b = _bias_node(node, m)
         spec = MatmulSpec(m.weight, orientation, m.in_features, m.out_features, m.weight_in_out, b is not None,
-                          mp.out_parts)
+                          mp.out_parts, res.seq_scatter.get(node, -1), node in res.partial_dx)
         replaced[_swap(node, sharded_matmul, (x, w, b, spec))] = node
         if m.weight_node is not w and not m.weight_node.users:
             graph.erase_node(m.weight_node)

@@ -124,8 +124,7 @@ class _Matmul3DGathered(torch.autograd.Function):
         ctx.op, ctx.dtype, ctx.bucket, ctx.index, ctx.w_dtype = op, dtype, bucket, index, w.dtype
         x = x.to(dtype)
         with torch.autocast(device, enabled=False):
-            y = torch.matmul(x, w.to(dtype) if op.spec.weight_in_out else w.to(dtype).t())
-            y = op.all_reduce(y, op.spec.orientation.in_axis)
+            y = op.reduce_out(torch.matmul(x, w.to(dtype) if op.spec.weight_in_out else w.to(dtype).t()))
             if bias is not None:
                 y = y + bias.to(dtype)
         ctx.save_for_backward(x)
@@ -136,12 +135,11 @@ class _Matmul3DGathered(torch.autograd.Function):
         op: MatmulOp = ctx.op
         (x,) = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dy = dy.to(ctx.dtype)
+        dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
         if need_x:
             w = ctx.bucket.weight(ctx.index, ctx.w_dtype).to(ctx.dtype)
-            dx = torch.matmul(dy, w.t() if op.spec.weight_in_out else w)
-            dx = op.all_reduce(dx, op.spec.orientation.out_axis)
+            dx = op.reduce_dx(torch.matmul(dy, w.t() if op.spec.weight_in_out else w))
         dy2 = dy.reshape(-1, dy.shape[-1])
         if need_w:
             x2 = x.reshape(-1, x.shape[-1])

@@ -211,8 +211,7 @@ class _Matmul3D(torch.autograd.Function):
         x = x.to(dtype)
         w = op.gather_weight(w_shard.to(dtype))
         with torch.autocast(device, enabled=False):
-            y = torch.matmul(x, w if op.spec.weight_in_out else w.t())
-            y = op.all_reduce(y, op.spec.orientation.in_axis)
+            y = op.reduce_out(torch.matmul(x, w if op.spec.weight_in_out else w.t()))
             if bias is not None:
                 y = y + bias.to(dtype)
         ctx.save_for_backward(x, w_shard)
@@ -223,13 +222,12 @@ class _Matmul3D(torch.autograd.Function):
         op: MatmulOp = ctx.op
         x, w_shard = ctx.saved_tensors
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dy = dy.to(ctx.dtype)
+        dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
         if need_x or need_w:
             w = op.gather_weight(w_shard.to(ctx.dtype))
         if need_x:
-            dx = torch.matmul(dy, w.t() if op.spec.weight_in_out else w)
-            dx = op.all_reduce(dx, op.spec.orientation.out_axis)
+            dx = op.reduce_dx(torch.matmul(dy, w.t() if op.spec.weight_in_out else w))
         dy2 = dy.reshape(-1, dy.shape[-1])
         if need_w:  # the block's rows are split over depth: reduce-scatter them
             x2 = x.reshape(-1, x.shape[-1])
@@ -259,11 +257,29 @@ class MatmulOp:
     def all_reduce(self, t: torch.Tensor, axis: str) -> torch.Tensor:
         return C.all_reduce(t, self.mesh.group(axis), self.mesh.size(axis))
 
+    def reduce_out(self, y: torch.Tensor) -> torch.Tensor:
+        """The local product's partial sums over the input axis: all-reduced, or (sequence parallelism)
+        reduce-scattered along the tokens."""
+        axis, dim = self.spec.orientation.in_axis, self.spec.scatter_dim
+        if dim < 0:
+            return self.all_reduce(y, axis)
+        return scatter_along(y, dim, self.mesh, axis)
+
+    def whole_grad(self, dy: torch.Tensor) -> torch.Tensor:
+        """The output's gradient for every token (sequence parallelism: gathered from the tokens' ranks)."""
+        dim = self.spec.scatter_dim
+        return dy if dim < 0 else gather_along(dy, dim, self.mesh, self.spec.orientation.in_axis)
+
+    def reduce_dx(self, dx: torch.Tensor) -> torch.Tensor:
+        """The input's gradient summed over the output axis, unless the gather before this matmul does it."""
+        return dx if self.spec.partial_dx else self.all_reduce(dx, self.spec.orientation.out_axis)
+
     def __call__(self, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.spec.orientation.is_3d:
             return _Matmul3D.apply(x, w_shard, bias, self)
         # OUT_ROW/OUT_COL: the weight's output features are split over one axis, the input is whole.
-        x = _CopyTo.apply(x, self.mesh, self.spec.orientation.out_axis)
+        if not self.spec.partial_dx:
+            x = _CopyTo.apply(x, self.mesh, self.spec.orientation.out_axis)
         y = torch.matmul(x, w_shard) if self.spec.weight_in_out else torch.nn.functional.linear(x, w_shard)
         return y + bias.to(y.dtype) if bias is not None else y  # under autocast y is bf16/fp16, as serial
 
@@ -362,12 +378,44 @@ class SumGradOp:
         return _CopyTo.apply(x, self.mesh, self.axis)
 
 
+class _GatherPartial(torch.autograd.Function):
+    """An evenly split tensor -> the whole on every rank of the axis, for readers whose gradients are partial
+    sums over that axis: backward reduce-scatters them (sequence parallelism's conjugate pair)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, s: Sharding) -> torch.Tensor:
+        ctx.mesh, ctx.s = mesh, s
+        return gather_along(x, s.dim, mesh, s.axis)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return scatter_along(dy, ctx.s.dim, ctx.mesh, ctx.s.axis), None, None
+
+
+def gather_along(x: torch.Tensor, dim: int, mesh: Mesh, axis: str) -> torch.Tensor:
+    """Every rank's equal piece of ``dim``, joined in rank order over ``axis``."""
+    n = mesh.size(axis)
+    if n == 1:
+        return x
+    return C.all_gather(x.movedim(dim, 0), mesh.group(axis), n).movedim(0, dim)
+
+
+def scatter_along(x: torch.Tensor, dim: int, mesh: Mesh, axis: str) -> torch.Tensor:
+    """``x`` summed over ``axis``; this rank keeps its 1/n of ``dim`` (a reduce-scatter)."""
+    n = mesh.size(axis)
+    if n == 1:
+        return x
+    return C.reduce_scatter(x.movedim(dim, 0), mesh.group(axis), n).movedim(0, dim)
+
+
 class ConvertOp:
     def __init__(self, spec: ConvertSpec, mesh: Mesh) -> None:
         self.spec, self.mesh = spec, mesh
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.spec.src.is_replicated:
+        if self.spec.partial_grad:
+            x = _GatherPartial.apply(x, self.mesh, self.spec.src)
+        elif not self.spec.src.is_replicated:
             x = _Gather.apply(x, self.mesh, self.spec.src)
         if not self.spec.dst.is_replicated:
             x = _Slice.apply(x, self.mesh, self.spec.dst)

@@ -80,7 +80,10 @@ def axis_size(config: ParallelConfig, axis: str) -> int:
 
 
 def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad: bool,
-                       w_requires_grad: bool, config: ParallelConfig) -> list[Collective]:
+                       w_requires_grad: bool, config: ParallelConfig, scatter: bool = False,
+                       partial_dx: bool = False) -> list[Collective]:
+    """``scatter``: its output is reduce-scattered along the tokens (and its gradient all-gathered back) in
+    place of the all-reduce; ``partial_dx``: the gather before it sums its input's gradient, not itself."""
     x = tensor_meta(m.x)
     b = x.element_size()
     rows = rows_of(x)
@@ -93,15 +96,18 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
         return Collective(kind, axis, axis_size(config, axis), nbytes, phase, where, m.node.name)
 
     if not orientation.is_3d:
-        if not x_requires_grad:
+        if not x_requires_grad or partial_dx:
             return []
         out = [c("all_reduce", orientation.out_axis, rows * m.in_features * b, "backward")]
         return [x for x in out if x.group_size > 1]
+    y_bytes = rows * m.out_features // out_split * b
     out = [c("all_gather", "depth", block_bytes, "forward"),
-           c("all_reduce", orientation.in_axis, rows * m.out_features // out_split * b, "forward")]
+           c("reduce_scatter" if scatter else "all_reduce", orientation.in_axis, y_bytes, "forward")]
+    if scatter and (x_requires_grad or w_requires_grad):
+        out.append(c("all_gather", orientation.in_axis, y_bytes, "backward"))
     if x_requires_grad or w_requires_grad:
         out.append(c("all_gather", "depth", block_bytes, "backward"))
-    if x_requires_grad:
+    if x_requires_grad and not partial_dx:
         out.append(c("all_reduce", orientation.out_axis, rows * m.in_features // in_split * b, "backward"))
     if w_requires_grad:
         out.append(c("reduce_scatter", "depth", block_bytes, "backward"))
@@ -119,12 +125,16 @@ def gathered_bytes(t: Any, s: Sharding, config: ParallelConfig) -> int:
 
 
 def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requires_grad: bool,
-                           config: ParallelConfig, where: str, at: str = "") -> list[Collective]:
+                           config: ParallelConfig, where: str, at: str = "", partial: bool = False) -> list[Collective]:
+    """``partial``: its readers' gradients are partial sums, reduce-scattered back (``ConvertSpec.partial_grad``)."""
     t = tensor_meta(producer)
     out = []
     if not src.is_replicated:
         out.append(Collective("all_gather", src.axis, config.size(src.axis), gathered_bytes(t, src, config), "forward",
                               where, at))
+    if partial and requires_grad:
+        out.append(Collective("reduce_scatter", src.axis, config.size(src.axis), gathered_bytes(t, src, config),
+                              "backward", where, at))
     if not dst.is_replicated and requires_grad:
         out.append(Collective("all_gather", dst.axis, config.size(dst.axis), gathered_bytes(t, dst, config),
                               "backward", where, at))
@@ -267,7 +277,8 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             continue
         done.add((producer, dst))
         out += conversion_collectives(producer, res.sharding(producer), dst, res.requires_grad.get(producer, False),
-                                      config, module_of(consumer) or str(consumer.target), consumer.name)
+                                      config, module_of(consumer) or str(consumer.target), consumer.name,
+                                      (producer, dst) in res.partial_gathers)
     summed: set[tuple[fx.Node, Sharding | None, str]] = set()
     for (consumer, producer), axis in res.grad_sums.items():
         key = (producer, res.conversions.get((consumer, producer)), axis)
@@ -290,7 +301,8 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
     for node, orientation in res.orientations.items():
         m = by_node[node]
         w_node = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
-        out += matmul_collectives(m, orientation, res.requires_grad[m.x], res.requires_grad[w_node], config)
+        out += matmul_collectives(m, orientation, res.requires_grad[m.x], res.requires_grad[w_node], config,
+                                  node in res.seq_scatter, node in res.partial_dx)
     seen: set[fx.Node] = set()
     pooled = len(batch.segments) if batch is not None and batch.segments else 0
     kept = kept_split(gm, res)  # returned split (a key/value cache): no gather

@@ -58,6 +58,13 @@ class LayoutResult:
     grad_sums: dict[tuple[fx.Node, fx.Node], str] = field(default_factory=dict)
     """(consumer, producer) -> axis: a replicated tensor broadcast along a split dim gets only this
     rank's part of its gradient from the consumer; the parts are summed over the axis in backward."""
+    seq_scatter: dict[fx.Node, int] = field(default_factory=dict)
+    """Sequence parallelism: matmul -> the dim (its tokens) its output is reduce-scattered along."""
+    partial_gathers: set[tuple[fx.Node, Sharding]] = field(default_factory=set)
+    """(producer, needed sharding) whose gather reduce-scatters the gradient in backward: every reader is a
+    matmul in ``partial_dx``."""
+    partial_dx: set[fx.Node] = field(default_factory=set)
+    """Matmuls whose input gradient stays partial over their output axis (summed by the gather's backward)."""
 
     def sharding(self, node: Any) -> Sharding:
         s = self.shardings.get(node, REPLICATED) if isinstance(node, fx.Node) else REPLICATED
@@ -324,10 +331,13 @@ class LayoutRules:
         return Decision(s, {x: s})
 
     def layer_norm(self, node: fx.Node) -> Decision | None:
+        """Split along a dim it does not normalize over (tokens under sequence parallelism, heads): local. Its
+        whole weight and bias get from this rank only its rows' part of their gradients (``broadcast``)."""
         x, s, xt = self.x(node)
         if s.dim >= xt.dim() - len(node.args[1]):
             return None
-        return Decision(s, {x: s})
+        affine = tuple(a for a in node.args[2:4] if isinstance(a, fx.Node))
+        return Decision(s, {x: s, **{a: REPLICATED for a in affine}}, broadcast=affine)
 
     def cross_entropy(self, node: fx.Node) -> Decision | None:
         x, s, xt = self.x(node)

@@ -24,6 +24,7 @@ are those of the graph that is emitted.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import fx
@@ -42,7 +43,8 @@ aten = torch.ops.aten
 def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch],
                       orientation_of: Callable[[MatmulMatch, Sharding], tuple[Orientation, tuple[int, ...]]],
                       sizes: Mapping[str, int], local_batch: int | None = None,
-                      embedding_of: Callable[[str], tuple[EmbeddingMode, str]] | None = None) -> LayoutResult:
+                      embedding_of: Callable[[str], tuple[EmbeddingMode, str]] | None = None,
+                      sequence_parallel: bool = False) -> LayoutResult:
     """Walks ``gm`` in order and assigns shardings.
 
     Args:
@@ -53,6 +55,10 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         local_batch: rows of the batch-split inputs on this rank; None when the batch is not split
             (then ``res.batch`` is None: nothing is batch-split).
         embedding_of: the decision for an embedding table (by parameter name), if any.
+        sequence_parallel: a matmul that would all-reduce a whole output over one axis reduce-scatters it
+            along its tokens instead (``sequence_split``), and a gather whose every reader is a matmul that
+            sums its input's gradient over the gathered axis reduce-scatters that gradient for them
+            (``mark_partial_gathers``).
     """
     res = LayoutResult()
     batch = analyze_batch(gm) if local_batch is not None else None
@@ -81,6 +87,10 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
                 need = last_dim(orientation.in_layout, match.in_features, ndim)
                 decision = Decision(last_dim(orientation.out_layout, match.out_features, val.dim(), parts),
                                      {match.x: need})
+                tokens = sequence_split(node, orientation, sizes, batch) if sequence_parallel else None
+                if tokens is not None:
+                    decision.out = Sharding(orientation.in_layout, tokens, (int(val.shape[tokens]),))
+                    res.seq_scatter[node] = tokens
         elif (node.target is aten.embedding.default and embedding_of is not None
               and (name := param_name(node.args[0])) is not None):
             mode, axis = embedding_of(name)
@@ -104,11 +114,57 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         if decision.reduce is not None:
             res.reductions[node] = decision.reduce
         res.shardings[node] = decision.out
+    if sequence_parallel:
+        mark_partial_gathers(res, matmuls, sizes)
     out_node = output_node(gm)
     for out in tensor_inputs(out_node):
         if not res.sharding(out).is_replicated:
             res.conversions.setdefault((out_node, out), REPLICATED)
     return res
+
+
+def sequence_split(node: fx.Node, orientation: Orientation, sizes: Mapping[str, int], batch: Any) -> int | None:
+    """The dim a sharded matmul's output is reduce-scattered along under sequence parallelism, or None.
+
+    Its output must be whole after the all-reduce it replaces (nothing splits its features: the output axis
+    has one rank, as in Megatron's row-parallel layer) and hold tokens: the dim before the features (of a
+    2-D output, its rows: GPT-2's Conv1D flattens batch x tokens), not the batch's when the batch is split,
+    splitting evenly over the reducing axis. Decode steps (one token) keep the all-reduce."""
+    val = tensor_meta(node)
+    n = sizes.get(orientation.in_axis, 1)
+    if not orientation.is_3d or n < 2 or sizes.get(orientation.out_axis, 1) != 1 or val is None or val.dim() < 2:
+        return None
+    tokens = val.dim() - 2
+    length = val.shape[tokens]
+    if not isinstance(length, int) or length < n or length % n:
+        return None
+    rows = batch.batch_dim(node) if batch is not None else None
+    return None if rows is not None and rows.dim == tokens else tokens
+
+
+def mark_partial_gathers(res: LayoutResult, matmuls: Mapping[fx.Node, MatmulMatch], sizes: Mapping[str, int]) -> None:
+    """Marks each gather of an evenly split tensor into a whole one whose every reader is a matmul that reads
+    it whole and splits its output over the gathered axis: their input gradients are partial sums over that
+    axis, so the gather's backward reduce-scatters them (``res.partial_gathers``) and the matmuls skip their
+    own all-reduce (``res.partial_dx``): one reduce-scatter where there were an all-reduce and a slice."""
+    readers: dict[tuple[fx.Node, Sharding], list[fx.Node]] = {}
+    for (consumer, producer), dst in res.conversions.items():
+        readers.setdefault((producer, dst), []).append(consumer)
+    for (producer, dst), consumers in readers.items():
+        src = res.sharding(producer)
+        if (src.is_replicated or len(src.parts) != 1 or src.full_size % sizes.get(src.axis, 1)
+                or not dst.is_replicated and sizes.get(dst.axis, 1) != 1):
+            continue
+        ok = True
+        for c in consumers:
+            o, m = res.orientations.get(c), matmuls.get(c)
+            if (o is None or m is None or m.x is not producer or sizes.get(o.in_axis, 1) != 1
+                    or o.out_axis != src.axis):
+                ok = False
+                break
+        if ok:
+            res.partial_gathers.add((producer, dst))
+            res.partial_dx.update(consumers)
 
 
 def kept_split(gm: fx.GraphModule, res: LayoutResult) -> set[fx.Node]:

@@ -158,7 +158,8 @@ def layouts_for(gm: fx.GraphModule, plan: Plan) -> tuple[LayoutResult, dict[fx.N
                             "changed after it was planned; build a new model inside auto_parallelize.")
     by_node = {m.node: m for m in matches}
     sizes = {"row": plan.config.row, "col": plan.config.col}
-    res = propagate_layouts(gm, by_node, matmul_decider(plan), sizes, local_batch_of(gm), embedding_decider(plan))
+    res = propagate_layouts(gm, by_node, matmul_decider(plan), sizes, local_batch_of(gm), embedding_decider(plan),
+                            plan.config.sequence_parallel)
     return res, by_node
 
 
@@ -226,7 +227,7 @@ class _Planner:
             return o, self.parts[m.weight] if o.is_sharded else ()
 
         res = propagate_layouts(self.gm, self.by_node, orientation_of, self.sizes, self.local_batch,
-                                self.embedding_of(chosen))
+                                self.embedding_of(chosen), self.config.sequence_parallel)
         return res, chosen
 
     def embedding_of(self, chosen: dict[str, Orientation]) -> Callable[[str], tuple[EmbeddingMode, str]]:
@@ -307,7 +308,7 @@ class _Planner:
             m = self.by_node[node]
             options = self.feasible[m.weight]
             key = _block_key(m.weight)
-            if len(options) < 2 or not res.sharding(m.x).is_replicated or key in decided:
+            if len(options) < 2 or not self.free_input(res.sharding(m.x), m) or key in decided:
                 continue
             decided.add(key)
             group = [x.weight for x in self.matches if _block_key(x.weight) == key and self.feasible[x.weight] == options]
@@ -315,6 +316,11 @@ class _Planner:
             best = min(options, key=lambda o: (*self.cost({**roots, **dict.fromkeys(group, o)}), options.index(o)))
             roots.update(dict.fromkeys(group, best))
         return roots
+
+    def free_input(self, s: Sharding, m: MatmulMatch) -> bool:
+        """A matmul whose input no orientation reads as it is: whole, or (sequence parallelism) split along
+        its tokens; its orientation is a root's choice."""
+        return s.is_replicated or self.config.sequence_parallel and s.dim != tensor_meta(m.x).dim() - 1
 
     def plan(self, chosen: dict[str, Orientation]) -> Plan:
         matmuls = {}

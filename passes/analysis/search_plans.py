@@ -48,11 +48,13 @@ class Candidate:
     """Stages per pipeline rank: 1 runs torch's 1F1B, more its Interleaved1F1B."""
     shard_optimizer: bool = False
     """The data ranks split the optimizer state (ZeRO stage 1): the search tries it on grids that do not fit."""
+    sequence_parallel: bool = False
+    """Activations between matmuls split along the tokens over the tensor group."""
 
     @property
     def config(self) -> ParallelConfig:
         return ParallelConfig(self.data, self.row, self.col, self.depth, pipeline=self.pipeline,
-                              shard_optimizer=self.shard_optimizer)
+                              shard_optimizer=self.shard_optimizer, sequence_parallel=self.sequence_parallel)
 
     @property
     def tensor(self) -> tuple[int, int, int]:
@@ -62,6 +64,7 @@ class Candidate:
         micro = f" microbatches={self.microbatches}" if self.pipeline > 1 else ""
         micro += f" chunks={self.chunks}" if self.chunks > 1 else ""
         micro += " shard_optimizer" if self.shard_optimizer else ""
+        micro += " sequence_parallel" if self.sequence_parallel else ""
         return (f"data={self.data} pipeline={self.pipeline} tensor={self.row},{self.col},{self.depth}{micro}")
 
 

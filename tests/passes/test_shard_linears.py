@@ -145,5 +145,5 @@ def test_identity_at_degree_one_changes_no_number():
 def test_convert_spec_prints_as_code():
     spec = ConvertSpec(Sharding(Layout.ROW, 2, (8, 8)), REPLICATED)
     assert repr(spec) == ("ConvertSpec(src=Sharding(layout=Layout.ROW, dim=2, parts=(8, 8)), "
-                          "dst=Sharding(layout=Layout.REPLICATED, dim=-1, parts=()))")
+                          "dst=Sharding(layout=Layout.REPLICATED, dim=-1, parts=()), partial_grad=False)")
     assert eval(repr(spec), {"ConvertSpec": ConvertSpec, "Sharding": Sharding, "Layout": Layout}) == spec
