@@ -113,7 +113,9 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
 
     def planned(grids: list[Candidate]) -> list[Scored]:
         """Each grid's plan; one that does not fit, with its optimizer state split over data when that needs
-        less memory (ZeRO stage 1 sends a parameter all-gather more per step: only where memory needs it)."""
+        less memory (ZeRO stage 1 sends a parameter all-gather more per step: only where memory needs it),
+        then with its activations split along the tokens (sequence parallelism: the same bytes in twice the
+        collectives)."""
         out = []
         for c in grids:
             s = scored_one(c)
@@ -121,6 +123,10 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
                     s = split
+            if not s.fits and s.time is not None and max(c.row, c.col) > 1 and not c.sequence_parallel:
+                seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
+                if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
+                    s = seq
             out.append(s)
         return out
 

@@ -127,6 +127,10 @@ def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
         nparams = _numel(shapes[m.weight]) + (_numel(shapes[m.bias]) if m.bias else 0)
         sharding = (f"replicated: {mp.reason}" if mp.orientation is Orientation.REPLICATED
                     else mp.orientation.value)
+        if m.node in res.partial_dx:  # sequence parallelism: its input gathered from the tokens' ranks
+            sharding += f", tokens gathered over {mp.orientation.out_axis}"
+        if m.node in res.seq_scatter:
+            sharding += f", out tokens over {mp.orientation.in_axis}"
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
                              tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan), largest_param_bytes=largest)

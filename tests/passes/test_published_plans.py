@@ -22,15 +22,17 @@ flight, its blocks recomputed one micro-batch at a time).
 Llama-3-405B (Dubey et al., "The Llama 3 Herd of Models", arXiv 2407.21783, section 3.3 and Table 4): 16,384
 H100s, tensor 8 x pipeline 16 x data 128, 16M tokens per step as 2,048 sequences of 8,192, one sequence
 per micro-batch, an interleaved schedule, bf16; 126 layers, hidden 16,384, FFN 53,248, 128 heads with 8
-key/value heads, 128,256 tokens' vocabulary. Reproduced on time only: its grid does not fit autopar's memory
-(the first pipeline rank needs 120 GiB even recomputing every block: under autocast HF keeps the
-residual stream in fp32, whole on every tensor rank, and gradients are not sharded over data; with Adam's
-moments split over data, ``shard_optimizer``, it needs 94.8 GiB; Llama 3 keeps the stream in bf16, splits it
-over the tensor ranks and shards the rest), so the search's pick is another grid, which must be predicted
-within 10% of the published grid's time.
+key/value heads, 128,256 tokens' vocabulary. As planned plainly its grid does not fit autopar's memory (the
+first pipeline rank needs 120 GiB even recomputing every block: under autocast HF keeps the residual stream in
+fp32, whole on every tensor rank); with Adam's moments split over data (``shard_optimizer``) it needs 94.8 GiB,
+and with the residual stream, norms and their inputs split along the tokens over the 8 tensor ranks too
+(``sequence_parallel``, as Megatron and Llama 3 run it) 75.1 GiB: it fits 80 GB, and the search's pick must be
+predicted within 10% of it.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -82,7 +84,7 @@ def test_published_configurations(name):
 
 
 @pytest.mark.slow
-def test_llama3_405b_published_grid_is_within_ten_percent_of_the_pick_on_time():
+def test_llama3_405b_published_grid_fits_and_is_within_ten_percent_of_the_pick():
     config = transformers.LlamaConfig(hidden_size=16384, intermediate_size=53248, num_hidden_layers=126,
                                       num_attention_heads=128, num_key_value_heads=8, vocab_size=128256,
                                       max_position_embeddings=8192, use_cache=False)
@@ -92,11 +94,16 @@ def test_llama3_405b_published_grid_is_within_ten_percent_of_the_pick_on_time():
     machine = load_machine("h100-80gb")
     best = search(model, inputs, 16384, machine, precision="bf16")[0]
     assert best.fits, best
-    published = [score(model, inputs, c, machine, precision="bf16")
-                 for c in candidates(16384, 2048, fixed={"data": 128, "row": 8, "col": 1, "depth": 1, "pipeline": 16})
-                 if c.microbatches == 16]  # one sequence per micro-batch, 1F1B and interleaved
-    assert published and not any(s.fits for s in published)  # (see the module docstring)
+    grids = [c for c in candidates(16384, 2048, fixed={"data": 128, "row": 8, "col": 1, "depth": 1, "pipeline": 16})
+             if c.microbatches == 16]  # one sequence per micro-batch, 1F1B and interleaved
+    plain = [score(model, inputs, c, machine, precision="bf16") for c in grids]
+    assert plain and not any(s.fits for s in plain)  # (see the module docstring)
+    published = [score(model, inputs, dataclasses.replace(c, shard_optimizer=True, sequence_parallel=True), machine,
+                       precision="bf16") for c in grids]
+    assert all(s.fits for s in published), [(s.candidate.describe(), s.memory_bytes / 2**30) for s in published]
     fastest = min(published, key=lambda s: s.seconds)
     assert fastest.candidate.chunks == 2  # interleaved, as Llama 3 ran it
+    assert fastest.seconds >= best.seconds * (1 - 1e-9), (best.candidate.describe(), best.seconds,
+                                                          fastest.candidate.describe(), fastest.seconds)
     ratio = fastest.seconds / best.seconds
     assert 0.9 <= ratio <= 1.1, (best.candidate.describe(), best.seconds, fastest.candidate.describe(), fastest.seconds)
