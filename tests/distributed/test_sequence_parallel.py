@@ -100,3 +100,44 @@ def test_sequence_parallel_matches_serial_with_predicted_bytes(distributed):
             assert r["tokens"], f"{where}: generate() tokens differ"
             if "checkpoint" not in options:  # (the step report leaves out a recomputed forward's collectives)
                 assert all(c == r["predicted"] for c in r["comm"]), f"{where}: {r['comm']} != {r['predicted']}"
+
+
+def _pipeline_worker() -> dict:
+    """pipeline 2 x tensor (2, 1, 1) under ``train_step`` (1F1B, 4 micro-batches): stage boundaries carry
+    activations split along the tokens."""
+    data = _data(steps=3, batch=8)
+    torch.manual_seed(0)
+    serial = zoo.build_model("llama", layers=4)
+    opt = torch.optim.SGD(serial.parameters(), lr=0.1, momentum=0.9)
+    want = []
+    for ids in data:
+        logits = serial(ids, use_cache=False).logits
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(loss.item())
+    want_params = {k: v.detach().clone() for k, v in serial.state_dict().items()}
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), pipeline=2, microbatches=4, sequence_parallel=True):
+        model = zoo.build_model("llama", layers=4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    got, calls = [], None
+    for step, ids in enumerate(data):
+        autopar.reset_comm_stats()
+        loss = autopar.train_step(model, {"input_ids": ids, "use_cache": False}, ids, F.cross_entropy)
+        if step == 1:
+            calls = autopar.runtime.collectives.comm_calls()
+        opt.step()
+        opt.zero_grad()
+        got.append(float(loss))
+    final = autopar.full_state_dict(model)
+    return {"loss": max(abs(a - b) for a, b in zip(want, got)),
+            "params": max(rel_err(want_params[k], final[k]) for k in final if k in want_params),
+            "config": str(plan_of(model).config), "calls": calls}
+
+
+def test_sequence_parallel_under_a_pipeline_matches_serial(distributed):
+    for rank, r in enumerate(distributed(_pipeline_worker, 4, timeout=600)):
+        assert "sequence_parallel" in r["config"] and r["calls"]["reduce_scatter"] > 0, (rank, r)
+        assert r["loss"] < TOL and r["params"] < TOL, (rank, r)
