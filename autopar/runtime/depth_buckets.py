@@ -28,7 +28,7 @@ from torch import fx
 from autopar.compat import version_of
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import MatmulOp
+from autopar.runtime.ops import REGATHER, MatmulOp, Regather
 from passes.analysis.estimate_memory import block_of
 from passes.analysis.graph_facts import module_of
 
@@ -118,22 +118,25 @@ class _Matmul3DGathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, op: MatmulOp,
-                bucket: DepthBucket, index: int) -> torch.Tensor:
+                bucket: DepthBucket, index: int, tokens: Regather | None = None) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         ctx.op, ctx.dtype, ctx.bucket, ctx.index, ctx.w_dtype = op, dtype, bucket, index, w.dtype
+        ctx.tokens = tokens
         x = x.to(dtype)
         with torch.autocast(device, enabled=False):
             y = op.reduce_out(torch.matmul(x, w.to(dtype) if op.spec.weight_in_out else w.to(dtype).t()))
             if bias is not None:
                 y = y + bias.to(dtype)
-        ctx.save_for_backward(x)
+        ctx.save_for_backward(x if tokens is None else tokens.keep(dtype))
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         op: MatmulOp = ctx.op
         (x,) = ctx.saved_tensors
+        if ctx.tokens is not None:
+            x = ctx.tokens.whole(x).to(ctx.dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
@@ -146,7 +149,7 @@ class _Matmul3DGathered(torch.autograd.Function):
             dw = (x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2).to(ctx.w_dtype)
         if need_b:
             db = dy2.sum(0)
-        return dx, dw, db, None, None, None
+        return dx, dw, db, None, None, None, None
 
 
 class _GatheredMatmul:
@@ -156,7 +159,8 @@ class _GatheredMatmul:
         self.op, self.bucket, self.index = op, bucket, index
 
     def __call__(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        return _Matmul3DGathered.apply(x, w, bias, self.op, self.bucket, self.index)
+        tokens = getattr(x, REGATHER, None) if self.op.spec.partial_dx else None
+        return _Matmul3DGathered.apply(x, w, bias, self.op, self.bucket, self.index, tokens)
 
 
 class _BucketGather:

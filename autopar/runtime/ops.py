@@ -204,23 +204,25 @@ class _Matmul3D(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
-                op: MatmulOp) -> torch.Tensor:
+                op: MatmulOp, tokens: Regather | None = None) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        ctx.op, ctx.dtype = op, dtype
+        ctx.op, ctx.dtype, ctx.tokens = op, dtype, tokens
         x = x.to(dtype)
         w = op.gather_weight(w_shard.to(dtype))
         with torch.autocast(device, enabled=False):
             y = op.reduce_out(torch.matmul(x, w if op.spec.weight_in_out else w.t()))
             if bias is not None:
                 y = y + bias.to(dtype)
-        ctx.save_for_backward(x, w_shard)
+        ctx.save_for_backward(x if tokens is None else tokens.keep(dtype), w_shard)
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         op: MatmulOp = ctx.op
         x, w_shard = ctx.saved_tensors
+        if ctx.tokens is not None:
+            x = ctx.tokens.whole(x).to(ctx.dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
@@ -236,7 +238,72 @@ class _Matmul3D(torch.autograd.Function):
             dw = C.reduce_scatter(block, op.mesh.group("depth"), op.mesh.size("depth")).to(w_shard.dtype)
         if need_b:
             db = dy2.sum(0)
-        return dx, dw, db, None
+        return dx, dw, db, None, None
+
+
+class _MatmulOut(torch.autograd.Function):
+    """An OUT_ROW/OUT_COL matmul (weight split over its output features) on an input gathered from the tokens'
+    ranks (``Regather``): it keeps this rank's tokens and gathers them again in backward; the input's gradient
+    stays partial (the gather's backward reduce-scatters it)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, op: MatmulOp,
+                tokens: Regather) -> torch.Tensor:
+        ctx.op, ctx.tokens = op, tokens
+        y = torch.matmul(x, w) if op.spec.weight_in_out else torch.nn.functional.linear(x, w)
+        if bias is not None:
+            y = y + bias.to(y.dtype)
+        ctx.save_for_backward(tokens.keep(y.dtype), w)  # (under autocast y is in the compute dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        op: MatmulOp = ctx.op
+        piece, w = ctx.saved_tensors
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        dx = dw = db = None
+        wc = w.to(dy.dtype)
+        if need_x:
+            dx = torch.matmul(dy, wc.t() if op.spec.weight_in_out else wc)
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        if need_w:
+            x2 = ctx.tokens.whole(piece).to(dy.dtype).reshape(-1, piece.shape[-1])
+            dw = (x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2).to(w.dtype)
+        if need_b:
+            db = dy2.sum(0)
+        return dx, dw, db, None, None
+
+
+class Regather:
+    """A tensor gathered from its tokens' ranks for the matmuls that read it (``ConvertSpec.partial_grad``): they
+    save this rank's tokens (``keep``) instead of the whole, and the first backward to need it gathers it again
+    for all of them (``whole``), as Megatron's sequence parallelism does: the activation a block keeps for its
+    matmuls is 1/n of the tokens, for one all-gather more in backward."""
+
+    def __init__(self, piece: torch.Tensor, mesh: Mesh, s: Sharding) -> None:
+        self.piece, self.mesh, self.s = piece, mesh, s
+        self.readers = self.served = 0
+        self.gathered: torch.Tensor | None = None
+
+    def keep(self, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's tokens in ``dtype`` (the compute dtype: one copy for every reader)."""
+        self.readers += 1
+        if self.piece.dtype != dtype:
+            self.piece = self.piece.to(dtype)
+        return self.piece
+
+    def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        if self.gathered is None:
+            self.gathered = gather_along(piece, self.s.dim, self.mesh, self.s.axis)
+        out = self.gathered
+        self.served += 1
+        if self.served >= self.readers:  # the last reader: let the gathered copy go
+            self.gathered, self.served = None, 0
+        return out
+
+
+REGATHER = "_autopar_regather"
+"""The attribute a gathered tensor carries its ``Regather`` in, read by the matmuls it feeds."""
 
 
 class MatmulOp:
@@ -275,9 +342,12 @@ class MatmulOp:
         return dx if self.spec.partial_dx else self.all_reduce(dx, self.spec.orientation.out_axis)
 
     def __call__(self, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        tokens = getattr(x, REGATHER, None) if self.spec.partial_dx else None
         if self.spec.orientation.is_3d:
-            return _Matmul3D.apply(x, w_shard, bias, self)
+            return _Matmul3D.apply(x, w_shard, bias, self, tokens)
         # OUT_ROW/OUT_COL: the weight's output features are split over one axis, the input is whole.
+        if tokens is not None:
+            return _MatmulOut.apply(x, w_shard, bias, self, tokens)
         if not self.spec.partial_dx:
             x = _CopyTo.apply(x, self.mesh, self.spec.orientation.out_axis)
         y = torch.matmul(x, w_shard) if self.spec.weight_in_out else torch.nn.functional.linear(x, w_shard)
@@ -413,9 +483,12 @@ class ConvertOp:
         self.spec, self.mesh = spec, mesh
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.spec.partial_grad:
-            x = _GatherPartial.apply(x, self.mesh, self.spec.src)
-        elif not self.spec.src.is_replicated:
+        if self.spec.partial_grad:  # (its readers are matmuls only; a split of one rank is no split)
+            whole = _GatherPartial.apply(x, self.mesh, self.spec.src)
+            if not torch.compiler.is_compiling():  # (compiled: the partitioner decides what backward keeps)
+                setattr(whole, REGATHER, Regather(x, self.mesh, self.spec.src))
+            return whole
+        if not self.spec.src.is_replicated:
             x = _Gather.apply(x, self.mesh, self.spec.src)
         if not self.spec.dst.is_replicated:
             x = _Slice.apply(x, self.mesh, self.spec.dst)

@@ -114,6 +114,14 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     return [x for x in out if x.group_size > 1]
 
 
+def _runs_backward(m: MatmulMatch | None, res: LayoutResult) -> bool:
+    """Whether a matmul's backward runs: its input or weight carries a gradient."""
+    if m is None:
+        return False
+    w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
+    return res.requires_grad.get(m.x, False) or res.requires_grad.get(w, False)
+
+
 def gathered_bytes(t: Any, s: Sharding, config: ParallelConfig) -> int:
     """The bytes an all-gather of ``t``'s pieces under ``s`` moves: the whole tensor, or (a segment split
     unevenly, ``decisions.uneven_split``) every rank's piece padded to the largest (``ops.gather_pieces``)."""
@@ -125,13 +133,18 @@ def gathered_bytes(t: Any, s: Sharding, config: ParallelConfig) -> int:
 
 
 def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requires_grad: bool,
-                           config: ParallelConfig, where: str, at: str = "", partial: bool = False) -> list[Collective]:
-    """``partial``: its readers' gradients are partial sums, reduce-scattered back (``ConvertSpec.partial_grad``)."""
+                           config: ParallelConfig, where: str, at: str = "", partial: bool | str = False) -> list[Collective]:
+    """``partial``: its readers are matmuls whose input gradients are partial sums, reduce-scattered back
+    (``ConvertSpec.partial_grad``), and which keep this rank's tokens, gathered again in their backward
+    (``ops.Regather``) when ``partial`` is "regather"."""
     t = tensor_meta(producer)
     out = []
     if not src.is_replicated:
         out.append(Collective("all_gather", src.axis, config.size(src.axis), gathered_bytes(t, src, config), "forward",
                               where, at))
+    if partial == "regather":
+        out.append(Collective("all_gather", src.axis, config.size(src.axis), gathered_bytes(t, src, config),
+                              "backward", where, at))
     if partial and requires_grad:
         out.append(Collective("reduce_scatter", src.axis, config.size(src.axis), gathered_bytes(t, src, config),
                               "backward", where, at))
@@ -272,13 +285,15 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             out += input_collectives(node, batch, config)
     done: set[tuple[fx.Node, Sharding]] = set()
     output = output_node(gm)
+    backward = {(producer, dst) for (consumer, producer), dst in res.conversions.items()
+                if (producer, dst) in res.partial_gathers and _runs_backward(by_node.get(consumer), res)}
     for (consumer, producer), dst in res.conversions.items():
         if consumer is output or (producer, dst) in done:
             continue
         done.add((producer, dst))
+        partial = (producer, dst) in res.partial_gathers and ("regather" if (producer, dst) in backward else True)
         out += conversion_collectives(producer, res.sharding(producer), dst, res.requires_grad.get(producer, False),
-                                      config, module_of(consumer) or str(consumer.target), consumer.name,
-                                      (producer, dst) in res.partial_gathers)
+                                      config, module_of(consumer) or str(consumer.target), consumer.name, partial)
     summed: set[tuple[fx.Node, Sharding | None, str]] = set()
     for (consumer, producer), axis in res.grad_sums.items():
         key = (producer, res.conversions.get((consumer, producer)), axis)

@@ -50,6 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from autopar.compat import pytree
 from autopar.decisions import Plan
 from passes.analysis.graph_facts import attention_flops, module_of, param_name, rows_of, tensor_meta
+from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
 from passes.analysis.optimizer_shards import kept_numel
 from passes.ir import Sharding, graph_info, input_info
@@ -358,13 +359,13 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         if key in counted or producer in params:
             continue  # parameters are not activations
         counted.add(key)
+        # A conversion before the saver keeps the tensor in the saver's layout, except a gather for matmuls that
+        # keep this rank's tokens and gather them again in backward (sequence parallelism: ``ops.Regather``).
         if producer is None:  # made inside the op: a copy of an input, or new (SDPA's log-sum-exp)
             source = rec.layout_source.get(key)
-            sharding = (res.conversions.get((saver, source), res.sharding(source)) if source is not None
-                        else res.sharding(saver))
-        else:  # a conversion before the saver keeps the tensor in the saver's layout
-            read = via if via is not None else producer
-            sharding = res.conversions.get((saver, read), res.sharding(read))
+            sharding = (_kept_layout(res, saver, source) if source is not None else res.sharding(saver))
+        else:
+            sharding = _kept_layout(res, saver, via if via is not None else producer)
         seg = seg_of.get(saver, order[1])
         if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
             seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
@@ -424,6 +425,13 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                 SegmentCost("<loss>", False, largest, 0, 2 * largest, 0))
     frozen = tuple(name for node in params if (name := param_name(node)) and not res.requires_grad.get(node))
     return dataclasses.replace(static_memory(segments, plan, frozen), output_bytes=sum(outputs))
+
+
+def _kept_layout(res: LayoutResult, saver: fx.Node, read: fx.Node) -> Sharding:
+    dst = res.conversions.get((saver, read))
+    if dst is None or (read, dst) in res.partial_gathers:
+        return res.sharding(read)
+    return dst
 
 
 def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
