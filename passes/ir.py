@@ -148,6 +148,9 @@ class EmbeddingSpec:
     mode: EmbeddingMode
     axis: str
     num_embeddings: int
+    scatter_dim: int = -1
+    """Sequence parallelism: a vocabulary-split lookup's partial rows are reduce-scattered along this dim (its
+    tokens) instead of all-reduced; backward all-gathers the gradient along it (-1: off)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -108,7 +108,8 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
     for node, (mode, axis) in res.embeddings.items():
         table, ids = node.args[0], node.args[1]
         padding_idx = node.args[2] if len(node.args) > 2 else -1
-        spec = EmbeddingSpec(plan.embedding(param_name(table)).weight, mode, axis, int(tensor_meta(table).shape[0]))
+        spec = EmbeddingSpec(plan.embedding(param_name(table)).weight, mode, axis, int(tensor_meta(table).shape[0]),
+                             res.seq_scatter.get(node, -1))
         replaced[_swap(node, sharded_embedding, (table, ids, padding_idx, spec))] = node
         notes.append(f"{spec.weight}: {mode.value}-parallel over {axis}")
 

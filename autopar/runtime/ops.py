@@ -135,6 +135,20 @@ class ReduceFrom(torch.autograd.Function):
         return (dy * ctx.scale if ctx.scale != 1.0 else dy), None, None, None
 
 
+class _ScatterTokens(torch.autograd.Function):
+    """Partial sums over an axis -> this rank's tokens of their sum (a reduce-scatter along ``dim``); backward
+    all-gathers the tokens' gradients (sequence parallelism's conjugate of ``_GatherPartial``)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, axis: str, dim: int) -> torch.Tensor:
+        ctx.mesh, ctx.axis, ctx.dim = mesh, axis, dim
+        return scatter_along(x, dim, mesh, axis)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return gather_along(dy, ctx.dim, ctx.mesh, ctx.axis), None, None, None
+
+
 class _CopyTo(torch.autograd.Function):
     """Identity forward into ops that split their output over an axis; backward sums the gradients."""
 
@@ -370,6 +384,8 @@ class EmbeddingOp:
         local_ids = (ids - start).masked_fill(~mine, 0)
         local_pad = padding_idx - start if 0 <= padding_idx - start < rows else -1
         out = aten.embedding.default(weight, local_ids, local_pad) * mine.unsqueeze(-1).to(weight.dtype)
+        if self.spec.scatter_dim >= 0:
+            return _ScatterTokens.apply(out, self.mesh, self.spec.axis, self.spec.scatter_dim)
         return ReduceFrom.apply(out, self.mesh, self.spec.axis, 1.0)
 
 

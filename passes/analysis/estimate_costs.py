@@ -311,8 +311,17 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             out += vocab_loss_collectives(tensor_meta(args[0]), spec.class_dim, spec.axis, config,
                                           module_of(node) or "cross_entropy", node.name, bool(spec.label_smoothing))
     for node, (mode, axis) in res.embeddings.items():
-        if mode is EmbeddingMode.VOCAB:
-            out += _all_reduce_of(node, axis, config, module_of(node) or param_name(node.args[0]))
+        where = module_of(node) or param_name(node.args[0])
+        if node in res.seq_scatter:  # its rows reduce-scattered along the tokens; their gradients gathered back
+            t = tensor_meta(node)
+            table = node.args[0]
+            out += [c for c in (Collective("reduce_scatter", axis, config.size(axis), t.numel() * t.element_size(),
+                                           "forward", where, node.name),) if c.group_size > 1]
+            if res.requires_grad.get(table, False):
+                out.append(Collective("all_gather", axis, config.size(axis), t.numel() * t.element_size(), "backward",
+                                      where, node.name))
+        elif mode is EmbeddingMode.VOCAB:
+            out += _all_reduce_of(node, axis, config, where)
     for node, orientation in res.orientations.items():
         m = by_node[node]
         w_node = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]

@@ -97,6 +97,11 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             if mode is not EmbeddingMode.REPLICATED:
                 res.embeddings[node] = (mode, axis)
                 out = last_dim(Layout(axis), val.shape[-1], val.dim()) if mode is EmbeddingMode.HIDDEN else REPLICATED
+                tokens = (lookup_split(node, axis, sizes, batch)
+                          if sequence_parallel and mode is EmbeddingMode.VOCAB else None)
+                if tokens is not None:  # its all-reduce becomes a reduce-scatter along the tokens
+                    out = Sharding(Layout(axis), tokens, (int(val.shape[tokens]),))
+                    res.seq_scatter[node] = tokens
                 decision = Decision(out, {node.args[1]: REPLICATED})
         elif node.op == "call_function":
             decision = rules.decide(node)
@@ -133,6 +138,21 @@ def sequence_split(node: fx.Node, orientation: Orientation, sizes: Mapping[str, 
     val = tensor_meta(node)
     n = sizes.get(orientation.in_axis, 1)
     if not orientation.is_3d or n < 2 or sizes.get(orientation.out_axis, 1) != 1 or val is None or val.dim() < 2:
+        return None
+    tokens = val.dim() - 2
+    length = val.shape[tokens]
+    if not isinstance(length, int) or length < n or length % n:
+        return None
+    rows = batch.batch_dim(node) if batch is not None else None
+    return None if rows is not None and rows.dim == tokens else tokens
+
+
+def lookup_split(node: fx.Node, axis: str, sizes: Mapping[str, int], batch: Any) -> int | None:
+    """The dim a vocabulary-split lookup's rows are reduce-scattered along under sequence parallelism (as
+    ``sequence_split``: the tokens, splitting evenly over ``axis``, not the batch's), or None."""
+    val = tensor_meta(node)
+    n = sizes.get(axis, 1)
+    if n < 2 or val is None or val.dim() < 2:
         return None
     tokens = val.dim() - 2
     length = val.shape[tokens]

@@ -8,6 +8,7 @@ pipelined grids; the predicted activation bytes fall."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -141,3 +142,36 @@ def test_sequence_parallel_under_a_pipeline_matches_serial(distributed):
     for rank, r in enumerate(distributed(_pipeline_worker, 4, timeout=600)):
         assert "sequence_parallel" in r["config"] and r["calls"]["reduce_scatter"] > 0, (rank, r)
         assert r["loss"] < TOL and r["params"] < TOL, (rank, r)
+
+
+def _activation_peak(sequence_parallel: bool) -> tuple[int, int]:
+    """(measured activation peak of one step, the plan's prediction) on this rank: llama, 6 blocks, 8 x 64."""
+    from autopar.memory import LiveBytes
+    from tests.distributed.test_checkpointing import _Settle
+
+    args = zoo.example_inputs("llama", 8, 64)
+    target = torch.randint(0, zoo.VOCAB, (8, 64), generator=torch.Generator().manual_seed(3))
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), checkpoint="none", sequence_parallel=sequence_parallel):
+        model = zoo.build_model("llama", layers=6)
+    model(*args)  # (shards outside the measurement)
+    peaks = []
+    for _ in range(3):
+        model.zero_grad(set_to_none=True)
+        with LiveBytes() as live, _Settle():
+            F.cross_entropy(zoo.logits_of(model(*args)).flatten(0, 1), target.flatten()).backward()
+        peaks.append(live.peak_bytes(exclude=[p.grad for p in model.parameters() if p.grad is not None]))
+    return min(peaks), plan_of(model).memory.activation_bytes
+
+
+@pytest.mark.slow
+def test_measured_activations_fall_as_the_plan_predicts(distributed):
+    """Measured ~5.6-5.8 -> ~4.3-4.5 MB at tensor (2, 1, 1) (the toy's attention scores and logits, split by heads
+    and vocabulary either way, are most of it). The plan over-predicts both by 3-11% (never under by more than
+    2%): measured here, the same with and without the split."""
+    plain = distributed(_activation_peak, 2, False)
+    split = distributed(_activation_peak, 2, True)
+    for rank, ((m0, p0), (m1, p1)) in enumerate(zip(plain, split)):
+        for m, p in ((m0, p0), (m1, p1)):
+            assert -0.02 * m <= p - m <= 0.12 * m, (rank, m0, p0, m1, p1)
+        assert m1 < 0.8 * m0, (rank, m0, m1)

@@ -24,6 +24,17 @@ def test_shard_optimizer_is_a_bool_and_part_of_the_grid():
     assert "shard_optimizer" not in str(ParallelConfig(data=1, shard_optimizer=True))  # nothing to split over
 
 
+def test_sequence_parallel_is_a_bool_and_part_of_the_grid():
+    for bad in (1, "yes", None):
+        with pytest.raises(ConfigError, match="sequence_parallel=.* is invalid"):
+            ParallelConfig(row=2, sequence_parallel=bad)
+        with pytest.raises(ConfigError, match="sequence_parallel=.* is invalid"):
+            MemoryConfig(sequence_parallel=bad)
+    config = ParallelConfig.from_user(tensor=(2, 1, 1), world_size=4, sequence_parallel=True)
+    assert config.sequence_parallel and str(config).endswith(" sequence_parallel")
+    assert "sequence_parallel" not in str(ParallelConfig(data=2, depth=2, sequence_parallel=True))  # no row/col
+
+
 def test_config_from_user_infers_data_and_checks_world_size():
     assert ParallelConfig.from_user(world_size=8) == ParallelConfig(8, 1, 1, 1)
     assert ParallelConfig.from_user(tensor=(2, 2, 1), world_size=8) == ParallelConfig(2, 2, 2, 1)
