@@ -50,6 +50,24 @@ def test_trace_shows_the_optimizer_state_sharded_over_data(tmp_path, capsys):
     assert split["comm_bytes_by_kind"]["all_reduce"] == whole["comm_bytes_by_kind"]["all_reduce"]
 
 
+def test_trace_shows_the_tokens_split_over_the_tensor_group(tmp_path, capsys):
+    """--sequence-parallel on the zoo's Llama at tensor (2,1,1): the output projections scatter their tokens, the
+    other matmuls read them gathered, the activations fall and the all-reduces become reduce-scatters."""
+    zoo = str(ROOT / "autopar" / "examples" / "zoo.py")
+    got = {}
+    for flag in ([], ["--sequence-parallel"]):
+        out = tmp_path / f"plan{len(flag)}.json"
+        assert trace_main([zoo, "--tensor", "2", "1", "1", "--json", str(out), *flag]) == 0
+        got[bool(flag)] = json.loads(out.read_text())
+    text = capsys.readouterr().out
+    assert "tensor=(row=2, col=1, depth=1) sequence_parallel" in text
+    assert "transposed, out tokens over row" in text and "normal, tokens gathered over row" in text
+    whole, split = got[False], got[True]
+    assert split["memory"]["activation_bytes"] < 0.9 * whole["memory"]["activation_bytes"]  # (0.83: logits are most)
+    assert split["comm_bytes_by_kind"]["reduce_scatter"] > 0 == whole["comm_bytes_by_kind"].get("reduce_scatter", 0)
+    assert split["comm_bytes_by_kind"]["all_reduce"] < 0.1 * whole["comm_bytes_by_kind"]["all_reduce"]
+
+
 def test_trace_runs_as_module_and_reports_bad_input():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ok = subprocess.run([sys.executable, "-m", "autopar.trace", EXAMPLE, "--tensor", "4", "1", "1"],
