@@ -222,7 +222,7 @@ class _Planner:
             elif contiguous_last and any(x.in_layout is s.layout for x in options):
                 o = next(x for x in options if x.in_layout is s.layout)
             else:
-                o = roots.get(m.weight, options[0])
+                o = roots.get(m.weight) or self.reads_tokens(m, s, options) or options[0]
             chosen[m.weight] = o
             return o, self.parts[m.weight] if o.is_sharded else ()
 
@@ -321,6 +321,14 @@ class _Planner:
         """A matmul whose input no orientation reads as it is: whole, or (sequence parallelism) split along
         its tokens; its orientation is a root's choice."""
         return s.is_replicated or self.config.sequence_parallel and s.dim != tensor_meta(m.x).dim() - 1
+
+    def reads_tokens(self, m: MatmulMatch, s: Sharding, options: tuple[Orientation, ...]) -> Orientation | None:
+        """Under sequence parallelism, for an input split along its tokens over an axis: the orientation that
+        reads it gathered and splits its output over that axis (Megatron's column-parallel layer after a
+        sequence-parallel norm), as the default the roots' choice starts from."""
+        if not self.config.sequence_parallel or s.is_replicated or s.dim == tensor_meta(m.x).dim() - 1:
+            return None
+        return next((o for o in options if self.config.size(o.in_axis) == 1 and o.out_axis == s.axis), None)
 
     def plan(self, chosen: dict[str, Orientation]) -> Plan:
         matmuls = {}
