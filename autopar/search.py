@@ -123,7 +123,8 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
                     s = split
-            if not s.fits and s.time is not None and max(c.row, c.col) > 1 and not c.sequence_parallel:
+            # (the split applies where one of row and col reduces a whole output: exactly one of them > 1)
+            if not s.fits and s.time is not None and (c.row > 1) != (c.col > 1) and not c.sequence_parallel:
                 seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
                 if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
                     s = seq
