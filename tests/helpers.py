@@ -52,3 +52,28 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     denom = b.double().norm().item()
     diff = (a.double() - b.double()).norm().item()
     return diff / denom if denom else diff
+
+
+def train_with_labels(model: torch.nn.Module, data: list[torch.Tensor], grads_of, prompt: int = 6) -> dict:
+    """Three SGD steps of an HF causal LM with its own ``labels=`` loss, then ``model(x)``'s logits and greedy
+    ``generate()`` tokens from the first batch's first ``prompt`` tokens: the losses, the first step's
+    gradients (``grads_of(model)``), the logits, the tokens and ``comm_stats()``'s total per step."""
+    import autopar
+
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # (Adam amplifies last-bit differences)
+    losses, grads, comm = [], None, []
+    for i, ids in enumerate(data):
+        autopar.reset_comm_stats()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        comm.append(autopar.comm_stats()["total"])
+        if i == 0:
+            grads = grads_of(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    with torch.no_grad():
+        logits = model(data[0], use_cache=False).logits
+    model.eval()
+    tokens = model.generate(data[0][:2, :prompt], max_new_tokens=5, do_sample=False, pad_token_id=0)
+    return {"losses": losses, "grads": grads, "logits": logits, "tokens": tokens, "comm": comm}

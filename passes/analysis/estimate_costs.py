@@ -133,7 +133,8 @@ def gathered_bytes(t: Any, s: Sharding, config: ParallelConfig) -> int:
 
 
 def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requires_grad: bool,
-                           config: ParallelConfig, where: str, at: str = "", partial: bool | str = False) -> list[Collective]:
+                           config: ParallelConfig, where: str, at: str = "",
+                           partial: bool | str = False) -> list[Collective]:
     """``partial``: its readers are matmuls whose input gradients are partial sums, reduce-scattered back
     (``ConvertSpec.partial_grad``), and which keep this rank's tokens, gathered again in their backward
     (``ops.Regather``) when ``partial`` is "regather"."""

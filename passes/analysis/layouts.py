@@ -132,26 +132,23 @@ def sequence_split(node: fx.Node, orientation: Orientation, sizes: Mapping[str, 
     """The dim a sharded matmul's output is reduce-scattered along under sequence parallelism, or None.
 
     Its output must be whole after the all-reduce it replaces (nothing splits its features: the output axis
-    has one rank, as in Megatron's row-parallel layer) and hold tokens: the dim before the features (of a
-    2-D output, its rows: GPT-2's Conv1D flattens batch x tokens), not the batch's when the batch is split,
-    splitting evenly over the reducing axis. Decode steps (one token) keep the all-reduce."""
-    val = tensor_meta(node)
-    n = sizes.get(orientation.in_axis, 1)
-    if not orientation.is_3d or n < 2 or sizes.get(orientation.out_axis, 1) != 1 or val is None or val.dim() < 2:
+    has one rank, as in Megatron's row-parallel layer) and hold tokens (``token_dim``)."""
+    if not orientation.is_3d or sizes.get(orientation.out_axis, 1) != 1:
         return None
-    tokens = val.dim() - 2
-    length = val.shape[tokens]
-    if not isinstance(length, int) or length < n or length % n:
-        return None
-    rows = batch.batch_dim(node) if batch is not None else None
-    return None if rows is not None and rows.dim == tokens else tokens
+    return token_dim(node, sizes.get(orientation.in_axis, 1), batch)
 
 
 def lookup_split(node: fx.Node, axis: str, sizes: Mapping[str, int], batch: Any) -> int | None:
-    """The dim a vocabulary-split lookup's rows are reduce-scattered along under sequence parallelism (as
-    ``sequence_split``: the tokens, splitting evenly over ``axis``, not the batch's), or None."""
+    """The dim a vocabulary-split lookup's rows are reduce-scattered along under sequence parallelism (its
+    tokens, ``token_dim``), or None."""
+    return token_dim(node, sizes.get(axis, 1), batch)
+
+
+def token_dim(node: fx.Node, n: int, batch: Any) -> int | None:
+    """The dim of ``node``'s tokens when they split evenly over ``n`` > 1 ranks: the dim before the features
+    (of a 2-D tensor, its rows: GPT-2's Conv1D flattens batch x tokens), not the batch's when the batch is
+    split. A decode step (one token) has none."""
     val = tensor_meta(node)
-    n = sizes.get(axis, 1)
     if n < 2 or val is None or val.dim() < 2:
         return None
     tokens = val.dim() - 2

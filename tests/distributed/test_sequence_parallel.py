@@ -17,7 +17,7 @@ import autopar
 from autopar.examples import zoo
 from autopar.parallel_model import plan_of, runtime_of
 from autopar.planner import plan_model
-from tests.helpers import rel_err
+from tests.helpers import rel_err, train_with_labels
 
 TOL = 1e-5
 
@@ -27,36 +27,17 @@ def _data(steps: int = 3, batch: int = 4, seq: int = 16) -> list[torch.Tensor]:
     return [torch.randint(0, zoo.VOCAB, (batch, seq), generator=g) for _ in range(steps)]
 
 
-def _train(model: torch.nn.Module, data: list[torch.Tensor], grads_of) -> dict:
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # (Adam amplifies last-bit differences)
-    losses, grads, comm = [], None, []
-    for i, ids in enumerate(data):
-        autopar.reset_comm_stats()
-        loss = model(ids, labels=ids, use_cache=False).loss
-        loss.backward()
-        comm.append(autopar.comm_stats()["total"])
-        if i == 0:
-            grads = grads_of(model)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    with torch.no_grad():
-        logits = model(data[0], use_cache=False).logits
-    model.eval()
-    tokens = model.generate(data[0][:2, :8], max_new_tokens=4, do_sample=False, pad_token_id=0)
-    return {"losses": losses, "grads": grads, "logits": logits, "tokens": tokens, "comm": comm}
-
-
 def _case(name: str, tensor: tuple[int, int, int], options: dict) -> dict:
     data = _data()
     torch.manual_seed(0)
     serial = zoo.build_model(name)
-    want = _train(serial, data, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
+    want = train_with_labels(serial, data, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()}, 8)
     want_params = {k: v.detach().clone() for k, v in serial.state_dict().items()}
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=tensor, sequence_parallel=True, **options):
         model = zoo.build_model(name)
-    got = _train(model, data, lambda m: {k: v for k, v in runtime_of(m).full_grads().items() if v is not None})
+    got = train_with_labels(model, data, lambda m: {k: v for k, v in runtime_of(m).full_grads().items()
+                                                    if v is not None}, 8)
     final = autopar.full_state_dict(model)
     config = runtime_of(model).config
     with torch.device("meta"):
