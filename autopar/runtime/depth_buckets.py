@@ -135,9 +135,9 @@ class _Matmul3DGathered(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         op: MatmulOp = ctx.op
         (x,) = ctx.saved_tensors
-        if ctx.tokens is not None:
-            x = ctx.tokens.whole(x).to(ctx.dtype)
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if ctx.tokens is not None and need_w:  # (x serves only the weight's gradient)
+            x = ctx.tokens.whole(x).to(ctx.dtype)
         dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
         if need_x:

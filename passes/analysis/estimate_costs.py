@@ -114,12 +114,12 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     return [x for x in out if x.group_size > 1]
 
 
-def _runs_backward(m: MatmulMatch | None, res: LayoutResult) -> bool:
-    """Whether a matmul's backward runs: its input or weight carries a gradient."""
+def _trains_weight(m: MatmulMatch | None, res: LayoutResult) -> bool:
+    """Whether a matmul's weight gets a gradient (the one thing its regathered input serves)."""
     if m is None:
         return False
     w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
-    return res.requires_grad.get(m.x, False) or res.requires_grad.get(w, False)
+    return res.requires_grad.get(w, False)
 
 
 def gathered_bytes(t: Any, s: Sharding, config: ParallelConfig) -> int:
@@ -287,7 +287,7 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
     done: set[tuple[fx.Node, Sharding]] = set()
     output = output_node(gm)
     backward = {(producer, dst) for (consumer, producer), dst in res.conversions.items()
-                if (producer, dst) in res.partial_gathers and _runs_backward(by_node.get(consumer), res)}
+                if (producer, dst) in res.partial_gathers and _trains_weight(by_node.get(consumer), res)}
     for (consumer, producer), dst in res.conversions.items():
         if consumer is output or (producer, dst) in done:
             continue
