@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
+from autopar.compat import TorchDispatchMode
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
 
 #: Small FC_Net: features divide by 8 (hidden 16, 4*16, 8*8 inputs); 10 classes do not divide by 4 or 8.
@@ -77,3 +80,14 @@ def train_with_labels(model: torch.nn.Module, data: list[torch.Tensor], grads_of
     model.eval()
     tokens = model.generate(data[0][:2, :prompt], max_new_tokens=5, do_sample=False, pad_token_id=0)
     return {"losses": losses, "grads": grads, "logits": logits, "tokens": tokens, "comm": comm}
+
+
+class SettleCollectives(TorchDispatchMode):
+    """Sleeps briefly after every c10d op, so gloo's worker thread has released the op's tensors
+    before the next op allocates (a measurement aid: the runtime itself never waits)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.namespace == "c10d":
+            time.sleep(0.002)
+        return out

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-import time
-
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-from autopar.compat import TorchDispatchMode
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
 from autopar.planner import plan_model
 from tests import zoo_helpers as Z
+from tests.helpers import SettleCollectives
 
 LAYERS = 4
 
@@ -54,17 +52,6 @@ def test_gradients_with_checkpointing_equal_serial_for_every_policy(name, tensor
                 assert err <= 1e-5 * (want.double().norm().item() + 1e-6), (policy, k, err)
 
 
-class _Settle(TorchDispatchMode):
-    """Sleeps briefly after every c10d op, so gloo's worker thread has released the op's tensors
-    before the next op allocates (a measurement aid: the runtime itself never waits)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func.namespace == "c10d":
-            time.sleep(0.002)
-        return out
-
-
 def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int, seq: int,
              layers: int, precision: str = "fp32") -> list[tuple[int, int]]:
     """Per budget: (measured activation peak, predicted) for one step on this rank."""
@@ -81,12 +68,12 @@ def _measure(name: str, tensor: tuple[int, int, int], budgets: list, batch: int,
         model(*args)  # compiles and shards outside the measurement
         # gloo's worker thread drops its reference to a collective's tensors a moment after the call
         # returns, so a step can measure a buffer longer than the program holds it (CI once saw the
-        # same 384 KiB extra in all three steps). _Settle gives that thread time after every
+        # same 384 KiB extra in all three steps). SettleCollectives gives that thread time after every
         # collective; the least of three identical steps is the program's own peak.
         peaks, kernels = [], set()
         for _ in range(3):
             model.zero_grad(set_to_none=True)
-            with LiveBytes() as live, _Settle():
+            with LiveBytes() as live, SettleCollectives():
                 logits = zoo.logits_of(model(*args))
                 F.cross_entropy(logits.flatten(0, 1), target.flatten()).backward()
             grads = [p.grad for p in model.parameters() if p.grad is not None]

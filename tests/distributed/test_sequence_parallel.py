@@ -17,7 +17,7 @@ import autopar
 from autopar.examples import zoo
 from autopar.parallel_model import plan_of, runtime_of
 from autopar.planner import plan_model
-from tests.helpers import rel_err, train_with_labels
+from tests.helpers import SettleCollectives, rel_err, train_with_labels
 
 TOL = 1e-5
 
@@ -141,7 +141,6 @@ def test_sequence_parallel_under_a_pipeline_matches_serial(distributed):
 def _activation_peak(sequence_parallel: bool) -> tuple[int, int]:
     """(measured activation peak of one step, the plan's prediction) on this rank: llama, 6 blocks, 8 x 64."""
     from autopar.memory import LiveBytes
-    from tests.distributed.test_checkpointing import _Settle
 
     args = zoo.example_inputs("llama", 8, 64)
     target = torch.randint(0, zoo.VOCAB, (8, 64), generator=torch.Generator().manual_seed(3))
@@ -152,7 +151,7 @@ def _activation_peak(sequence_parallel: bool) -> tuple[int, int]:
     peaks = []
     for _ in range(3):
         model.zero_grad(set_to_none=True)
-        with LiveBytes() as live, _Settle():
+        with LiveBytes() as live, SettleCollectives():
             F.cross_entropy(zoo.logits_of(model(*args)).flatten(0, 1), target.flatten()).backward()
         peaks.append(live.peak_bytes(exclude=[p.grad for p in model.parameters() if p.grad is not None]))
     return min(peaks), plan_of(model).memory.activation_bytes
