@@ -28,7 +28,7 @@ from torch import fx
 from autopar.compat import version_of
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import REGATHER, MatmulOp, Regather
+from autopar.runtime.ops import REGATHER, MatmulOp, TokensOf
 from passes.analysis.estimate_memory import block_of
 from passes.analysis.graph_facts import module_of
 
@@ -118,17 +118,17 @@ class _Matmul3DGathered(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, op: MatmulOp,
-                bucket: DepthBucket, index: int, tokens: Regather | None = None) -> torch.Tensor:
+                bucket: DepthBucket, index: int, tokens: TokensOf | None = None) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
         ctx.op, ctx.dtype, ctx.bucket, ctx.index, ctx.w_dtype = op, dtype, bucket, index, w.dtype
-        ctx.tokens = tokens
+        ctx.tokens = tokens and tokens.regather
         x = x.to(dtype)
         with torch.autocast(device, enabled=False):
             y = op.reduce_out(torch.matmul(x, w.to(dtype) if op.spec.weight_in_out else w.to(dtype).t()))
             if bias is not None:
                 y = y + bias.to(dtype)
-        ctx.save_for_backward(x if tokens is None else tokens.keep(dtype))
+        ctx.save_for_backward(x if tokens is None else tokens.keep(dtype, ctx.needs_input_grad[1]))
         return y
 
     @staticmethod
@@ -138,6 +138,7 @@ class _Matmul3DGathered(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.tokens is not None and need_w:  # (x serves only the weight's gradient)
             x = ctx.tokens.whole(x).to(ctx.dtype)
+        ctx.tokens = None
         dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
         if need_x:

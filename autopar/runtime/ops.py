@@ -218,17 +218,17 @@ class _Matmul3D(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w_shard: torch.Tensor, bias: torch.Tensor | None,
-                op: MatmulOp, tokens: Regather | None = None) -> torch.Tensor:
+                op: MatmulOp, tokens: TokensOf | None = None) -> torch.Tensor:
         device = x.device.type
         dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
-        ctx.op, ctx.dtype, ctx.tokens = op, dtype, tokens
+        ctx.op, ctx.dtype, ctx.tokens = op, dtype, tokens and tokens.regather
         x = x.to(dtype)
         w = op.gather_weight(w_shard.to(dtype))
         with torch.autocast(device, enabled=False):
             y = op.reduce_out(torch.matmul(x, w if op.spec.weight_in_out else w.t()))
             if bias is not None:
                 y = y + bias.to(dtype)
-        ctx.save_for_backward(x if tokens is None else tokens.keep(dtype), w_shard)
+        ctx.save_for_backward(x if tokens is None else tokens.keep(dtype, ctx.needs_input_grad[1]), w_shard)
         return y
 
     @staticmethod
@@ -238,6 +238,7 @@ class _Matmul3D(torch.autograd.Function):
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         if ctx.tokens is not None and need_w:  # (x serves only the weight's gradient)
             x = ctx.tokens.whole(x).to(ctx.dtype)
+        ctx.tokens = None
         dy = op.whole_grad(dy.to(ctx.dtype))
         dx = dw = db = None
         if need_x or need_w:
@@ -262,12 +263,12 @@ class _MatmulOut(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, op: MatmulOp,
-                tokens: Regather) -> torch.Tensor:
-        ctx.op, ctx.tokens = op, tokens
+                tokens: TokensOf) -> torch.Tensor:
+        ctx.op, ctx.tokens = op, tokens.regather
         y = torch.matmul(x, w) if op.spec.weight_in_out else torch.nn.functional.linear(x, w)
         if bias is not None:
             y = y + bias.to(y.dtype)
-        ctx.save_for_backward(tokens.keep(y.dtype), w)  # (under autocast y is in the compute dtype)
+        ctx.save_for_backward(tokens.keep(y.dtype, ctx.needs_input_grad[1]), w)  # (autocast: y's dtype computes)
         return y
 
     @staticmethod
@@ -283,30 +284,26 @@ class _MatmulOut(torch.autograd.Function):
         if need_w:
             x2 = ctx.tokens.whole(piece).to(dy.dtype).reshape(-1, piece.shape[-1])
             dw = (x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2).to(w.dtype)
+        ctx.tokens = None
         if need_b:
             db = dy2.sum(0)
         return dx, dw, db, None, None
 
 
 class Regather:
-    """A tensor gathered from its tokens' ranks for the matmuls that read it (``ConvertSpec.partial_grad``): they
-    save this rank's tokens (``keep``) instead of the whole, and the first backward to need it gathers it again
-    for all of them (``whole``), as Megatron's sequence parallelism does: the activation a block keeps for its
-    matmuls is 1/n of the tokens, for one all-gather more in backward."""
+    """The readers of a tensor gathered from its tokens' ranks (``ConvertSpec.partial_grad``: matmuls only) keep
+    this rank's tokens, not the whole (``TokensOf.keep``); the first backward to need the whole gathers it
+    again for all of them (``whole``), as Megatron's sequence parallelism does: a block keeps 1/n of its
+    matmuls' inputs, for one all-gather more in backward. The readers' ``ctx`` hold this object, which holds
+    no tensor of the forward (a recomputed block keeps nothing through it)."""
 
-    def __init__(self, piece: torch.Tensor, mesh: Mesh, s: Sharding) -> None:
-        self.piece, self.mesh, self.s = piece, mesh, s
+    def __init__(self, mesh: Mesh, s: Sharding) -> None:
+        self.mesh, self.s = mesh, s
         self.readers = self.served = 0
         self.gathered: torch.Tensor | None = None
 
-    def keep(self, dtype: torch.dtype) -> torch.Tensor:
-        """This rank's tokens in ``dtype`` (the compute dtype: one copy for every reader)."""
-        self.readers += 1
-        if self.piece.dtype != dtype:
-            self.piece = self.piece.to(dtype)
-        return self.piece
-
     def whole(self, piece: torch.Tensor) -> torch.Tensor:
+        """The whole, gathered from ``piece`` (a reader's saved tokens) by the first reader to ask, once."""
         if self.gathered is None:
             self.gathered = gather_along(piece, self.s.dim, self.mesh, self.s.axis)
         out = self.gathered
@@ -314,6 +311,22 @@ class Regather:
         if self.served >= self.readers:  # the last reader: let the gathered copy go
             self.gathered, self.served = None, 0
         return out
+
+
+class TokensOf:
+    """What the gathered tensor carries for its readers' forward (and no longer: it goes with that tensor):
+    this rank's tokens and their ``Regather``."""
+
+    def __init__(self, piece: torch.Tensor, regather: Regather) -> None:
+        self.piece, self.regather = piece, regather
+
+    def keep(self, dtype: torch.dtype, regathers: bool) -> torch.Tensor:
+        """This rank's tokens in ``dtype`` (the compute dtype: one copy for every reader), for a reader to save;
+        ``regathers``: its backward will ask for the whole (its weight takes a gradient)."""
+        self.regather.readers += regathers
+        if self.piece.dtype != dtype:
+            self.piece = self.piece.to(dtype)
+        return self.piece
 
 
 REGATHER = "_autopar_regather"
@@ -502,7 +515,7 @@ class ConvertOp:
         if self.spec.partial_grad:  # (its readers are matmuls only; a split of one rank is no split)
             whole = _GatherPartial.apply(x, self.mesh, self.spec.src)
             if not torch.compiler.is_compiling():  # (compiled: the partitioner decides what backward keeps)
-                setattr(whole, REGATHER, Regather(x, self.mesh, self.spec.src))
+                setattr(whole, REGATHER, TokensOf(x, Regather(self.mesh, self.spec.src)))
             return whole
         if not self.spec.src.is_replicated:
             x = _Gather.apply(x, self.mesh, self.spec.src)

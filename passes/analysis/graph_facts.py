@@ -224,11 +224,23 @@ def hinted(gm: fx.GraphModule) -> Iterator[None]:
             if val is not None and _is_symbolic(val):
                 saved.append((n, val))
                 n.meta["val"] = pytree.tree_map(_concrete, val)
+                n.meta[SYMBOLIC] = val
     try:
         yield
     finally:
         for n, val in saved:
             n.meta["val"] = val
+            del n.meta[SYMBOLIC]
+
+
+SYMBOLIC = "autopar_symbolic_val"
+"""Inside ``hinted``: a node's recorded value with its symbolic sizes (its ``val`` holds example sizes)."""
+
+
+def symbolic_dim(node: fx.Node, dim: int) -> bool:
+    """Whether dim ``dim`` of ``node``'s value is symbolic (a capture for every size), inside ``hinted`` too."""
+    val = node.meta.get(SYMBOLIC, node.meta.get("val"))
+    return isinstance(val, torch.Tensor) and dim < val.dim() and isinstance(val.shape[dim], torch.SymInt)
 
 
 def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -32,7 +32,8 @@ from torch import fx
 from autopar.decisions import EmbeddingMode, Layout, Orientation
 from passes.analysis.batch_dims import analyze_batch
 from passes.analysis.batch_facts import State
-from passes.analysis.graph_facts import MatmulMatch, carries_grad, param_name, tensor_inputs, tensor_meta
+from passes.analysis.graph_facts import (MatmulMatch, carries_grad, param_name, symbolic_dim, tensor_inputs,
+                                        tensor_meta)
 from passes.ir import REPLICATED, Sharding, graph_info, input_info, last_dim
 
 from passes.analysis.layout_rules import Decision, LayoutResult, LayoutRules, output_node
@@ -147,13 +148,14 @@ def lookup_split(node: fx.Node, axis: str, sizes: Mapping[str, int], batch: Any)
 def token_dim(node: fx.Node, n: int, batch: Any) -> int | None:
     """The dim of ``node``'s tokens when they split evenly over ``n`` > 1 ranks: the dim before the features
     (of a 2-D tensor, its rows: GPT-2's Conv1D flattens batch x tokens), not the batch's when the batch is
-    split. A decode step (one token) has none."""
+    split. A decode step (one token) has none, nor a length captured symbolically (training on varying
+    lengths: the plan, made on example sizes, and the graph that runs must agree)."""
     val = tensor_meta(node)
     if n < 2 or val is None or val.dim() < 2:
         return None
     tokens = val.dim() - 2
     length = val.shape[tokens]
-    if not isinstance(length, int) or length < n or length % n:
+    if not isinstance(length, int) or symbolic_dim(node, tokens) or length < n or length % n:
         return None
     rows = batch.batch_dim(node) if batch is not None else None
     return None if rows is not None and rows.dim == tokens else tokens
