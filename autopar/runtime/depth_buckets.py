@@ -28,7 +28,8 @@ from torch import fx
 from autopar.compat import version_of
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import REGATHER, MatmulOp, TokensOf
+from autopar.runtime.ops import MatmulOp
+from autopar.runtime.tokens import REGATHER, TokensOf
 from passes.analysis.estimate_memory import block_of
 from passes.analysis.graph_facts import module_of
 

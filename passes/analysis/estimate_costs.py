@@ -137,7 +137,7 @@ def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requ
                            partial: bool | str = False) -> list[Collective]:
     """``partial``: its readers are matmuls whose input gradients are partial sums, reduce-scattered back
     (``ConvertSpec.partial_grad``), and which keep this rank's tokens, gathered again in their backward
-    (``ops.Regather``) when ``partial`` is "regather"."""
+    (``autopar.runtime.tokens.Regather``) when ``partial`` is "regather"."""
     t = tensor_meta(producer)
     out = []
     if not src.is_replicated:

@@ -360,7 +360,8 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
             continue  # parameters are not activations
         counted.add(key)
         # A conversion before the saver keeps the tensor in the saver's layout, except a gather for matmuls that
-        # keep this rank's tokens and gather them again in backward (sequence parallelism: ``ops.Regather``).
+        # keep this rank's tokens and gather them again in backward (sequence parallelism:
+        # ``autopar.runtime.tokens.Regather``).
         if producer is None:  # made inside the op: a copy of an input, or new (SDPA's log-sum-exp)
             source = rec.layout_source.get(key)
             sharding = (_kept_layout(res, saver, source) if source is not None else res.sharding(saver))
