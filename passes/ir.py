@@ -277,6 +277,21 @@ def convert_layout(x, spec: ConvertSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def split_dropout(x, p, train, spec: Sharding):
+    """``dropout(x, p, train)`` where ``x`` is this rank's piece (``spec``) of a tensor split over a tensor
+    axis: the piece is multiplied by its part of the mask dropout draws for the whole tensor, so the masks
+    are the unsplit tensor's (neither repeated across the ranks' pieces nor changed by the grid)."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def split_random(op, args, kwargs, spec: Sharding):
+    """``op(*args, **kwargs)``, a random op (``torch.Tag.nondeterministic_seeded``: SDPA with dropout,
+    ``bernoulli``, ``rand_like``) whose output is this rank's piece (``spec``) of a tensor split over a tensor
+    axis: it draws from a generator state forked by the piece's index, so the pieces' draws differ, as the
+    whole tensor's do."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def gather_output(x, spec: GatherOutputSpec):
     """Makes a model output full on every rank: features gathered, then batch rows gathered."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")

@@ -8,9 +8,11 @@ bias placeholders directly; every embedding table it shards is read by one
 splits) take this rank's local sizes; a sum/mean over a split dim is followed by
 ``passes.ir.reduce_partial``; every edge whose shardings differ goes through one
 ``passes.ir.convert_layout`` per (producer, sharding); every tensor output goes through one
-``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch). The outputs at
-the positions in ``GraphInfo.kept_outputs`` (state the caller passes back, such as a key/value
-cache), when split over one axis in one piece or by batch rows split evenly, are kept split
+``passes.ir.gather_output`` (saying how it is laid out and whether it holds the batch); a dropout on a
+tensor split over a tensor axis is a ``passes.ir.split_dropout`` (the whole tensor's mask, this rank's
+part), and any other random op there a ``passes.ir.split_random`` (the piece's own draws). The outputs
+at the positions in ``GraphInfo.kept_outputs`` (state the caller passes back, such as a key/value cache),
+when split over one axis in one piece or by batch rows split evenly, are kept split
 (``GatherOutputSpec.keep_split``): the next call takes them as they are.
 ``node.meta["val"]`` keeps the logical (unsharded) value. At every degree 1 the emitted graph computes the same numbers.
 
@@ -27,6 +29,7 @@ Before -> After (FC_Net block, tensor=(2, 2, 1))::
 
 from __future__ import annotations
 
+import torch
 from torch import fx
 
 from autopar.decisions import Plan
@@ -46,6 +49,8 @@ from passes.ir import (
     reduce_partial,
     sharded_embedding,
     sharded_matmul,
+    split_dropout,
+    split_random,
     sum_grad,
 )
 from passes.runner import PassResult
@@ -113,6 +118,15 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
         replaced[_swap(node, sharded_embedding, (table, ids, padding_idx, spec))] = node
         notes.append(f"{spec.weight}: {mode.value}-parallel over {axis}")
 
+    for node in [n for n in graph.nodes if _random(n)]:
+        sharding = res.sharding(node)
+        if sharding.is_replicated:
+            continue
+        if node.target is torch.ops.aten.dropout.default:
+            _swap(node, split_dropout, (*node.args, sharding))
+        else:
+            _swap(node, split_random, (node.target, node.args, node.kwargs, sharding))
+
     gathered: dict[fx.Node, fx.Node] = {}
     for producer in list(output.all_input_nodes):
         if tensor_meta(producer) is None:
@@ -142,6 +156,18 @@ def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding, keep: boo
     if bd is not None:
         return GatherOutputSpec(sharding, True, bd.dim, bd.static_factor(), "split", keep_split=keep)
     return GatherOutputSpec(sharding, False, batch_state=res.batch.state(node).value)
+
+
+def _random(node: fx.Node) -> bool:
+    """Whether ``node`` draws random numbers: a seeded op, but not a dropout of probability 0 or outside training."""
+    if node.op != "call_function" or torch.Tag.nondeterministic_seeded not in getattr(node.target, "tags", ()):
+        return False
+    if node.target is torch.ops.aten.dropout.default:
+        return node.args[1] != 0 and node.args[2] is not False
+    if node.target is torch.ops.aten.scaled_dot_product_attention.default:
+        p = node.args[4] if len(node.args) > 4 else node.kwargs.get("dropout_p", 0.0)
+        return p != 0
+    return True
 
 
 def _swap(node: fx.Node, target: object, args: tuple) -> fx.Node:

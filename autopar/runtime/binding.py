@@ -16,12 +16,13 @@ from torch import fx
 
 from autopar.errors import PlanError
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import (BatchReduceOp, BatchRows, ConvertOp, EmbeddingOp, GatherFeaturesOp, GatherOutputOp,
-                                 GatherRowsOp, MatmulOp, ReduceOp, ScatterRowsOp, SumGradOp, VocabCrossEntropyOp)
+from autopar.runtime.ops import (BatchReduceOp, BatchRows, ConvertOp, DropoutOp, EmbeddingOp, GatherFeaturesOp,
+                                 GatherOutputOp, GatherRowsOp, MatmulOp, RandomPieceOp, ReduceOp, ScatterRowsOp,
+                                 SumGradOp, VocabCrossEntropyOp)
 from autopar.runtime.per_rank import SegmentReduceOp
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
-                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, sum_grad,
-                       vocab_cross_entropy)
+                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, split_dropout, split_random,
+                       sum_grad, vocab_cross_entropy)
 
 
 def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.dtype | None, pipeline: int,
@@ -44,6 +45,8 @@ def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.
         gather_rows: lambda spec: GatherRowsOp(spec, mesh, rows).__call__,
         scatter_rows: lambda spec: ScatterRowsOp(spec, mesh, rows).__call__,
         vocab_cross_entropy: lambda spec: VocabCrossEntropyOp(spec, mesh).__call__,
+        split_dropout: lambda spec: DropoutOp(spec, mesh).__call__,
+        split_random: lambda spec: RandomPieceOp(spec, mesh).__call__,
     }
     if per_rank is not None:
         members, member = per_rank
