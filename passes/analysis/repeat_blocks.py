@@ -99,12 +99,32 @@ def _extend(records: Sequence[T], repeat: Repeat) -> tuple[T, ...]:
             run.append(r)
             continue
         out.extend(run)
-        out.extend(_renamed(x, repeat, repeat.template, dst) for dst in range(repeat.template + 1, repeat.count)
-                   for x in run)
+        if run:
+            out.extend(_copies(run, repeat))
         run = []
         if r is not None:
             out.append(r)
     return tuple(out)
+
+
+def _copies(run: list[T], repeat: Repeat) -> list[T]:
+    """The template records ``run`` renamed for every dropped block, block by block (``_renamed`` for each,
+    with each name cut around its block index once)."""
+    fields = _NAME_FIELDS[type(run[0]).__name__]
+    cut = []  # per record: (field, text before the index, text after it) of each name in the template
+    for x in run:
+        names = []
+        for f in fields:
+            name = getattr(x, f)
+            if name and repeat.index_of(name) == repeat.template:
+                head = len(repeat.prefix) + 1
+                names.append((f, name[:head], name[head + len(str(repeat.template)):]))
+        cut.append(names)
+    out = []
+    for dst in range(repeat.template + 1, repeat.count):
+        index = str(dst)
+        out.extend(_replaced(x, {f: head + index + rest for f, head, rest in names}) for x, names in zip(run, cut))
+    return out
 
 
 def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: MemoryProfile | None = None) -> bool:
@@ -131,14 +151,20 @@ def repeat_plan(plan: Plan, repeats: Sequence[Repeat]) -> Plan:
     return Plan(plan.config, matmuls, params, replicated_notes(why) + copied, embeddings)
 
 
-def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]) -> StepReport:
-    """The report of the whole model; ``full_plan`` is ``repeat_plan``'s result."""
+def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat], totals: bool = True
+                  ) -> StepReport:
+    """The report of the whole model; ``full_plan`` is ``repeat_plan``'s result. Without ``totals`` only its
+    rows, collectives and parameter count are the whole model's (every total is still the cut model's): for a
+    caller that summarizes them again (a pipeline's, per rank: ``autopar.planner``), which saves a summary of
+    some 10,000 records per plan at 16,384 GPUs."""
     rows, colls = report.layers, report.collectives
     num_parameters = report.num_parameters
     for r in repeats:
         rows, colls = _extend(rows, r), _extend(colls, r)
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
+    if not totals:
+        return dataclasses.replace(report, layers=rows, collectives=colls, num_parameters=num_parameters)
     return dataclasses.replace(summarize(rows, colls, num_parameters, full_plan),
                                largest_param_bytes=report.largest_param_bytes)  # a copied block's are the cut's
 

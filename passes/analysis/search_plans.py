@@ -445,7 +445,10 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
     # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
     # over row) the screen takes the cheaper
-    comm, blocking = min(_tensor_seconds(shape, candidate, price, flip) for flip in (0, 1))
+    key = ("tensor", id(shape), half, c.data, c.row, c.col, c.depth, stages, micro)  # (either schedule and state)
+    if key not in price.memo:
+        price.memo[key] = min(_tensor_seconds(shape, candidate, price, flip) for flip in (0, 1))
+    comm, blocking = price.memo[key]
     if stages > 1:  # the busiest pipeline rank's share: the stages cannot split the blocks evenly
         key = ("imbalance", stages, c.chunks, widen)
         if key not in price.memo:
