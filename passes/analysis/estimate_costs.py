@@ -81,9 +81,10 @@ def axis_size(config: ParallelConfig, axis: str) -> int:
 
 def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad: bool,
                        w_requires_grad: bool, config: ParallelConfig, scatter: bool = False,
-                       partial_dx: bool = False) -> list[Collective]:
-    """``scatter``: its output is reduce-scattered along the tokens (and its gradient all-gathered back) in
-    place of the all-reduce; ``partial_dx``: the gather before it sums its input's gradient, not itself."""
+                       partial_dx: bool = False, b_requires_grad: bool = False) -> list[Collective]:
+    """``scatter``: its output is reduce-scattered along the tokens (and its gradient all-gathered back, for
+    whichever of the input, weight and bias takes one) in place of the all-reduce; ``partial_dx``: the gather
+    before it sums its input's gradient, not itself."""
     x = tensor_meta(m.x)
     b = x.element_size()
     rows = rows_of(x)
@@ -103,7 +104,7 @@ def matmul_collectives(m: MatmulMatch, orientation: Orientation, x_requires_grad
     y_bytes = rows * m.out_features // out_split * b
     out = [c("all_gather", "depth", block_bytes, "forward"),
            c("reduce_scatter" if scatter else "all_reduce", orientation.in_axis, y_bytes, "forward")]
-    if scatter and (x_requires_grad or w_requires_grad):
+    if scatter and (x_requires_grad or w_requires_grad or b_requires_grad):
         out.append(c("all_gather", orientation.in_axis, y_bytes, "backward"))
     if x_requires_grad or w_requires_grad:
         out.append(c("all_gather", "depth", block_bytes, "backward"))
@@ -323,11 +324,12 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
                                       where, node.name))
         elif mode is EmbeddingMode.VOCAB:
             out += _all_reduce_of(node, axis, config, where)
+    trained = {param_name(n) for n in gm.graph.nodes if n.op == "placeholder" and res.requires_grad.get(n, False)}
     for node, orientation in res.orientations.items():
         m = by_node[node]
         w_node = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
         out += matmul_collectives(m, orientation, res.requires_grad[m.x], res.requires_grad[w_node], config,
-                                  node in res.seq_scatter, node in res.partial_dx)
+                                  node in res.seq_scatter, node in res.partial_dx, m.bias in trained)
     seen: set[fx.Node] = set()
     pooled = len(batch.segments) if batch is not None and batch.segments else 0
     kept = kept_split(gm, res)  # returned split (a key/value cache): no gather

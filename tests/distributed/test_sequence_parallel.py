@@ -8,6 +8,8 @@ pipelined grids; the predicted activation bytes fall."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -27,12 +29,19 @@ def _data(steps: int = 3, batch: int = 4, seq: int = 16) -> list[torch.Tensor]:
     return [torch.randint(0, zoo.VOCAB, (batch, seq), generator=g) for _ in range(steps)]
 
 
-def _build(name: str, frozen: tuple[str, ...]) -> torch.nn.Module:
+def _build(name: str, frozen: tuple[str, ...] | Callable[[str], bool]) -> torch.nn.Module:
+    """``frozen``: prefixes of the parameters to freeze, or whether to freeze a parameter by its name."""
     model = zoo.build_model(name)
     for n, p in model.named_parameters():
-        if any(n.startswith(f) for f in frozen):
+        if frozen(n) if callable(frozen) else any(n.startswith(f) for f in frozen):
             p.requires_grad_(False)
     return model
+
+
+def _bias_only(name: str) -> bool:
+    """Frozen but the first block's attention output bias and the last block: that bias's matmul (its output
+    reduce-scattered) trains neither its input nor its weight, and backward all-gathers its gradient for it."""
+    return name != "transformer.h.0.attn.c_proj.bias" and not name.startswith("transformer.h.1.")
 
 
 def _case(name: str, tensor: tuple[int, int, int], options: dict) -> dict:
@@ -74,10 +83,11 @@ def _case(name: str, tensor: tuple[int, int, int], options: dict) -> dict:
 
 CASES = [("llama", (4, 1, 1), {}), ("gpt2", (1, 4, 1), {}), ("llama", (2, 1, 1), {"data": 2}),
          ("llama", (1, 2, 2), {}), ("llama", (2, 1, 1), {"data": 2, "checkpoint": "full"}),
-         ("llama", (4, 1, 1), {"frozen": ("lm_head", "model.layers.0.mlp")})]
+         ("llama", (4, 1, 1), {"frozen": ("lm_head", "model.layers.0.mlp")}),
+         ("gpt2", (1, 4, 1), {"frozen": _bias_only})]
 """Tensor over row and over col (HF Llama: tokens in dim 1; GPT-2's Conv1D: the rows of a 2-D product),
 data x tensor, col x depth (depth buckets), every block recomputed, frozen weights (a gathered input its readers
-need not keep: no regather)."""
+need not keep: no regather), and a scattered matmul of which only the bias trains."""
 
 
 def _worker() -> list[dict]:
