@@ -305,7 +305,7 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     with without_stack_traces():  # (analysed only, never run)
         canonical = shard(0)
         mine = canonical if index == 0 else shard(index)
-    plan = _made_plan(canonical.gm, config, captures)
+    plan = make_plan(canonical.gm, config)
     report = estimate_step(mine.gm, plan)
     if per_rank and not split and config.num_batch_shards > 1:
         # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
@@ -320,18 +320,6 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     if captures is not None:
         captures[memo] = result
     return result
-
-
-def _made_plan(gm: fx.GraphModule, config: ParallelConfig, captures: dict[Any, Any] | None) -> Plan:
-    """``make_plan(gm, config)``; the search's grids that differ only in ``shard_optimizer`` (which changes no
-    layout) share one (``captures``: kept while ``gm`` is)."""
-    if captures is None:
-        return make_plan(gm, config)
-    key = ("made", id(gm), dataclasses.replace(config, shard_optimizer=False))
-    if key not in captures:
-        captures[key] = make_plan(gm, config)
-    made = captures[key]
-    return Plan(config, made.matmuls, made.params, made.notes, made.embeddings, made.memory, made.pipeline)
 
 
 def _shared_rows(captures: dict[Any, Any], shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec,

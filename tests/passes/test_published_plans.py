@@ -65,6 +65,9 @@ def test_published_configurations(name):
     machine = load_machine("a100-80gb")
     best = search(model, inputs, gpus, machine, precision="bf16")[0]
     assert best.fits, best
+    # the search's numbers are its pick's own plan: what planning that grid alone predicts, to the bit
+    alone = score(model, inputs, best.candidate, machine, precision="bf16")
+    assert (alone.seconds, alone.memory_bytes) == (best.seconds, best.memory_bytes), (name, alone, best)
     rows = batch // (gpus // (tp * pp))  # per data shard; Megatron's micro-batches had one or two of them
     published = [c for c in candidates(gpus, batch, fixed={"row": tp, "col": 1, "depth": 1, "pipeline": pp})
                  if c.microbatches in (rows, rows // 2)]
