@@ -77,7 +77,7 @@ def _train(model, spelling: str, grads_of, steps: int = 3, lengths: tuple[int, .
 
 
 def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync", unscaled: bool = False,
-               lengths: tuple[int, ...] = (), shard_optimizer: bool = False) -> dict:
+               lengths: tuple[int, ...] = (), shard_optimizer: bool = False, sequence_parallel: bool = False) -> dict:
     torch.manual_seed(0)
     if grid is None:
         module = NanoGPT(GPTConfig(**CONFIG))
@@ -90,10 +90,13 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
 
         per_rank._Scaled.backward = staticmethod(lambda ctx, dy: (dy, None, None, None))
     tensor, data = grid
-    with autopar.auto_parallelize(tensor=tensor, data=data, shard_optimizer=shard_optimizer):
+    with autopar.auto_parallelize(tensor=tensor, data=data, shard_optimizer=shard_optimizer,
+                                  sequence_parallel=sequence_parallel):
         model = NanoGPT(GPTConfig(**CONFIG))
+    autopar.reset_comm_stats()
     out = _train(model, spelling, lambda: {k: v.clone() for k, v in runtime_of(model).full_grads().items()},
                  lengths=lengths)
+    out["calls"] = autopar.runtime.collectives.comm_calls()
     out["final"] = autopar.full_state_dict(model)
     out["graphs"] = sum(len(v) for v in runtime_of(model).executables.values())
     return out
@@ -112,6 +115,15 @@ def test_ddp_script_with_the_optimizer_state_sharded_matches_ddp(grid, distribut
     want = distributed(ddp_worker, 4, None)
     got = distributed(ddp_worker, 4, GRIDS[grid], "no_sync", shard_optimizer=True)
     _check_against_ddp(grid, got, want)
+
+
+def test_ddp_script_with_sequence_parallel_and_the_optimizer_state_sharded_matches_ddp(distributed):
+    """``sequence_parallel=True`` with ``shard_optimizer=True`` under DDP's idioms: per-rank batches, the loss
+    in forward, no_sync accumulation, clipping, AdamW's two groups."""
+    want = distributed(ddp_worker, 4, None)
+    got = distributed(ddp_worker, 4, GRIDS["t211-d2"], "no_sync", shard_optimizer=True, sequence_parallel=True)
+    _check_against_ddp("t211-d2", got, want)
+    assert all(g["calls"].get("reduce_scatter", 0) > 0 for g in got), [g["calls"] for g in got]
 
 
 def test_ddp_script_with_a_new_length_each_step(distributed):
