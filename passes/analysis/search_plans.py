@@ -370,14 +370,19 @@ class _Prices:
         self.machine, self.config, self.half, self.memo = machine, config, half, memo
         self.links: dict[str, tuple[float, float]] = {}
         self.multi = sum(config.size(a) > 1 for a in ("row", "col", "depth")) > 1
+        self.degrees = (config.data, config.pipeline, config.row, config.col, config.depth)
 
     def __call__(self, kind: str, axis: str, group_size: int, message_bytes: int, phase: str) -> float:
         if self.half and _halves(phase, axis):
             message_bytes //= 2
         where = "pipeline" if kind == "send" else axis
         link = self.links.get(where)
-        if link is None:
-            link = self.links[where] = self.machine.link(self.config, where)
+        if link is None:  # (grids of the same degrees share their links: the schedules, the micro-batches)
+            key = ("link", self.degrees, where)
+            link = self.memo.get(key)
+            if link is None:
+                link = self.memo[key] = self.machine.link(self.config, where)
+            self.links[where] = link
         crossed = phase != "step" and self.multi
         key = (link, crossed, kind, group_size, message_bytes)
         seconds = self.memo.get(key)
