@@ -419,6 +419,11 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, price: _Prices, flip: int) 
     return total, count
 
 
+def _divides(k: int, n: int, row: int, col: int) -> bool:
+    """Whether row x col can split a matmul of ``k`` in and ``n`` out features evenly, in either orientation."""
+    return k % row == 0 and n % col == 0 or k % col == 0 and n % row == 0
+
+
 def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
            memo: dict[Any, float] | None = None) -> tuple[float, int]:
     """(predicted seconds, least memory per device) of ``candidate`` in closed form: AxoNN's per-layer
@@ -442,6 +447,12 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
     widen = tensor / max(c.row, c.col)
     flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
+    # a block's matmul whose features the tensor axes divide in neither orientation stays whole on every tensor
+    # rank (make_plan's divisibility rule): its work and its weight are not split (the 1T GPT's 25,600
+    # features at tensor 6)
+    whole = [(k * n * count * 4, f) for _, k, n, _, count, f in shape.matmuls
+             if count > 1 and tensor > 1 and not _divides(k, n, c.row, c.col)]
+    flops += (tensor - 1) * sum(f for _, f in whole)
     compute = flops / (shards * tensor * stages) / machine.flops_per_second * matmul_slowdown(calls, machine, half)
     compute += shape.ops * micro / stages * machine.op_seconds
     # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
@@ -466,7 +477,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         comm += 2 * micro * c.chunks * price("send", "pipeline", 2, message, "forward")
         blocking += 2 * micro * c.chunks
     comm += arrival_skew(round(blocking), compute, machine, config)
-    params = shape.param_bytes // (tensor * c.depth * stages)
+    params = (shape.param_bytes + (tensor - 1) * sum(b for b, _ in whole)) // (tensor * c.depth * stages)
     sync = 0.0
     if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
         full, rest = divmod(params, BUCKET_BYTES)

@@ -626,3 +626,17 @@ def test_the_search_splits_the_optimizer_state_over_data_only_where_memory_needs
     shape = shape_of(probe, 4)
     whole, split = (screen(shape, Candidate(4, 1, 1, 1, 1, shard_optimizer=s), MACHINE) for s in (False, True))
     assert split[1] < whole[1] * 0.7 and split[0] > whole[0]
+
+
+def test_the_screen_keeps_a_matmul_whole_where_the_tensor_axes_divide_none_of_its_features():
+    """make_plan leaves a matmul replicated when neither orientation splits its features evenly: the screen
+    prices its FLOPs and its weight unsplit (the 1T GPT's 25,600 features at tensor 6 planned 12 grids in vain)."""
+    from passes.analysis.search_plans import ModelShape, screen
+
+    flops = 2 * 4096 * 600 * 600 * 3.0
+    shape = ModelShape(((4096, 600, 600, 0, 8, 8 * flops), (4096, 600, 600, 1, 8, 8 * flops)), 16 * 600 * 600 * 4,
+                       0, 0, 8)
+    machine = dataclasses.replace(MACHINE, memory_bytes=2**40)
+    (t4, m4), (t7, m7) = (screen(shape, Candidate(1, 1, 1, n, 1), machine) for n in (4, 7))  # 600 = 4 x 150, not 7 x
+    assert m7 >= 2 * 16 * 600 * 600 * 4 > m4  # the weights (and their gradients) whole on every rank
+    assert t7 > 1.5 * t4
