@@ -31,7 +31,7 @@ from torch import fx
 
 from autopar.decisions import EmbeddingMode, Layout, Orientation
 from passes.analysis.batch_dims import analyze_batch
-from passes.analysis.batch_facts import State
+from passes.analysis.batch_facts import BatchFacts, State
 from passes.analysis.graph_facts import (MatmulMatch, carries_grad, param_name, symbolic_dim, tensor_inputs,
                                         tensor_meta)
 from passes.ir import REPLICATED, Sharding, graph_info, input_info, last_dim
@@ -45,7 +45,7 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
                       orientation_of: Callable[[MatmulMatch, Sharding], tuple[Orientation, tuple[int, ...]]],
                       sizes: Mapping[str, int], local_batch: int | None = None,
                       embedding_of: Callable[[str], tuple[EmbeddingMode, str]] | None = None,
-                      sequence_parallel: bool = False) -> LayoutResult:
+                      sequence_parallel: bool = False, batch: BatchFacts | None = None) -> LayoutResult:
     """Walks ``gm`` in order and assigns shardings.
 
     Args:
@@ -60,9 +60,14 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             along its tokens instead (``sequence_split``), and a gather whose every reader is a matmul that
             sums its input's gradient over the gathered axis reduce-scatters that gradient for them
             (``mark_partial_gathers``).
+        batch: ``analyze_batch(gm)``, where the caller has it (make_plan propagates one graph many times);
+            read only.
     """
     res = LayoutResult()
-    batch = analyze_batch(gm) if local_batch is not None else None
+    if local_batch is None:
+        batch = None
+    elif batch is None:
+        batch = analyze_batch(gm)
     res.batch = batch
     rules = LayoutRules(res, sizes)
     for node in gm.graph.nodes:

@@ -35,6 +35,7 @@ from autopar.config import ParallelConfig
 from autopar.decisions import (EmbeddingMode, EmbeddingPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan,
                                 uneven_split)
 from autopar.errors import PlanError
+from passes.analysis.batch_dims import analyze_batch
 from passes.analysis.estimate_costs import list_collectives, total_bytes
 from passes.analysis.graph_facts import (
     MatmulMatch,
@@ -170,6 +171,7 @@ class _Planner:
         self.matches = find_matmuls(gm)
         self.by_node = {m.node: m for m in self.matches}
         self.local_batch = local_batch_of(gm)
+        self.batch = analyze_batch(gm) if self.local_batch is not None else None  # (one graph, every propagation)
         uses = param_uses(gm)
         lookups: dict[str, list[fx.Node]] = {}
         for node in gm.graph.nodes:
@@ -227,7 +229,7 @@ class _Planner:
             return o, self.parts[m.weight] if o.is_sharded else ()
 
         res = propagate_layouts(self.gm, self.by_node, orientation_of, self.sizes, self.local_batch,
-                                self.embedding_of(chosen), self.config.sequence_parallel)
+                                self.embedding_of(chosen), self.config.sequence_parallel, self.batch)
         return res, chosen
 
     def embedding_of(self, chosen: dict[str, Orientation]) -> Callable[[str], tuple[EmbeddingMode, str]]:
