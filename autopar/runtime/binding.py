@@ -1,7 +1,7 @@
 """Binds an emitted graph to this rank: marker ops become implementations over this rank's groups.
 
 ``ParallelRuntime`` compiles a graph per input signature; after the passes ``bind_markers`` replaces
-each marker op (``passes.ir``) with the op of ``autopar.runtime.ops`` (or ``per_rank``) that carries
+each marker op (``passes.ir``) with the op of ``autopar.runtime.ops`` (or ``per_rank``, ``random_pieces``) that carries
 it out on this rank, and meta devices with this rank's. The small helpers here read the bound graph:
 its placeholders, how each output is laid out, which inputs travel between pipeline stages.
 """
@@ -16,10 +16,11 @@ from torch import fx
 
 from autopar.errors import PlanError
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import (BatchReduceOp, BatchRows, ConvertOp, DropoutOp, EmbeddingOp, GatherFeaturesOp,
-                                 GatherOutputOp, GatherRowsOp, MatmulOp, RandomPieceOp, ReduceOp, ScatterRowsOp,
+from autopar.runtime.ops import (BatchReduceOp, BatchRows, ConvertOp, EmbeddingOp, GatherFeaturesOp,
+                                 GatherOutputOp, GatherRowsOp, MatmulOp, ReduceOp, ScatterRowsOp,
                                  SumGradOp, VocabCrossEntropyOp)
 from autopar.runtime.per_rank import SegmentReduceOp
+from autopar.runtime.random_pieces import DropoutOp, RandomPieceOp
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
                        reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, split_dropout, split_random,
                        sum_grad, vocab_cross_entropy)

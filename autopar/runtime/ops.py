@@ -7,7 +7,6 @@ backward is a gather (Megatron's conjugate pairs); see DESIGN-NOTES section 1 fo
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 import torch
@@ -404,53 +403,6 @@ class ConvertOp:
         if not self.spec.dst.is_replicated:
             x = _Slice.apply(x, self.mesh, self.spec.dst)
         return x
-
-
-class DropoutOp:
-    """A bound ``passes.ir.split_dropout``: dropout draws the mask of the whole tensor (the op itself, on ones:
-    the generator advances as the unsplit op advances it, on every rank alike) and this rank keeps its part.
-    The whole mask lives only inside this call; backward keeps this rank's part."""
-
-    def __init__(self, spec: Sharding, mesh: Mesh) -> None:
-        self.spec, self.mesh = spec, mesh
-
-    def __call__(self, x: torch.Tensor, p: float, train: bool) -> torch.Tensor:
-        n, index = _axis(self.mesh, self.spec)
-        if n == 1 or not train:
-            return torch.ops.aten.dropout(x, p, train)
-        whole = list(x.shape)
-        whole[self.spec.dim] = self.spec.full_size
-        with torch.no_grad():
-            scale = torch.ops.aten.dropout(x.new_ones(whole), p, True)  # 0 or 1 / (1 - p)
-        return x * take_pieces(scale, self.spec.dim, self.spec.parts, n, index)
-
-
-class RandomPieceOp:
-    """A bound ``passes.ir.split_random``: the op runs on a generator state forked from the device's by this
-    rank's piece index (a hash of the state and the index: alike on the ranks holding the same piece, and again
-    when a checkpointed block is recomputed, which restores the state); the state is then put back and
-    advanced by one draw, alike on every rank. Megatron-LM forks a tensor-parallel generator the same way for
-    attention dropout; without it the pieces of the heads would repeat one another's masks. Compiled graphs
-    draw through Inductor's generator instead (unforked)."""
-
-    def __init__(self, spec: Sharding, mesh: Mesh) -> None:
-        self.spec, self.mesh = spec, mesh
-
-    def __call__(self, op: Any, args: tuple, kwargs: dict) -> Any:
-        n, index = _axis(self.mesh, self.spec)
-        if n == 1 or torch.compiler.is_compiling():
-            return op(*args, **kwargs)
-        device = next(a.device for a in args if isinstance(a, torch.Tensor))
-        generator = torch.cuda.default_generators[device.index or torch.cuda.current_device()] \
-            if device.type == "cuda" else torch.default_generator
-        state = generator.get_state()
-        digest = hashlib.blake2b(state.numpy().tobytes() + index.to_bytes(4, "little"), digest_size=8).digest()
-        generator.manual_seed(int.from_bytes(digest, "little") >> 1)
-        try:
-            return op(*args, **kwargs)
-        finally:
-            generator.set_state(state)
-            torch.empty(1, device=device).bernoulli_(0.5)  # (the next random op draws anew)
 
 
 class BatchRows:
