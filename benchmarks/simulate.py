@@ -8,8 +8,10 @@ model, whole batch), the serial model under ``torch.compile``, and each grid's r
 per-rank program and with ``compile=True`` (``autopar.runtime.compiled``), each in a child process (a
 process has one default process group). Columns:
 
-- step ms (median of ``--repeats`` after two warm-up steps), kernels per step (CUDA kernels; on the CPU,
-  the aten ops called from Python), peak MiB (CUDA);
+- step ms (median of ``--repeats`` after two warm-up steps), device ms (CUDA: the kernels' summed time in
+  one step, what the step would take if the host never kept the device waiting; the JSON also lists the 8
+  longest kernels), kernels per step (CUDA kernels; on the CPU, the aten ops called from Python), peak MiB
+  (CUDA);
 - the step against serial / W and compiled serial / W (the ideal split of the work), and, for a tensor
   grid of all W ranks, against "one rank's share" (``SHARE``): the serial model with 1/W of its heads,
   key/value heads, intermediate size and vocabulary (``build_llama(ways=W)``), compiled, on the same batch.
@@ -60,7 +62,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
     from autopar.compat import fake_store
 
     device = pick_device(args.device)
-    ids = batches(args.size, 1)[0].to(device)
+    ids = batches(args.size, 1, shape=args.batch)[0].to(device)
     torch.manual_seed(0)
     if args.child in (SERIAL, COMPILED):
         model = build_llama(args.size).to(device)
@@ -76,13 +78,14 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline,
-                                  compile=mode == COMPILED):
+                                  compile=mode == COMPILED, shard_optimizer=grid.shard_optimizer,
+                                  sequence_parallel=grid.sequence_parallel):
         model = build_llama(args.size)
     model.to(device)
     return measure(model, ids, device, args.repeats)
 
 
-def predicted_ms(size: str, grid_text: str, world: int) -> float | None:
+def predicted_ms(size: str, grid_text: str, world: int, shape: tuple[int, int] | None = None) -> float | None:
     """The planner's compute (+ optimizer update) for the grid's slowest rank, in ms; None if it fails."""
     from autopar.machines import local_machine
     from autopar.search import score
@@ -91,14 +94,26 @@ def predicted_ms(size: str, grid_text: str, world: int) -> float | None:
     grid = parse_grid(grid_text, world) if grid_text != SERIAL else parse_grid("d1", 1)
     with torch.device("meta"):
         model = build_llama(size)
-    b, s = BATCH[size]
+    b, s = shape or BATCH[size]
     ids = torch.empty(b, s, dtype=torch.long, device="meta")
-    candidate = Candidate(grid.data, grid.pipeline, *grid.tensor, microbatches=grid.pipeline)
+    candidate = Candidate(grid.data, grid.pipeline, *grid.tensor, microbatches=grid.pipeline,
+                          shard_optimizer=grid.shard_optimizer, sequence_parallel=grid.sequence_parallel)
     scored = score(model, (ids,), candidate, local_machine(world if grid_text != SERIAL else 1),
                    precision="bf16" if AUTOCAST is torch.bfloat16 else "fp16", kwargs={"labels": ids})
     if scored.time is None:
         return None
     return (scored.time.compute + scored.time.optimizer) * 1e3
+
+
+def batch_shape(text: str) -> tuple[int, int]:
+    """``32x1024`` -> (32, 1024)."""
+    try:
+        b, s = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes BATCHxSEQUENCE, e.g. 32x1024, not {text!r}") from None
+    if min(b, s) < 1:
+        raise argparse.ArgumentTypeError(f"--batch {text!r}: both sizes must be at least 1")
+    return b, s
 
 
 def run_child(module: str, key: str, args: argparse.Namespace, *extra: str) -> dict[str, Any]:
@@ -117,7 +132,8 @@ def run_child(module: str, key: str, args: argparse.Namespace, *extra: str) -> d
 
 
 def run_row(args: argparse.Namespace, grid: str) -> dict[str, Any]:
-    return run_child("benchmarks.simulate", grid, args, "--repeats", str(args.repeats))
+    return run_child("benchmarks.simulate", grid, args, "--repeats", str(args.repeats),
+                     *(["--batch", "x".join(map(str, args.batch))] if args.batch else []))
 
 
 def check_grids(p: argparse.ArgumentParser, grids: list[str], world: int) -> None:
@@ -142,16 +158,17 @@ def table(rows: list[dict[str, Any]], world: int, header: str) -> str:
     serial = next((r["ms"] for r in rows if r["row"] == SERIAL and "ms" in r), None)
     compiled = next((r["ms"] for r in rows if r["row"] == COMPILED and "ms" in r), None)
     share = next((r["ms"] for r in rows if r["row"] == SHARE and "ms" in r), None)
-    cols = ("row", "step ms", "kernels/step", "peak MiB", f"vs serial/{world}", f"vs compiled/{world}",
+    cols = ("row", "step ms", "device ms", "kernels/step", "peak MiB", f"vs serial/{world}", f"vs compiled/{world}",
             "vs share", "predicted compute ms")
     body = []
     for r in rows:
         if "error" in r:
-            body.append((r["label"], f"failed: {r['error']}", "", "", "", "", "", ""))
+            body.append((r["label"], f"failed: {r['error']}", "", "", "", "", "", "", ""))
             continue
         per_rank = r["row"] not in (SERIAL, COMPILED, SHARE)
         tensor = per_rank and math.prod(parse_grid(r["row"].partition(":")[0], world).tensor) == world
-        body.append((r["label"], f"{r['ms']:.1f}", str(r["kernels"]),
+        body.append((r["label"], f"{r['ms']:.1f}", f"{r['device_ms']:.1f}" if r.get("device_ms") is not None else "",
+                     str(r["kernels"]),
                      f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "",
                      f"{r['ms'] / (serial / world):.2f}x" if per_rank and serial else "",
                      f"{r['ms'] / (compiled / world):.2f}x" if per_rank and compiled else "",
@@ -186,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     p = parser("python -m benchmarks --simulate", __doc__.splitlines()[0], "small",
                "autopar grids as python -m benchmarks takes them (t<row>x<col>x<depth>, d<data>, p<pipeline>)")
     p.add_argument("--repeats", type=int, default=5, help="timed steps per row (median)")
+    p.add_argument("--batch", type=batch_shape, default=None, metavar="BxS",
+                   help="batch x sequence length, e.g. 32x1024 (default: the size's own, 8x1024 for medium)")
     p.add_argument("--no-compile", action="store_true",
                    help="leave out the compiled rows: serial under torch.compile, autopar with compile=True")
     args = p.parse_args(argv)
@@ -209,12 +228,13 @@ def main(argv: list[str] | None = None) -> int:
         got = {"row": key, "label": label, **run_row(args, key)}
         if key not in (COMPILED, SHARE):
             try:
-                got["predicted_ms"] = predicted_ms(args.size, key.partition(":")[0], args.world)
+                got["predicted_ms"] = predicted_ms(args.size, key.partition(":")[0], args.world, args.batch)
             except Exception as e:  # the prediction is a column; a failure shows as an empty cell
                 got["predicted_error"] = str(e).splitlines()[0][:120]
         out.append(got)
         print(f"  {label}: {got.get('ms', got.get('error'))}", file=sys.stderr, flush=True)
-    return report(args, device, out, "simulated", f"batch {BATCH[args.size][0]}x{BATCH[args.size][1]}, bf16 autocast",
+    b, s = args.batch or BATCH[args.size]
+    return report(args, device, out, "simulated", f"batch {b}x{s}, bf16 autocast",
                   lambda header: table(out, args.world, header))
 
 

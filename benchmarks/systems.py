@@ -36,6 +36,8 @@ class Grid:
     """The token ``c``: ``auto_parallelize(compile=True)`` (else compile=False: eager, on every device)."""
     shard_optimizer: bool = False
     """The token ``z``: ``auto_parallelize(shard_optimizer=True)`` (each data rank keeps 1/data of Adam's state)."""
+    sequence_parallel: bool = False
+    """The token ``s``: ``auto_parallelize(sequence_parallel=True)`` (activations split along the tokens)."""
 
     @property
     def label(self) -> str:
@@ -44,6 +46,7 @@ class Grid:
         parts += [f"p{self.pipeline}"] if self.pipeline > 1 else []
         parts += ["c"] if self.compiled else []
         parts += ["z"] if self.shard_optimizer else []
+        parts += ["s"] if self.sequence_parallel else []
         return "-".join(parts)
 
     @property
@@ -64,13 +67,14 @@ class Grid:
 
 def parse_grid(text: str, world: int) -> Grid:
     """``t2x2x1-d2-p2`` -> Grid; tokens in any order, each at most once; data defaults to what is left; ``c``:
-    the per-rank program compiled; ``z``: the optimizer state split over data."""
+    the per-rank program compiled; ``z``: the optimizer state split over data; ``s``: sequence parallelism."""
     found: dict[str, str] = {}
     for token in text.split("-"):
-        m = re.fullmatch(r"(t)(\d+)x(\d+)x(\d+)|([dp])(\d+)|([cz])", token)
+        m = re.fullmatch(r"(t)(\d+)x(\d+)x(\d+)|([dp])(\d+)|([czs])", token)
         if m is None or (m.group(1) or m.group(5) or m.group(7)) in found:
             raise ValueError(f"bad autopar grid {text!r} (token {token!r}). Write tokens t<row>x<col>x<depth>, "
-                             "d<data>, p<pipeline>, c (compiled) and z (optimizer state split over data) joined by "
+                             "d<data>, p<pipeline>, c (compiled), z (optimizer state split over data) and s (sequence "
+                             "parallelism) joined by "
                              "'-', each at most once, e.g. t2x2x1-d2")
         found[m.group(1) or m.group(5) or m.group(7)] = token
     tensor = tuple(int(v) for v in re.findall(r"\d+", found.get("t", "t1x1x1")))
@@ -80,7 +84,7 @@ def parse_grid(text: str, world: int) -> Grid:
     if data * inner != world or min(*tensor, pipeline, data) < 1:
         raise ValueError(f"autopar grid {text!r} needs {data * inner} ranks (tensor {tensor}, data {data}, "
                          f"pipeline {pipeline}), not {world}. Make the product of the degrees {world}.")
-    return Grid(tensor, data, pipeline, "c" in found, "z" in found)
+    return Grid(tensor, data, pipeline, "c" in found, "z" in found, "s" in found)
 
 
 def default_grids(world: int) -> list[str]:
@@ -219,7 +223,7 @@ def autopar_grid(bm: BenchModel, ctx: Context, grid: Grid) -> Runner:
 
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline, compile=grid.compiled,
-                                  shard_optimizer=grid.shard_optimizer,
+                                  shard_optimizer=grid.shard_optimizer, sequence_parallel=grid.sequence_parallel,
                                   **(dict(microbatches=ctx.microbatches, schedule=ctx.schedule)
                                      if grid.pipeline > 1 else {})):
         model = bm.build().to(ctx.device)

@@ -58,9 +58,10 @@ def build_llama(size: str, ways: int = 1) -> torch.nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-def batches(size: str, steps: int, seed: int = 0) -> list[torch.Tensor]:
+def batches(size: str, steps: int, seed: int = 0, shape: tuple[int, int] | None = None) -> list[torch.Tensor]:
+    """``steps`` batches of random token ids, ``shape`` (batch, sequence) or the size's own (``BATCH``)."""
     g = torch.Generator().manual_seed(seed)
-    b, s = BATCH[size]
+    b, s = shape or BATCH[size]
     return [torch.randint(0, SIZES[size][5], (b, s), generator=g) for _ in range(steps)]
 
 
@@ -147,8 +148,11 @@ def parity(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any
     return rows
 
 
-def count_kernels(fn: Callable[[], Any], device: torch.device) -> int:
-    """Kernels ``fn`` launches on CUDA; on the CPU, the aten ops called from outside another aten op."""
+def count_kernels(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+    """Kernels ``fn`` launches on CUDA (on the CPU, the aten ops called from outside another aten op) as
+    ``kernels`` (not the GPU spans of ``record_function`` ranges, "Optimizer.step#AdamW.step"); on CUDA also
+    ``device_ms``, the kernels' summed time (the step's time if the host never made the device wait), and
+    ``top``, the 8 kernels that took longest in all (name, calls, ms)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -157,10 +161,17 @@ def count_kernels(fn: Callable[[], Any], device: torch.device) -> int:
         if device.type == "cuda":
             torch.cuda.synchronize()
     events = prof.events()
-    if device.type == "cuda":
-        return sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA)
-    return sum(1 for e in events if e.name.startswith("aten::")
-               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))
+    if device.type != "cuda":
+        return {"kernels": sum(1 for e in events if e.name.startswith("aten::")
+                               and not (e.cpu_parent is not None and e.cpu_parent.name.startswith("aten::")))}
+    ranges = {e.name for e in events if e.device_type == torch.autograd.DeviceType.CPU}  # their GPU spans
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA and e.name not in ranges]
+    by_name: dict[str, list[float]] = {}
+    for e in kernels:
+        by_name.setdefault(e.name, []).append(e.time_range.elapsed_us())
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {"kernels": len(kernels), "device_ms": sum(sum(v) for v in by_name.values()) / 1e3,
+            "top": [(name[:90], len(v), round(sum(v) / 1e3, 3)) for name, v in top]}
 
 
 def time_steps(step: Callable[[], Any], device: torch.device, repeats: int) -> float:
@@ -194,7 +205,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, device: torch.device, rep
         torch.cuda.reset_peak_memory_stats(device)
     seconds = time_steps(step, device, repeats)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return {"ms": seconds * 1e3, "kernels": count_kernels(step, device), "peak_mib": peak}
+    return {"ms": seconds * 1e3, **count_kernels(step, device), "peak_mib": peak}
 
 
 def simulated_rank(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -267,8 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(simulated_rank(args, device)))
         return 0
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    b, s = BATCH[args.size]
     header = (f"autopar gpu_check: {name}, torch {torch.__version__}, {args.size} Llama "
-              f"(hidden {SIZES[args.size][0]}, {SIZES[args.size][1]} layers), batch {BATCH[args.size][0]}x{BATCH[args.size][1]}")
+              f"(hidden {SIZES[args.size][0]}, {SIZES[args.size][1]} layers), batch {b}x{s}")
     rows = parity(args, device)
     if args.simulate > 1:
         rows += simulate(args, device)

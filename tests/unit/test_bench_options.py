@@ -1,0 +1,32 @@
+"""The benchmark harness's own parsing: grid tokens (``benchmarks.systems.parse_grid``) and ``--batch``."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from benchmarks.simulate import batch_shape
+from benchmarks.systems import parse_grid
+
+
+def test_grid_tokens_set_each_option_and_label_round_trips():
+    g = parse_grid("t4x1x1-c-z-s", 8)
+    assert (g.tensor, g.data, g.pipeline) == ((4, 1, 1), 2, 1)
+    assert g.compiled and g.shard_optimizer and g.sequence_parallel
+    assert parse_grid(g.label, 8) == g
+    plain = parse_grid("t4x1x1", 4)
+    assert not (plain.compiled or plain.shard_optimizer or plain.sequence_parallel)
+
+
+@pytest.mark.parametrize("bad", ["t4x1x1-s-s", "t4x1x1-q", "d2-p2-x"])
+def test_a_bad_or_repeated_token_is_refused_with_the_tokens_named(bad):
+    with pytest.raises(ValueError, match="s \\(sequence parallelism\\)"):
+        parse_grid(bad, 4)
+
+
+def test_batch_shape():
+    assert batch_shape("32x1024") == (32, 1024) and batch_shape("2X8") == (2, 8)
+    for bad in ("32", "0x8", "axb", "1x2x3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--batch"):
+            batch_shape(bad)
