@@ -2,8 +2,9 @@
 
 Every resume starts a new model and optimizer (another seed, no step taken), loads, and trains on:
 its next losses must equal the uninterrupted run's (bitwise at the same grid, within 1e-6 across
-grids: only the order of float32 sums differs). GPT-2 covers the fused c_attn (its q/k/v pieces are
-each split: several boxes per rank) and the tied wte/lm_head (on the first and the last pipeline stage).
+grids: only the order of float32 sums differs), also from a run with ``sequence_parallel``. GPT-2 covers
+the fused c_attn (its q/k/v pieces are each split: several boxes per rank) and the tied wte/lm_head (on
+the first and the last pipeline stage).
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ import autopar
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.errors import CheckpointError, ContextError, StateDictError
 from autopar.examples import zoo
+from autopar.parallel_model import plan_of
+from autopar.runtime.collectives import comm_calls
 from autopar.runtime.param_layout import local_of
 from tests.zoo_helpers import batches as zoo_batches
 
@@ -42,9 +45,9 @@ def _shared_dir() -> str:
 
 
 def _build(grid: tuple, seed: int) -> tuple[nn.Module, torch.optim.Optimizer]:
-    tensor, data, pipeline = grid
+    tensor, data, pipeline, *sp = grid  # (a fourth True: sequence_parallel)
     torch.manual_seed(seed)
-    with autopar.auto_parallelize(tensor=tensor, data=data, pipeline=pipeline):
+    with autopar.auto_parallelize(tensor=tensor, data=data, pipeline=pipeline, sequence_parallel=bool(sp)):
         model = zoo.build_model("gpt2")
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2)
 
@@ -63,7 +66,7 @@ def _step(model: nn.Module, opt: torch.optim.Optimizer, batch: tuple, pipeline: 
     return float(loss.detach())
 
 
-SAVE = {"t211-d2": ((2, 1, 1), 2, 1), "p2-d2": ((1, 1, 1), 2, 2)}
+SAVE = {"t211-d2": ((2, 1, 1), 2, 1), "p2-d2": ((1, 1, 1), 2, 2), "t411-sp": ((4, 1, 1), 1, 1, True)}
 RESUMES = [  # (saved at, loaded at, how)
     ("t211-d2", ((2, 1, 1), 2, 1), "dcp"),       # the same grid: bitwise
     ("t211-d2", ((1, 2, 1), 1, 2), "dcp"),       # tensor -> pipeline x col
@@ -73,6 +76,8 @@ RESUMES = [  # (saved at, loaded at, how)
     ("t211-d2", ((1, 1, 1), 2, 2), "file"),
     ("t211-d2", ((1, 1, 1), 2, 2), "torch file"),  # torch's set_model/optimizer_state_dict(full_state_dict=True)
     ("t211-d2", ((2, 1, 1), 2, 1), "model only"),  # the mutation: the optimizer state is not loaded
+    ("t411-sp", ((4, 1, 1), 1, 1, True), "dcp"),  # sequence parallelism (GPT-2's rows: no batch split): bitwise
+    ("t411-sp", ((2, 1, 1), 2, 1), "dcp"),        # ... into a grid without it
 ]
 
 
@@ -82,8 +87,11 @@ def resume_worker() -> dict:
     out: dict = {"uninterrupted": {}, "resumed": [], "pickle": {}}
     for name, grid in SAVE.items():
         model, opt = _build(grid, 0)
+        autopar.reset_comm_stats()
         for b in data[:3]:
             _step(model, opt, b, grid[2])
+        if len(grid) > 3:  # the run saved really split its activations along the tokens
+            out["sequence_parallel"] = (str(plan_of(model).config), comm_calls().get("reduce_scatter", 0))
         msd, osd = get_state_dict(model, opt)
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=os.path.join(root, name))
         # The single-file idiom done right: gathered on every rank, written by rank 0.
@@ -146,6 +154,9 @@ def test_resumes_continue_the_uninterrupted_run(distributed):
                 assert resumed == want, (name, grid, how, resumed, want)
             err = max(abs(a - b) / abs(b) for a, b in zip(resumed, want))
             assert err < RESUME_TOL, (name, grid, how, err)
+    for r in results:
+        config, scatters = r["sequence_parallel"]
+        assert "sequence_parallel" in config and scatters > 0, (config, scatters)
     for r in results:  # torch's full gather under a pipeline cannot be saved without other stages' values
         assert "pipeline rank(s)" in r["pipeline_full"], r["pipeline_full"]
     pickled = results[0]["pickle"]
