@@ -74,8 +74,7 @@ def parse_grid(text: str, world: int) -> Grid:
         if m is None or (m.group(1) or m.group(5) or m.group(7)) in found:
             raise ValueError(f"bad autopar grid {text!r} (token {token!r}). Write tokens t<row>x<col>x<depth>, "
                              "d<data>, p<pipeline>, c (compiled), z (optimizer state split over data) and s (sequence "
-                             "parallelism) joined by "
-                             "'-', each at most once, e.g. t2x2x1-d2")
+                             "parallelism) joined by '-', each at most once, e.g. t2x2x1-d2")
         found[m.group(1) or m.group(5) or m.group(7)] = token
     tensor = tuple(int(v) for v in re.findall(r"\d+", found.get("t", "t1x1x1")))
     pipeline = int(found.get("p", "p1")[1:])

@@ -148,7 +148,7 @@ def parity(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any
     return rows
 
 
-def count_kernels(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
+def profile_step(fn: Callable[[], Any], device: torch.device) -> dict[str, Any]:
     """Kernels ``fn`` launches on CUDA (on the CPU, the aten ops called from outside another aten op) as
     ``kernels`` (not the GPU spans of ``record_function`` ranges, "Optimizer.step#AdamW.step"); on CUDA also
     ``device_ms``, the kernels' summed time (the step's time if the host never made the device wait), and
@@ -205,7 +205,7 @@ def measure(model: torch.nn.Module, ids: torch.Tensor, device: torch.device, rep
         torch.cuda.reset_peak_memory_stats(device)
     seconds = time_steps(step, device, repeats)
     peak = torch.cuda.max_memory_allocated(device) / 2**20 if device.type == "cuda" else None
-    return {"ms": seconds * 1e3, **count_kernels(step, device), "peak_mib": peak}
+    return {"ms": seconds * 1e3, **profile_step(step, device), "peak_mib": peak}
 
 
 def simulated_rank(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
