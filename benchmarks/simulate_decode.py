@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.examples.gpu_check import SIZES, build_llama, pick_device
+from autopar.examples.gpu_check import SIZES, build_llama, pick_device, profile_step
 from benchmarks.simulate import check_grids, markdown, parser, report, run_child, settle
 from benchmarks.systems import parse_grid
 
@@ -70,22 +70,22 @@ def per_token_ms(model: torch.nn.Module, ids: torch.Tensor, device: torch.device
 
 
 def device_ms_per_token(model: torch.nn.Module, ids: torch.Tensor, device: torch.device) -> float | None:
-    """The device's busy time per token of one more ``generate()`` (its kernels' time, summed by
-    torch.profiler, over the new tokens): what the time per token would be without Python. None on the CPU."""
+    """The device's busy time per token of one more ``generate()`` (its kernels' time over the new tokens,
+    summed as the training table sums it: ``gpu_check.profile_step``, without ``record_function`` spans):
+    what the time per token would be without Python. None on the CPU."""
     if device.type != "cuda":
         return None
-    from torch.profiler import ProfilerActivity, profile
+
+    def generate() -> None:
+        with torch.no_grad():
+            model.generate(ids, **GENERATE)
 
     try:
-        with torch.no_grad(), profile(activities=[ProfilerActivity.CUDA]) as prof:
-            model.generate(ids, **GENERATE)
-            torch.cuda.synchronize(device)
-        total = sum(getattr(e, "self_device_time_total", getattr(e, "self_cuda_time_total", 0))
-                    for e in prof.key_averages())
+        total = profile_step(generate, device)["device_ms"]
     except Exception as e:  # noqa: BLE001 (a profiler that cannot trace here: the column stays empty)
         print(f"device busy time not measured: {type(e).__name__}: {e}", file=sys.stderr)
         return None
-    return total / 1e3 / NEW_TOKENS
+    return total / NEW_TOKENS
 
 
 def child(args: argparse.Namespace) -> dict[str, Any]:
