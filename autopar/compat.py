@@ -413,6 +413,15 @@ def inductor_overlap_options() -> dict[str, Any]:
     return options
 
 
+def inductor_cuda_graph_options() -> dict[str, Any]:
+    """Inductor's options that replay a compiled graph as a CUDA graph (its CUDA graph trees, as
+    ``mode="reduce-overhead"`` sets them); empty where this torch has none."""
+    from torch._inductor import config as inductor_config
+
+    triton = getattr(inductor_config, "triton", None)
+    return {"triton.cudagraphs": True} if hasattr(triton, "cudagraphs") else {}
+
+
 # --- pipelining --------------------------------------------------------------------------------------
 
 def schedule_action_types() -> tuple[type, type]:

@@ -193,7 +193,7 @@ class MemoryConfig:
                               "per device (an int > 0, e.g. 80 * 2**30).")
 
 
-COMPILE_MODES: tuple[bool | str, ...] = (False, True, "auto")
+COMPILE_MODES: tuple[bool | str, ...] = (False, True, "auto", "reduce-overhead")
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,19 +207,29 @@ class CompileConfig:
     training calls (gradients enabled), and the evaluation calls replayed as CUDA graphs (a static cache's
     decode steps, ``autopar.runtime.graphed``: the same sizes at every step, as HF's ``generate`` compiles
     a static cache's decode on CUDA); eager on CPU, where compiling takes longer than it saves in a short
-    run, and for other evaluation calls, whose many shapes would each compile.
+    run, and for other evaluation calls, whose many shapes would each compile. "reduce-overhead" (torch.compile's
+    name for it): as True, and on CUDA each training graph (forward and backward, not a pipeline stage) is also
+    replayed as a CUDA graph by Inductor's CUDA graph trees (``cuda_graphs``): a step no longer waits on the
+    host's kernel launches, but a tensor the model returned is overwritten by the next training call's replay
+    (torch raises when it is read after that; clone what you keep).
     """
 
     mode: bool | str = "auto"
 
     def __post_init__(self) -> None:
         if not any(self.mode is m or (isinstance(m, str) and self.mode == m) for m in COMPILE_MODES):
-            raise ConfigError(f"compile={self.mode!r} is invalid. Use True, False or 'auto' (compiled on CUDA).")
+            raise ConfigError(f"compile={self.mode!r} is invalid. Use True, False, 'auto' (compiled on CUDA) or "
+                              "'reduce-overhead' (compiled, and training steps replayed as CUDA graphs).")
 
     def enabled(self, device_type: str, training: bool, replayed: bool = False) -> bool:
         """Whether a graph is compiled: on this device type, for a call with gradients or without
         (``replayed``: an evaluation call captured as a CUDA graph)."""
-        return self.mode is True or (self.mode == "auto" and device_type == "cuda" and (training or replayed))
+        return self.mode is True or self.mode == "reduce-overhead" or \
+            (self.mode == "auto" and device_type == "cuda" and (training or replayed))
+
+    def cuda_graphs(self, device_type: str, training: bool) -> bool:
+        """Whether a compiled training graph is also replayed as a CUDA graph (``compile="reduce-overhead"``)."""
+        return self.mode == "reduce-overhead" and device_type == "cuda" and training
 
 
 BATCH_MODES: tuple[str, ...] = ("auto", "global", "per-rank")

@@ -146,6 +146,9 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             ``torch.compile`` with Inductor, its collectives as graph nodes (autopar/runtime/compiled.py);
             a graph that does not compile runs eagerly with one warning line. False: eagerly, op by op.
             "auto" (default): compiled on CUDA devices, eager on CPU. Same results either way.
+            "reduce-overhead": compiled, and on CUDA each training step's graphs are replayed as CUDA graphs
+            (Inductor's CUDA graph trees; pipeline stages are not): a tensor the model returned is overwritten
+            by the next training call, as under torch.compile(mode="reduce-overhead"); clone what you keep.
         shard_optimizer: True: each data rank keeps the optimizer state of 1/data of every parameter (ZeRO
             stage 1, Megatron's distributed optimizer), steps that part and all-gathers the updated parameters
             (autopar/runtime/data_shards.py). Gradients stay whole, as under DDP. For torch.optim's elementwise

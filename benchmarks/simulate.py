@@ -44,7 +44,9 @@ import torch.distributed as dist
 from autopar.examples.gpu_check import AUTOCAST, BATCH, SIZES, batches, build_llama, measure, pick_device
 from benchmarks.systems import parse_grid
 
-SERIAL, COMPILED, SHARE = "serial", "compiled", "share"
+SERIAL, COMPILED, SHARE, GRAPHS = "serial", "compiled", "share", "reduce-overhead"
+COMPILE = {"eager": False, COMPILED: True, GRAPHS: GRAPHS}
+"""A row's mode -> ``auto_parallelize(compile=...)``."""
 
 
 def default_grids(world: int) -> list[str]:
@@ -78,7 +80,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
         torch.cuda.set_device(device)
     dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline,
-                                  compile=mode == COMPILED, shard_optimizer=grid.shard_optimizer,
+                                  compile=COMPILE[mode], shard_optimizer=grid.shard_optimizer,
                                   sequence_parallel=grid.sequence_parallel):
         model = build_llama(args.size)
     model.to(device)
@@ -207,6 +209,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="batch x sequence length, e.g. 32x1024 (default: the size's own, 8x1024 for medium)")
     p.add_argument("--no-compile", action="store_true",
                    help="leave out the compiled rows: serial under torch.compile, autopar with compile=True")
+    p.add_argument("--reduce-overhead", action="store_true",
+                   help="also each grid with compile='reduce-overhead' (CUDA: training steps replayed as CUDA graphs)")
     args = p.parse_args(argv)
     device = settle(args, "small")
     if args.child is not None:
@@ -223,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     for g in grids:
         rows.append((f"{g}:eager", f"autopar {g}, rank 0"))
         rows += [] if args.no_compile else [(f"{g}:{COMPILED}", f"autopar {g}, rank 0, compile=True")]
+        rows += [(f"{g}:{GRAPHS}", f"autopar {g}, rank 0, compile='reduce-overhead'")] if args.reduce_overhead else []
     out = []
     for key, label in rows:
         got = {"row": key, "label": label, **run_row(args, key)}

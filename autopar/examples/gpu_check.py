@@ -7,6 +7,8 @@
    CUDA, gloo on the CPU) inside the script's own ``torch.autocast``; losses against the same script
    without autopar (same seed, same data).
 2. generate: ``generate()``'s greedy tokens (fp32) against the plain model's.
+2b. train with ``compile="reduce-overhead"`` (CUDA only: training steps replayed as CUDA graphs), fp32, two
+   batches' gradients accumulated per optimizer step, against a plain model of its own.
 3. simulated W ranks: rank 0 of W-rank tensor grids run on this one device under torch's fake process
    group (every collective is a no-op, so a step is one rank's compute plus autopar's own overhead): step
    time, kernels launched per step (torch.profiler; on the CPU, the aten ops called from Python) and peak
@@ -90,17 +92,20 @@ def world_of_one(device: torch.device) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def train(model: torch.nn.Module, data: list[torch.Tensor], device: torch.device) -> list[float]:
-    """The script's loop: AdamW, the loss from HF's ``labels=``, under the script's autocast."""
+def train(model: torch.nn.Module, data: list[torch.Tensor], device: torch.device, accumulate: int = 1,
+          dtype: torch.dtype | None = AUTOCAST) -> list[float]:
+    """The script's loop: AdamW, the loss from HF's ``labels=``, under the script's autocast (``dtype``; None:
+    fp32), the optimizer stepping after every ``accumulate`` batches' gradients."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     losses = []
-    for ids in data:
+    for i, ids in enumerate(data):
         ids = ids.to(device)
-        with torch.autocast(device.type, dtype=AUTOCAST):
+        with torch.autocast(device.type, dtype=dtype or torch.float32, enabled=dtype is not None):
             loss = model(ids, labels=ids).loss
         loss.backward()
-        opt.step()
-        opt.zero_grad()
+        if (i + 1) % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
         losses.append(loss.item())
     return losses
 
@@ -145,6 +150,7 @@ def parity(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any
         rows.append({"check": f"generate (greedy, static cache, {args.new_tokens} tokens, fp32, "
                               f"{replays} steps replayed as CUDA graphs)",
                      "result": "tokens equal" if same else "tokens differ", "ok": same})
+        rows.append(reduce_overhead(args, device))
     return rows
 
 
@@ -226,6 +232,31 @@ def simulated_rank(args: argparse.Namespace, device: torch.device) -> dict[str, 
         model = build_llama(args.size)
     model.to(device)
     return measure(model, ids, device, args.repeats)
+
+
+def reduce_overhead(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """Check 2b: ``compile="reduce-overhead"`` (training steps replayed as CUDA graphs) against the serial model,
+    fp32, with gradients accumulated over two batches (a kept ``p.grad`` must survive the next replay). CUDA
+    only: on the CPU that mode compiles as ``compile=True`` does, which check 1 covers."""
+    label = f"train compile='reduce-overhead' (fp32, {2 * args.steps} batches, 2 per optimizer step"
+    if device.type != "cuda":
+        return {"check": label + ")", "result": "skipped: CUDA graphs need CUDA", "ok": True}
+    import autopar
+    from autopar.parallel_model import runtime_of
+
+    torch.manual_seed(1)
+    oracle = build_llama(args.size).to(device)
+    torch.manual_seed(1)
+    with autopar.auto_parallelize(compile="reduce-overhead"):
+        model = build_llama(args.size)
+    model.to(device)
+    data = batches(args.size, 2 * args.steps, seed=1)
+    want, got = train(oracle, data, device, 2, None), train(model, data, device, 2, None)
+    gap = max(abs(a - b) / max(abs(a), 1.0) for a, b in zip(got, want))
+    graphs = runtime_of(model).compiled_graphs()
+    replayed = sum(g.compiled_runs for g in graphs if g.cuda_graphs)
+    return {"check": f"{label}, {replayed} runs replayed as CUDA graphs)",
+            "result": f"max relative |loss - eager| {gap:.2g}", "ok": gap <= 1e-4 and replayed > 0}
 
 
 def simulate(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:

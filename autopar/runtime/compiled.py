@@ -15,6 +15,12 @@ stage of one) to ``torch.compile`` with Inductor, whole (``fullgraph``: one grap
 - Bytes: every graph Inductor compiles (forward, backward) is read for the collectives it holds, and
   counts them in ``comm_stats()`` each time it runs, as eager autopar counts each call.
 
+``compile="reduce-overhead"``: a training graph (not a pipeline stage) on CUDA is also replayed as a CUDA
+graph, by Inductor's CUDA graph trees (``compat.inductor_cuda_graph_options``): its outputs live in the
+trees' memory pool, and the next replay overwrites them (torch raises when one is read after that).
+Gradients are such outputs when autograd keeps them as ``p.grad``; ``SurvivingGrads`` copies out those a
+step keeps (accumulation) before the next replay, so ``p.grad`` holds the sum as it would eagerly.
+
 A graph that does not compile (dynamo cannot trace it, Inductor fails) runs eagerly, with one warning line
 naming why; the error is raised before the graph runs (``fullgraph``), so every rank falls back at the
 same point with nothing issued. Sizes are static (``dynamic=False``): each signature the runtime caches
@@ -24,6 +30,7 @@ is its own graph.
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -31,8 +38,9 @@ import torch
 from torch import fx
 
 from autopar.compat import (FUNCTIONAL_COLLECTIVES, compile_errors, dispatch_mode_active, inductor_backend,
-                            inductor_overlap_options, resolve_process_group, size_hint)
+                            inductor_cuda_graph_options, inductor_overlap_options, resolve_process_group, size_hint)
 from autopar.runtime import collectives as C
+from autopar.runtime.param_layout import local_of, replace_local
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +83,14 @@ def _counted(graph: fx.GraphModule) -> Callable[[Callable], Callable]:
 class CompiledGraph:
     """A bound graph (or pipeline stage) run through ``torch.compile``; eager after a failed compile."""
 
-    def __init__(self, gm: fx.GraphModule, name: str, device: torch.device, warn: Callable[[str], None]) -> None:
+    def __init__(self, gm: fx.GraphModule, name: str, device: torch.device, warn: Callable[[str], None],
+                 cuda_graphs: bool = False) -> None:
         self.gm, self.name, self.warn = gm, name, warn
         options = inductor_overlap_options() if device.type == "cuda" else {}
+        graphs = inductor_cuda_graph_options() if cuda_graphs and device.type == "cuda" else {}
+        self.cuda_graphs = bool(graphs)
+        """Whether the compiled graph replays as a CUDA graph (its outputs overwritten by the next replay)."""
+        options = {**options, **graphs}
         self.compiled = torch.compile(gm, backend=inductor_backend(_counted, options), fullgraph=True, dynamic=False)
         self.failed: str | None = None
         """Why the graph runs eagerly (None: it runs compiled)."""
@@ -98,3 +111,38 @@ class CompiledGraph:
                           "to silence this.")
                 log.debug("autopar: why %s does not compile", self.name, exc_info=True)
         return self.gm(*args)
+
+
+class SurvivingGrads:
+    """Gradients that would outlive a CUDA graph replay, copied out before it (``compile="reduce-overhead"``).
+
+    Autograd keeps a compiled backward's output as ``p.grad`` when there was none; under CUDA graph trees
+    that is the trees' memory, which the next step's replay overwrites. A step that keeps ``p.grad``
+    (accumulation: no ``zero_grad`` between backwards) would then add to an overwritten tensor. So before each
+    replayed training call, every ``p.grad`` still there is copied into memory of its own, once: a gradient
+    copied before (the same tensor) is not copied again. The usual loop (``zero_grad`` before the next
+    forward) copies nothing."""
+
+    def __init__(self, params: Callable[[], Any]) -> None:
+        self.params = params
+        self.owned: dict[int, weakref.ref] = {}
+        """id(parameter) -> its gradient's local tensor this copied (not to be copied again)."""
+
+    def copy_out(self) -> int:
+        """Copies each surviving gradient not copied before; returns how many it copied."""
+        copied = 0
+        for p in self.params():
+            if p.grad is None:
+                continue
+            local = local_of(p.grad)
+            held = self.owned.get(id(p))
+            if held is not None and held() is local:
+                continue
+            own = local.clone()
+            if local is p.grad:
+                p.grad = own
+            else:
+                replace_local(p.grad, own)
+            self.owned[id(p)] = weakref.ref(own)
+            copied += 1
+        return copied

@@ -150,7 +150,7 @@ class Compiler:
         if pipelined:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
                               self.finish_grads, symbolic=captured.accepts is not None,
-                              wrap=None if captured.accepts is not None else self._wrap)
+                              wrap=None if captured.accepts is not None else self._stage_wrap)
             if self.store.held is None:
                 self.store.hold(program.readers())
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
@@ -180,11 +180,23 @@ class Compiler:
         return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
                                   names=names, unused=unused)
 
-    def _wrap(self, gm: fx.GraphModule, name: str) -> Callable[..., Any]:
-        """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled``) or as it is."""
-        if not self.compile.enabled(self.mesh.device.type, torch.is_grad_enabled()):
+    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True) -> Callable[..., Any]:
+        """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled``) or as it is; a
+        training graph also replayed as a CUDA graph where ``compile="reduce-overhead"`` asks (``replayed``)."""
+        device, training = self.mesh.device.type, torch.is_grad_enabled()
+        if not self.compile.enabled(device, training):
             return gm
-        return CompiledGraph(gm, f"{name} of {type(self._model()).__name__}", self.mesh.device, self.warn_once)
+        return CompiledGraph(gm, f"{name} of {type(self._model()).__name__}", self.mesh.device, self.warn_once,
+                             cuda_graphs=replayed and self.compile.cuda_graphs(device, training))
+
+    def _stage_wrap(self, gm: fx.GraphModule, name: str) -> Callable[..., Any]:
+        """A pipeline stage's graph: compiled as ``_wrap`` does, never replayed as a CUDA graph (a schedule
+        runs several micro-batches' forwards before their backwards, and accumulates their gradients)."""
+        if self.compile.cuda_graphs(self.mesh.device.type, torch.is_grad_enabled()):
+            self.warn_once("compile='reduce-overhead': pipeline stages are compiled but not replayed as CUDA graphs "
+                           "(their micro-batches' gradients accumulate across replays); pass compile=True to "
+                           "silence this.")
+        return self._wrap(gm, name, replayed=False)
 
     def _real_constant(self, name: str) -> Any:
         """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""

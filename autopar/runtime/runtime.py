@@ -34,7 +34,7 @@ from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.binding import placeholders
 from autopar.runtime.casts import Casts
 from autopar.runtime.checkpoint import state_dict_post_hook
-from autopar.runtime.compiled import CompiledGraph
+from autopar.runtime.compiled import CompiledGraph, SurvivingGrads
 from autopar.runtime.compiler import Compiler
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
@@ -109,6 +109,8 @@ class ParallelRuntime:
         """Gradient sync of the parameters (pipeline = 1): one per process group."""
         self.stage_grads = StageGrads()
         """pipeline > 1: the plain leaves the stages read for the parameters, and the step's gradients."""
+        self.surviving_grads = SurvivingGrads(self.store.unique)
+        """compile="reduce-overhead": gradients copied out of CUDA graph memory before the next replay."""
         self._model = weakref.ref(model)
         self.fallback = False
         self.original_forward = OwnForward(model.forward, model)
@@ -232,6 +234,8 @@ class ParallelRuntime:
             out = exe.program.run_sequential(values)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
+        if isinstance(exe.run, CompiledGraph) and exe.run.cuda_graphs and torch.is_grad_enabled():
+            self.surviving_grads.copy_out()  # (before the replay overwrites the last one's gradients)
         with torch.autocast(self.mesh.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
             out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
         if exe.kept is not None:

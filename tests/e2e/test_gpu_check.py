@@ -26,6 +26,7 @@ def _check(done: subprocess.CompletedProcess) -> None:
     rows = {line.split("  ")[0]: line for line in lines[3:]}
     assert any(k.startswith("train (bfloat16 autocast") for k in rows), done.stdout
     assert "tokens equal" in done.stdout
+    assert any(k.startswith("train compile='reduce-overhead'") for k in rows), done.stdout  # (CUDA: replayed)
     for grid in ("serial (whole model, whole batch)", "tensor (2,1,1)", "tensor (1,2,1)", "tensor (1,1,2)"):
         line = rows[f"simulated 2 ranks: {grid}"]
         assert line.rstrip().endswith("ok") and "failed" not in line, line

@@ -30,3 +30,15 @@ def test_batch_shape():
     for bad in ("32", "0x8", "axb", "1x2x3"):
         with pytest.raises(argparse.ArgumentTypeError, match="--batch"):
             batch_shape(bad)
+
+
+def test_each_simulated_row_mode_is_a_compile_option_autopar_accepts():
+    """A row ``grid:mode`` runs ``auto_parallelize(compile=COMPILE[mode])``: ``--reduce-overhead``'s rows run
+    training steps replayed as CUDA graphs, not compile=True under another name."""
+    from autopar.config import CompileConfig
+    from benchmarks.simulate import COMPILE, GRAPHS
+
+    assert COMPILE[GRAPHS] == "reduce-overhead" and COMPILE["compiled"] is True and COMPILE["eager"] is False
+    for mode in COMPILE.values():
+        CompileConfig(mode)
+    assert CompileConfig(COMPILE[GRAPHS]).cuda_graphs("cuda", True)

@@ -59,6 +59,63 @@ def test_compile_option_is_checked_and_auto_compiles_training_on_cuda_only():
     auto = CompileConfig()
     assert auto.enabled("cuda", True) and not auto.enabled("cuda", False) and not auto.enabled("cpu", True)
     assert CompileConfig(True).enabled("cpu", False) and not CompileConfig(False).enabled("cuda", True)
+    graphs = CompileConfig("reduce-overhead")  # compiled everywhere; CUDA graphs for CUDA training calls only
+    assert graphs.enabled("cpu", True) and graphs.enabled("cpu", False) and graphs.enabled("cuda", False)
+    assert graphs.cuda_graphs("cuda", True) and not graphs.cuda_graphs("cuda", False)
+    assert not graphs.cuda_graphs("cpu", True) and not CompileConfig(True).cuda_graphs("cuda", True)
+    with pytest.raises(ConfigError, match="'reduce-overhead'"):
+        CompileConfig("max-autotune")
+    run = CompiledGraph(_graph(lambda y: y @ y.T), "a graph", torch.device("cpu"), print, cuda_graphs=True)
+    assert not run.cuda_graphs  # (no CUDA graphs on the CPU: compiled as compile=True)
+
+
+def test_surviving_gradients_are_copied_out_once_before_a_replay():
+    """compile="reduce-overhead": a ``p.grad`` kept across steps (accumulation) lives in CUDA graph memory the next
+    replay overwrites (torch raised "accessing tensor output of CUDAGraphs that has been overwritten" on an H200
+    without the copy); ``SurvivingGrads`` copies it into memory of its own, once, and copies nothing when the
+    loop set the gradients to None. Mutation: a copy_out that copies nothing fails the storage checks."""
+    from torch.distributed.tensor import DTensor
+
+    from autopar.runtime.compiled import SurvivingGrads
+    from autopar.runtime.param_layout import local_of
+
+    plain, none = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(2))
+    plain.grad = torch.randn(4, 3)
+    fake = _dtensor_parameter()
+    params = [plain, none, *([fake] if fake is not None else [])]
+    before = {id(p): local_of(p.grad) for p in params if p.grad is not None}
+    keeper = SurvivingGrads(lambda: params)
+    assert keeper.copy_out() == len(before)
+    for p in params:
+        if p.grad is not None:
+            old, new = before[id(p)], local_of(p.grad)
+            assert new.untyped_storage().data_ptr() != old.untyped_storage().data_ptr()
+            torch.testing.assert_close(new, old, rtol=0, atol=0)
+            assert type(p.grad) is type(p.data) or isinstance(p.grad, DTensor)
+    assert none.grad is None and keeper.copy_out() == 0  # copied before: not again
+    plain.grad = torch.ones(4, 3)  # a new gradient (the loop set it anew): copied again
+    assert keeper.copy_out() == 1 and local_of(plain.grad).eq(1).all()
+
+
+def _dtensor_parameter() -> torch.nn.Parameter | None:
+    """A DTensor parameter with a gradient, over a mesh of this process alone (None where a process group of
+    another test is in the way)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    if dist.is_initialized():
+        return None
+    from autopar.compat import fake_store
+
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        p = torch.nn.Parameter(distribute_tensor(torch.randn(3, 2), mesh, [Replicate()]))
+        p.grad = distribute_tensor(torch.randn(3, 2), mesh, [Replicate()])
+        return p
+    finally:
+        dist.destroy_process_group()
 
 
 def test_under_a_dispatch_mode_a_call_runs_eagerly_and_the_graph_stays_compiled():
