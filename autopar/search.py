@@ -23,7 +23,7 @@ from autopar.planner import SLOWEST, plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import (Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans,
-                                          screen, shape_of)
+                                          screen_pair, shape_of)
 
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
@@ -142,12 +142,9 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     half = precision in ("bf16", "fp16")
     prices: dict[Any, float] = {}
     def screened_one(c: Candidate) -> tuple[float, int, Candidate]:
-        seconds, memory = screen(shape, c, machine, half, prices)
-        if memory > machine.memory_bytes and c.data > 1:  # the optimizer state split over data, if it needs less
-            split = dataclasses.replace(c, shard_optimizer=True)
-            split_seconds, split_memory = screen(shape, split, machine, half, prices)
-            if split_memory < memory:
-                return split_seconds, split_memory, split
+        (seconds, memory), split = screen_pair(shape, c, machine, half, prices)
+        if memory > machine.memory_bytes and split is not None and split[1] < memory:
+            return split[0], split[1], dataclasses.replace(c, shard_optimizer=True)  # (the state split over data)
         return seconds, memory, c
 
     screened = sorted((screened_one(c) for c in grids), key=lambda t: (t[1] > machine.memory_bytes, t[0]))

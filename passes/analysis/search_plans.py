@@ -373,8 +373,8 @@ class _Prices:
         self.degrees = (config.data, config.pipeline, config.row, config.col, config.depth)
 
     def __call__(self, kind: str, axis: str, group_size: int, message_bytes: int, phase: str) -> float:
-        if self.half and _halves(phase, axis):
-            message_bytes //= 2
+        if self.half and phase in ("forward", "backward") and axis != "world" and "depth" not in axis:
+            message_bytes //= 2  # (``_halves``, inline: called a million times by a search of 3,072 GPUs)
         where = "pipeline" if kind == "send" else axis
         link = self.links.get(where)
         if link is None:  # (grids of the same degrees share their links: the schedules, the micro-batches)
@@ -391,32 +391,36 @@ class _Prices:
         return seconds
 
 
-def _tensor_seconds(shape: ModelShape, c: Candidate, price: _Prices, flip: int) -> tuple[float, float]:
+def _tensor_seconds(shape: ModelShape, c: Candidate, price: _Prices) -> tuple[float, float]:
     """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2): their
-    seconds and how many."""
+    seconds and how many, under the cheaper of the two alternations the planner may choose (which layer of
+    a pair splits its output over row). A weight's depth collectives, the same under both, are priced once."""
     shards = c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
-    total = count = 0.0
+    totals = [[0.0, 0.0], [0.0, 0.0]]  # per alternation: seconds, calls
     for rows, k, n, parity, layers, _ in shape.matmuls:
-        transposed = parity ^ flip
-        a, b = (c.col, c.row) if transposed else (c.row, c.col)
         m_d = max(rows // (shards * micro), 1)
-        seconds, calls = 0.0, 0
+        depth, depth_calls = 0.0, 0
         if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
             w = n * k * 4 // (c.row * c.col)
-            seconds += (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
-                                                                                     "backward")
-                        + price("reduce_scatter", "depth", c.depth, w, "backward"))
-            calls += 3
-        if b > 1:  # the output's partial sums
-            seconds += price("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward")
-            calls += 1
-        if a > 1:  # the input gradient's
-            seconds += price("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward")
-            calls += 1
-        total += layers * micro / c.pipeline * seconds
-        count += layers * micro / c.pipeline * calls
-    return total, count
+            depth = (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
+                                                                                 "backward")
+                     + price("reduce_scatter", "depth", c.depth, w, "backward"))
+            depth_calls = 3
+        share = layers * micro / c.pipeline
+        for flip, total in enumerate(totals):
+            transposed = parity ^ flip
+            a, b = (c.col, c.row) if transposed else (c.row, c.col)
+            seconds, calls = (depth, depth_calls) if c.depth > 1 else (0.0, 0)
+            if b > 1:  # the output's partial sums
+                seconds += price("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward")
+                calls += 1
+            if a > 1:  # the input gradient's
+                seconds += price("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward")
+                calls += 1
+            total[0] += share * seconds
+            total[1] += share * calls
+    return min((total, count) for total, count in totals)
 
 
 def _divides(k: int, n: int, row: int, col: int) -> bool:
@@ -436,10 +440,35 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     of a grid it keeps). Ranks grids for the search to plan the most promising exactly; not a plan's
     prediction.
     ``memo``: collective prices kept between calls on the same machine (``_Prices``)."""
-    c, config = candidate, candidate.config
+    common = _screen_common(shape, candidate, machine, half, memo)
+    if common is None:
+        return math.inf, 0
+    return _screen_state(candidate, *common, machine, candidate.shard_optimizer)
+
+
+def screen_pair(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
+                memo: dict[Any, float] | None = None) -> tuple[tuple[float, int], tuple[float, int] | None]:
+    """``screen`` of ``candidate`` and of it with its optimizer state split over data (None where data is 1
+    or it is split already), the part they share priced once (the search screens both for a grid that does
+    not fit)."""
+    common = _screen_common(shape, candidate, machine, half, memo)
+    if common is None:
+        return (math.inf, 0), None
+    own = _screen_state(candidate, *common, machine, candidate.shard_optimizer)
+    if candidate.shard_optimizer or candidate.data == 1:
+        return own, None
+    return own, _screen_state(candidate, *common, machine, True)
+
+
+def _screen_common(shape: ModelShape, c: Candidate, machine: Machine, half: bool,
+                   memo: dict[Any, float] | None) -> tuple[float, float, int, int, _Prices] | None:
+    """What ``screen`` prices the same whether or not the optimizer state is split over data: (seconds of
+    compute and communication, of the bubble, parameter bytes per device, least activation bytes kept, the
+    prices); None when the grid is not a plan."""
+    config = c.config
     shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
     if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
-        return math.inf, 0
+        return None
     price = _Prices(machine, config, half, {} if memo is None else memo)
     micro = c.microbatches if stages > 1 else 1
     calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
@@ -463,7 +492,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     # over row) the screen takes the cheaper
     key = ("tensor", id(shape), half, c.data, c.row, c.col, c.depth, stages, micro)  # (either schedule and state)
     if key not in price.memo:
-        price.memo[key] = min(_tensor_seconds(shape, candidate, price, flip) for flip in (0, 1))
+        price.memo[key] = _tensor_seconds(shape, c, price)
     comm, blocking = price.memo[key]
     if stages > 1:  # the busiest pipeline rank's share: the stages cannot split the blocks evenly
         key = ("imbalance", stages, c.chunks, widen)
@@ -478,24 +507,31 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
         blocking += 2 * micro * c.chunks
     comm += arrival_skew(round(blocking), compute, machine, config)
     params = (shape.param_bytes + (tensor - 1) * sum(b for b, _ in whole)) // (tensor * c.depth * stages)
+    bubble = 0.0
+    if stages > 1:
+        f = (stages - 1) / (c.chunks * micro + stages - 1)
+        bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
+    kept = shape.least_kept_bytes // (shards * tensor) if stages == 1 else 0  # (a pipeline's ranks: not priced)
+    return compute + comm, bubble, params, kept, price
+
+
+def _screen_state(c: Candidate, busy: float, bubble: float, params: int, kept: int, price: _Prices,
+                  machine: Machine, shard_optimizer: bool) -> tuple[float, int]:
+    """``screen``'s answer from the common part: the gradient sync and the optimizer state and update, whole
+    on every data rank or (``shard_optimizer``) split over data."""
     sync = 0.0
     if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
         full, rest = divmod(params, BUCKET_BYTES)
         sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
         sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
     state = 2 * params  # Adam's two moments
-    if c.shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
+    if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
         state //= c.data
         full, rest = divmod(params, BUCKET_BYTES)
         sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
         sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
     update = 7 * state / 2 / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
-    bubble = 0.0
-    if stages > 1:
-        f = (stages - 1) / (c.chunks * micro + stages - 1)
-        bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
-    kept = shape.least_kept_bytes // (shards * tensor) if stages == 1 else 0  # (a pipeline's ranks: not priced)
-    return compute + comm + sync + update + bubble, 2 * params + state + kept
+    return busy + sync + update + bubble, 2 * params + state + kept
 
 
 def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig) -> float:
