@@ -22,8 +22,8 @@ from autopar.model_file import meta_inputs
 from autopar.planner import SLOWEST, plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
-from passes.analysis.search_plans import (Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans,
-                                          screen_pair, shape_of)
+from passes.analysis.screen import screen_pair, shape_of
+from passes.analysis.search_plans import Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans
 
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
@@ -80,7 +80,7 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
            checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
            kwargs: dict | None = None) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
-    than ``keep`` grids (None: plan every one), the closed-form screen (``search_plans.screen``, from one
+    than ``keep`` grids (None: plan every one), the closed-form screen (``passes.analysis.screen``, from one
     plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly, each pipeline
     grid under both schedules (the screen does not price the interleaved schedule's recomputation); the
     rest follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per

@@ -11,6 +11,8 @@ grids a world size allows:
   rank).
 - ``step_seconds``: one rank's step: its matmul FLOPs (and recomputation) at the machine's rate, every
   collective at its group's bandwidth plus latency, the pipeline's bubble, then the gradient sync.
+- ``passes/analysis/screen.py``: every grid priced in closed form without planning it, so the search
+  plans only the most promising exactly.
 - ``rank_plans``: plans that fit memory first, fastest first; ``why_slower`` says in words what makes a
   plan slower than the best (more communication, less compute split, a bubble, recomputation).
 
@@ -27,9 +29,7 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from autopar.decisions import Plan
-from passes.analysis.choose_stages import choose_stages
 from passes.analysis.estimate_costs import Collective, matmul_split
-from passes.analysis.estimate_memory import block_of
 from passes.analysis.machine import Machine
 from passes.analysis.report import StepReport
 
@@ -209,7 +209,7 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     elif machine.memory_bytes_per_second:
         compute += 2 * saved_bytes / machine.memory_bytes_per_second
 
-    price = _Prices(machine, config, half, {})  # (a plan's thousands of collectives repeat a few shapes)
+    price = Prices(machine, config, half, {})  # (a plan's thousands of collectives repeat a few shapes)
     blocking = [c for c in collectives if c.group_size > 1 and c.phase != "step"]
     comm = sum(price(c.kind, c.axis, c.group_size, c.message_bytes, c.phase) for c in blocking)
     comm += arrival_skew(len(blocking), compute, machine, config)
@@ -287,81 +287,7 @@ def matmul_slowdown(calls: Sequence[tuple[float, tuple[int, int, int]]], machine
     return seconds / flops if flops else 1.0
 
 
-@dataclass(frozen=True, slots=True)
-class ModelShape:
-    """What the screen needs of a model, from one plan on one rank (``shape_of``): its matmuls grouped by
-    (rows of the global batch, in features, out features, orientation parity) with their count and
-    FLOPs, and its parameters, saved activations and operators."""
-
-    matmuls: tuple[tuple[int, int, int, int, int, float], ...]
-    """(rows, in features k, out features n, 0 normal / 1 transposed, how many, FLOPs of all of them)."""
-    param_bytes: int
-    """Trainable parameters (fp32)."""
-    saved_bytes: int
-    """Activations saved for backward over the global batch."""
-    ops: int
-    segments: int
-    """Links a pipeline can be cut into (at most this many stages)."""
-    least_kept_bytes: int = 0
-    """Activations kept for backward over the global batch at the least (every block recomputed that
-    saves more than its inputs)."""
-    attention_flops: float = 0.0
-    """The attention products' FLOPs of a step over the global batch, forward and backward."""
-    segment_flops: tuple[tuple[float, bool], ...] = ()
-    """Matmul and attention FLOPs of each link of the chain, in order (the runs of matmuls outside the
-    blocks, and each block), and whether it is a block: how evenly a pipeline's stages can split the work
-    (``stage_imbalance``)."""
-    outside_flops: float = 0.0
-    """The FLOPs of the matmuls outside the blocks (a language model's head): a grid with two tensor axes
-    splits them over one (the vocabulary over the larger), not both."""
-
-
-def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
-    """A ModelShape from the step report of a plan whose only degree is data (``shards`` ranks: each
-    holds the whole model and 1/shards of the batch; 1: one rank). Matmuls alternate orientation as
-    Megatron pairs them (a column-split layer feeds a row-split one)."""
-    groups: dict[tuple[int, int, int, int], list[float]] = {}
-    links: list[tuple[str, float]] = []  # (block, or '' outside the blocks; FLOPs)
-    for i, r in enumerate(report.layers):
-        rows = shards
-        for d in r.in_shape[:-1]:
-            rows *= d
-        key = (rows, r.in_shape[-1], r.out_shape[-1], i % 2)
-        count, flops = groups.get(key, [0, 0.0])
-        groups[key] = [count + 1, flops + r.flops]
-        block = block_of(r.module) or ""
-        if links and links[-1][0] == block:
-            links[-1] = (block, links[-1][1] + r.flops)
-        else:
-            links.append((block, float(r.flops)))
-    blocks = sum(1 for b, _ in links if b)
-    attention = report.rank_attention_flops * shards / blocks if blocks else 0.0  # (the blocks compute it)
-    return ModelShape(tuple((*k, int(c), f) for k, (c, f) in groups.items()), report.rank_update_bytes,
-                      report.rank_saved_bytes * shards, report.rank_ops, report.segments,
-                      report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards,
-                      tuple((f + (attention if b else 0.0), bool(b)) for b, f in links),
-                      sum(f for b, f in links if not b))
-
-
-def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1) -> float:
-    """How much more work the busiest of ``ranks`` pipeline ranks does than the average, when a chain of
-    links costing ``segment_flops`` is cut into ``ranks x chunks`` stages as the planner cuts it (the
-    smallest largest stage; stage k on rank k mod ranks). 128 equal blocks and a head half a block's
-    size on 64 stages: 2.5 blocks on the head's stage against 2.0 on average, 1.25; on 128 stages, 1.5
-    against 1.0. 1.0 without links to read."""
-    total = sum(segment_flops)
-    stages = ranks * chunks
-    if ranks <= 1 or not total:
-        return 1.0
-    links = [0.0] * max(stages - len(segment_flops), 0) + list(segment_flops)  # (links without matmuls)
-    cut = choose_stages(links, [0.0] * (len(links) - 1), stages)
-    loads = [0.0] * ranks
-    for k, st in enumerate(cut):
-        loads[k % ranks] += st.seconds
-    return max(loads) / (total / ranks)
-
-
-class _Prices:
+class Prices:
     """``machine.seconds`` of one candidate's collectives, as ``(kind, axis, group size, message bytes, phase)``
     (bf16/fp16 halved as ``halved``): each link read once per candidate, each (link, collective) priced once
     per ``memo`` (the search's: the screen prices tens of thousands of grids, and their collectives repeat)."""
@@ -389,149 +315,6 @@ class _Prices:
         if seconds is None:
             seconds = self.memo[key] = self.machine.on_link(link, crossed, kind, group_size, message_bytes)
         return seconds
-
-
-def _tensor_seconds(shape: ModelShape, c: Candidate, price: _Prices) -> tuple[float, float]:
-    """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2): their
-    seconds and how many, under the cheaper of the two alternations the planner may choose (which layer of
-    a pair splits its output over row). A weight's depth collectives, the same under both, are priced once."""
-    shards = c.data * c.depth
-    micro = c.microbatches if c.pipeline > 1 else 1
-    totals = [[0.0, 0.0], [0.0, 0.0]]  # per alternation: seconds, calls
-    for rows, k, n, parity, layers, _ in shape.matmuls:
-        m_d = max(rows // (shards * micro), 1)
-        depth, depth_calls = 0.0, 0
-        if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
-            w = n * k * 4 // (c.row * c.col)
-            depth = (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
-                                                                                 "backward")
-                     + price("reduce_scatter", "depth", c.depth, w, "backward"))
-            depth_calls = 3
-        share = layers * micro / c.pipeline
-        for flip, total in enumerate(totals):
-            transposed = parity ^ flip
-            a, b = (c.col, c.row) if transposed else (c.row, c.col)
-            seconds, calls = (depth, depth_calls) if c.depth > 1 else (0.0, 0)
-            if b > 1:  # the output's partial sums
-                seconds += price("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward")
-                calls += 1
-            if a > 1:  # the input gradient's
-                seconds += price("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward")
-                calls += 1
-            total[0] += share * seconds
-            total[1] += share * calls
-    return min((total, count) for total, count in totals)
-
-
-def _divides(k: int, n: int, row: int, col: int) -> bool:
-    """Whether row x col can split a matmul of ``k`` in and ``n`` out features evenly, in either orientation."""
-    return k % row == 0 and n % col == 0 or k % col == 0 and n % row == 0
-
-
-def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
-           memo: dict[Any, float] | None = None) -> tuple[float, int]:
-    """(predicted seconds, least memory per device) of ``candidate`` in closed form: AxoNN's per-layer
-    collectives (DESIGN-NOTES section 2) on even splits, the head's matmuls over one tensor axis, and the
-    busiest pipeline rank's share of the blocks (``stage_imbalance``), without planning it. The memory is a
-    floor: parameters, gradients and optimizer state, and (without a pipeline, whose ranks hold unequal
-    parts) the least activations any recomputation keeps, split over every tensor rank (some stay whole: a
-    floor). Not priced: the recomputation a pipeline's activations need to fit (the interleaved schedule
-    keeps more micro-batches in flight), which the search leaves to exact planning (it plans both schedules
-    of a grid it keeps). Ranks grids for the search to plan the most promising exactly; not a plan's
-    prediction.
-    ``memo``: collective prices kept between calls on the same machine (``_Prices``)."""
-    common = _screen_common(shape, candidate, machine, half, memo)
-    if common is None:
-        return math.inf, 0
-    return _screen_state(candidate, *common, machine, candidate.shard_optimizer)
-
-
-def screen_pair(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
-                memo: dict[Any, float] | None = None) -> tuple[tuple[float, int], tuple[float, int] | None]:
-    """``screen`` of ``candidate`` and of it with its optimizer state split over data (None where data is 1
-    or it is split already), the part they share priced once (the search screens both for a grid that does
-    not fit)."""
-    common = _screen_common(shape, candidate, machine, half, memo)
-    if common is None:
-        return (math.inf, 0), None
-    own = _screen_state(candidate, *common, machine, candidate.shard_optimizer)
-    if candidate.shard_optimizer or candidate.data == 1:
-        return own, None
-    return own, _screen_state(candidate, *common, machine, True)
-
-
-def _screen_common(shape: ModelShape, c: Candidate, machine: Machine, half: bool,
-                   memo: dict[Any, float] | None) -> tuple[float, float, int, int, _Prices] | None:
-    """What ``screen`` prices the same whether or not the optimizer state is split over data: (seconds of
-    compute and communication, of the bubble, parameter bytes per device, least activation bytes kept, the
-    prices); None when the grid is not a plan."""
-    config = c.config
-    shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
-    if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
-        return None
-    price = _Prices(machine, config, half, {} if memo is None else memo)
-    micro = c.microbatches if stages > 1 else 1
-    calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
-             for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
-    # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
-    widen = tensor / max(c.row, c.col)
-    flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
-    # a block's matmul whose features the tensor axes divide in neither orientation stays whole on every tensor
-    # rank (make_plan's divisibility rule): its work and its weight are not split (the 1T GPT's 25,600
-    # features at tensor 6)
-    whole = [(k * n * count * 4, f) for _, k, n, _, count, f in shape.matmuls
-             if count > 1 and tensor > 1 and not _divides(k, n, c.row, c.col)]
-    flops += (tensor - 1) * sum(f for _, f in whole)
-    compute = flops / (shards * tensor * stages) / machine.flops_per_second * matmul_slowdown(calls, machine, half)
-    compute += shape.ops * micro / stages * machine.op_seconds
-    # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
-    compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
-    if machine.activation_bytes_per_second:
-        compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
-    # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
-    # over row) the screen takes the cheaper
-    key = ("tensor", id(shape), half, c.data, c.row, c.col, c.depth, stages, micro)  # (either schedule and state)
-    if key not in price.memo:
-        price.memo[key] = _tensor_seconds(shape, c, price)
-    comm, blocking = price.memo[key]
-    if stages > 1:  # the busiest pipeline rank's share: the stages cannot split the blocks evenly
-        key = ("imbalance", stages, c.chunks, widen)
-        if key not in price.memo:
-            price.memo[key] = stage_imbalance([f if block else f * widen for f, block in shape.segment_flops],
-                                              stages, c.chunks)
-        compute, comm = compute * price.memo[key], comm * price.memo[key]
-    if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
-        rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
-        message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
-        comm += 2 * micro * c.chunks * price("send", "pipeline", 2, message, "forward")
-        blocking += 2 * micro * c.chunks
-    comm += arrival_skew(round(blocking), compute, machine, config)
-    params = (shape.param_bytes + (tensor - 1) * sum(b for b, _ in whole)) // (tensor * c.depth * stages)
-    bubble = 0.0
-    if stages > 1:
-        f = (stages - 1) / (c.chunks * micro + stages - 1)
-        bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
-    kept = shape.least_kept_bytes // (shards * tensor) if stages == 1 else 0  # (a pipeline's ranks: not priced)
-    return compute + comm, bubble, params, kept, price
-
-
-def _screen_state(c: Candidate, busy: float, bubble: float, params: int, kept: int, price: _Prices,
-                  machine: Machine, shard_optimizer: bool) -> tuple[float, int]:
-    """``screen``'s answer from the common part: the gradient sync and the optimizer state and update, whole
-    on every data rank or (``shard_optimizer``) split over data."""
-    sync = 0.0
-    if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
-        full, rest = divmod(params, BUCKET_BYTES)
-        sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
-        sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
-    state = 2 * params  # Adam's two moments
-    if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
-        state //= c.data
-        full, rest = divmod(params, BUCKET_BYTES)
-        sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
-        sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
-    update = 7 * state / 2 / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
-    return busy + sync + update + bubble, 2 * params + state + kept
 
 
 def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig) -> float:

@@ -276,7 +276,7 @@ def fc_net_and_tiny_llama() -> list[tuple[nn.Module, tuple]]:
 
 @pytest.mark.parametrize("hardware,world", [("h100-80gb", 8), ("cpu", 8)])
 def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
-    """Planning only the closed-form screen's best few grids (search_plans.screen) gives the best plan that
+    """Planning only the closed-form screen's best few grids (passes.analysis.screen) gives the best plan that
     planning every grid gives, on FC_Net and a tiny Llama (mutation: a screen without the pipelines'
     sends keeps four pipelines on an H100 and drops the tiny Llama's best, data 8)."""
     from autopar.machines import load_machine
@@ -500,7 +500,7 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
     over every grid of 8 ranks for FC_Net and a tiny Llama (mutation: activations not split over the
     tensor ranks exceed it on tensor grids), and counts activations (more than the static bytes)."""
     from autopar.search import score
-    from passes.analysis.search_plans import screen, shape_of
+    from passes.analysis.screen import screen, shape_of
 
     h100 = load_machine("h100-80gb")
     cases = fc_net_and_tiny_llama()
@@ -580,7 +580,7 @@ def test_stage_imbalance_is_the_busiest_pipeline_ranks_share():
     a head half a block's size cannot split evenly over 64 stages (2.5 blocks on the head's, 2.008 on
     average); equal blocks that divide split evenly. Mutation: the screen without it ranked the 1T GPT's
     interleaved (2, 4, 1) grid above the published one (tests/passes/test_published_plans.py)."""
-    from passes.analysis.search_plans import stage_imbalance
+    from passes.analysis.screen import stage_imbalance
 
     chain = [0.0] + [1.0] * 128 + [0.5]
     assert stage_imbalance(chain, 64) == pytest.approx(2.5 / (128.5 / 64))
@@ -621,7 +621,7 @@ def test_the_search_splits_the_optimizer_state_over_data_only_where_memory_needs
     assert picks[1.5].candidate.describe().endswith(" shard_optimizer")
     assert picks[1.5].seconds > picks[3].seconds and picks[1.5].memory_bytes < picks[3].memory_bytes - 2**29
     # the screen agrees: less memory, more time
-    from passes.analysis.search_plans import screen, shape_of
+    from passes.analysis.screen import screen, shape_of
     _, probe = plan_model(model, (x,), ParallelConfig(4, 1, 1, 1), checkpoint="none")
     shape = shape_of(probe, 4)
     whole, split = (screen(shape, Candidate(4, 1, 1, 1, 1, shard_optimizer=s), MACHINE) for s in (False, True))
@@ -631,7 +631,7 @@ def test_the_search_splits_the_optimizer_state_over_data_only_where_memory_needs
 def test_the_screen_keeps_a_matmul_whole_where_the_tensor_axes_divide_none_of_its_features():
     """make_plan leaves a matmul replicated when neither orientation splits its features evenly: the screen
     prices its FLOPs and its weight unsplit (the 1T GPT's 25,600 features at tensor 6 planned 12 grids in vain)."""
-    from passes.analysis.search_plans import ModelShape, screen
+    from passes.analysis.screen import ModelShape, screen
 
     flops = 2 * 4096 * 600 * 600 * 3.0
     shape = ModelShape(((4096, 600, 600, 0, 8, 8 * flops), (4096, 600, 600, 1, 8, 8 * flops)), 16 * 600 * 600 * 4,
