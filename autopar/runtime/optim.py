@@ -50,7 +50,79 @@ _chunk_twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _swapped: WeakIdKeyDictionary = WeakIdKeyDictionary()
 """optimizer -> (the stand-in its step runs on, [(parameter, twin, state before the step)], absent parameters,
 [(parameter, twin, state before the step, its Layout, its mesh, its DataShards)]) during its step."""
+_kept: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""optimizer -> its _Kept stand-in, between steps."""
 _warned: set[type] = set()
+
+
+class _Kept:
+    """An optimizer's stand-in and what it was built from, kept between steps. The next step reuses it when the
+    optimizer holds the same groups, parameters, local tensors and state objects as after the last step: a few
+    identity checks per parameter instead of rebuilding it (the rebuild measured ~35 us a parameter on a CPU;
+    on an H200 the step took 4.0 ms against the plain optimizer's 1.4). It is taken out before each step and
+    put back after, so a step that raises drops it, and so does any change the checks see: the next step then
+    builds the stand-in anew."""
+
+    __slots__ = ("stand_in", "group_list", "state_of", "sources", "twins", "others", "absent", "held")
+
+    def __init__(self, optimizer: torch.optim.Optimizer, stand_in: Any, swapped: list, absent: list) -> None:
+        self.stand_in, self.absent = stand_in, absent
+        self.group_list, self.state_of = optimizer.param_groups, optimizer.state
+        self.sources = [(group, list(map(id, group["params"]))) for group in optimizer.param_groups]
+        self.held: list[tuple] = []  # every state value compared by id below, kept alive: no id is reused
+        # twins: (parameter, its local tensor, its data pointer, twin, state and its values' ids in the
+        # optimizer, state and its values' ids in the stand-in); others: (parameter, the same four)
+        self.twins = [(p, local_tensor(p), local_tensor(p).data_ptr(), twin, *self._ids(optimizer.state.get(p)),
+                       *self._ids(stand_in.state.get(twin))) for p, twin, _ in swapped]
+        twinned = {id(p) for p, *_ in swapped}
+        self.others = [(p, *self._ids(optimizer.state.get(p)), *self._ids(stand_in.state.get(p)))
+                       for group in optimizer.param_groups for p in group["params"] if id(p) not in twinned]
+
+    def _ids(self, state: dict | None) -> tuple[dict | None, list[int] | None]:
+        if state is None:
+            return None, None
+        self.held.append(tuple(state.values()))
+        return state, list(map(id, state.values()))
+
+    def holds(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Whether ``optimizer`` holds what it held after the step that recorded this."""
+        groups, state = optimizer.param_groups, optimizer.state
+        if groups is not self.group_list or state is not self.state_of or len(groups) != len(self.sources):
+            return False
+        for group, (source, ids) in zip(groups, self.sources):
+            if group is not source or list(map(id, group["params"])) != ids:
+                return False
+        for p, local, ptr, _, before, ids, _, _ in self.twins:
+            now = local_tensor(p)
+            if now is not local or now.data_ptr() != ptr or not _same(state.get(p), before, ids):
+                return False
+        return all(_same(state.get(p), before, ids) for p, before, ids, _, _ in self.others)
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> tuple[Any, list, list, list, _Kept]:
+        """The stand-in for this step: the twins given this step's gradients, the optimizer's attributes as now."""
+        swapped = []
+        for p, _, _, twin, before, _, _, _ in self.twins:
+            grad = p.grad
+            twin.grad = None if grad is None else local_tensor(grad)
+            swapped.append((p, twin, before or {}))
+        stand_in = self.stand_in
+        groups, state = stand_in.param_groups, stand_in.state
+        stand_in.__dict__.update(vars(optimizer))
+        stand_in.param_groups, stand_in.state = groups, state
+        return stand_in, swapped, self.absent, [], self
+
+    def unchanged(self) -> bool:
+        """Whether the step kept the stand-in's state objects and set no group key (the usual case after the
+        first step: torch's optimizers update their state tensors in place): then the optimizer's state needs
+        nothing."""
+        state = self.stand_in.state
+        return (all(len(group.maps[0]) == 1 for group in self.stand_in.param_groups)
+                and all(_same(state.get(twin), mine, ids) for _, _, _, twin, _, _, mine, ids in self.twins)
+                and all(_same(state.get(p), mine, ids) for p, _, _, mine, ids in self.others))
+
+
+def _same(state: dict | None, before: dict | None, ids: list[int] | None) -> bool:
+    return state is before and (state is None or list(map(id, state.values())) == ids)
 
 
 def _ours(p: Any) -> bool:
@@ -112,6 +184,10 @@ def _wrap_chunk(key: str, value: Any, p: Any, layout: Layout, mesh: Any, before:
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
+    kept = _kept.pop(optimizer, None)  # back in _post_step: a step that raises drops it
+    if kept is not None and kept.holds(optimizer):
+        _swapped[optimizer] = kept.prepare(optimizer)
+        return (kept.stand_in, *args[1:]), kwargs
     for group in optimizer.param_groups:  # state made before the first call sharded its parameter
         for p in group["params"]:
             store = owner_of(p)
@@ -168,13 +244,18 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
     stand_in = object.__new__(type(optimizer))
     stand_in.__dict__.update(vars(optimizer))
     stand_in.param_groups, stand_in.state = groups, state
-    _swapped[optimizer] = (stand_in, swapped, absent, sharded)
+    _swapped[optimizer] = (stand_in, swapped, absent, sharded, None)
     return (stand_in, *args[1:]), kwargs
 
 
 def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    stand_in, swapped, absent, sharded = _swapped.pop(optimizer, (None, (), (), ()))
+    stand_in, swapped, absent, sharded, kept = _swapped.pop(optimizer, (None, (), (), (), None))
     if stand_in is None:
+        return
+    if kept is not None and kept.unchanged():
+        for _, twin, _ in swapped:
+            twin.grad = None
+        _kept[optimizer] = kept
         return
     twins = {id(twin) for _, twin, _ in swapped} | {id(twin) for _, twin, *_ in sharded}
     for p, state in stand_in.state.items():  # state of plain parameters, made by this step
@@ -202,6 +283,10 @@ def _post_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None
             optimizer.state[p] = {k: _absent_like(v, p) for k, v in template.items()}
     for group, used in zip(optimizer.param_groups, stand_in.param_groups):
         group.update((k, v) for k, v in used.maps[0].items() if k != "params")  # keys the step set
+        for key in [k for k in used.maps[0] if k != "params"]:  # read through from the group again
+            del used.maps[0][key]
+    if not sharded:  # (a data-sharded optimizer's stand-in is built at every step)
+        _kept[optimizer] = _Kept(optimizer, stand_in, swapped, absent)
 
 
 def _absent_like(value: Any, p: DTensor) -> Any:
