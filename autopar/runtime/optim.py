@@ -72,8 +72,9 @@ class _Kept:
         self.held: list[tuple] = []  # every state value compared by id below, kept alive: no id is reused
         # twins: (parameter, its local tensor, its data pointer, twin, state and its values' ids in the
         # optimizer, state and its values' ids in the stand-in); others: (parameter, the same four)
-        self.twins = [(p, local_tensor(p), local_tensor(p).data_ptr(), twin, *self._ids(optimizer.state.get(p)),
-                       *self._ids(stand_in.state.get(twin))) for p, twin, _ in swapped]
+        self.twins = [(p, local, local.data_ptr(), twin, *self._ids(optimizer.state.get(p)),
+                       *self._ids(stand_in.state.get(twin)))
+                      for p, twin, _ in swapped for local in (local_tensor(p),)]
         twinned = {id(p) for p, *_ in swapped}
         self.others = [(p, *self._ids(optimizer.state.get(p)), *self._ids(stand_in.state.get(p)))
                        for group in optimizer.param_groups for p in group["params"] if id(p) not in twinned]
