@@ -182,6 +182,37 @@ def local_view(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
+class _LocalPieces(torch.autograd.Function):
+    """``_LocalPiece`` for many parameters in one autograd node: one Python call each way for all of them."""
+
+    @staticmethod
+    def forward(ctx: Any, *ps: DTensor) -> tuple[torch.Tensor, ...]:
+        ctx.set_materialize_grads(False)  # a parameter the graph did not use keeps no gradient (None), as serial
+        ctx.specs = [dtensor_spec(p) for p in ps]
+        return tuple(local_tensor(p).view_as(local_tensor(p)) for p in ps)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[DTensor | None, ...]:
+        return tuple(None if g is None else DTensor(g, spec, requires_grad=False) for g, spec in zip(grads, ctx.specs))
+
+
+def local_views(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``local_view`` of each of ``params``, those that need a gradient read through one autograd node.
+
+    For a compiled graph (``autopar.runtime.compiled``): its backward is one node that returns every
+    gradient at once, so one node reading every parameter delays no gradient, where a node per parameter
+    cost a Python ``apply`` in forward and a Python backward call per parameter (eager graphs keep those:
+    each gradient is ready, and its data-parallel sync can start, as soon as its own layer's backward ran).
+    """
+    out = [local_view(p) if not isinstance(p, DTensor) or not p.requires_grad or isinstance(local_tensor(p), Absent)
+           or not torch.is_grad_enabled() else None for p in params]
+    grouped = [i for i, v in enumerate(out) if v is None]
+    if grouped:
+        for i, view in zip(grouped, _LocalPieces.apply(*(params[i] for i in grouped))):
+            out[i] = view
+    return out
+
+
 def local_of(t: torch.Tensor) -> torch.Tensor:
     """The local tensor of a DTensor (a parameter, its gradient, optimizer state); ``t`` otherwise."""
     return local_tensor(t) if isinstance(t, DTensor) else t  # to_local() would add a view (and a check) per call

@@ -45,7 +45,7 @@ from autopar.runtime.kept import arrived_inputs, carry_cache, given_cache, read_
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import scatter_batch
 from autopar.runtime.parameters import ParamStore
-from autopar.runtime.param_layout import local_of, local_view
+from autopar.runtime.param_layout import local_of, local_view, local_views
 from autopar.runtime.per_rank import own_output, pool_rows
 from autopar.runtime.stage_grads import StageGrads
 from passes.ir import InputKind
@@ -322,16 +322,17 @@ class ParallelRuntime:
 
     # ---- fallback: no graph ---------------------------------------------------------------------
 
-    def _find(self, key: Any, leaves: list[Any], split: dict[int, int], sizes: tuple[int, ...]) -> Executable | None:
+    def _find(self, key: Any, leaves: list[Any], split: dict[int, int], sizes: tuple[int, ...],
+              dtypes: tuple[torch.dtype, ...]) -> Executable | None:
         """The compiled graph for ``key`` that takes these inputs (a graph with symbolic sizes is checked
-        against this rank's rows of the batch), among those captured for the model's dtypes now."""
+        against this rank's rows of the batch), among those captured for the model's ``dtypes`` now."""
         rows = sizes[self.mesh.index("batch")] if split else 0
 
         def narrow(x: torch.Tensor, dim: int) -> torch.Tensor:  # (sizes only: a DTensor's narrow would gather)
             x = torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, DTensor) else x
             return x.narrow(dim, 0, rows)
 
-        return self.executables.find((self.casts.check(), key), lambda: [narrow(x, split[i]) if i in split else x
+        return self.executables.find((dtypes, key), lambda: [narrow(x, split[i]) if i in split else x
                                                                          for i, x in enumerate(leaves)])
 
     def _cached(self, key: Any, static: Callable[[], Any] | None, leaves: list[Any], split: dict[int, int],
@@ -339,8 +340,9 @@ class ParallelRuntime:
         """The cache policy's lookup, for every kind of call: the graph for ``key`` (symbolic sizes) that takes
         these inputs, else the one captured for these sizes (``static()``, made only then; None: ``key`` is
         these sizes), else None (``_compiled`` makes one)."""
-        exe = self._find(key, leaves, split, sizes)
-        return exe if exe is not None or static is None else self._find(static(), leaves, split, sizes)
+        dtypes = self.casts.check()  # (once a call: it passes over every parameter)
+        exe = self._find(key, leaves, split, sizes, dtypes)
+        return exe if exe is not None or static is None else self._find(static(), leaves, split, sizes, dtypes)
 
     def _compiled(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
                   compile: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
@@ -478,6 +480,9 @@ class ParallelRuntime:
         """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
         flat = []
         read = self.stage_grads.leaf if exe.program is not None else local_view
+        if isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one autograd node reads them all
+            views = iter(local_views([self.params[t] for kind, t in exe.inputs if kind is InputKind.PARAMETER]))
+            read = lambda p: next(views)  # noqa: E731
         for kind, target in exe.inputs:
             if kind is InputKind.PARAMETER:
                 flat.append(read(self.params[target]))
