@@ -10,7 +10,8 @@ process has one default process group). Columns:
 
 - step ms (median of ``--repeats`` after two warm-up steps), device ms (CUDA: the kernels' summed time in
   one step, what the step would take if the host never kept the device waiting; the JSON also lists the 8
-  longest kernels), kernels per step (CUDA kernels; on the CPU, the aten ops called from Python), peak MiB
+  longest kernels), host ms of each phase (forward, backward, ``opt.step()``: the host's time to issue it,
+  read without a synchronize; where they add up to the step, the host bounds it), kernels per step (CUDA kernels; on the CPU, the aten ops called from Python), peak MiB
   (CUDA);
 - the step against serial / W and compiled serial / W (the ideal split of the work), and, for a tensor
   grid of all W ranks, against "one rank's share" (``SHARE``): the serial model with 1/W of its heads,
@@ -160,17 +161,18 @@ def table(rows: list[dict[str, Any]], world: int, header: str) -> str:
     serial = next((r["ms"] for r in rows if r["row"] == SERIAL and "ms" in r), None)
     compiled = next((r["ms"] for r in rows if r["row"] == COMPILED and "ms" in r), None)
     share = next((r["ms"] for r in rows if r["row"] == SHARE and "ms" in r), None)
-    cols = ("row", "step ms", "device ms", "kernels/step", "peak MiB", f"vs serial/{world}", f"vs compiled/{world}",
-            "vs share", "predicted compute ms")
+    cols = ("row", "step ms", "device ms", "host ms (fwd, bwd, opt)", "kernels/step", "peak MiB",
+            f"vs serial/{world}", f"vs compiled/{world}", "vs share", "predicted compute ms")
     body = []
     for r in rows:
         if "error" in r:
-            body.append((r["label"], f"failed: {r['error']}", "", "", "", "", "", "", ""))
+            body.append((r["label"], f"failed: {r['error']}", *[""] * (len(cols) - 2)))
             continue
+        host = ", ".join(f"{v:.1f}" for v in r["host_ms"].values()) if r.get("host_ms") else ""
         per_rank = r["row"] not in (SERIAL, COMPILED, SHARE)
         tensor = per_rank and math.prod(parse_grid(r["row"].partition(":")[0], world).tensor) == world
         body.append((r["label"], f"{r['ms']:.1f}", f"{r['device_ms']:.1f}" if r.get("device_ms") is not None else "",
-                     str(r["kernels"]),
+                     host, str(r["kernels"]),
                      f"{r['peak_mib']:.0f}" if r.get("peak_mib") is not None else "",
                      f"{r['ms'] / (serial / world):.2f}x" if per_rank and serial else "",
                      f"{r['ms'] / (compiled / world):.2f}x" if per_rank and compiled else "",
