@@ -480,7 +480,7 @@ class ParallelRuntime:
         """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
         flat = []
         read = self.stage_grads.leaf if exe.program is not None else local_view
-        if isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one autograd node reads them all
+        if exe.program is None and isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one node reads all
             views = iter(local_views([self.params[t] for kind, t in exe.inputs if kind is InputKind.PARAMETER]))
             read = lambda p: next(views)  # noqa: E731
         for kind, target in exe.inputs:

@@ -6,8 +6,9 @@ FC_Net) the serial model's numbers too. Every case must have run compiled: a gra
 eager (``CompiledGraph.failed``) fails the test, so the comparison cannot pass by comparing eager with
 eager. Cases: tensor (row x col), depth with data, col x depth, pipeline stages (plain calls and
 ``train_step``), full checkpointing, per-rank batches (DDP semantics), clipping, and nanoGPT's loss
-inside forward with a vocabulary-parallel cross-entropy, and GPT-2 with a vocabulary split unevenly
-(64+63). Compiling on 2 CPU cores is slow: marked slow.
+inside forward with a vocabulary-parallel cross-entropy, GPT-2 with a vocabulary split unevenly
+(64+63), and GPT-2 in two pipeline stages (its tied embedding and head on different stages: the stages'
+parameter leaves, not the compiled graph's one-node read, must collect their gradients). Compiling on 2 CPU cores is slow: marked slow.
 """
 
 from __future__ import annotations
@@ -113,7 +114,8 @@ CASES = {
         ("p2", "fc", {"pipeline": 2}, "call"),
         ("p2 train_step", "fc", {"pipeline": 2}, "train_step"),
         ("nanogpt t2x1x1 loss in forward", "nano", {"tensor": (2, 1, 1)}, "call"),
-        ("gpt2 vocab 127 t2x1x1 (64+63)", "gpt2", {"tensor": (2, 1, 1)}, "call")],
+        ("gpt2 vocab 127 t2x1x1 (64+63)", "gpt2", {"tensor": (2, 1, 1)}, "call"),
+        ("gpt2 p2 (wte tied to lm_head across stages)", "gpt2", {"pipeline": 2}, "call")],
     4: [("t2x2x1", "fc", {"tensor": (2, 2, 1)}, "call"),
         ("t1x1x2 d2", "fc", {"tensor": (1, 1, 2), "data": 2}, "call"),
         ("t1x2x2 checkpoint full", "fc", {"tensor": (1, 2, 2), "checkpoint": "full"}, "call"),
