@@ -86,8 +86,8 @@ def test_inference_benchmark_times_every_system_with_serial_tokens(tmp_path):
 def test_simulate_times_one_rank_of_each_grid_on_this_device(tmp_path):
     """``--simulate 4``: the serial step (eager and compiled), one rank's share as a model of its own
     (compiled), and rank 0 of a grid under torch's fake process group, eager and with ``compile=True``, each
-    with its kernels per step and (but the compiled models) the planner's predicted compute, on the batch
-    ``--batch`` names; a rank of 4 does less work than serial, and compiled it runs fewer ops from Python
+    with its kernels per step, its host time per phase and (but the compiled models) the planner's predicted
+    compute, on the batch ``--batch`` names; a rank of 4 does less work than serial, and compiled it runs fewer ops from Python
     than eagerly (its fused kernels are not aten ops)."""
     out = tmp_path / "simulate.json"
     done = _bench("--simulate", "4", "--size", "tiny", "--grids", "t4x1x1", "--repeats", "1", "--device", "cpu",
@@ -100,7 +100,10 @@ def test_simulate_times_one_rank_of_each_grid_on_this_device(tmp_path):
     assert rows["t4x1x1:eager"]["predicted_ms"] < rows["serial"]["predicted_ms"]
     assert rows["t4x1x1:compiled"]["kernels"] < rows["t4x1x1:eager"]["kernels"] / 2
     assert "vs serial/4" in done.stdout and "compile=True" in done.stdout and "vs share" in done.stdout
-    assert "batch 4x32" in done.stdout and "device ms" in done.stdout
+    assert "batch 4x32" in done.stdout and "device ms" in done.stdout and "host ms (fwd, bwd, opt)" in done.stdout
+    for r in rows.values():  # the host's time in each phase, within the step (which ends in a synchronize)
+        assert set(r["host_ms"]) == {"forward", "backward", "optimizer"}, r
+        assert 0 < sum(r["host_ms"].values()) <= 1.5 * r["ms"] + 5, r
     assert rows["share"]["kernels"] <= rows["compiled"]["kernels"]  # (the same model's graph, a quarter as wide)
 
 
