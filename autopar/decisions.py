@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 from fractions import Fraction
@@ -186,11 +187,15 @@ class ParamPlan:
 
     def split_dims(self, config: ParallelConfig) -> dict[int, int]:
         """The dims of this parameter the tensor axes split, and into how many pieces each."""
-        out: dict[int, int] = {}
+        return {dim: math.prod(sizes) for dim, sizes in self.split_axes(config).items()}
+
+    def split_axes(self, config: ParallelConfig) -> dict[int, tuple[int, ...]]:
+        """The dims of this parameter the tensor axes split, and the sizes of the axes splitting each."""
+        out: dict[int, tuple[int, ...]] = {}
 
         def split(dim: int, n: int) -> None:
             if n > 1:
-                out[dim] = out.get(dim, 1) * n
+                out[dim] = (*out.get(dim, ()), n)
 
         o = self.orientation
         if self.kind is ParamKind.WEIGHT_3D:

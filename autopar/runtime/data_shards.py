@@ -9,8 +9,11 @@ is a DTensor with ``Shard(dim)`` on the data dim of the parameter's mesh, so ``o
 DCP and ``autopar.full_optimizer_state_dict`` see its global shape (the serial one) and which box each rank
 holds, and a checkpoint loads at any grid, sharded or not.
 
-A parameter with no such dim (a scalar; a 3D weight split on every dim) keeps its whole state on every data
-rank, which all step it alike. Gradients stay whole (an all-reduce, as DDP's): every idiom that reads them
+A weight split on both of its dims (tensor row and col above 1) is cut along a dim one of them splits: each
+data rank keeps an even chunk of that axis's block (``StridedShard`` on the data dim, as FSDP2 over a
+tensor-parallel shard; ``passes.analysis.optimizer_shards`` has the rule). A parameter with neither (a
+scalar; a block whose rows do not divide by data) keeps its whole state on every data rank, which all step
+it alike. Gradients stay whole (an all-reduce, as DDP's): every idiom that reads them
 (clipping, GradScaler's overflow check, logging) sees serial's values. The parameter all-gather adds
 (data - 1) / data of the parameter bytes per step to the all-reduce's.
 """
@@ -27,7 +30,7 @@ from autopar.compat import StridedShard, local_tensor
 from autopar.runtime import collectives as C
 from autopar.runtime.grad_sync import BUCKET_BYTES
 from autopar.runtime.mesh import Mesh
-from passes.analysis.optimizer_shards import chunk_rows, state_split_dim
+from passes.analysis.optimizer_shards import chunk_rows, state_split
 
 DATA_DIM = 0
 """The data axis's dim in every parameter mesh (``param_layout.DIMS`` and ``TIED_DIMS`` start with it)."""
@@ -56,11 +59,18 @@ class DataShards:
         """The split of ``p``'s state (``piece``: its local tensor; ``ndim``: its mesh's dims, for a plain
         parameter the store's parameter mesh); None when its state stays whole."""
         placements = p.placements if isinstance(p, DTensor) else (Replicate(),) * ndim
-        dim = state_split_dim(piece.shape, {q.dim for q in placements if isinstance(q, Shard | StridedShard)})
-        if dim is None:
+        split: dict[int, tuple[int, ...]] = {}
+        for mesh_dim, q in enumerate(placements):
+            if isinstance(q, Shard | StridedShard) and p.device_mesh.size(mesh_dim) > 1:
+                split[q.dim] = (*split.get(q.dim, ()), p.device_mesh.size(mesh_dim))
+        cut = state_split(p.shape, split, self.size)
+        if cut is None:
             return None
+        dim, factor = cut
         lo, hi = chunk_rows(piece.shape[dim], self.size, self.index)
-        return Layout(dim, lo, hi, (Shard(dim), *placements[DATA_DIM + 1:]))
+        # (data chunks the block of the one axis splitting ``dim``: DTensor's strided shard, as FSDP2's over TP)
+        data = StridedShard(dim, split_factor=factor) if factor > 1 else Shard(dim)
+        return Layout(dim, lo, hi, (data, *placements[DATA_DIM + 1:]))
 
     def gather(self, pieces: Sequence[tuple[torch.Tensor, Layout]]) -> None:
         """Every data rank's updated chunks into each local piece (in place): all-gathers in buckets."""
@@ -104,18 +114,21 @@ class DataShards:
 
 
 def piece_of(value: torch.Tensor) -> torch.Tensor:
-    """The local piece of a parameter's state ``value`` (gathered over data when split there: collective)."""
-    if isinstance(value, DTensor) and isinstance(value.placements[DATA_DIM], Shard):  # parameters never are
+    """The local piece of a parameter's state ``value`` (gathered over data when split there, as parameters
+    never are: collective)."""
+    if isinstance(value, DTensor) and isinstance(value.placements[DATA_DIM], Shard | StridedShard):
         return whole_piece(value)
     return local_tensor(value) if isinstance(value, DTensor) else value
 
 
 def whole_piece(value: DTensor) -> torch.Tensor:
     """The local piece a data-sharded state DTensor ``value`` is a chunk of: its chunks all-gathered over
-    data (collective over the data ranks). The split dim is split by no other axis (``DataShards.layout``):
-    the piece holds all its ``value.shape[dim]`` rows."""
-    mesh, dim = value.device_mesh, value.placements[DATA_DIM].dim
-    size, n = mesh.size(DATA_DIM), value.shape[dim]
+    data (collective over the data ranks). The split dim is split by no other axis, or evenly by one whose
+    size is the data placement's split factor (``DataShards.layout``): the piece holds ``value.shape[dim]``
+    rows over that factor."""
+    mesh, placement = value.device_mesh, value.placements[DATA_DIM]
+    dim, factor = placement.dim, getattr(placement, "split_factor", 1)
+    size, n = mesh.size(DATA_DIM), value.shape[dim] // factor
     rows = -(-n // size)
     chunk = local_tensor(value).movedim(dim, 0)
     padded = chunk.new_zeros((rows, *chunk.shape[1:]))

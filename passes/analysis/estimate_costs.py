@@ -270,7 +270,7 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         nbytes = plan.local_numel(config) * t.element_size()
         out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
         if config.shard_optimizer and config.data > 1:  # the updated chunks, from every data rank
-            numel = gathered_numel(plan.local_shape(config), plan.split_dims(config), config.data)
+            numel = gathered_numel(plan.shape, plan.split_axes(config), config.data)
             if numel:
                 out.append(Collective("all_gather", "data", config.data, numel * t.element_size(), "step", name))
     return [c for c in out if c.group_size > 1]

@@ -465,7 +465,7 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
     trainable = sum(b for name, b in local.items() if name not in frozen)
     state = trainable
     if config.shard_optimizer and config.data > 1:  # each data rank keeps one chunk of every piece's state
-        state = sum(4 * kept_numel(p.local_shape(config), p.split_dims(config), config.data)
+        state = sum(4 * kept_numel(p.shape, p.split_axes(config), config.data)
                     for p in plan.params if p.name not in frozen)
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
     return MemoryProfile(segments, sum(local.values()), trainable, 2 * state, frozen, largest)

@@ -9,9 +9,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import Shard
 
 import autopar
 from autopar.examples.fc_net import FC_Net
+from autopar.compat import StridedShard
 from autopar.parallel_model import runtime_of
 from autopar.planner import plan_model
 from autopar.runtime.absent import Absent
@@ -117,16 +119,16 @@ RESUMES = [("dcp", "d2t2", True, "d4", False), ("dcp", "d4", False, "d2p2", True
 """(how it is saved, the grid and shard_optimizer of the run that saves, those of the run that resumes)."""
 
 
-def _resume_worker() -> dict:
+def _resume_worker(resumes: list[tuple[str, str, bool, str, bool]] = RESUMES, grids: dict = GRIDS) -> dict:
     from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                          set_model_state_dict, set_optimizer_state_dict)
     import tempfile
     import torch.distributed.checkpoint as dcp
     data = batches(steps=4, batch=16, last=16)
     out = {}
-    for how, src, src_shard, dst, dst_shard in RESUMES:
+    for how, src, src_shard, dst, dst_shard in resumes:
         torch.manual_seed(0)
-        with autopar.auto_parallelize(**GRIDS[src], shard_optimizer=src_shard):
+        with autopar.auto_parallelize(**grids[src], shard_optimizer=src_shard):
             model = FC_Net(**SMALL)
         losses, opt = _script(model, data[:2])
         box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
@@ -138,7 +140,7 @@ def _resume_worker() -> dict:
             saved = (autopar.full_state_dict(model), autopar.full_optimizer_state_dict(model, opt))
         autopar.detach(model)
         torch.manual_seed(1)  # other initial values: everything must come from the checkpoint
-        with autopar.auto_parallelize(**GRIDS[dst], shard_optimizer=dst_shard):
+        with autopar.auto_parallelize(**grids[dst], shard_optimizer=dst_shard):
             model = FC_Net(**SMALL)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         if how == "dcp":
@@ -165,6 +167,64 @@ def test_optimizer_state_resumes_across_grids_sharded_or_not(distributed):
         for key, got in res.items():
             assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (key, r, got["losses"], losses)
             for k, v in serial.state_dict().items():
+                assert rel_err(got["params"][k], v) < 1e-5, (key, r, k)
+
+
+BOTH_DIMS = {"d2t2x2": dict(data=2, tensor=(2, 2, 1)), "d4t2": dict(data=4, tensor=(2, 1, 1))}
+BOTH_RESUMES = [("dcp", "d2t2x2", True, "d4t2", True), ("dcp", "d4t2", True, "d2t2x2", True),
+                ("full", "d2t2x2", True, "d2t2x2", True)]
+"""Weights split on both dims (row and col): their state cut over data inside a row (or col) block, saved and
+loaded through DCP from and into that layout, and through the full state."""
+
+
+def _both_dims_worker() -> dict:
+    trained = _worker({"d2t2x2": BOTH_DIMS["d2t2x2"]})
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(**BOTH_DIMS["d2t2x2"], shard_optimizer=True):
+        model = FC_Net(**SMALL)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    x, y = batches(steps=1, batch=16, last=16)[0]
+    F.cross_entropy(model(x), y).backward()
+    opt.step()
+    # per 2-D weight: how many mesh axes of more than one rank split its state (data, row and col: 3)
+    split = (Shard, StridedShard)
+    cut = [sum(isinstance(q, split) and v.device_mesh.size(i) > 1 for i, q in enumerate(v.placements))
+           for p, st in opt.state.items() for v in [st["exp_avg"]] if p.dim() == 2]
+    autopar.detach(model)
+    return {"trained": trained, "resumed": _resume_worker(BOTH_RESUMES, BOTH_DIMS), "cut": cut}
+
+
+def test_weights_split_on_both_dims_split_their_state_over_data(distributed):
+    """t2x2x1 x data 2: a weight split over row and col keeps 1/2 of its state per data rank (a strided shard of
+    its row block), trains like serial, and resumes across grids through DCP and the full state."""
+    data = batches(steps=3, batch=16, last=16)
+    torch.manual_seed(0)
+    serial = FC_Net(**SMALL)
+    losses, opt = _script(serial, data)
+    names = {id(p): n for n, p in serial.named_parameters()}
+    state = {names[id(p)]: s for p, s in opt.state.items()}
+    data4 = batches(steps=4, batch=16, last=16)
+    torch.manual_seed(0)
+    serial4 = FC_Net(**SMALL)
+    losses4, _ = _script(serial4, data4)
+    for r, res in enumerate(distributed(_both_dims_worker, 8, timeout=600)):
+        for (name, shard), got in res["trained"].items():
+            where = f"{name} shard={shard} rank {r}"
+            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, where
+            for k, v in serial.state_dict().items():
+                assert rel_err(got["params"][k], v) < 1e-5, (where, k)
+            for k, s in state.items():
+                for key in ("exp_avg", "exp_avg_sq"):
+                    assert rel_err(got["state"][k][key], s[key]) < 1e-5, (where, k, key)
+            kept, predicted = got["bytes"], got["predicted_bytes"]
+            assert kept <= predicted * 1.05 and (r > 0 or kept >= predicted * 0.98), (where, kept, predicted)
+            assert got["gathered"] == got["predicted_gathered"], (where, got)
+        whole, split = res["trained"]["d2t2x2", False]["bytes"], res["trained"]["d2t2x2", True]["bytes"]
+        assert split < whole / 2 * 1.3, (r, split, whole)  # every weight's state split, those on both dims too
+        assert max(res["cut"]) == 3, res["cut"]  # some weight's state is split over data, row and col
+        for key, got in res["resumed"].items():
+            assert max(abs(a - b) for a, b in zip(got["losses"], losses4)) < 1e-5, (key, r, got["losses"], losses4)
+            for k, v in serial4.state_dict().items():
                 assert rel_err(got["params"][k], v) < 1e-5, (key, r, k)
 
 
