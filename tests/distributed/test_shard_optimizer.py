@@ -83,30 +83,36 @@ def _worker(grids: dict, shards: tuple[bool, ...] = (False, True)) -> dict:
     return out
 
 
-def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distributed):
-    data = batches(steps=3, batch=16, last=16)
+def _oracle(steps: int = 3) -> tuple[torch.nn.Module, list[float], dict]:
+    """The serial script's model, losses and Adam state (by parameter name) after ``steps`` batches."""
     torch.manual_seed(0)
     serial = FC_Net(**SMALL)
-    losses, opt = _script(serial, data)
+    losses, opt = _script(serial, batches(steps=steps, batch=16, last=16))
     names = {id(p): n for n, p in serial.named_parameters()}
-    state = {names[id(p)]: s for p, s in opt.state.items()}
+    return serial, losses, {names[id(p)]: s for p, s in opt.state.items()}
+
+
+def _check_trained(got: dict, where: str, rank: int, oracle: tuple) -> None:
+    """One run of ``_worker`` against serial (losses, parameters, Adam's moments), its state kept as the memory plan
+    predicts it (the first data rank's chunk is the largest) and its step's all-gather bytes as the trace's."""
+    serial, losses, state = oracle
+    assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, where
+    for k, v in serial.state_dict().items():
+        assert rel_err(got["params"][k], v) < 1e-5, (where, k)
+    for k, s in state.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert rel_err(got["state"][k][key], s[key]) < 1e-5, (where, k, key)
+    kept, predicted = got["bytes"], got["predicted_bytes"]
+    assert kept <= predicted * 1.05 and (rank > 0 or kept >= predicted * 0.98), (where, kept, predicted)
+    assert got["gathered"] == got["predicted_gathered"], (where, got)
+
+
+def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distributed):
+    oracle = _oracle()
     results = distributed(_worker, 4, GRIDS)
     for r, res in enumerate(results):
         for (name, shard), got in res.items():
-            where = f"{name} shard={shard} rank {r}"
-            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, where
-            for k, v in serial.state_dict().items():
-                assert rel_err(got["params"][k], v) < 1e-5, (where, k)
-            for k, s in state.items():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    assert rel_err(got["state"][k][key], s[key]) < 1e-5, (where, k, key)
-        for (name, shard), got in res.items():
-            # the state kept, as the memory plan predicts it (the first data rank's chunk is the largest)
-            kept, predicted = got["bytes"], got["predicted_bytes"]
-            assert kept <= predicted * 1.05, (name, shard, r, kept, predicted)
-            if r == 0:
-                assert kept >= predicted * 0.98, (name, shard, kept, predicted)
-            assert got["gathered"] == got["predicted_gathered"], (name, shard, r, got)
+            _check_trained(got, f"{name} shard={shard} rank {r}", r, oracle)
             assert (got["calls"] == 1) == shard, (name, shard, r, got["calls"])  # one bucket: one all-gather
         for name in GRIDS:
             whole, split = res[name, False]["bytes"], res[name, True]["bytes"]
@@ -158,16 +164,19 @@ def _resume_worker(resumes: list[tuple[str, str, bool, str, bool]] = RESUMES, gr
     return out
 
 
+def _check_resumed(resumed: dict, rank: int, oracle: tuple) -> None:
+    """Each resume of ``_resume_worker`` against serial's 4 steps: its losses and final parameters."""
+    serial, losses, _ = oracle
+    for key, got in resumed.items():
+        assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (key, rank, got["losses"], losses)
+        for k, v in serial.state_dict().items():
+            assert rel_err(got["params"][k], v) < 1e-5, (key, rank, k)
+
+
 def test_optimizer_state_resumes_across_grids_sharded_or_not(distributed):
-    data = batches(steps=4, batch=16, last=16)
-    torch.manual_seed(0)
-    serial = FC_Net(**SMALL)
-    losses, _ = _script(serial, data)
+    oracle = _oracle(steps=4)
     for r, res in enumerate(distributed(_resume_worker, 4)):
-        for key, got in res.items():
-            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, (key, r, got["losses"], losses)
-            for k, v in serial.state_dict().items():
-                assert rel_err(got["params"][k], v) < 1e-5, (key, r, k)
+        _check_resumed(res, r, oracle)
 
 
 BOTH_DIMS = {"d2t2x2": dict(data=2, tensor=(2, 2, 1)), "d4t2": dict(data=4, tensor=(2, 1, 1))}
@@ -198,35 +207,14 @@ def _both_dims_worker() -> dict:
 def test_weights_split_on_both_dims_split_their_state_over_data(distributed):
     """t2x2x1 x data 2: a weight split over row and col keeps 1/2 of its state per data rank (a strided shard of
     its row block), trains like serial, and resumes across grids through DCP and the full state."""
-    data = batches(steps=3, batch=16, last=16)
-    torch.manual_seed(0)
-    serial = FC_Net(**SMALL)
-    losses, opt = _script(serial, data)
-    names = {id(p): n for n, p in serial.named_parameters()}
-    state = {names[id(p)]: s for p, s in opt.state.items()}
-    data4 = batches(steps=4, batch=16, last=16)
-    torch.manual_seed(0)
-    serial4 = FC_Net(**SMALL)
-    losses4, _ = _script(serial4, data4)
+    oracle, oracle4 = _oracle(), _oracle(steps=4)
     for r, res in enumerate(distributed(_both_dims_worker, 8, timeout=600)):
         for (name, shard), got in res["trained"].items():
-            where = f"{name} shard={shard} rank {r}"
-            assert max(abs(a - b) for a, b in zip(got["losses"], losses)) < 1e-5, where
-            for k, v in serial.state_dict().items():
-                assert rel_err(got["params"][k], v) < 1e-5, (where, k)
-            for k, s in state.items():
-                for key in ("exp_avg", "exp_avg_sq"):
-                    assert rel_err(got["state"][k][key], s[key]) < 1e-5, (where, k, key)
-            kept, predicted = got["bytes"], got["predicted_bytes"]
-            assert kept <= predicted * 1.05 and (r > 0 or kept >= predicted * 0.98), (where, kept, predicted)
-            assert got["gathered"] == got["predicted_gathered"], (where, got)
+            _check_trained(got, f"{name} shard={shard} rank {r}", r, oracle)
         whole, split = res["whole"], res["trained"]["d2t2x2", True]["bytes"]
         assert split < whole / 2 * 1.3, (r, split, whole)  # every weight's state split, those on both dims too
         assert max(res["cut"]) == 3, res["cut"]  # some weight's state is split over data, row and col
-        for key, got in res["resumed"].items():
-            assert max(abs(a - b) for a, b in zip(got["losses"], losses4)) < 1e-5, (key, r, got["losses"], losses4)
-            for k, v in serial4.state_dict().items():
-                assert rel_err(got["params"][k], v) < 1e-5, (key, r, k)
+        _check_resumed(res["resumed"], r, oracle4)
 
 
 def _scaler_worker() -> dict:
