@@ -168,7 +168,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.extended)
             seen.add(key)
     files = {item.nodeid.rpartition("/")[2].partition("::")[0] for item in items}
-    whole = not config.getoption("keyword") and not config.getoption("markexpr")
+    whole = not any("::" in arg for arg in config.args)  # (-m and -k deselect after this hook: items are whole)
     stale = [k for k in EXTENDED if k not in seen and k.partition("::")[0] in files and whole]
     if stale:  # a renamed test would leave the list silently
         raise pytest.UsageError(f"tests/conftest.py's EXTENDED names tests that do not exist: {stale}")
