@@ -211,16 +211,17 @@ class _Planner:
             self.feasible[m.weight] = tuple(ok)
             self.reasons[m.weight] = "; ".join(why)
 
-    def key(self, what: str, roots: dict[str, Orientation]) -> tuple:
-        return what, frozenset(roots.items()), frozenset(self.table_splits.items())
+    def memoized(self, fn: Callable[[dict[str, Orientation]], tuple], roots: dict[str, Orientation]) -> tuple:
+        """``fn(roots)``, kept by (roots, table splits), which it is pure of; callers only read the result."""
+        key = fn.__name__, frozenset(roots.items()), frozenset(self.table_splits.items())
+        if key not in self.memo:
+            self.memo[key] = fn(roots)
+        return self.memo[key]
 
     def propagate(self, roots: dict[str, Orientation]) -> tuple[LayoutResult, dict[str, Orientation]]:
-        """The layouts ``roots`` lead to (read only by the callers: the result is shared by equal calls; the
-        greedy root choice asks for the same roots again: 438 calls, 361 distinct, planning the 1T GPT)."""
-        key = self.key("propagate", roots)
-        if key not in self.memo:
-            self.memo[key] = self.propagated(roots)
-        return self.memo[key]
+        """The layouts ``roots`` lead to (the greedy root choice asks for the same roots again: 438 calls, 361
+        distinct, planning the 1T GPT)."""
+        return self.memoized(self.propagated, roots)
 
     def propagated(self, roots: dict[str, Orientation]) -> tuple[LayoutResult, dict[str, Orientation]]:
         chosen: dict[str, Orientation] = {}
@@ -290,10 +291,7 @@ class _Planner:
         return options
 
     def cost(self, roots: dict[str, Orientation]) -> tuple:
-        key = self.key("cost", roots)
-        if key not in self.memo:
-            self.memo[key] = self.costed(roots)
-        return self.memo[key]
+        return self.memoized(self.costed, roots)
 
     def costed(self, roots: dict[str, Orientation]) -> tuple:
         res, chosen = self.propagate(roots)
