@@ -115,7 +115,7 @@ def _run_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout:
 # The extended tier (marker ``extended``, setup.cfg): tests that check a property the CI tier also checks, on
 # another grid, model, strategy or launcher, and cost the most time per property (durations of 2026-11-28 on
 # 2 cores). CI runs ``-m "not extended"`` to end inside 90 minutes (the official run at stop 48 did not);
-# ``python -m pytest -m extended`` runs these. Each line: the test, and what the CI tier keeps of it.
+# ``python -m pytest -m extended`` runs these. Each line: a test of tests/distributed, and what the CI tier keeps of it.
 EXTENDED = {
     "test_parity.py::test_parity_every_grid_matches_serial[8]": "the grids of 1, 2 and 4 ranks",
     "test_pipeline.py::test_fc_net_pipeline_grids_match_serial": "the zoo's pipelines, auto_plan's interleaved",
@@ -165,13 +165,15 @@ EXTENDED = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    seen = set()
+    seen, files = set(), set()
     for item in items:
-        key = item.nodeid.rpartition("/")[2]
+        if not item.nodeid.startswith("tests/distributed/"):  # (tests/unit has files of the same names)
+            continue
+        key = item.nodeid.removeprefix("tests/distributed/")
+        files.add(key.partition("::")[0])
         if key in EXTENDED:
             item.add_marker(pytest.mark.extended)
             seen.add(key)
-    files = {item.nodeid.rpartition("/")[2].partition("::")[0] for item in items}
     whole = not any("::" in arg for arg in config.args)  # (-m and -k deselect after this hook: items are whole)
     stale = [k for k in EXTENDED if k not in seen and k.partition("::")[0] in files and whole]
     if stale:  # a renamed test would leave the list silently
