@@ -106,29 +106,46 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, price: Prices) -> tuple[flo
     shards = c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
     totals = [[0.0, 0.0], [0.0, 0.0]]  # per alternation: seconds, calls
+    axes = ("layer", price.half, c.row, c.col, c.depth, price.link("row"), price.link("col"), price.link("depth"))
     for rows, k, n, parity, layers, _ in shape.matmuls:
         m_d = max(rows // (shards * micro), 1)
-        depth, depth_calls = 0.0, 0
-        if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
-            w = n * k * 4 // (c.row * c.col)
-            depth = (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
-                                                                                 "backward")
-                     + price("reduce_scatter", "depth", c.depth, w, "backward"))
-            depth_calls = 3
         share = layers * micro / c.pipeline
-        for flip, total in enumerate(totals):
-            transposed = parity ^ flip
-            a, b = (c.col, c.row) if transposed else (c.row, c.col)
-            seconds, calls = (depth, depth_calls) if c.depth > 1 else (0.0, 0)
-            if b > 1:  # the output's partial sums
-                seconds += price("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward")
-                calls += 1
-            if a > 1:  # the input gradient's
-                seconds += price("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward")
-                calls += 1
+        for total, (seconds, calls) in zip(totals, _layer_seconds(c, k, n, parity, m_d, price, axes)):
             total[0] += share * seconds
             total[1] += share * calls
     return min((total, count) for total, count in totals)
+
+
+def _layer_seconds(c: Candidate, k: int, n: int, parity: int, m_d: int, price: Prices, axes: tuple
+                   ) -> tuple[tuple[float, int], tuple[float, int]]:
+    """One call's collectives of a matmul of ``m_d`` rows, ``k`` in and ``n`` out features under either
+    alternation: (seconds, calls) of each. They depend on the tensor axes and their links alone (``axes``:
+    the tensor degrees and links, ``price.half``), so grids alike in those share them (``price.memo``)."""
+    key = (axes, k, n, parity, m_d)
+    out = price.memo.get(key)
+    if out is not None:
+        return out
+    depth, depth_calls = 0.0, 0
+    if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
+        w = n * k * 4 // (c.row * c.col)
+        depth = (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
+                                                                             "backward")
+                 + price("reduce_scatter", "depth", c.depth, w, "backward"))
+        depth_calls = 3
+    flips = []
+    for flip in (0, 1):
+        transposed = parity ^ flip
+        a, b = (c.col, c.row) if transposed else (c.row, c.col)
+        seconds, calls = (depth, depth_calls) if c.depth > 1 else (0.0, 0)
+        if b > 1:  # the output's partial sums
+            seconds += price("all_reduce", "row" if transposed else "col", b, m_d * n // a * 4, "forward")
+            calls += 1
+        if a > 1:  # the input gradient's
+            seconds += price("all_reduce", "col" if transposed else "row", a, m_d * k // b * 4, "backward")
+            calls += 1
+        flips.append((seconds, calls))
+    out = price.memo[key] = (flips[0], flips[1])
+    return out
 
 
 def _divides(k: int, n: int, row: int, col: int) -> bool:
@@ -179,18 +196,26 @@ def _screen_common(shape: ModelShape, c: Candidate, machine: Machine, half: bool
         return None
     price = Prices(machine, config, half, {} if memo is None else memo)
     micro = c.microbatches if stages > 1 else 1
-    calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col), n // (c.col if parity else c.row)))
-             for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
     # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
     widen = tensor / max(c.row, c.col)
-    flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
-    # a block's matmul whose features the tensor axes divide in neither orientation stays whole on every tensor
-    # rank (make_plan's divisibility rule): its work and its weight are not split (the 1T GPT's 25,600
-    # features at tensor 6)
-    whole = [(k * n * count * 4, f) for _, k, n, _, count, f in shape.matmuls
-             if count > 1 and tensor > 1 and not _divides(k, n, c.row, c.col)]
-    flops += (tensor - 1) * sum(f for _, f in whole)
-    compute = flops / (shards * tensor * stages) / machine.flops_per_second * matmul_slowdown(calls, machine, half)
+    key = ("matmuls", id(shape), c.row, c.col)  # (what depends on the tensor axes alone)
+    if key not in price.memo:
+        flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
+        # a block's matmul whose features the tensor axes divide in neither orientation stays whole on every
+        # tensor rank (make_plan's divisibility rule): its work and its weight are not split (the 1T GPT's
+        # 25,600 features at tensor 6)
+        whole = [(k * n * count * 4, f) for _, k, n, _, count, f in shape.matmuls
+                 if count > 1 and tensor > 1 and not _divides(k, n, c.row, c.col)]
+        flops += (tensor - 1) * sum(f for _, f in whole)
+        price.memo[key] = flops, sum(b for b, _ in whole)
+    flops, whole_bytes = price.memo[key]
+    key = ("slowdown", id(shape), half, shards * micro, c.row, c.col)
+    if key not in price.memo:
+        calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col),
+                      n // (c.col if parity else c.row)))
+                 for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
+        price.memo[key] = matmul_slowdown(calls, machine, half)
+    compute = flops / (shards * tensor * stages) / machine.flops_per_second * price.memo[key]
     compute += shape.ops * micro / stages * machine.op_seconds
     # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
     compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
@@ -214,7 +239,7 @@ def _screen_common(shape: ModelShape, c: Candidate, machine: Machine, half: bool
         comm += 2 * micro * c.chunks * price("send", "pipeline", 2, message, "forward")
         blocking += 2 * micro * c.chunks
     comm += arrival_skew(round(blocking), compute, machine, config)
-    params = (shape.param_bytes + (tensor - 1) * sum(b for b, _ in whole)) // (tensor * c.depth * stages)
+    params = (shape.param_bytes + (tensor - 1) * whole_bytes) // (tensor * c.depth * stages)
     bubble = 0.0
     if stages > 1:
         f = (stages - 1) / (c.chunks * micro + stages - 1)

@@ -303,18 +303,25 @@ class Prices:
             message_bytes //= 2  # (``_halves``, inline: called a million times by a search of 3,072 GPUs)
         where = "pipeline" if kind == "send" else axis
         link = self.links.get(where)
-        if link is None:  # (grids of the same degrees share their links: the schedules, the micro-batches)
-            key = ("link", self.degrees, where)
-            link = self.memo.get(key)
-            if link is None:
-                link = self.memo[key] = self.machine.link(self.config, where)
-            self.links[where] = link
+        if link is None:
+            link = self.link(where)
         crossed = phase != "step" and self.multi
         key = (link, crossed, kind, group_size, message_bytes)
         seconds = self.memo.get(key)
         if seconds is None:
             seconds = self.memo[key] = self.machine.on_link(link, crossed, kind, group_size, message_bytes)
         return seconds
+
+    def link(self, where: str) -> tuple[float, float]:
+        """``machine.link`` of this candidate's ``where`` (an axis, or "pipeline" for sends)."""
+        link = self.links.get(where)
+        if link is None:  # (grids of the same degrees share their links: the schedules, the micro-batches)
+            key = ("link", self.degrees, where)
+            link = self.memo.get(key)
+            if link is None:
+                link = self.memo[key] = self.machine.link(self.config, where)
+            self.links[where] = link
+        return link
 
 
 def pipeline_span(busy: float, bubble_fraction: float, machine: Machine, config: ParallelConfig) -> float:
