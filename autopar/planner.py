@@ -202,19 +202,34 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             log.debug("autopar: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
     if found is not None:
-        plan, report, profile, chain, loss = found
-        repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
-        if all(template_holds(plan, report, r, profile) for r in repeats):
-            full = repeat_plan(plan, repeats)
-            # (a pipeline's report is summarized again per rank in _finish: only its records are needed here)
-            return _finish(full, repeat_report(report, full, repeats, totals=pipeline <= 1),
-                           repeat_memory(profile, full, repeats),
-                           repeat_chain(chain, repeats), loss, checkpoint, budget, pipeline, microbatches,
-                           chunks, rank, slowest, hardware)
+        whole = _repeated(found, lists, pipeline, _cache_for(captures, "cut"))
+        if whole is not None:
+            return _finish(*whole, checkpoint, budget, pipeline, microbatches, chunks, rank, slowest, hardware)
     plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
                                                         batch_dims, _cache_for(captures, "whole"))
     return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank,
                    slowest, hardware)
+
+
+def _repeated(found: tuple, lists: list[tuple[str, int, int]], pipeline: int, captures: dict[Any, Any] | None
+              ) -> tuple | None:
+    """The plan, report, memory profile, chain and loss collectives of the whole model from ``found``, those of
+    the model cut to three blocks; None when its last two blocks are not planned alike. With ``captures`` (the
+    search's) kept there by ``found``'s identity: a grid's schedules (1F1B, interleaved) share one plan."""
+    key = ("repeated", id(found), pipeline <= 1)
+    if captures is not None and key in captures:
+        return captures[key][1]
+    plan, report, profile, chain, loss = found
+    repeats = [Repeat(name, start + 2, count) for name, start, count in lists]
+    whole = None
+    if all(template_holds(plan, report, r, profile) for r in repeats):
+        full = repeat_plan(plan, repeats)
+        # (a pipeline's report is summarized again per rank in _finish: only its records are needed here)
+        whole = (full, repeat_report(report, full, repeats, totals=pipeline <= 1), repeat_memory(profile, full, repeats),
+                 repeat_chain(chain, repeats), loss)
+    if captures is not None:
+        captures[key] = found, whole  # (found kept alive with it: its id is not reused)
+    return whole
 
 
 def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
@@ -305,8 +320,10 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     with without_stack_traces():  # (analysed only, never run)
         canonical = shard(0)
         mine = canonical if index == 0 else shard(index)
-    plan = make_plan(canonical.gm, config)
-    report = estimate_step(mine.gm, plan)
+    plan = make_plan(canonical.gm, config, shared=captures)
+    layouts = layouts_for(canonical.gm, plan)  # (read by each analysis below)
+    mine_layouts = layouts if mine is canonical else layouts_for(mine.gm, plan)
+    report = estimate_step(mine.gm, plan, mine_layouts)
     if per_rank and not split and config.num_batch_shards > 1:
         # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
         rows = [dataclasses.replace(r, flops=r.flops * config.num_batch_shards) for r in report.layers]
@@ -314,9 +331,9 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
                                      largest_param_bytes=report.largest_param_bytes)
     chain, loss = (), ()
     if microbatches:
-        chain = pipeline_chain(mine.gm, plan, report.collectives)
-        loss = tuple(loss_collectives(mine.gm, layouts_for(mine.gm, plan)[0], config))
-    result = plan, report, estimate_memory(canonical.gm, plan, dtype), chain, loss
+        chain = pipeline_chain(mine.gm, plan, report.collectives, layouts=mine_layouts)
+        loss = tuple(loss_collectives(mine.gm, mine_layouts[0], config))
+    result = plan, report, estimate_memory(canonical.gm, plan, dtype, runs=captures, layouts=layouts), chain, loss
     if captures is not None:
         captures[memo] = result
     return result

@@ -32,7 +32,9 @@ from autopar.decisions import PipelinePlan, Plan, StagePlan
 from autopar.errors import PlanError
 from passes.analysis.estimate_costs import AGREEMENT, Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import shard_fraction, segment_names
-from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, attention_flops, module_of, param_name, tensor_meta
+from passes.analysis.graph_facts import (ATTENTION_STEP_FACTOR, MatmulMatch, attention_flops, module_of, param_name,
+                                         tensor_meta)
+from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.machine import Machine
 from passes.analysis.make_plan import layouts_for
 from passes.ir import input_info
@@ -191,11 +193,13 @@ def priced(chain: Sequence[ChainSegment], hardware: Hardware) -> tuple[ChainSegm
 
 
 def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collective],
-                   hardware: Hardware = Hardware()) -> tuple[ChainSegment, ...]:
-    """The chain of ``gm`` (captured for one micro-batch on this rank) with times under ``hardware``."""
+                   hardware: Hardware = Hardware(),
+                   layouts: tuple[LayoutResult, dict[fx.Node, MatmulMatch]] | None = None) -> tuple[ChainSegment, ...]:
+    """The chain of ``gm`` (captured for one micro-batch on this rank) with times under ``hardware``.
+    ``layouts``: ``layouts_for(gm, plan)`` where the caller has it (read only)."""
     config = plan.config
     sizes = {"row": config.row, "col": config.col}
-    res, by_node = layouts_for(gm, plan)
+    res, by_node = layouts or layouts_for(gm, plan)
     seg_of = segment_names(gm)
     order = list(dict.fromkeys(seg_of.values()))
     index = {name: k for k, name in enumerate(order)}

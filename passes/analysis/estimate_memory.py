@@ -49,7 +49,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.compat import pytree
 from autopar.decisions import Plan
-from passes.analysis.graph_facts import attention_flops, module_of, param_name, rows_of, tensor_meta
+from passes.analysis.graph_facts import MatmulMatch, attention_flops, module_of, param_name, rows_of, tensor_meta
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
 from passes.analysis.optimizer_shards import kept_numel
@@ -325,16 +325,9 @@ class _Recorder(fx.Interpreter):
         return t
 
 
-def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype | None = None) -> MemoryProfile:
-    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``.
-
-    ``compute_dtype`` (bf16/fp16 precision) casts the inputs of matmuls and attention, as autocast does.
-    """
-    config = plan.config
-    sizes = {"row": config.row, "col": config.col}
-    res, by_node = layouts_for(gm, plan)
-    seg_of = segment_names(gm)
-    three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
+def _meta_run(gm: fx.GraphModule, compute_dtype: torch.dtype | None, three_d: frozenset[fx.Node]) -> _Recorder:
+    """The graph run once on meta under saved-tensor hooks (what every tensor's producer and saver are);
+    a graph the run cannot take gets the shapes-only record. Read only afterwards."""
     rec = _Recorder(gm, compute_dtype, three_d)
     try:
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
@@ -347,6 +340,33 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         if rec.failed:
             log.warning("autopar: the memory estimate could not run %s on meta; it uses the recorded shapes of "
                         "%d op(s) instead (what they save is not counted)", rec.failed[0], len(rec.failed))
+    rec.env.clear()  # (the run's values: only its records are read)
+    return rec
+
+
+def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype | None = None,
+                    runs: dict[Any, Any] | None = None,
+                    layouts: tuple[LayoutResult, dict[fx.Node, MatmulMatch]] | None = None) -> MemoryProfile:
+    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``.
+
+    ``compute_dtype`` (bf16/fp16 precision) casts the inputs of matmuls and attention, as autocast does.
+    ``runs``: a dict the caller keeps while ``gm`` stays unchanged (the plan search's captures): the meta run
+    depends only on the graph, ``compute_dtype`` and which matmuls are 3D-sharded, so grids alike in those
+    share one (planning the 1T GPT's grids ran it 17 times for 3 distinct runs). ``layouts``: ``layouts_for(gm,
+    plan)`` where the caller has it (read only).
+    """
+    config = plan.config
+    sizes = {"row": config.row, "col": config.col}
+    res, by_node = layouts or layouts_for(gm, plan)
+    seg_of = segment_names(gm)
+    three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
+    key = ("meta run", gm, compute_dtype, three_d)
+    if runs is not None and key in runs:
+        rec = runs[key]
+    else:
+        rec = _meta_run(gm, compute_dtype, three_d)
+        if runs is not None:
+            runs[key] = rec
     params = {node for node in gm.graph.nodes if param_name(node) is not None}
 
     order = ["<shared>", *dict.fromkeys(seg_of[n] for n in gm.graph.nodes if n in seg_of)]

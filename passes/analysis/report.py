@@ -25,7 +25,8 @@ from passes.analysis.estimate_costs import (
     matmul_split,
     total_bytes,
 )
-from passes.analysis.graph_facts import param_name, rows_of, tensor_meta
+from passes.analysis.graph_facts import MatmulMatch, param_name, rows_of, tensor_meta
+from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
 from passes.ir import graph_info
 
@@ -98,9 +99,12 @@ class StepReport:
         return self.param_bytes_per_rank + self.largest_param_bytes
 
 
-def estimate_step(gm: fx.GraphModule, plan: Plan) -> StepReport:
+def estimate_step(gm: fx.GraphModule, plan: Plan,
+                  layouts: tuple[LayoutResult, dict[fx.Node, MatmulMatch]] | None = None) -> StepReport:
+    """``gm``'s step under ``plan``: its matmuls' rows and every collective. ``layouts``: ``layouts_for(gm,
+    plan)`` where the caller has it (they are read only)."""
     config = plan.config
-    res, by_node = layouts_for(gm, plan)
+    res, by_node = layouts or layouts_for(gm, plan)
     matches = list(by_node.values())
     params = {p.name: p for p in plan.params}
     colls = list_collectives(gm, res, matches, params, config)
