@@ -374,16 +374,48 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     try:
         shared: dict = {}
         grids = candidates(4, 6)
-        together = [score(llama, inputs, c, machine, captures=shared) for c in grids]
+        # and the variants the search retries on its planned grids (the optimizer state split over data,
+        # sequence parallelism), in half precision too: grids alike in their capture share its meta memory
+        # run, the layouts make_plan propagates and the whole-model expansion (keyed by what they depend on)
+        alone_grids = [c for c in grids if c.pipeline == 1]
+        grids += [dataclasses.replace(c, shard_optimizer=True) for c in alone_grids if c.data > 1]
+        grids += [dataclasses.replace(c, sequence_parallel=True) for c in alone_grids if (c.row > 1) != (c.col > 1)]
+        precisions = ["fp32"] * len(grids) + ["bf16"] * len(alone_grids)
+        grids += alone_grids
+        together = [score(llama, inputs, c, machine, captures=shared, precision=p) for c, p in zip(grids, precisions)]
         rows = list(captured)
-        alone = [score(llama, inputs, c, machine, captures={}) for c in grids]
+        alone = [score(llama, inputs, c, machine, captures={}, precision=p) for c, p in zip(grids, precisions)]
     finally:
         planner.capture_shard = real
-    assert len(rows) == len(set(rows)) < len(grids) / 2, rows  # one capture per row count
+    assert len(rows) == len(set(rows)) < len(grids) / 3, rows  # one capture per row count
     assert any(len(set(c.config.batch_sizes(6))) > 1 for c in grids)  # uneven shards are among them
     for c, a, b in zip(grids, together, alone):
         assert (a.time, a.memory_bytes, a.fits, a.recompute, a.reason) == (b.time, b.memory_bytes, b.fits,
                                                                             b.recompute, b.reason), c
+
+
+def test_the_screen_prices_alike_with_its_memo_shared_and_alone():
+    """The search's screen keeps what grids share in one memo (links, collective prices, a matmul's tensor
+    collectives by tensor axes and rows, FLOPs and the roofline by grid shape): every grid of 64 ranks of a
+    tiny Llama, full and half precision, on a machine whose nodes hold 4 GPUs (tensor groups cross nodes),
+    screens bitwise as with a memo of its own. Mutation: the tensor collectives kept without the col degree, or
+    the roofline without the micro-batches, changed grids' prices."""
+    from autopar.examples import zoo
+    from passes.analysis.screen import screen_pair, shape_of
+
+    machine = dataclasses.replace(load_machine("a100-80gb"), gpus_per_node=4)
+    with torch.device("meta"):
+        llama = zoo.build_model("llama", layers=8)
+    inputs = tuple(t.to("meta") for t in zoo.example_inputs("llama", batch=64, seq=32))
+    _, probe = plan_model(llama, inputs, ParallelConfig(64, 1, 1, 1), checkpoint="none")
+    shape = shape_of(probe, 64)
+    grids = candidates(64, 64)
+    assert len({(c.row, c.col, c.depth) for c in grids}) > 10 and any(c.pipeline > 1 for c in grids)
+    for half in (False, True):
+        shared: dict = {}
+        together = [screen_pair(shape, c, machine, half, shared) for c in grids]
+        for c, t in zip(grids, together):
+            assert t == screen_pair(shape, c, machine, half, {}), (c, half)
 
 
 def test_the_search_leaves_the_garbage_collector_as_it_found_it():
