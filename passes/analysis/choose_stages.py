@@ -21,6 +21,7 @@ outweighs a block's compute; CPU rates balance the blocks and the head).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -126,6 +127,7 @@ def bubble_fraction(num_stages: int, num_microbatches: int, chunks_per_rank: int
     return (p - 1) / (v * m + p - 1)
 
 
+@functools.lru_cache(maxsize=4096)  # (pure; a plan search asks for the same schedules again: 798 calls planning the 1T GPT)
 def inflight_microbatches(num_ranks: int, num_microbatches: int, rank: int, chunks_per_rank: int = 1
                           ) -> tuple[int, ...]:
     """How many micro-batches' activations pipeline rank ``rank`` holds at most for each of its stages
