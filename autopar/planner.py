@@ -225,8 +225,8 @@ def _repeated(found: tuple, lists: list[tuple[str, int, int]], pipeline: int, ca
     if all(template_holds(plan, report, r, profile) for r in repeats):
         full = repeat_plan(plan, repeats)
         # (a pipeline's report is summarized again per rank in _finish: only its records are needed here)
-        whole = (full, repeat_report(report, full, repeats, totals=pipeline <= 1), repeat_memory(profile, full, repeats),
-                 repeat_chain(chain, repeats), loss)
+        whole = (full, repeat_report(report, full, repeats, totals=pipeline <= 1),
+                 repeat_memory(profile, full, repeats), repeat_chain(chain, repeats), loss)
     if captures is not None:
         captures[key] = found, whole  # (found kept alive with it: its id is not reused)
     return whole

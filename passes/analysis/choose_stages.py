@@ -127,7 +127,8 @@ def bubble_fraction(num_stages: int, num_microbatches: int, chunks_per_rank: int
     return (p - 1) / (v * m + p - 1)
 
 
-@functools.lru_cache(maxsize=4096)  # (pure; a plan search asks for the same schedules again: 798 calls planning the 1T GPT)
+# (pure; a plan search asks for the same schedules again: 798 calls planning the 1T GPT)
+@functools.lru_cache(maxsize=4096)
 def inflight_microbatches(num_ranks: int, num_microbatches: int, rank: int, chunks_per_rank: int = 1
                           ) -> tuple[int, ...]:
     """How many micro-batches' activations pipeline rank ``rank`` holds at most for each of its stages
