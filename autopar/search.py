@@ -22,7 +22,7 @@ from autopar.model_file import meta_inputs
 from autopar.planner import SLOWEST, plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
-from passes.analysis.screen import screen_pair, shape_of
+from passes.analysis.screen import screen_grids, shape_of
 from passes.analysis.search_plans import Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans
 
 
@@ -140,14 +140,14 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                           precision=precision, captures=captures)
     shape = shape_of(probe, shards)
     half = precision in ("bf16", "fp16")
-    prices: dict[Any, float] = {}
-    def screened_one(c: Candidate) -> tuple[float, int, Candidate]:
-        (seconds, memory), split = screen_pair(shape, c, machine, half, prices)
-        if memory > machine.memory_bytes and split is not None and split[1] < memory:
+    def screened_one(c: Candidate, own: tuple[float, int], split: tuple[float, int] | None
+                     ) -> tuple[float, int, Candidate]:
+        if own[1] > machine.memory_bytes and split is not None and split[1] < own[1]:
             return split[0], split[1], dataclasses.replace(c, shard_optimizer=True)  # (the state split over data)
-        return seconds, memory, c
+        return own[0], own[1], c
 
-    screened = sorted((screened_one(c) for c in grids), key=lambda t: (t[1] > machine.memory_bytes, t[0]))
+    screened = sorted((screened_one(c, *pair) for c, pair in zip(grids, screen_grids(shape, grids, machine, half))),
+                      key=lambda t: (t[1] > machine.memory_bytes, t[0]))
     near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
     first = min(keep, max(near, MIN_KEEP))
     in_screen = {c for *_, c in screened}

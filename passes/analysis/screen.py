@@ -99,21 +99,32 @@ def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1)
     return max(loads) / (total / ranks)
 
 
-def _tensor_seconds(shape: ModelShape, c: Candidate, price: Prices) -> tuple[float, float]:
+def _tensor_seconds(shape: ModelShape, c: Candidate, price: Prices, axes: tuple | None = None
+                    ) -> tuple[float, float]:
     """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2): their
     seconds and how many, under the cheaper of the two alternations the planner may choose (which layer of
-    a pair splits its output over row). A weight's depth collectives, the same under both, are priced once."""
+    a pair splits its output over row). A weight's depth collectives, the same under both, are priced once.
+    ``axes``: ``_axes(c, price)``, where the caller has it."""
     shards = c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
     totals = [[0.0, 0.0], [0.0, 0.0]]  # per alternation: seconds, calls
-    axes = ("layer", price.half, c.row, c.col, c.depth, price.link("row"), price.link("col"), price.link("depth"))
+    axes = _axes(c, price) if axes is None else axes
+    memo = price.memo
     for rows, k, n, parity, layers, _ in shape.matmuls:
         m_d = max(rows // (shards * micro), 1)
         share = layers * micro / c.pipeline
-        for total, (seconds, calls) in zip(totals, _layer_seconds(c, k, n, parity, m_d, price, axes)):
+        both = memo.get((axes, k, n, parity, m_d))  # (``_layer_seconds``'s memo, read inline: 135,000 calls)
+        if both is None:
+            both = _layer_seconds(c, k, n, parity, m_d, price, axes)
+        for total, (seconds, calls) in zip(totals, both):
             total[0] += share * seconds
             total[1] += share * calls
     return min((total, count) for total, count in totals)
+
+
+def _axes(c: Candidate, price: Prices) -> tuple:
+    """What a matmul's tensor collectives depend on besides its shape: the tensor degrees and their links."""
+    return ("layer", price.half, c.row, c.col, c.depth, price.link("row"), price.link("col"), price.link("depth"))
 
 
 def _layer_seconds(c: Candidate, k: int, n: int, parity: int, m_d: int, price: Prices, axes: tuple
@@ -128,9 +139,12 @@ def _layer_seconds(c: Candidate, k: int, n: int, parity: int, m_d: int, price: P
     depth, depth_calls = 0.0, 0
     if c.depth > 1:  # the weight's gathers (forward, backward) and its gradient's reduce-scatter
         w = n * k * 4 // (c.row * c.col)
-        depth = (price("all_gather", "depth", c.depth, w, "forward") + price("all_gather", "depth", c.depth, w,
-                                                                             "backward")
-                 + price("reduce_scatter", "depth", c.depth, w, "backward"))
+        weight = (axes, w)  # (the same for every rows per call)
+        depth = price.memo.get(weight)
+        if depth is None:
+            depth = price.memo[weight] = (price("all_gather", "depth", c.depth, w, "forward")
+                                          + price("all_gather", "depth", c.depth, w, "backward")
+                                          + price("reduce_scatter", "depth", c.depth, w, "backward"))
         depth_calls = 3
     flips = []
     for flip in (0, 1):
@@ -165,10 +179,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     of a grid it keeps). Ranks grids for the search to plan the most promising exactly; not a plan's
     prediction.
     ``memo``: collective prices kept between calls on the same machine (``Prices``)."""
-    common = _screen_common(shape, candidate, machine, half, memo)
-    if common is None:
-        return math.inf, 0
-    return _screen_state(candidate, *common, machine, candidate.shard_optimizer)
+    return _Degrees(shape, candidate, machine, half, {} if memo is None else memo).pair(candidate)[0]
 
 
 def screen_pair(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
@@ -176,92 +187,137 @@ def screen_pair(shape: ModelShape, candidate: Candidate, machine: Machine, half:
     """``screen`` of ``candidate`` and of it with its optimizer state split over data (None where data is 1
     or it is split already), the part they share priced once (the search screens both for a grid that does
     not fit)."""
-    common = _screen_common(shape, candidate, machine, half, memo)
-    if common is None:
-        return (math.inf, 0), None
-    own = _screen_state(candidate, *common, machine, candidate.shard_optimizer)
-    if candidate.shard_optimizer or candidate.data == 1:
-        return own, None
-    return own, _screen_state(candidate, *common, machine, True)
+    return screen_grids(shape, [candidate], machine, half, memo)[0]
 
 
-def _screen_common(shape: ModelShape, c: Candidate, machine: Machine, half: bool,
-                   memo: dict[Any, float] | None) -> tuple[float, float, int, int, Prices] | None:
-    """What ``screen`` prices the same whether or not the optimizer state is split over data: (seconds of
-    compute and communication, of the bubble, parameter bytes per device, least activation bytes kept, the
-    prices); None when the grid is not a plan."""
-    config = c.config
-    shards, tensor, stages = c.data * c.depth, c.row * c.col, c.pipeline
-    if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
-        return None
-    price = Prices(machine, config, half, {} if memo is None else memo)
-    micro = c.microbatches if stages > 1 else 1
-    # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
-    widen = tensor / max(c.row, c.col)
-    key = ("matmuls", id(shape), c.row, c.col)  # (what depends on the tensor axes alone)
-    if key not in price.memo:
-        flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
-        # a block's matmul whose features the tensor axes divide in neither orientation stays whole on every
-        # tensor rank (make_plan's divisibility rule): its work and its weight are not split (the 1T GPT's
-        # 25,600 features at tensor 6)
-        whole = [(k * n * count * 4, f) for _, k, n, _, count, f in shape.matmuls
-                 if count > 1 and tensor > 1 and not _divides(k, n, c.row, c.col)]
-        flops += (tensor - 1) * sum(f for _, f in whole)
-        price.memo[key] = flops, sum(b for b, _ in whole)
-    flops, whole_bytes = price.memo[key]
-    key = ("slowdown", id(shape), half, shards * micro, c.row, c.col)
-    if key not in price.memo:
-        calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col),
-                      n // (c.col if parity else c.row)))
-                 for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
-        price.memo[key] = matmul_slowdown(calls, machine, half)
-    compute = flops / (shards * tensor * stages) / machine.flops_per_second * price.memo[key]
-    compute += shape.ops * micro / stages * machine.op_seconds
-    # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
-    compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
-    if machine.activation_bytes_per_second:
-        compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
-    # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
-    # over row) the screen takes the cheaper
-    key = ("tensor", id(shape), half, c.data, c.row, c.col, c.depth, stages, micro)  # (either schedule and state)
-    if key not in price.memo:
-        price.memo[key] = _tensor_seconds(shape, c, price)
-    comm, blocking = price.memo[key]
-    if stages > 1:  # the busiest pipeline rank's share: the stages cannot split the blocks evenly
-        key = ("imbalance", stages, c.chunks, widen)
-        if key not in price.memo:
-            price.memo[key] = stage_imbalance([f if block else f * widen for f, block in shape.segment_flops],
-                                              stages, c.chunks)
-        compute, comm = compute * price.memo[key], comm * price.memo[key]
-    if stages > 1:  # each micro-batch's activation to the next stage and its gradient back
-        rows, hidden = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
-        message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
-        comm += 2 * micro * c.chunks * price("send", "pipeline", 2, message, "forward")
-        blocking += 2 * micro * c.chunks
-    comm += arrival_skew(round(blocking), compute, machine, config)
-    params = (shape.param_bytes + (tensor - 1) * whole_bytes) // (tensor * c.depth * stages)
-    bubble = 0.0
-    if stages > 1:
-        f = (stages - 1) / (c.chunks * micro + stages - 1)
-        bubble = pipeline_span(compute + comm, f, machine, config) - (compute + comm)
-    kept = shape.least_kept_bytes // (shards * tensor) if stages == 1 else 0  # (a pipeline's ranks: not priced)
-    return compute + comm, bubble, params, kept, price
+def screen_grids(shape: ModelShape, grids: Sequence[Candidate], machine: Machine, half: bool = False,
+                 memo: dict[Any, float] | None = None) -> list[tuple[tuple[float, int], tuple[float, int] | None]]:
+    """``screen_pair`` of each of ``grids``, in order, the same to the bit: grids of the same degrees (their
+    micro-batches and schedules differ: 53,482 grids of 3,072 GPUs have 5,005 degrees) share what depends on
+    the degrees alone (the config, the links, the FLOPs, the parameters, the gradient sync and the optimizer
+    state), priced once for them."""
+    memo = {} if memo is None else memo
+    groups: dict[tuple, _Degrees] = {}
+    out = []
+    for c in grids:
+        key = (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer, c.sequence_parallel)
+        group = groups.get(key)
+        if group is None:
+            group = groups[key] = _Degrees(shape, c, machine, half, memo)
+        out.append(group.pair(c))
+    return out
 
 
-def _screen_state(c: Candidate, busy: float, bubble: float, params: int, kept: int, price: Prices,
-                  machine: Machine, shard_optimizer: bool) -> tuple[float, int]:
-    """``screen``'s answer from the common part: the gradient sync and the optimizer state and update, whole
-    on every data rank or (``shard_optimizer``) split over data."""
-    sync = 0.0
-    if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
-        full, rest = divmod(params, BUCKET_BYTES)
-        sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
-        sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
-    state = 2 * params  # Adam's two moments
-    if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
-        state //= c.data
-        full, rest = divmod(params, BUCKET_BYTES)
-        sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
-        sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
-    update = 7 * state / 2 / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
-    return busy + sync + update + bubble, 2 * params + state + kept
+class _Degrees:
+    """What the screen prices alike for every grid of one set of degrees (and state and sequence splits),
+    and, per grid, the rest (``pair``)."""
+
+    def __init__(self, shape: ModelShape, c: Candidate, machine: Machine, half: bool, memo: dict[Any, Any]) -> None:
+        self.shape, self.machine, self.half, self.memo = shape, machine, half, memo
+        self.config = config = c.config
+        self.shards, self.tensor, self.stages = c.data * c.depth, c.row * c.col, c.pipeline
+        self.price = price = Prices(machine, config, half, memo)
+        # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
+        self.widen = widen = self.tensor / max(c.row, c.col)
+        key = ("matmuls", id(shape), c.row, c.col)  # (what depends on the tensor axes alone)
+        if key not in memo:
+            flops = sum(f for *_, f in shape.matmuls) + (widen - 1) * shape.outside_flops
+            # a block's matmul whose features the tensor axes divide in neither orientation stays whole on every
+            # tensor rank (make_plan's divisibility rule): its work and its weight are not split (the 1T GPT's
+            # 25,600 features at tensor 6)
+            whole = [(k * n * count * 4, f) for _, k, n, _, count, f in shape.matmuls
+                     if count > 1 and self.tensor > 1 and not _divides(k, n, c.row, c.col)]
+            flops += (self.tensor - 1) * sum(f for _, f in whole)
+            memo[key] = flops, sum(b for b, _ in whole)
+        self.flops, whole_bytes = memo[key]
+        self.params = params = ((shape.param_bytes + (self.tensor - 1) * whole_bytes)
+                                // (self.tensor * c.depth * self.stages))
+        # (a pipeline's ranks: not priced)
+        self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
+        self.own = self._state(c, params, price, c.shard_optimizer)
+        self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True)
+        self.micro: dict[int, tuple[float, float, float, int]] = {}
+        self.axes = _axes(c, price)
+
+    def _state(self, c: Candidate, params: int, price: Prices, shard_optimizer: bool
+               ) -> tuple[float, float, int]:
+        """The gradient sync and the optimizer update (seconds) and the memory (bytes), with the optimizer
+        state whole on every data rank or (``shard_optimizer``) split over data."""
+        sync = 0.0
+        if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
+            full, rest = divmod(params, BUCKET_BYTES)
+            sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
+            sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
+        state = 2 * params  # Adam's two moments
+        if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
+            state //= c.data
+            full, rest = divmod(params, BUCKET_BYTES)
+            sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
+            sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
+        machine = self.machine
+        update = 7 * state / 2 / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
+        return sync, update, 2 * params + state + self.kept
+
+    def _per_micro(self, c: Candidate, micro: int) -> tuple[float, float, float, int]:
+        """(compute seconds, tensor collectives' seconds, blocking calls, bytes a pipeline stage sends per
+        micro-batch) of a grid of these degrees running ``micro`` micro-batches, before the pipeline's
+        imbalance."""
+        shape, machine, price, memo = self.shape, self.machine, self.price, self.memo
+        shards, tensor, stages = self.shards, self.tensor, self.stages
+        key = ("slowdown", id(shape), self.half, shards * micro, c.row, c.col)
+        if key not in memo:
+            calls = [(f, (max(rows // (shards * micro), 1), k // (c.row if parity else c.col),
+                          n // (c.col if parity else c.row)))
+                     for rows, k, n, parity, _, f in shape.matmuls]  # (normal: in features over col, out over row)
+            memo[key] = matmul_slowdown(calls, machine, self.half)
+        compute = self.flops / (shards * tensor * stages) / machine.flops_per_second * memo[key]
+        compute += shape.ops * micro / stages * machine.op_seconds
+        # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
+        compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
+        if machine.activation_bytes_per_second:
+            compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
+        # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
+        # over row) the screen takes the cheaper
+        key = ("tensor", id(shape), self.half, c.data, c.row, c.col, c.depth, stages, micro)  # (either schedule)
+        if key not in memo:
+            memo[key] = _tensor_seconds(shape, c, price, self.axes)
+        comm, blocking = memo[key]
+        message = 0
+        if stages > 1:  # each micro-batch's activation to the next stage and its gradient back: its bytes
+            key = ("hidden", id(shape))
+            if key not in memo:
+                memo[key] = max(((r, k) for r, k, _, _, count, _ in shape.matmuls), key=lambda t: t[0] * t[1])
+            rows, hidden = memo[key]
+            message = max(rows // (shards * micro), 1) * hidden * 4 // tensor
+        return compute, comm, blocking, message
+
+    def pair(self, c: Candidate) -> tuple[tuple[float, int], tuple[float, int] | None]:
+        """``screen_pair`` of ``c``, a grid of these degrees."""
+        shape, machine, stages = self.shape, self.machine, self.stages
+        if stages * c.chunks > max(shape.segments, 1):  # more stages than links to cut: not a plan
+            return (math.inf, 0), None
+        micro = c.microbatches if stages > 1 else 1
+        parts = self.micro.get(micro)
+        if parts is None:
+            parts = self.micro[micro] = self._per_micro(c, micro)
+        compute, comm, blocking, message = parts
+        if stages > 1:  # the busiest pipeline rank's share: the stages cannot split the blocks evenly
+            key = ("imbalance", stages, c.chunks, self.widen)
+            if key not in self.memo:
+                self.memo[key] = stage_imbalance([f if block else f * self.widen for f, block in shape.segment_flops],
+                                                 stages, c.chunks)
+            compute, comm = compute * self.memo[key], comm * self.memo[key]
+            comm += 2 * micro * c.chunks * self.price("send", "pipeline", 2, message, "forward")
+            blocking += 2 * micro * c.chunks
+        comm += arrival_skew(round(blocking), compute, machine, self.config)
+        bubble = 0.0
+        if stages > 1:
+            f = (stages - 1) / (c.chunks * micro + stages - 1)
+            bubble = pipeline_span(compute + comm, f, machine, self.config) - (compute + comm)
+        busy = compute + comm
+        sync, update, memory = self.own
+        own = busy + sync + update + bubble, memory
+        if self.split is None:
+            return own, None
+        sync, update, memory = self.split
+        return own, (busy + sync + update + bubble, memory)
