@@ -390,7 +390,13 @@ def _pooled_output_collectives(producer: fx.Node, bd: BatchDim | None, facts: Ba
 
 
 def total_bytes(collectives: Iterable[Collective]) -> Fraction:
-    return sum(bytes_by_kind(collectives).values(), Fraction(0))
+    """The bytes of ``collectives``, exactly (their messages of one kind and group size summed as integers:
+    make_plan totals every trial of its roots)."""
+    messages: dict[tuple[str, int], int] = {}
+    for c in collectives:
+        key = (c.kind, c.group_size)
+        messages[key] = messages.get(key, 0) + c.message_bytes
+    return sum((collective_bytes(kind, group, message) for (kind, group), message in messages.items()), Fraction(0))
 
 
 def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, Fraction]:

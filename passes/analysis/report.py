@@ -14,16 +14,13 @@ from typing import Any, Sequence
 
 from torch import fx
 
-from autopar.decisions import Orientation, Plan
+from autopar.decisions import Orientation, Plan, collective_bytes
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
     Collective,
-    bytes_by_kind,
-    bytes_grouped,
     list_collectives,
     matmul_flops,
     matmul_split,
-    total_bytes,
 )
 from passes.analysis.graph_facts import MatmulMatch, param_name, rows_of, tensor_meta
 from passes.analysis.layout_rules import LayoutResult
@@ -144,7 +141,19 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
               plan: Plan) -> StepReport:
     """Totals over the per-matmul rows and every collective; each row's bytes are its module's and its
     weight's and bias's collectives (each counted at its first row), the rest listed by where they occur."""
-    by_where = {where: sum(b.values(), Fraction(0)) for where, b in bytes_grouped(colls, lambda c: c.where).items()}
+    # the messages of one (where, kind, group size, phase) summed as integers, in one pass over the collectives
+    # (a pipeline rank of the 1T GPT has ~8,000); their bytes are linear in the message, so every total below
+    # is exactly the sum over the collectives
+    messages: dict[tuple[str, str, int, str], int] = {}
+    for c in colls:
+        key = (c.where, c.kind, c.group_size, c.phase)
+        messages[key] = messages.get(key, 0) + c.message_bytes
+    groups = [(key, collective_bytes(key[1], key[2], message)) for key, message in messages.items()]
+    by_where: dict[str, Fraction] = {}
+    by_kind: dict[str, Fraction] = {}
+    for (where, kind, _, _), nbytes in groups:
+        by_where[where] = by_where.get(where, Fraction(0)) + nbytes
+        by_kind[kind] = by_kind.get(kind, Fraction(0)) + nbytes
     counted: set[str] = set()
     with_comm = []
     for r in rows:
@@ -155,22 +164,25 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
     rows = with_comm
     shared = shared_names(plan)
 
-    def label(c: Collective) -> str:
-        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(c.where)
+    def label(where: str, kind: str, phase: str) -> str:
+        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(where)
         if fixed is not None:
             return fixed
-        if c.kind == "send":
-            return f"pipeline sends ({c.phase})"
-        if c.where in shared:
+        if kind == "send":
+            return f"pipeline sends ({phase})"
+        if where in shared:
             return "tied weight gradients over the pipeline"
-        return "gradient sync of replicated parameters" if c.phase == "step" else f"layout conversion at {c.where}"
+        return "gradient sync of replicated parameters" if phase == "step" else f"layout conversion at {where}"
 
-    other = {what: sum(b.values(), Fraction(0))
-             for what, b in bytes_grouped([c for c in colls if c.where not in counted], label).items()}
+    other: dict[str, Fraction] = {}
+    for (where, kind, _, phase), nbytes in groups:
+        if where not in counted:
+            what = label(where, kind, phase)
+            other[what] = other.get(what, Fraction(0)) + nbytes
     param_bytes = sum(p.local_numel(plan.config) * 4 for p in plan.params)  # fp32 parameters
     return StepReport(tuple(rows), tuple(other.items()), num_parameters, sum(r.flops for r in rows),
-                      sum(r.flops for r in rows if r.is_sharded), param_bytes, total_bytes(colls),
-                      bytes_by_kind(colls), tuple(colls))
+                      sum(r.flops for r in rows if r.is_sharded), param_bytes, sum(by_kind.values(), Fraction(0)),
+                      by_kind, tuple(colls))
 
 
 def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) -> float:
