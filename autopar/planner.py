@@ -254,7 +254,6 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
         if slowest:  # the pipeline rank with the most matmul FLOPs (the bottleneck of a step)
             me = max(range(plan.pipeline.ranks), key=lambda r: pipeline_flops(chain, plan, r, microbatches))
         colls = pipeline_collectives(chain, plan, step, loss, me, microbatches)
-        rows = [dataclasses.replace(r, flops=r.flops * microbatches) for r in report.layers]
         mine = plan.pipeline.stages_of(me)
         mine_names = {name for st in mine for name in st.segments}
         mine_segments = [s for s in profile.segments if s.name in mine_names]
@@ -264,7 +263,7 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
 
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
         report = dataclasses.replace(
-            summarize(rows, colls, report.num_parameters, plan),
+            summarize(report.layers, colls, report.num_parameters, plan, flops_scale=microbatches),
             rank_flops=pipeline_flops(chain, plan, me, microbatches),
             rank_saved_bytes=step_sum("saved_bytes"), rank_ops=step_sum("ops"),
             rank_attention_flops=ATTENTION_STEP_FACTOR * step_sum("attention_flops"),
@@ -326,8 +325,8 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     report = estimate_step(mine.gm, plan, mine_layouts)
     if per_rank and not split and config.num_batch_shards > 1:
         # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
-        rows = [dataclasses.replace(r, flops=r.flops * config.num_batch_shards) for r in report.layers]
-        report = dataclasses.replace(summarize(rows, report.collectives, report.num_parameters, plan),
+        report = dataclasses.replace(summarize(report.layers, report.collectives, report.num_parameters, plan,
+                                               flops_scale=config.num_batch_shards),
                                      largest_param_bytes=report.largest_param_bytes)
     chain, loss = (), ()
     if microbatches:

@@ -138,9 +138,10 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
 
 
 def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,
-              plan: Plan) -> StepReport:
+              plan: Plan, flops_scale: int = 1) -> StepReport:
     """Totals over the per-matmul rows and every collective; each row's bytes are its module's and its
-    weight's and bias's collectives (each counted at its first row), the rest listed by where they occur."""
+    weight's and bias's collectives (each counted at its first row), the rest listed by where they occur.
+    ``flops_scale``: each row's FLOPs times this (a pipeline's rows are one micro-batch's)."""
     # the messages of one (where, kind, group size, phase) summed as integers, in one pass over the collectives
     # (a pipeline rank of the 1T GPT has ~8,000); their bytes are linear in the message, so every total below
     # is exactly the sum over the collectives
@@ -157,10 +158,16 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
     counted: set[str] = set()
     with_comm = []
     for r in rows:
-        names = [n for n in dict.fromkeys((r.module or r.weight, r.weight, r.bias)) if n and n not in counted]
-        counted.update(names)
-        with_comm.append(dataclasses.replace(r, comm_bytes=sum((by_where.get(n, Fraction(0)) for n in names),
-                                                               Fraction(0))))
+        comm = Fraction(0)
+        for n in dict.fromkeys((r.module or r.weight, r.weight, r.bias)):
+            if n and n not in counted:
+                counted.add(n)
+                nbytes = by_where.get(n)
+                if nbytes is not None:
+                    comm += nbytes
+        # (LayerRow's fields in order: dataclasses.replace takes 3x as long, on thousands of rows per report)
+        with_comm.append(LayerRow(r.module, r.weight, r.bias, r.op, r.in_shape, r.out_shape, r.num_parameters,
+                                  r.flops * flops_scale, r.sharding, comm))
     rows = with_comm
     shared = shared_names(plan)
 

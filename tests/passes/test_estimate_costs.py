@@ -104,3 +104,28 @@ def test_pipeline_ranks_split_the_matmul_work_and_wait_out_the_bubble():
             report.rank_flops / 1e9 / (1 - bubble))
         shares.append(report.rank_flops)
     assert sum(shares) == pytest.approx(whole.flops_per_step)  # every stage's work is on one rank
+
+
+def test_summarize_keeps_every_field_of_a_row_and_counts_each_collective_once():
+    """summarize builds its rows field by field (faster than dataclasses.replace): a field added to LayerRow
+    must be added there too. Its totals come from collectives grouped by (where, kind, group, phase)."""
+    import dataclasses
+
+    from autopar.decisions import Plan
+    from passes.analysis.estimate_costs import Collective
+    from passes.analysis.report import LayerRow, summarize
+
+    assert [f.name for f in dataclasses.fields(LayerRow)] == [
+        "module", "weight", "bias", "op", "in_shape", "out_shape", "num_parameters", "flops", "sharding",
+        "comm_bytes"], "a new LayerRow field: copy it in report.summarize's rows"
+    row = LayerRow("fc", "fc.weight", "fc.bias", "linear", (2, 3), (2, 4), 16, 48, "row", Fraction(7))
+    colls = [Collective("all_reduce", "row", 2, 100, "forward", "fc"),
+             Collective("all_reduce", "row", 2, 60, "backward", "fc"),
+             Collective("all_reduce", "data", 4, 64, "step", "fc.weight"),
+             Collective("all_gather", "col", 3, 30, "forward", "other")]
+    report = summarize([row], colls, 16, Plan(ParallelConfig(1, 1, 1, 1), (), ()), flops_scale=3)
+    # fc: 2 (2-1)/2 (100 + 60) = 160; fc.weight: 2 (3/4) 64 = 96; other: (2/3) 30 = 20
+    assert report.layers == (dataclasses.replace(row, flops=144, comm_bytes=Fraction(256)),)
+    assert report.other_comm == (("layout conversion at other", Fraction(20)),)
+    assert report.comm_bytes_by_kind == {"all_reduce": Fraction(256), "all_gather": Fraction(20)}
+    assert report.comm_bytes_per_step == 276 and report.flops_per_step == 144
