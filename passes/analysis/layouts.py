@@ -45,7 +45,8 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
                       orientation_of: Callable[[MatmulMatch, Sharding], tuple[Orientation, tuple[int, ...]]],
                       sizes: Mapping[str, int], local_batch: int | None = None,
                       embedding_of: Callable[[str], tuple[EmbeddingMode, str]] | None = None,
-                      sequence_parallel: bool = False, batch: BatchFacts | None = None) -> LayoutResult:
+                      sequence_parallel: bool = False, batch: BatchFacts | None = None,
+                      flags: tuple[dict[fx.Node, bool], dict[fx.Node, bool]] | None = None) -> LayoutResult:
     """Walks ``gm`` in order and assigns shardings.
 
     Args:
@@ -62,6 +63,8 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
             (``mark_partial_gathers``).
         batch: ``analyze_batch(gm)``, where the caller has it (make_plan propagates one graph many times);
             read only.
+        flags: ``node_flags(gm, local_batch, batch)``, where the caller has it (the same for every
+            propagation of a graph); read only.
     """
     res = LayoutResult()
     if local_batch is None:
@@ -69,20 +72,17 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
     elif batch is None:
         batch = analyze_batch(gm)
     res.batch = batch
+    requires_grad, batch_split = node_flags(gm, local_batch, batch) if flags is None else flags
+    res.requires_grad, res.batch_split = dict(requires_grad), dict(batch_split)
     rules = LayoutRules(res, sizes)
     for node in gm.graph.nodes:
-        val = tensor_meta(node)
         if node.op == "placeholder":
             info = input_info(node)
             res.shardings[node] = info.sharding if info is not None and info.sharding is not None else REPLICATED
-            res.requires_grad[node] = bool(info and info.requires_grad)
-            res.batch_split[node] = bool(batch is not None and info and info.batch_split)
             continue
         if node.op == "output":
             continue
-        ins = tensor_inputs(node)
-        res.requires_grad[node] = carries_grad(node, res.requires_grad)
-        res.batch_split[node] = batch is not None and batch.state(node) is State.SPLIT
+        val = tensor_meta(node)
         decision = None
         match = matmuls.get(node)
         if match is not None:
@@ -112,7 +112,7 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         elif node.op == "call_function":
             decision = rules.decide(node)
         if decision is None:
-            decision = Decision(REPLICATED, {i: REPLICATED for i in ins})
+            decision = Decision(REPLICATED, {i: REPLICATED for i in tensor_inputs(node)})
         for producer, need in decision.needs.items():
             if isinstance(producer, fx.Node) and res.sharding(producer) != need:
                 res.conversions[(node, producer)] = need
@@ -132,6 +132,27 @@ def propagate_layouts(gm: fx.GraphModule, matmuls: Mapping[fx.Node, MatmulMatch]
         if not res.sharding(out).is_replicated:
             res.conversions.setdefault((out_node, out), REPLICATED)
     return res
+
+
+def node_flags(gm: fx.GraphModule, local_batch: int | None = None, batch: BatchFacts | None = None
+               ) -> tuple[dict[fx.Node, bool], dict[fx.Node, bool]]:
+    """Whether each node (but the output) needs a gradient, and whether it holds a batch split (``local_batch``
+    and ``batch`` as ``propagate_layouts`` takes them): facts of the graph alone, whatever the layouts."""
+    if local_batch is None:
+        batch = None
+    elif batch is None:
+        batch = analyze_batch(gm)
+    requires_grad: dict[fx.Node, bool] = {}
+    batch_split: dict[fx.Node, bool] = {}
+    for node in gm.graph.nodes:
+        if node.op == "placeholder":
+            info = input_info(node)
+            requires_grad[node] = bool(info and info.requires_grad)
+            batch_split[node] = bool(batch is not None and info and info.batch_split)
+        elif node.op != "output":
+            requires_grad[node] = carries_grad(node, requires_grad)
+            batch_split[node] = batch is not None and batch.state(node) is State.SPLIT
+    return requires_grad, batch_split
 
 
 def sequence_split(node: fx.Node, orientation: Orientation, sizes: Mapping[str, int], batch: Any) -> int | None:

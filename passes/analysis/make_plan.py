@@ -47,7 +47,7 @@ from passes.analysis.graph_facts import (
     tensor_meta,
 )
 from passes.analysis.layout_rules import LayoutResult, output_node
-from passes.analysis.layouts import propagate_layouts
+from passes.analysis.layouts import node_flags, propagate_layouts
 from passes.ir import Sharding, graph_info
 
 aten = torch.ops.aten
@@ -173,6 +173,7 @@ class _Planner:
         self.by_node = {m.node: m for m in self.matches}
         self.local_batch = local_batch_of(gm)
         self.batch = analyze_batch(gm) if self.local_batch is not None else None  # (one graph, every propagation)
+        self.flags = node_flags(gm, self.local_batch, self.batch)  # (likewise)
         uses = param_uses(gm)
         lookups: dict[str, list[fx.Node]] = {}
         for node in gm.graph.nodes:
@@ -249,7 +250,7 @@ class _Planner:
             return o, self.parts[m.weight] if o.is_sharded else ()
 
         res = propagate_layouts(self.gm, self.by_node, orientation_of, self.sizes, self.local_batch,
-                                self.embedding_of(chosen), self.config.sequence_parallel, self.batch)
+                                self.embedding_of(chosen), self.config.sequence_parallel, self.batch, self.flags)
         return res, chosen
 
     def embedding_of(self, chosen: dict[str, Orientation]) -> Callable[[str], tuple[EmbeddingMode, str]]:
