@@ -175,16 +175,18 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         more = [c for _, memory, c in screened[done:done + keep] if memory <= machine.memory_bytes]
         done += keep
         scored += planned(choose(more))
+    device = gib(machine.memory_bytes)
     return rank_plans(scored) + [
-        Scored(c, None, memory, memory <= machine.memory_bytes, reason=_screened(seconds, memory, c, shape, machine))
+        Scored(c, None, memory, memory <= machine.memory_bytes,
+               reason=_screened(seconds, memory, c, shape, machine, device))
         for seconds, memory, c in screened[done:] if c not in chosen]
 
 
-def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine) -> str:
+def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine, device: str) -> str:
     """Why a grid the screen left out was not planned: it does not fit (by the screen's memory estimate),
-    it has more stages than segments, or it is predicted slower."""
+    it has more stages than segments, or it is predicted slower. ``device``: the machine's memory, as text."""
     if memory > machine.memory_bytes:
-        return f"{SCREENED}: needs about {gib(memory)} per device of {gib(machine.memory_bytes)} (the screen's estimate)"
+        return f"{SCREENED}: needs about {gib(memory)} per device of {device} (the screen's estimate)"
     if seconds == math.inf:
         return f"{SCREENED}: {config.pipeline} stages for {shape.segments} segments"
     return f"{SCREENED}: the screen predicts {seconds * 1e3:.3g} ms"
