@@ -398,10 +398,12 @@ def test_the_screen_prices_alike_with_its_memo_shared_and_alone():
     """The search's screen keeps what grids share in one memo (links, collective prices, a matmul's tensor
     collectives by tensor axes and rows, FLOPs and the roofline by grid shape): every grid of 64 ranks of a
     tiny Llama, full and half precision, on a machine whose nodes hold 4 GPUs (tensor groups cross nodes),
-    screens bitwise as with a memo of its own. Mutation: the tensor collectives kept without the col degree, or
-    the roofline without the micro-batches, changed grids' prices."""
+    screens bitwise as with a memo of its own, and as ``screen_grids`` screens them all at once (grids of the
+    same degrees sharing their pricing). Mutation: the tensor collectives kept without the col degree, the
+    roofline without the micro-batches, or screen_grids' groups keyed without the optimizer state's split,
+    changed grids' prices."""
     from autopar.examples import zoo
-    from passes.analysis.screen import screen_pair, shape_of
+    from passes.analysis.screen import screen_grids, screen_pair, shape_of
 
     machine = dataclasses.replace(load_machine("a100-80gb"), gpus_per_node=4)
     with torch.device("meta"):
@@ -416,6 +418,8 @@ def test_the_screen_prices_alike_with_its_memo_shared_and_alone():
         together = [screen_pair(shape, c, machine, half, shared) for c in grids]
         for c, t in zip(grids, together):
             assert t == screen_pair(shape, c, machine, half, {}), (c, half)
+        mixed = grids + [dataclasses.replace(c, shard_optimizer=True) for c in grids if c.data > 1]
+        assert screen_grids(shape, mixed, machine, half) == [screen_pair(shape, c, machine, half, {}) for c in mixed]
 
 
 def test_the_search_leaves_the_garbage_collector_as_it_found_it():
