@@ -22,7 +22,7 @@ accounting per op mirrors the implementations in autopar.runtime.ops one to one:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
@@ -390,31 +390,21 @@ def _pooled_output_collectives(producer: fx.Node, bd: BatchDim | None, facts: Ba
 
 
 def total_bytes(collectives: Iterable[Collective]) -> Fraction:
-    """The bytes of ``collectives``, exactly (their messages of one kind and group size summed as integers:
-    make_plan totals every trial of its roots)."""
+    return sum(bytes_by_kind(collectives).values(), Fraction(0))
+
+
+def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, Fraction]:
+    """The bytes of ``collectives`` by kind, exactly: a collective's bytes are linear in its message, so the
+    messages of one kind and group size are summed as integers and turned into bytes once (a plan of the 1T
+    GPT sums ~5,000 collectives, each Fraction addition takes microseconds, and make_plan totals every trial
+    of its roots)."""
     messages: dict[tuple[str, int], int] = {}
     for c in collectives:
         key = (c.kind, c.group_size)
         messages[key] = messages.get(key, 0) + c.message_bytes
-    return sum((collective_bytes(kind, group, message) for (kind, group), message in messages.items()), Fraction(0))
-
-
-def bytes_by_kind(collectives: Iterable[Collective]) -> dict[str, Fraction]:
-    return {kind: sum(b.values(), Fraction(0)) for kind, b in bytes_grouped(collectives, lambda c: c.kind).items()}
-
-
-def bytes_grouped(collectives: Iterable[Collective], key: Callable[[Collective], str]) -> dict[str, dict[str, Fraction]]:
-    """The bytes of ``collectives`` by ``key`` (then by kind), exactly: a collective's bytes are linear in its
-    message, so the messages of one kind and group size are summed as integers and turned into bytes once
-    (a plan of the 1T GPT sums ~5,000 collectives, and each Fraction addition takes microseconds)."""
-    messages: dict[tuple[str, str, int], int] = {}
-    for c in collectives:
-        k = (key(c), c.kind, c.group_size)
-        messages[k] = messages.get(k, 0) + c.message_bytes
-    out: dict[str, dict[str, Fraction]] = {}
-    for (where, kind, group), message in messages.items():
-        by_kind = out.setdefault(where, {})
-        by_kind[kind] = by_kind.get(kind, Fraction(0)) + collective_bytes(kind, group, message)
+    out: dict[str, Fraction] = {}
+    for (kind, group), message in messages.items():
+        out[kind] = out.get(kind, Fraction(0)) + collective_bytes(kind, group, message)
     return out
 
 

@@ -99,16 +99,14 @@ def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1)
     return max(loads) / (total / ranks)
 
 
-def _tensor_seconds(shape: ModelShape, c: Candidate, price: Prices, axes: tuple | None = None
-                    ) -> tuple[float, float]:
+def _tensor_seconds(shape: ModelShape, c: Candidate, price: Prices, axes: tuple) -> tuple[float, float]:
     """AxoNN's per-layer collectives of every matmul, one step of this rank (DESIGN-NOTES section 2): their
     seconds and how many, under the cheaper of the two alternations the planner may choose (which layer of
     a pair splits its output over row). A weight's depth collectives, the same under both, are priced once.
-    ``axes``: ``_axes(c, price)``, where the caller has it."""
+    ``axes``: ``_axes(c, price)``."""
     shards = c.data * c.depth
     micro = c.microbatches if c.pipeline > 1 else 1
     totals = [[0.0, 0.0], [0.0, 0.0]]  # per alternation: seconds, calls
-    axes = _axes(c, price) if axes is None else axes
     memo = price.memo
     for rows, k, n, parity, layers, _ in shape.matmuls:
         m_d = max(rows // (shards * micro), 1)
