@@ -38,6 +38,9 @@ What lives here, and why each is private:
 - ``compile_errors``: what torch.compile raises when a graph does not compile (``torch._dynamo.exc``).
 - ``inductor_backend`` / ``inductor_overlap_options``: Inductor with a hook on each graph it compiles
   (``torch._inductor.compile_fx``), and its compute/communication overlap options where this torch has them.
+- ``inductor_bucketing_options`` / ``collective_launches``: Inductor's FX passes that merge a graph's
+  independent all-gathers (and reduce-scatters) into one collective each, where this torch has them; and the
+  collectives a compiled graph's generated code launches (read from ``CompiledFxGraph.source_code``).
 - ``fake_store``: the store of torch's fake process group (a simulated world on one device).
 - ``import_compiler``: imports torch._dynamo (before forking ranks; the first collective would).
 - ``schedule_action_types``: the actions torch's pipeline schedules order, and their kinds (tests read them).
@@ -46,6 +49,9 @@ What lives here, and why each is private:
 from __future__ import annotations
 
 import contextlib
+import functools
+import logging
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -62,7 +68,8 @@ __all__ = [
     "all_gather_into", "buffer_slots", "deregister_pytree_nodes", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "FUNCTIONAL_COLLECTIVES",
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all",
-    "compile_errors", "dispatch_mode_active", "inductor_backend", "inductor_overlap_options", "dtensor_op_handlers", "dtensor_spec",
+    "compile_errors", "dispatch_mode_active", "inductor_backend", "inductor_overlap_options",
+    "inductor_bucketing_options", "collective_launches", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
     "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
     "OpOverload", "optimizer_global_hooks", "parameter_slots", "post_accumulate_grad_hooks", "pytree",
@@ -411,6 +418,46 @@ def inductor_overlap_options() -> dict[str, Any]:
     if hasattr(inductor_config, "reorder_for_compute_comm_overlap"):
         options["reorder_for_compute_comm_overlap"] = True
     return options
+
+
+def inductor_bucketing_options(cap_bytes: int) -> dict[str, Any]:
+    """Inductor's FX bucketing (``torch._inductor.fx_passes.bucketing``), where this torch has it: the graph's
+    all-gathers that do not depend on each other (a block's depth-split weights, or the next blocks' too: a
+    prefetch) become one all-gather of their concatenation, and its reduce-scatters one, up to ``cap_bytes``
+    a bucket (its default, 2 GB, would gather a whole model's weights at once); the bytes are the same. Empty
+    where this torch has no such pass (a log line says so, once)."""
+    from torch._inductor import config as inductor_config
+
+    names = ("bucket_all_gathers_fx", "bucket_reduce_scatters_fx")
+    if not all(hasattr(inductor_config, n) and hasattr(inductor_config, f"{n}_bucket_size_determinator")
+               for n in names):
+        if not _said.get("bucketing"):
+            _said["bucketing"] = True
+            logging.getLogger("autopar").info("autopar: this torch's Inductor has no collective bucketing pass; "
+                                              "compiled graphs launch each collective on its own")
+        return {}
+    cap_mb = functools.partial(_bucket_cap_mb, cap_bytes / 2**20)
+    return {"bucket_all_gathers_fx": "all", "bucket_all_gathers_fx_bucket_size_determinator": cap_mb,
+            "bucket_reduce_scatters_fx": "all", "bucket_reduce_scatters_fx_bucket_size_determinator": cap_mb}
+
+
+def _bucket_cap_mb(cap: float, bucket: int) -> float:
+    return cap
+
+
+_said: dict[str, bool] = {}
+_LAUNCHES = {"all_gather": "all_gather_into_tensor", "reduce_scatter": "reduce_scatter_tensor",
+             "all_reduce": "all_reduce", "all_to_all": "all_to_all_single"}
+
+
+def collective_launches(compiled: Any) -> dict[str, int] | None:
+    """Collectives of each kind the code Inductor generated for a graph launches (after its bucketing), from
+    the generated source; None where the compiled object has none to read."""
+    source = getattr(compiled, "source_code", None)
+    if not isinstance(source, str):
+        return None
+    return {kind: n for kind, op in _LAUNCHES.items()
+            if (n := len(re.findall(rf"_c10d_functional\.{op}(?:_out|_coalesced)?\.default\(", source)))}
 
 
 def inductor_cuda_graph_options() -> dict[str, Any]:

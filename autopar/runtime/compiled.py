@@ -12,8 +12,16 @@ stage of one) to ``torch.compile`` with Inductor, whole (``fullgraph``: one grap
   (``all_reduce`` / ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` + ``wait_tensor``), which
   the graph holds as nodes and Inductor's compute/communication reordering may move
   (``compat.inductor_overlap_options``, on CUDA where this torch has it).
+- Inductor's bucketing passes merge the collectives that do not depend on each other, on every device, in
+  buckets of up to ``BUCKET_BYTES`` (``compat.inductor_bucketing_options``): a depth grid's weight
+  all-gathers, a block's or more at once, as FSDP2 gathers a block's parameters (eager graphs get
+  ``depth_buckets`` instead), and their gradients' reduce-scatters. On this 2-core CPU, FC_Net at depth 2
+  compiled: 13 all-gathers and 6 reduce-scatters a step became 2 and 1, and the step took 8-15 ms
+  instead of 44-83 ms, with the same losses and bytes.
 - Bytes: every graph Inductor compiles (forward, backward) is read for the collectives it holds, and
-  counts them in ``comm_stats()`` each time it runs, as eager autopar counts each call.
+  counts them in ``comm_stats()`` each time it runs, as eager autopar counts each call. ``comm_calls()``
+  counts those too: the collectives as autopar wrote them, before bucketing;
+  ``CompiledGraph.launches`` has what the generated code launches.
 
 ``compile="reduce-overhead"``: a training graph (not a pipeline stage) on CUDA is also replayed as a CUDA
 graph, by Inductor's CUDA graph trees (``compat.inductor_cuda_graph_options``): its outputs live in the
@@ -29,6 +37,7 @@ is its own graph.
 
 from __future__ import annotations
 
+import functools
 import logging
 import weakref
 from collections.abc import Callable
@@ -37,9 +46,11 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.compat import (FUNCTIONAL_COLLECTIVES, compile_errors, dispatch_mode_active, inductor_backend,
-                            inductor_cuda_graph_options, inductor_overlap_options, resolve_process_group, size_hint)
+from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile_errors, dispatch_mode_active,
+                            inductor_backend, inductor_bucketing_options, inductor_cuda_graph_options,
+                            inductor_overlap_options, resolve_process_group, size_hint)
 from autopar.runtime import collectives as C
+from autopar.runtime.grad_sync import BUCKET_BYTES
 from autopar.runtime.param_layout import local_of, replace_local
 
 log = logging.getLogger(__name__)
@@ -63,12 +74,18 @@ def collectives_of(graph: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
-def _counted(graph: fx.GraphModule) -> Callable[[Callable], Callable]:
-    """What wraps ``graph`` compiled: it counts the graph's collectives each time it runs."""
+def _counted(launches: list[tuple[dict[str, int], dict[str, int]]],
+             graph: fx.GraphModule) -> Callable[[Callable], Callable]:
+    """What wraps ``graph`` compiled: it counts the graph's collectives each time it runs (as the graph holds
+    them, before Inductor buckets them: the same bytes), and notes in ``launches`` how many of each kind it
+    holds and how many the generated code launches (after bucketing), where that code can be read."""
     held = collectives_of(graph)
     tally = C.Tally(held)
 
     def around(run: Callable) -> Callable:
+        found = collective_launches(run)
+        if found is not None:
+            launches.append(({kind: calls for kind, _, calls in tally.sums}, found))
         if not held:  # Inductor's own compiled graph, unwrapped
             return run
 
@@ -86,12 +103,17 @@ class CompiledGraph:
     def __init__(self, gm: fx.GraphModule, name: str, device: torch.device, warn: Callable[[str], None],
                  cuda_graphs: bool = False) -> None:
         self.gm, self.name, self.warn = gm, name, warn
-        options = inductor_overlap_options() if device.type == "cuda" else {}
+        options = {**inductor_bucketing_options(BUCKET_BYTES),
+                   **(inductor_overlap_options() if device.type == "cuda" else {})}
         graphs = inductor_cuda_graph_options() if cuda_graphs and device.type == "cuda" else {}
         self.cuda_graphs = bool(graphs)
         """Whether the compiled graph replays as a CUDA graph (its outputs overwritten by the next replay)."""
         options = {**options, **graphs}
-        self.compiled = torch.compile(gm, backend=inductor_backend(_counted, options), fullgraph=True, dynamic=False)
+        self.launches: list[tuple[dict[str, int], dict[str, int]]] = []
+        """Per graph Inductor compiled here (forward, backward): the collectives of each kind it holds, and those
+        its code launches (fewer where Inductor bucketed them: ``compat.inductor_bucketing_options``)."""
+        self.compiled = torch.compile(gm, backend=inductor_backend(functools.partial(_counted, self.launches), options),
+                                      fullgraph=True, dynamic=False)
         self.failed: str | None = None
         """Why the graph runs eagerly (None: it runs compiled)."""
         self.compiled_runs = 0

@@ -11,7 +11,8 @@ gradients in one (after the block's last matmul's backward, when autograd has ev
 matmul's backward regathers its block through the bucket (``DepthBucket.weight``): the first to ask gathers
 the block's weights in one all-gather, the others take theirs. The bytes are the per-weight ones.
 
-Only for graphs that run eagerly: a compiled graph's collectives are Inductor's to schedule. Under a
+Only for graphs that run eagerly: a compiled graph's collectives are Inductor's to schedule, and its bucketing
+passes merge them (``compat.inductor_bucketing_options``). Under a
 pipeline the bucket's nodes carry their block's module, so they go to its stage when the graph is split.
 """
 
