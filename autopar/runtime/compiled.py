@@ -16,8 +16,9 @@ stage of one) to ``torch.compile`` with Inductor, whole (``fullgraph``: one grap
   buckets of up to ``BUCKET_BYTES`` (``compat.inductor_bucketing_options``): a depth grid's weight
   all-gathers, a block's or more at once, as FSDP2 gathers a block's parameters (eager graphs get
   ``depth_buckets`` instead), and their gradients' reduce-scatters. On this 2-core CPU, FC_Net at depth 2
-  compiled: 13 all-gathers and 6 reduce-scatters a step became 2 and 1, and the step took 8-15 ms
-  instead of 44-83 ms, with the same losses and bytes.
+  compiled: 13 all-gathers and 6 reduce-scatters a step became 2 and 1, with the same losses and bytes
+  (its steps, 2 ranks, one run each: 8-12 ms against 44-83 ms; the benchmark's tiny models at depth 4 did
+  not change measurably, docs/guide/compile.md).
 - Bytes: every graph Inductor compiles (forward, backward) is read for the collectives it holds, and
   counts them in ``comm_stats()`` each time it runs, as eager autopar counts each call. ``comm_calls()``
   counts those too: the collectives as autopar wrote them, before bucketing;

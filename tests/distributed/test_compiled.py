@@ -157,3 +157,22 @@ def test_compiled_matches_eager_and_serial(world, distributed, caplog):
                 for kind in ("all_gather", "reduce_scatter"):
                     assert 0 < launched.get(kind, 0) < held[kind], f"rank {rank} {name}: {kind} {held} -> {launched}"
 
+
+
+def _gpt2_depth_loss_in_forward() -> float:
+    from autopar.examples import zoo
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(1, 1, 4), compile=True):
+        model = zoo.build_model("gpt2")
+    x = zoo.example_inputs("gpt2", batch=8, seq=32)[0]
+    return model(x, labels=x, use_cache=False).loss.item()
+
+
+@pytest.mark.xfail(strict=True, reason="known hang: GPT-2 (the zoo's) at depth 4 under compile=True, called with labels: "
+                   "the ranks' compiled forwards hold different collectives (8 on one rank, 10 on others, an extra "
+                   "all-reduce before an all-gather), so gloo matches one rank's all-gather with another's all-reduce "
+                   "and waits forever (2026-11-28; the code before Inductor's bucketing hangs alike; eager runs)")
+def test_compiled_gpt2_at_depth_with_labels_does_not_hang(distributed):
+    losses = distributed(_gpt2_depth_loss_in_forward, 4, timeout=300)
+    assert len(set(losses)) == 1
