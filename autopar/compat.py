@@ -457,7 +457,7 @@ def collective_launches(compiled: Any) -> dict[str, int] | None:
     if not isinstance(source, str):
         return None
     return {kind: n for kind, op in _LAUNCHES.items()
-            if (n := len(re.findall(rf"_c10d_functional\.{op}(?:_out|_coalesced)?\.default\(", source)))}
+            if (n := len(re.findall(rf"_c10d_functional\.{op}(?:_out|_coalesced|_)?\.default\(", source)))}
 
 
 def inductor_cuda_graph_options() -> dict[str, Any]:

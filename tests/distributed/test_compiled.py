@@ -170,9 +170,10 @@ def _gpt2_depth_loss_in_forward() -> float:
 
 
 @pytest.mark.xfail(strict=True, reason="known hang: GPT-2 (the zoo's) at depth 4 under compile=True, called with labels: "
-                   "the ranks' compiled forwards hold different collectives (8 on one rank, 10 on others, an extra "
-                   "all-reduce before an all-gather), so gloo matches one rank's all-gather with another's all-reduce "
-                   "and waits forever (2026-11-28; the code before Inductor's bucketing hangs alike; eager runs)")
+                   "rank 0's forward, as AOTAutograd hands it to Inductor, holds one all-reduce fewer than the other "
+                   "ranks' (of 8 bytes, after the 131,072-byte all-gather), so gloo matches one rank's all-gather with "
+                   "another's all-reduce and waits forever (2026-11-28; the code before Inductor's bucketing hangs "
+                   "alike; eager runs)")
 def test_compiled_gpt2_at_depth_with_labels_does_not_hang(distributed):
     losses = distributed(_gpt2_depth_loss_in_forward, 4, timeout=300)
     assert len(set(losses)) == 1

@@ -161,3 +161,21 @@ def test_shims_answer_on_this_torch():
     assert compat.storage_key(x) == compat.storage_key(x[1:])
     assert callable(compat.all_gather_into) and callable(compat.reduce_scatter_into)
     assert isinstance(compat.dtensor_op_handlers(), dict)
+
+
+def test_collective_launches_reads_each_form_inductor_writes_and_bucketing_is_capped():
+    class Compiled:  # the lines of Inductor's generated code that launch collectives, in their several forms
+        source_code = "\n".join([
+            "torch.ops._c10d_functional.all_reduce_.default(buf1, 'sum', '0')",
+            "buf2 = torch.ops._c10d_functional.all_gather_into_tensor.default(buf0, 4, '0')",
+            "torch.ops._c10d_functional.all_gather_into_tensor_out.default(buf3, 4, '0', out=buf4)",
+            "buf5 = torch.ops._c10d_functional.reduce_scatter_tensor.default(buf4, 'sum', 4, '0')",
+            "torch.ops._c10d_functional.wait_tensor.default(buf5)"])
+
+    assert compat.collective_launches(Compiled()) == {"all_gather": 2, "reduce_scatter": 1, "all_reduce": 1}
+    assert compat.collective_launches(object()) is None
+    options = compat.inductor_bucketing_options(25 * 2**20)
+    if options:  # this torch has the passes: a bucket holds 25 MiB, not torch's default 2 GB
+        assert options["bucket_all_gathers_fx"] == options["bucket_reduce_scatters_fx"] == "all"
+        assert options["bucket_all_gathers_fx_bucket_size_determinator"](0) == 25.0
+        assert options["bucket_reduce_scatters_fx_bucket_size_determinator"](7) == 25.0
