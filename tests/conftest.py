@@ -117,8 +117,6 @@ def _run_once(fn: Callable, world_size: int, args: tuple, kwargs: dict, timeout:
 # 2 cores). CI runs ``-m "not extended"`` to end inside 90 minutes (the official run at stop 48 did not);
 # ``python -m pytest -m extended`` runs these. Each line: a test of tests/distributed, and what the CI tier keeps of it.
 EXTENDED = {
-    "test_compiled.py::test_compiled_gpt2_at_depth_with_labels_does_not_hang":
-        "nothing yet: a known hang (xfail) that costs its 300 s timeout",
     "test_parity.py::test_parity_every_grid_matches_serial[8]": "the grids of 1, 2 and 4 ranks",
     "test_pipeline.py::test_fc_net_pipeline_grids_match_serial": "the zoo's pipelines, auto_plan's interleaved",
     "test_pipeline.py::test_trace_predicts_every_byte_a_pipeline_rank_sends": "test_zoo's bytes, unpipelined",

@@ -478,7 +478,12 @@ class _GatherRows(torch.autograd.Function):
 
 
 class _OnOneBatchRank(torch.autograd.Function):
-    """Identity; backward keeps the gradient on batch rank 0 and zeroes it on the others."""
+    """Identity; backward keeps the gradient on batch rank 0 and zeroes it on the others.
+
+    Traced (``compile=True``) the backward is the same ops on every rank, ``dy`` times 1 or 0: zeros made
+    without ``dy`` let AOTAutograd's partitioner move what follows them into the forward graph on the other
+    ranks only, a later collective included (``_BatchSum``'s backward all-reduce), so the ranks' graphs
+    issued their collectives in different orders and waited forever (the zoo's GPT-2 at depth 4 with labels)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
@@ -487,6 +492,8 @@ class _OnOneBatchRank(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        if torch.compiler.is_compiling():
+            return dy * (1.0 if ctx.keep else 0.0), None
         return (dy if ctx.keep else torch.zeros_like(dy)), None
 
 
