@@ -37,8 +37,9 @@ class ParallelConfig:
     pipeline: int = 1
     """Pipeline stages: each rank holds the layers of one stage (or several, interleaved)."""
     shard_optimizer: bool = False
-    """The data ranks split the optimizer state (ZeRO stage 1): each keeps, steps and then all-gathers 1/data of
-    every parameter (``auto_parallelize(shard_optimizer=True)``, ``autopar.runtime.data_shards``)."""
+    """The data ranks split the optimizer state and the gradients (ZeRO stages 1-2): each keeps the reduced
+    gradient of 1/data of every parameter, steps it and then all-gathers it (``auto_parallelize(shard_optimizer=True)``,
+    ``autopar.runtime.data_shards``)."""
     sequence_parallel: bool = False
     """Sequence parallelism (Korthikanti et al. 2022): where a matmul would all-reduce a whole output over
     row (or col), it reduce-scatters it along the tokens instead, so the norms, residual adds and dropout
@@ -170,8 +171,8 @@ class MemoryConfig:
     or the compute dtype to halve their bytes. Activations and weight all-gathers always travel in
     the compute dtype."""
     shard_optimizer: bool = False
-    """Each data rank keeps the optimizer state of 1/data of every parameter, steps that part and all-gathers
-    the updated parameters (ZeRO stage 1, ``autopar.runtime.data_shards``)."""
+    """Each data rank keeps the optimizer state and the reduced gradient of 1/data of every parameter, steps that
+    part and all-gathers the updated parameters (ZeRO stages 1-2, ``autopar.runtime.data_shards``)."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group (``ParallelConfig``)."""
 

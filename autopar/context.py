@@ -150,8 +150,9 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             (Inductor's CUDA graph trees; pipeline stages are not): a tensor the model returned is overwritten
             by the next training call, as under torch.compile(mode="reduce-overhead"); clone what you keep.
         shard_optimizer: True: each data rank keeps the optimizer state of 1/data of every parameter (ZeRO
-            stage 1, Megatron's distributed optimizer), steps that part and all-gathers the updated parameters
-            (autopar/runtime/data_shards.py). Gradients stay whole, as under DDP. For torch.optim's elementwise
+            stages 1-2, Megatron's distributed optimizer) and, after backward, that part of its gradient (a
+            reduce-scatter: ``p.grad`` is a DTensor split over data), steps it and all-gathers the updated
+            parameters (autopar/runtime/data_shards.py): DDP's bytes. For torch.optim's elementwise
             optimizers (Adam, AdamW, SGD, ...); another keeps its whole state with one warning line.
         sequence_parallel: True: where a matmul would all-reduce a whole output over the row (or col) ranks
             (Megatron's row-parallel layer: attention's and the MLP's output projections), it reduce-scatters

@@ -113,7 +113,8 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
 
     def planned(grids: list[Candidate]) -> list[Scored]:
         """Each grid's plan; one that does not fit, with its optimizer state split over data when that needs
-        less memory (ZeRO stage 1 sends a parameter all-gather more per step: only where memory needs it),
+        less memory (ZeRO stages 1-2: the bytes of DDP's all-reduce in twice the collectives, and gradients
+        split over data: only where memory needs it),
         then with its activations split along the tokens (sequence parallelism: the same bytes in twice the
         collectives)."""
         out = []

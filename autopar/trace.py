@@ -154,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(python -m autopar.plan --calibrate writes one); default: this machine, as "
                              "auto_parallelize here would cut them")
     parser.add_argument("--shard-optimizer", action="store_true",
-                        help="each data rank keeps 1/data of the optimizer state and all-gathers the updated "
-                             "parameters, as auto_parallelize(shard_optimizer=True) runs it (ZeRO stage 1)")
+                        help="each data rank keeps 1/data of the optimizer state and of the gradients (a "
+                             "reduce-scatter) and all-gathers the updated parameters, as "
+                             "auto_parallelize(shard_optimizer=True) runs it (ZeRO stages 1-2)")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between matmuls along the tokens over the tensor group, as "
                              "auto_parallelize(sequence_parallel=True) runs it")

@@ -55,7 +55,9 @@ def _job(args: argparse.Namespace) -> None:
         built = {}
         for side, ap in sides.items():
             torch.manual_seed(0)
-            with ap.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline):
+            extra = {k: True for k, on in (("shard_optimizer", grid.shard_optimizer),
+                                           ("sequence_parallel", grid.sequence_parallel)) if on}
+            with ap.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline, **extra):
                 model = bm.build()
             built[side] = (ap, model, torch.optim.AdamW(model.parameters(), lr=1e-4))
         times: dict[str, list[float]] = {"base": [], "head": []}

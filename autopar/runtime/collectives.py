@@ -24,6 +24,11 @@ from autopar.compat import (all_gather_into, functional_all_gather, functional_a
 from autopar.decisions import COLLECTIVE_KINDS, collective_bytes
 
 
+BUCKET_BYTES = 25 * 2**20
+"""The most bytes one bucketed collective carries (DDP's default bucket cap): gradient sync, the optimizer's
+parameter all-gather, compiled graphs' merged collectives."""
+
+
 class _CommStats:
     def __init__(self) -> None:
         self.bytes = {k: Fraction(0) for k in COLLECTIVE_KINDS}
@@ -134,6 +139,13 @@ def all_reduce_async(t: torch.Tensor, group: dist.ProcessGroup | None, size: int
         return None
     _stats.record("all_reduce", size, _nbytes(t))
     return dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group, async_op=True)
+
+
+def reduce_scatter_async(out: torch.Tensor, t: torch.Tensor, group: dist.ProcessGroup | None, size: int) -> Any:
+    """Starts summing contiguous ``t`` (``size`` equal rows) over the group into ``out``, this rank's row;
+    returns the work to ``wait()`` on."""
+    _stats.record("reduce_scatter", size, _nbytes(t))
+    return reduce_scatter_into(out, t, group=group, async_op=True)
 
 
 def all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Tensor:

@@ -51,7 +51,6 @@ from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile
                             inductor_backend, inductor_bucketing_options, inductor_cuda_graph_options,
                             inductor_overlap_options, resolve_process_group, size_hint)
 from autopar.runtime import collectives as C
-from autopar.runtime.grad_sync import BUCKET_BYTES
 from autopar.runtime.param_layout import local_of, replace_local
 
 log = logging.getLogger(__name__)
@@ -104,7 +103,7 @@ class CompiledGraph:
     def __init__(self, gm: fx.GraphModule, name: str, device: torch.device, warn: Callable[[str], None],
                  cuda_graphs: bool = False) -> None:
         self.gm, self.name, self.warn = gm, name, warn
-        options = {**inductor_bucketing_options(BUCKET_BYTES),
+        options = {**inductor_bucketing_options(C.BUCKET_BYTES),
                    **(inductor_overlap_options() if device.type == "cuda" else {})}
         graphs = inductor_cuda_graph_options() if cuda_graphs and device.type == "cuda" else {}
         self.cuda_graphs = bool(graphs)

@@ -17,9 +17,16 @@ first keeps a copy of it), that plus the sum. Bucket buffers live from a bucket'
 end of backward, as DDP's would, but are not held between steps.
 
 Like DDP, only ``backward()`` synchronizes: ``torch.autograd.grad`` on the parameters returns this
-rank's local gradients. While ``enabled()`` is false (DDP's ``no_sync``) backward keeps the gradients
-local; the next backward that synchronizes reduces everything accumulated since (its bucket slot
-holds ``p.grad`` plus the new gradient, and the sum replaces ``p.grad``).
+rank's local gradients (and leaves ``p.grad`` as it was). While ``enabled()`` is false (DDP's ``no_sync``)
+backward keeps the gradients local; the next backward that synchronizes reduces everything accumulated
+since (its bucket slot holds ``p.grad`` plus the new gradient, and the sum replaces ``p.grad``). A sum
+``p.grad`` held when the no_sync backwards began is kept aside and added once, not summed again.
+
+Under ``shard_optimizer`` (``shards``), a bucket of parameters whose optimizer state is split over data is
+reduce-scattered instead: each data rank receives the sum of its chunk of every gradient
+(``DataShards.pack`` lays the buffer out), and ``p.grad`` becomes that chunk, a DTensor split over data. An
+earlier chunk in ``p.grad`` is taken out before autograd adds the new whole gradient (the first tensor
+hook), then added to the new chunk.
 """
 
 from __future__ import annotations
@@ -34,22 +41,25 @@ from torch import nn
 
 from autopar.compat import queue_backward_callback
 from autopar.runtime import collectives as C
+from autopar.runtime.collectives import BUCKET_BYTES
+from autopar.runtime.data_shards import DataShards, Layout, split_over_data
 from autopar.runtime.param_layout import local_of
-
-BUCKET_BYTES = 25 * 2**20
-"""DDP's default bucket cap."""
 
 
 class _Bucket:
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype | None) -> None:
+    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype | None,
+                 layouts: list[Layout] | None = None) -> None:
         self.params, self.dtype = params, dtype
         """The reduction's dtype; None: the parameters' own at each backward (``model.to(dtype)`` changes it)."""
+        self.layouts = layouts
+        """Reduce-scattered over data (``shard_optimizer``): each parameter's split; None: all-reduced."""
         self.offsets, self.sizes, n = [], [], 0
-        for p in params:
+        for i, p in enumerate(params):
             self.offsets.append(n)
-            self.sizes.append(local_of(p).numel())
+            self.sizes.append(local_of(p).numel() if layouts is None else layouts[i].width)
             n += self.sizes[-1]
         self.numel = n
+        """Elements of the buffer; of one data rank's row when reduce-scattered."""
         self.reset()
 
     def reset(self) -> None:
@@ -63,23 +73,46 @@ class _Bucket:
         """The slot holds ``p.grad`` too (gradients accumulated under no_sync): the sum replaces ``p.grad``."""
         self.work: Any = None
         self.launched = False
+        self.mine: torch.Tensor | None = None
+        """Reduce-scattered: this rank's row of the sums."""
+
+    def alloc(self, rows: int = 1) -> torch.Tensor:
+        """The buffer (allocated per backward: no memory held between steps); ``rows`` x ``numel``."""
+        if self.buffer is None:
+            dtype = self.dtype or functools.reduce(torch.promote_types, [p.dtype for p in self.params])
+            self.buffer = torch.empty(rows * self.numel, dtype=dtype, device=local_of(self.params[0]).device)
+        return self.buffer
 
     def slot(self, i: int) -> torch.Tensor:
-        if self.buffer is None:  # allocated per backward: no memory held between steps
-            dtype = self.dtype or functools.reduce(torch.promote_types, [p.dtype for p in self.params])
-            self.buffer = torch.empty(self.numel, dtype=dtype, device=local_of(self.params[0]).device)
-        return self.buffer[self.offsets[i]:self.offsets[i] + self.sizes[i]]
+        return self.alloc()[self.offsets[i]:self.offsets[i] + self.sizes[i]]
 
 
 class GradSync:
-    """Sums the gradients of ``params`` over ``group`` (``size`` ranks) once per backward."""
+    """Sums the gradients of ``params`` over ``group`` (``size`` ranks) once per backward. With ``shards`` (the
+    data group under ``shard_optimizer``), a parameter whose optimizer state is split over data gets only
+    this rank's chunk of the sum (a reduce-scatter, then with ``rest`` an all-reduce of the chunks over the
+    depth ranks), as ``p.grad`` split over data; the others all-reduce."""
 
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int,
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
-                 enabled: Callable[[], bool] = lambda: True) -> None:
+                 enabled: Callable[[], bool] = lambda: True, shards: DataShards | None = None,
+                 rest: tuple[dist.ProcessGroup, int] | None = None) -> None:
         self.group, self.size, self.reduce_dtype, self.enabled = group, size, reduce_dtype, enabled
+        self.shards = shards
+        self.rest = rest
+        """The other axis the gradients are summed over (depth), after the reduce-scatter over data: an
+        all-reduce of the chunks."""
         self.unsynced: set[int] = set()
         """Parameters whose ``.grad`` holds gradients a no_sync backward kept local."""
+        self.carried: dict[int, torch.Tensor] = {}
+        """The sum ``p.grad`` held when a no_sync backward began (a chunk where reduce-scattered; zeros after
+        ``zero_grad(set_to_none=False)``): not summed again, added once to the next sum."""
+        self.layouts: dict[int, Layout] = {}
+        if shards is not None:
+            for p in params:
+                layout = shards.grad_layout(p)
+                if layout is not None:
+                    self.layouts[id(p)] = layout
         self.buckets: list[_Bucket] = []
         self.where: dict[int, tuple[int, int]] = {}  # id(param) -> (bucket, index in bucket)
         current: list[nn.Parameter] = []
@@ -88,7 +121,8 @@ class GradSync:
             dtype = reduce_dtype or p.dtype
             numel = local_of(p).numel()
             if current and (nbytes + numel * dtype.itemsize > bucket_bytes
-                            or (reduce_dtype or current[0].dtype) != dtype):
+                            or (reduce_dtype or current[0].dtype) != dtype
+                            or (id(p) in self.layouts) != (id(current[0]) in self.layouts)):
                 self._add(current)
                 current, nbytes = [], 0
             current.append(p)
@@ -103,20 +137,55 @@ class GradSync:
         k = len(self.buckets)
         for i, p in enumerate(params):
             self.where[id(p)] = (k, i)
-        self.buckets.append(_Bucket(params, self.reduce_dtype))
+        scattered = id(params[0]) in self.layouts
+        self.buckets.append(_Bucket(params, self.reduce_dtype,
+                                    [self.layouts[id(p)] for p in params] if scattered else None))
 
     def _before(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
         """The first tensor hook of ``p`` (registered before any of the script's): keeps a copy of an earlier
-        gradient ``p.grad`` holds, which autograd is about to add to, and which is not to be summed again."""
+        gradient ``p.grad`` holds, which autograd is about to add to, and which is not to be summed again.
+        A reduce-scattered parameter's earlier gradient is a chunk: it is taken out of ``p.grad`` (autograd
+        then keeps the new whole gradient there, which the bucket reads) and added back to the new chunk."""
         k, i = self.where[id(p)]
+        layout = self.layouts.get(id(p))
 
         def hook(grad: torch.Tensor) -> torch.Tensor:
             bucket = self.buckets[k]
-            if self.enabled() and p.grad is not None and id(p) not in self.unsynced and bucket.local[i] is None:
+            if p.grad is None or id(p) in self.unsynced:  # (whole gradients no_sync kept: autograd adds to them)
+                return grad
+            if layout is not None:
+                if not self.enabled() and not split_over_data(p.grad):
+                    return grad
+                earlier = local_of(p.grad).detach()
+                if not split_over_data(p.grad):  # (set by the script) its chunk only: the rest is summed away
+                    earlier = layout.chunk(earlier).clone()
+                if self.enabled():
+                    bucket.local[i] = earlier
+                else:
+                    self.carried[id(p)] = earlier
+                p.grad = None
+            elif not self.enabled():  # a sum already: kept once, whatever no_sync backwards add to it
+                self.carried[id(p)] = local_of(p.grad).detach().clone()
+            elif bucket.local[i] is None:
                 bucket.local[i] = local_of(p.grad).detach().clone()
+            else:
+                return grad
+            queue_backward_callback(functools.partial(self._settle, p, k, i))
             return grad
 
         return hook
+
+    def _settle(self, p: nn.Parameter, k: int, i: int) -> None:
+        """At the end of a backward whose first hook kept ``p``'s earlier gradient: if no new gradient came
+        (``torch.autograd.grad``, or ``p`` unused), the earlier one is not to be added to anything; a chunk
+        taken out of ``p.grad`` goes back."""
+        bucket = self.buckets[k]
+        if bucket.got[i] or id(p) in self.unsynced:  # it came: finish (or the next synced backward) adds it
+            return
+        earlier = bucket.local[i] if id(p) not in self.carried else self.carried.pop(id(p))
+        bucket.local[i] = None
+        if id(p) in self.layouts and p.grad is None and earlier is not None:
+            p.grad = self.shards.split_grad(p, earlier, self.layouts[id(p)])
 
     def _hook(self, p: nn.Parameter) -> Callable[[nn.Parameter], None]:
         k, i = self.where[id(p)]
@@ -133,15 +202,21 @@ class GradSync:
             if not self._pending:
                 self._pending = True
                 queue_backward_callback(self.finish)
-            grad = local_of(p.grad).reshape(-1)
+            whole = local_of(p.grad)
             if id(p) in self.unsynced:  # reduce what no_sync kept local too; the sum replaces p.grad
                 self.unsynced.discard(id(p))
-                bucket.slot(i).copy_(grad)
                 bucket.replace[i] = True
-            elif bucket.local[i] is not None:  # an earlier gradient plus this one: only this one travels
-                bucket.slot(i).copy_(grad - bucket.local[i].reshape(-1))
+                carried = self.carried.get(id(p)) if bucket.layouts is None else None
+                new = whole if carried is None else whole - carried  # (an earlier sum does not travel)
+            elif bucket.local[i] is not None and bucket.layouts is None:  # an earlier gradient plus this one
+                new = whole - bucket.local[i]  # (only this one travels)
             else:
-                bucket.slot(i).copy_(grad)
+                new = whole
+            if bucket.layouts is None:
+                bucket.slot(i).copy_(new.reshape(-1))
+            else:
+                rows = bucket.alloc(self.size).view(self.size, bucket.numel)
+                self.shards.pack(new, bucket.layouts[i], rows, bucket.offsets[i])
             bucket.got[i] = True
             bucket.missing -= 1
             if bucket.missing == 0:
@@ -159,6 +234,15 @@ class GradSync:
             self._launch(bucket)
 
     def _launch(self, bucket: _Bucket) -> None:
+        if bucket.layouts is not None:
+            rows = bucket.alloc(self.size).view(self.size, bucket.numel)
+            for i, got in enumerate(bucket.got):
+                if not got:  # no gradient this backward: zeros keep every rank's buckets alike
+                    rows[:, bucket.offsets[i]:bucket.offsets[i] + bucket.sizes[i]].zero_()
+            bucket.mine = rows.new_empty(bucket.numel)
+            bucket.work = C.reduce_scatter_async(bucket.mine, bucket.buffer, self.group, self.size)
+            bucket.launched = True
+            return
         for i, got in enumerate(bucket.got):
             if not got:  # no gradient this backward: zeros keep every rank's buckets alike
                 bucket.slot(i).zero_()
@@ -177,17 +261,36 @@ class GradSync:
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
+            if bucket.layouts is not None and self.rest is not None:
+                C.all_reduce(bucket.mine, *self.rest)
             for i, p in enumerate(bucket.params):
                 if not bucket.got[i] or p.grad is None:  # no gradient, or torch.autograd.grad
                     continue
+                if bucket.layouts is not None:
+                    self._put_chunk(p, bucket, i)
+                    continue
                 grad = local_of(p.grad)  # a DTensor parameter's gradient is one too: its local part
                 reduced = bucket.slot(i).view_as(grad)
+                earlier = self.carried.pop(id(p), None) if bucket.replace[i] else bucket.local[i]
                 with torch.no_grad():
-                    if bucket.local[i] is None or bucket.replace[i]:
+                    if earlier is None:
                         grad.copy_(reduced)
-                    else:  # the earlier gradient, plus the sum of this backward's
-                        grad.copy_(bucket.local[i] + reduced.to(grad.dtype))
+                    else:  # the earlier gradient (or sum), plus the sum of this backward's (and no_sync's)
+                        grad.copy_(earlier + reduced.to(grad.dtype))
             bucket.reset()
+
+    def _put_chunk(self, p: nn.Parameter, bucket: _Bucket, i: int) -> None:
+        """``p.grad`` becomes this rank's chunk of the sum (plus an earlier chunk), split over data."""
+        whole = local_of(p.grad)
+        layout = bucket.layouts[i]
+        chunk = self.shards.unpack(bucket.mine, bucket.offsets[i], layout, whole.shape)
+        earlier = self.carried.pop(id(p), None) if bucket.replace[i] else bucket.local[i]
+        with torch.no_grad():
+            if earlier is not None:
+                chunk = earlier + chunk.to(whole.dtype)
+            elif chunk.dtype != whole.dtype:
+                chunk = chunk.to(whole.dtype)
+        p.grad = self.shards.split_grad(p, chunk, layout)
 
     def remove(self) -> None:
         for h in self.handles:

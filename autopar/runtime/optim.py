@@ -33,7 +33,7 @@ from autopar.compat import dtensor_spec, local_tensor
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
-from autopar.runtime.data_shards import DataShards, Layout
+from autopar.runtime.data_shards import DataShards, Layout, split_over_data, whole_grad
 from autopar.runtime.parameters import owner_of
 from autopar.runtime.param_layout import local_of, make_dtensor
 
@@ -199,8 +199,13 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
                                                   for p in g["params"]):
             _warned.add(type(optimizer))
             log.warning("autopar: shard_optimizer=True splits the state of torch.optim's elementwise optimizers "
-                        "(%s); %s keeps its whole state on every data rank.",
+                        "(%s); %s keeps its whole state on every data rank (its gradients are gathered over data "
+                        "before each step).",
                         ", ".join(sorted(c.__name__ for c in ELEMENTWISE)), type(optimizer).__name__)
+        for group in optimizer.param_groups:  # whole gradients, as it reads them (collective over data)
+            for p in group["params"]:
+                if p.grad is not None and split_over_data(p.grad):
+                    p.grad = whole_grad(p)
         return None
     swapped, absent, groups, sharded = [], [], [], []
     state: defaultdict[Any, dict] = defaultdict(dict)  # as Optimizer.state
@@ -215,7 +220,9 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple
                 layout = shards.layout(p, piece, mesh.ndim)
                 if layout is not None:
                     twin = _chunk_twin(p, piece, layout)
-                    twin.grad = None if p.grad is None else layout.chunk(local_of(p.grad))
+                    grad = p.grad  # split over data by the gradient sync (reduce-scatter), or whole
+                    twin.grad = None if grad is None else \
+                        local_of(grad) if split_over_data(grad) else layout.chunk(local_of(grad))
                     before = optimizer.state.get(p)
                     if before:
                         state[twin] = {k: _chunk_state(k, v, piece, layout) for k, v in before.items()}

@@ -55,11 +55,12 @@ TIED_DIMS = ("data", "pipeline", "depth", "row", "col")
 
 
 def splits_parameters(config: ParallelConfig) -> bool:
-    """Whether parameters become DTensors under ``config`` (tensor or pipeline parallelism).
+    """Whether parameters become DTensors under ``config`` (tensor or pipeline parallelism, or gradients
+    split over data by ``shard_optimizer``, as FSDP2's are).
 
     Pure data parallelism keeps plain tensors, as DDP does: every rank holds the whole model.
     """
-    return config.num_tensor > 1 or config.pipeline > 1
+    return config.num_tensor > 1 or config.pipeline > 1 or (config.shard_optimizer and config.data > 1)
 
 
 def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tuple[Placement, ...]:

@@ -28,7 +28,7 @@ from autopar.runtime.mesh import Mesh
 from autopar.runtime.ops import gather_pieces
 from autopar.runtime.param_layout import (DIMS, TIED_DIMS, distribute_parameters, local_of, local_piece,
                                           make_dtensor, own_piece, placements, set_layout, splits_parameters)
-from autopar.runtime.data_shards import DataShards
+from autopar.runtime.data_shards import DataShards, piece_of
 from autopar.runtime.pending import LazyRead, is_pending, loaded_value
 
 log = logging.getLogger(__name__)
@@ -326,7 +326,7 @@ class ParamStore:
         plans = self.by_param()
         for pp in (self.plan.params if self.plan else ()):
             grad = self.params[pp.name].grad
-            out[pp.name] = self.full(None if grad is None else local_of(grad), pp)
+            out[pp.name] = self.full(None if grad is None else piece_of(grad), pp)
         for name, p in self.params.items():  # tied weights: the same tensor under another name
             if name not in out and id(p) in plans:
                 out[name] = out[plans[id(p)].name]

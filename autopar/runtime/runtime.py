@@ -313,11 +313,11 @@ class ParallelRuntime:
         """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value)."""
         for sync in self._syncs:  # queued before the syncs' own end callbacks: the sums first
             sync.finish()
-        grads = [local_of(p.grad) for p in self.store.unique() if p.grad is not None]
+        grads = [g for p in self.store.unique() if p.grad is not None for g in [local_of(p.grad)] if g.numel()]
         bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
         if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
             with torch.no_grad():
-                for g in grads:
+                for g in grads:  # (a gradient split over data: a chunk, maybe empty on some data ranks)
                     g.view(-1)[0] = float("inf")
 
     # ---- fallback: no graph ---------------------------------------------------------------------
@@ -450,7 +450,8 @@ class ParallelRuntime:
         ``p.grad`` (``StageGrads.finish``), then the fp16 overflow agreement. Every rank calls this once per
         step."""
         if self.stage_grads.finish(self.plan, self.params, self.mesh, self.config,
-                                   half_dtype(self.memory.reduce_dtype), self.sync_enabled()) \
+                                   half_dtype(self.memory.reduce_dtype), self.sync_enabled(),
+                                   self.store.data_shards) \
                 and self.memory.precision == "fp16":
             self._agree_on_overflow()
 
@@ -503,11 +504,25 @@ class ParallelRuntime:
         for pp in plan.params:
             p = self.params[pp.name]
             axis, size = self.mesh.grad_group(pp.grad_axes)
+            if axis == "batch" and self.config.depth == 1:  # the same ranks
+                axis = "data"
             if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else finish_grads
                 synced.setdefault(axis, {})[id(p)] = p
+        shards = self.store.data_shards
+        if shards is not None and "batch" in synced:  # split over data, then summed over depth: on the data group
+            split = {i: p for i, p in synced["batch"].items() if shards.grad_layout(p) is not None}
+            synced["batch"] = {i: p for i, p in synced["batch"].items() if i not in split}
+            if split:
+                self._add_sync(GradSync(list(split.values()), self.mesh.group("data"), self.mesh.size("data"),
+                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled,
+                                        shards=shards, rest=(self.mesh.group("depth"), self.mesh.size("depth"))),
+                               "data, then depth")
         for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
-            self._add_sync(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
-                                    half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled), axis)
+            # (shard_optimizer: each data rank keeps the sum of its chunk only, a reduce-scatter)
+            if params:
+                self._add_sync(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
+                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled,
+                                        shards=shards if axis == "data" else None), axis)
         self.plan = plan
         if self.mesh.rank == 0:
             log.info("%s", plan.summary())

@@ -4,7 +4,8 @@ A step's micro-batches accumulate their gradients into a plain leaf that shares 
 piece (at plain-tensor cost: a DTensor ``.grad`` would add through DTensor's dispatch at every micro-batch,
 ~5% of FC_Net's ``p4`` step); ``finish`` then runs the script's tensor hooks on each step gradient (autograd
 never runs them: the stages do not read the parameter), sums it over data (x depth) and tied weights' over
-the stages holding them, and adds it to ``p.grad`` once.
+the stages holding them, and adds it to ``p.grad`` once. Under ``shard_optimizer`` the sum over data is a
+reduce-scatter (``autopar.runtime.data_shards``): ``p.grad`` holds this data rank's chunk.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from autopar.config import ParallelConfig
 from autopar.decisions import Plan
 from autopar.runtime import collectives as C
 from autopar.runtime.absent import Absent
+from autopar.runtime.data_shards import DataShards, Layout, split_over_data
 from autopar.runtime.mesh import Mesh
 from autopar.runtime.param_layout import local_of, local_view, make_dtensor
 from autopar.runtime.pipeline import owner
@@ -31,6 +33,8 @@ class StageGrads:
         """id(parameter) -> (parameter, the plain leaf the stages read)."""
         self.unsynced: set[int] = set()
         """Parameters whose ``.grad`` holds gradients a no_sync step kept local."""
+        self.carried: dict[int, torch.Tensor] = {}
+        """Of those, what ``.grad`` held before (a sum already, kept once: not summed again)."""
 
     def leaf(self, p: nn.Parameter) -> torch.Tensor:
         """What the stages read for ``p``: a plain leaf sharing its local piece's storage. It lives until its
@@ -45,18 +49,30 @@ class StageGrads:
         return held[1]
 
     def finish(self, plan: Plan, params: Mapping[str, nn.Parameter], mesh: Mesh, config: ParallelConfig,
-               reduce: torch.dtype | None, sync: bool) -> bool:
+               reduce: torch.dtype | None, sync: bool, shards: DataShards | None = None) -> bool:
         """This step's gradients (what the leaves gathered) summed over data (x depth) when ``sync`` (else
         kept local, as no_sync does, and reduced at the next synchronized step), tied weights' summed over
         the stages holding them, then added to ``p.grad`` (which may hold earlier steps' gradients:
-        accumulation). Returns whether they were synchronized."""
+        accumulation). With ``shards`` (``shard_optimizer``) a gradient whose optimizer state is split over
+        data is reduce-scattered there: ``p.grad`` holds this data rank's chunk of the sum, split over data.
+        Returns whether they were synchronized."""
         new: dict[int, torch.Tensor] = {}
         for p, leaf in self.leaves.values():
             if leaf.grad is not None:
                 new[id(p)], leaf.grad = _hooked(p, leaf.grad), None
+        layouts = {id(p): layout for p, _ in self.leaves.values() if id(p) in new and shards is not None
+                   for layout in [shards.grad_layout(p)] if layout is not None}
         if not sync:
             for p, _ in self.leaves.values():
                 if id(p) in new:
+                    if id(p) not in self.unsynced and p.grad is not None:  # a sum already: kept once
+                        earlier = local_of(p.grad).detach()
+                        if id(p) in layouts:  # (its chunk: whole local gradients go in p.grad until the sum)
+                            self.carried[id(p)] = earlier if split_over_data(p.grad) \
+                                else layouts[id(p)].chunk(earlier).clone()
+                            p.grad = None
+                        else:
+                            self.carried[id(p)] = earlier.clone()
                     self.unsynced.add(id(p))
                     _add_grad(p, new[id(p)])
             return False
@@ -64,6 +80,8 @@ class StageGrads:
         for p, _ in self.leaves.values():
             if id(p) in self.unsynced and p.grad is not None and id(p) in new:
                 new[id(p)] = new[id(p)] + local_of(p.grad)
+                if id(p) in self.carried and id(p) not in layouts:  # (an earlier sum does not travel)
+                    new[id(p)] = new[id(p)] - self.carried[id(p)]
                 replace.add(id(p))
         self.unsynced.clear()
         done: set[int] = set()
@@ -73,7 +91,9 @@ class StageGrads:
                 continue
             done.add(id(p))
             axis, size = mesh.grad_group(pp.grad_axes)
-            if size > 1:
+            if id(p) in layouts:
+                new[id(p)] = _scatter_grad(mesh, shards, layouts[id(p)], axis, reduce, new[id(p)])
+            elif size > 1:
                 new[id(p)] = _sync_grad(mesh, axis, reduce, new[id(p)])
         for name, stages in plan.pipeline.shared:
             ranks = tuple(sorted({owner(s, config.pipeline) for s in stages}))
@@ -86,7 +106,13 @@ class StageGrads:
             if grad is not None:
                 if id(p) in replace:
                     p.grad = None
-                _add_grad(p, grad)
+                    carried = self.carried.get(id(p))
+                    grad = grad if carried is None else grad + carried
+                if id(p) in layouts and p.grad is None:
+                    p.grad = shards.split_grad(p, grad, layouts[id(p)])
+                else:
+                    _add_grad(p, grad)
+        self.carried.clear()
         return True
 
 
@@ -110,6 +136,18 @@ def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
         p.grad = DTensor(local, dtensor_spec(p), requires_grad=False) if isinstance(p, DTensor) else local
     else:
         local_of(p.grad).add_(local)
+
+
+def _scatter_grad(mesh: Mesh, shards: DataShards, layout: Layout, axis: str, dtype: torch.dtype | None,
+                  grad: torch.Tensor) -> torch.Tensor:
+    """This data rank's chunk of the sum of ``grad`` over data (a reduce-scatter), then over depth where
+    ``axis`` spans it too."""
+    rows = torch.empty((shards.size, layout.width), dtype=dtype or grad.dtype, device=grad.device)
+    shards.pack(grad, layout, rows, 0)
+    mine = C.reduce_scatter(rows.view(-1), shards.group, shards.size)
+    if axis == "batch" and mesh.size("depth") > 1:
+        mine = C.all_reduce(mine, mesh.group("depth"), mesh.size("depth"))
+    return shards.unpack(mine, 0, layout, grad.shape).to(grad.dtype)
 
 
 def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,10 @@ accounting per op mirrors the implementations in autopar.runtime.ops one to one:
 - a reduction over the batch inside forward (a loss): one all-reduce of the partial result (and its
   count) over data x depth forward, one of its gradient backward; an op working along the batch dim:
   an all-gather of its input's rows forward, an all-reduce of their gradient backward.
-- after backward: each parameter's gradient all-reduced over its ``grad_axes``.
+- after backward: each parameter's gradient all-reduced over its ``grad_axes``; under ``shard_optimizer``
+  a gradient whose optimizer state is split is reduce-scattered over data instead
+  (each data rank keeps its chunk; a chunk summed over depth too is then all-reduced over depth), and after
+  the step every split parameter's updated chunks are all-gathered over data (``optimizer_shards``).
 - per call: the agreement (autopar.runtime.agreement), one all-gather of ``AGREEMENT_BYTES`` per rank over
   the world.
 """
@@ -268,11 +271,18 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         plan = params[name]
         axis = "+".join(plan.grad_axes)
         nbytes = plan.local_numel(config) * t.element_size()
-        out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
-        if config.shard_optimizer and config.data > 1:  # the updated chunks, from every data rank
-            numel = gathered_numel(plan.shape, plan.split_axes(config), config.data)
-            if numel:
-                out.append(Collective("all_gather", "data", config.data, numel * t.element_size(), "step", name))
+        split = gathered_numel(plan.shape, plan.split_axes(config), config.data) \
+            if config.shard_optimizer and config.data > 1 else 0
+        if split:
+            # each data rank keeps the sum of its chunk (GradSync's reduce-scatter), then sums it over depth
+            out.append(Collective("reduce_scatter", "data", config.data, split * t.element_size(), "step", name))
+            if axis != "data":
+                out.append(Collective("all_reduce", "depth", config.depth, split // config.data * t.element_size(),
+                                      "step", name))
+        else:
+            out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
+        if split:  # the updated chunks, from every data rank
+            out.append(Collective("all_gather", "data", config.data, split * t.element_size(), "step", name))
     return [c for c in out if c.group_size > 1]
 
 

@@ -1,4 +1,4 @@
-"""How ``shard_optimizer`` splits a parameter's optimizer state over the data ranks (ZeRO stage 1).
+"""How ``shard_optimizer`` splits a parameter's optimizer state (and gradient) over the data ranks (ZeRO stages 1-2).
 
 The rule the runtime keeps the state by (``autopar.runtime.data_shards``) and the plan predicts with (bytes
 kept by ``estimate_memory.static_memory``, bytes sent by ``estimate_costs.grad_sync_collectives``): the

@@ -243,9 +243,11 @@ class _Degrees:
         state whole on every data rank or (``shard_optimizer``) split over data."""
         sync = 0.0
         if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
+            # (split state: each data rank keeps the sum of its chunk, a reduce-scatter)
+            kind = "reduce_scatter" if shard_optimizer else "all_reduce"
             full, rest = divmod(params, BUCKET_BYTES)
-            sync = full * price("all_reduce", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
-            sync += price("all_reduce", "data", c.data, rest, "step") if rest else 0.0
+            sync = full * price(kind, "data", c.data, BUCKET_BYTES, "step") if full else 0.0
+            sync += price(kind, "data", c.data, rest, "step") if rest else 0.0
         state = 2 * params  # Adam's two moments
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
             state //= c.data

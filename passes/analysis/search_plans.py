@@ -47,7 +47,8 @@ class Candidate:
     chunks: int = 1
     """Stages per pipeline rank: 1 runs torch's 1F1B, more its Interleaved1F1B."""
     shard_optimizer: bool = False
-    """The data ranks split the optimizer state (ZeRO stage 1): the search tries it on grids that do not fit."""
+    """The data ranks split the optimizer state and gradients (ZeRO stages 1-2): the search tries it on grids that
+    do not fit."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group."""
 

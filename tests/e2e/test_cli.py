@@ -34,7 +34,8 @@ def test_trace_prints_table_and_writes_json(tmp_path, capsys):
 
 
 def test_trace_shows_the_optimizer_state_sharded_over_data(tmp_path, capsys):
-    """--shard-optimizer: Adam's moments quartered at data=4, and the step all-gathers 3/4 of the parameters."""
+    """--shard-optimizer: Adam's moments quartered at data=4; the gradients' reduce-scatter and the step's
+    all-gather send 3/4 of the parameter bytes each, what the all-reduce sent (DDP's bytes)."""
     got = {}
     for flag in ([], ["--shard-optimizer"]):
         out = tmp_path / f"plan{len(flag)}.json"
@@ -47,7 +48,10 @@ def test_trace_shows_the_optimizer_state_sharded_over_data(tmp_path, capsys):
     assert abs(split["memory"]["optimizer_bytes"] - params / 2) <= 0.001 * params  # (chunks padded to 4 rows)
     gathered = split["comm_bytes_by_kind"]["all_gather"] - whole["comm_bytes_by_kind"]["all_gather"]
     assert abs(gathered - 0.75 * params) <= 0.001 * params
-    assert split["comm_bytes_by_kind"]["all_reduce"] == whole["comm_bytes_by_kind"]["all_reduce"]
+    scattered = split["comm_bytes_by_kind"]["reduce_scatter"] - whole["comm_bytes_by_kind"].get("reduce_scatter", 0)
+    assert abs(scattered - 0.75 * params) <= 0.001 * params
+    assert whole["comm_bytes_by_kind"]["all_reduce"] - split["comm_bytes_by_kind"].get("all_reduce", 0) >= 1.5 * params
+    assert abs(split["comm_bytes_per_step"] - whole["comm_bytes_per_step"]) <= 0.001 * params
 
 
 def test_trace_shows_the_tokens_split_over_the_tensor_group(tmp_path, capsys):
