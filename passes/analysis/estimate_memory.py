@@ -94,7 +94,8 @@ class MemoryProfile:
     param_bytes: int
     """This rank's parameters (fp32)."""
     grad_bytes: int
-    """Gradients of this rank's trainable parameters."""
+    """Gradients of this rank's trainable parameters, whole: under ``shard_optimizer`` a rank keeps 1/data of
+    them between backward and the step, but backward makes them whole first (the peak)."""
     optimizer_bytes: int
     """Optimizer state: two fp32 tensors per trainable parameter (Adam's moments)."""
     frozen: tuple[str, ...] = ()

@@ -69,6 +69,7 @@ def _worker(grids: dict, shards: tuple[bool, ...] = (False, True)) -> dict:
             autopar.reset_comm_stats()
             F.cross_entropy(model(x), y).backward()
             synced = autopar.comm_stats()  # forward and backward, the gradient sync included
+            grads = sum(local_of(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None)
             autopar.reset_comm_stats()
             opt.step()  # the step's own bytes: the parameters' all-gather
             sent = autopar.comm_stats()
@@ -77,7 +78,7 @@ def _worker(grids: dict, shards: tuple[bool, ...] = (False, True)) -> dict:
                 shadow = FC_Net(**SMALL)
             _, report = plan_model(shadow, (x,), runtime.config, rank=dist.get_rank(),
                                    pipeline=runtime.config.pipeline, microbatches=runtime.num_microbatches)
-            out[name, shard] = dict(losses=losses, params=params,
+            out[name, shard] = dict(losses=losses, params=params, grads=grads,
                                     state=state, bytes=_state_bytes(opt),
                                     predicted_bytes=autopar.plan_of(model).memory.optimizer_bytes,
                                     gathered=sent.get("all_gather", 0.0), calls=comm_calls().get("all_gather", 0),
@@ -126,6 +127,9 @@ def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distribut
         for name in GRIDS:
             whole, split = res[name, False]["bytes"], res[name, True]["bytes"]
             data = GRIDS[name]["data"]
+            assert split < whole / data * 1.3, (name, r, split, whole)
+            # between backward and the step a rank holds its chunk of each gradient (chunks of ceil(rows / data))
+            whole, split = res[name, False]["grads"], res[name, True]["grads"]
             assert split < whole / data * 1.3, (name, r, split, whole)
             # a step's bytes: the gradients' reduce-scatter and the parameters' all-gather send what DDP's
             # all-reduce sends (chunks padded to the first; clipping's norm split over data: 4 bytes more)
