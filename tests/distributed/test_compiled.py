@@ -129,7 +129,9 @@ CASES = {
     4: [("t2x2x1", "fc", {"tensor": (2, 2, 1)}, "call"),
         ("t1x1x2 d2", "fc", {"tensor": (1, 1, 2), "data": 2}, "call"),
         ("t1x2x2 checkpoint full", "fc", {"tensor": (1, 2, 2), "checkpoint": "full"}, "call"),
-        ("t2x1x1 d2 per-rank", "fc", {"tensor": (2, 1, 1), "data": 2, "batch": "per-rank"}, "call")],
+        ("t2x1x1 d2 per-rank", "fc", {"tensor": (2, 1, 1), "data": 2, "batch": "per-rank"}, "call"),
+        ("t2x1x1 d2 shard_optimizer (gradients reduce-scattered)", "fc",
+         {"tensor": (2, 1, 1), "data": 2, "shard_optimizer": True}, "call")],
 }
 
 
