@@ -23,7 +23,7 @@ from autopar.capture import (batch_leaves, input_names, meta_shadow, microbatch_
 from autopar.compat import pytree, queue_backward_callback
 from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.decisions import Plan
-from autopar.errors import CaptureError, InputError
+from autopar.errors import CaptureError, InputError, ParameterError
 from autopar.machines import local_rates
 from autopar.memory import device_budget, half_dtype
 from autopar.planner import PlanOptions, decide_plan, pooled_rows
@@ -310,15 +310,29 @@ class ParallelRuntime:
         first.register_hook(queue)
 
     def _agree_on_overflow(self) -> None:
-        """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value)."""
+        """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value); raises where a
+        rank holds no gradient element to poison."""
         for sync in self._syncs:  # queued before the syncs' own end callbacks: the sums first
             sync.finish()
-        grads = [g for p in self.store.unique() if p.grad is not None for g in [local_of(p.grad)] if g.numel()]
-        bad = torch.tensor([float(any(not torch.isfinite(g).all() for g in grads))], device=self.mesh.device)
-        if C.all_reduce(bad, None, self.config.world_size, op="max").item() > 0:
-            with torch.no_grad():
-                for g in grads:  # (a gradient split over data: a chunk, maybe empty on some data ranks)
-                    g.view(-1)[0] = float("inf")
+        held = [local_of(p.grad) for p in self.store.unique() if p.grad is not None]
+        grads = [g for g in held if g.numel()]  # (a gradient split over data: a chunk, maybe empty on some ranks)
+        # one value summed over the ranks: how many overflowed, plus world + 1 for each holding gradients
+        # without an element (chunks of ceil(rows / data) rows leave the last data ranks none of a small one)
+        world = self.config.world_size
+        flag = int(any(not torch.isfinite(g).all() for g in grads)) + int(bool(held) and not grads) * (world + 1)
+        total = int(C.all_reduce(torch.tensor([flag], dtype=torch.int64, device=self.mesh.device), None, world).item())
+        if total % (world + 1) == 0:
+            return
+        if total >= world + 1:
+            raise ParameterError(
+                f"fp16: gradients overflowed, and {total // (world + 1)} rank(s) hold no element of any gradient "
+                "(shard_optimizer splits each one over the data ranks in chunks of ceil(rows / data) rows, and "
+                "every trainable parameter of this model has too few rows to give those ranks one), so "
+                "torch.amp.GradScaler could not skip this step there. Use fewer data ranks, "
+                "shard_optimizer=False, or precision='bf16' (no loss scaling).")
+        with torch.no_grad():
+            for g in grads:
+                g.view(-1)[0] = float("inf")
 
     # ---- fallback: no graph ---------------------------------------------------------------------
 

@@ -434,3 +434,32 @@ def test_gradients_accumulate_and_read_as_serial_split_over_data_or_not(shard, d
                 assert abs(got["norms"][k] - v) <= 1e-5 * max(1.0, v), (name, r, k, got["norms"][k], v)
             for k, v in want["params"].items():
                 assert rel_err(got["params"][k], v) < 1e-5, (name, r, k)
+
+
+def _empty_chunk_overflow_worker() -> str:
+    """fp16 on 4 data ranks with a model of 3 rows: data rank 3 holds no element of any gradient."""
+    from autopar.errors import ParameterError
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(data=4, precision="fp16", shard_optimizer=True):
+        model = torch.nn.Sequential(torch.nn.Linear(3, 3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    x = torch.randn(16, 3, generator=torch.Generator().manual_seed(0))
+    hook = model[0].weight.register_hook(lambda g: g * float("inf")) if dist.get_rank() == 0 else None
+    try:
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+    except ParameterError as e:
+        return str(e)
+    finally:
+        if hook is not None:
+            hook.remove()
+    scaler.step(opt)
+    return "no error"
+
+
+def test_fp16_overflow_where_a_rank_holds_no_gradient_element_raises_on_every_rank(distributed):
+    """The overflow agreement poisons each rank's gradients so every GradScaler skips the step; a data rank
+    whose chunks are all empty has nothing to poison: every rank raises, naming the way out, rather than one
+    rank stepping with a scale the others lowered."""
+    for r, message in enumerate(distributed(_empty_chunk_overflow_worker, 4)):
+        assert "hold no element of any gradient" in message and "1 rank(s)" in message, (r, message)
