@@ -26,7 +26,9 @@ Under ``shard_optimizer`` (``shards``), a bucket of parameters whose optimizer s
 reduce-scattered instead: each data rank receives the sum of its chunk of every gradient
 (``DataShards.pack`` lays the buffer out), and ``p.grad`` becomes that chunk, a DTensor split over data. An
 earlier chunk in ``p.grad`` is taken out before autograd adds the new whole gradient (the first tensor
-hook), then added to the new chunk.
+hook), then added to the new chunk. The whole gradient is dropped as soon as its bucket holds it, and at
+most ``INFLIGHT`` such buckets keep their whole buffers while their reduce-scatters run (launching another
+waits for the oldest), so backward's peak holds the chunks and a few buckets, not every whole gradient.
 """
 
 from __future__ import annotations
@@ -44,6 +46,10 @@ from autopar.runtime import collectives as C
 from autopar.runtime.collectives import BUCKET_BYTES
 from autopar.runtime.data_shards import DataShards, Layout, split_over_data
 from autopar.runtime.param_layout import local_of
+
+
+INFLIGHT = 2
+"""Reduce-scattered buckets whose whole buffers backward keeps at once: launching another waits for the oldest."""
 
 
 class _Bucket:
@@ -132,6 +138,8 @@ class GradSync:
         self.handles = [p.register_hook(self._before(p)) for p in params] + \
             [p.register_post_accumulate_grad_hook(self._hook(p)) for p in params]
         self._pending = False
+        self._inflight: list[_Bucket] = []
+        """Reduce-scattered buckets launched this backward whose whole buffer is still held."""
 
     def _add(self, params: list[nn.Parameter]) -> None:
         k = len(self.buckets)
@@ -217,6 +225,8 @@ class GradSync:
             else:
                 rows = bucket.alloc(self.size).view(self.size, bucket.numel)
                 self.shards.pack(new, bucket.layouts[i], rows, bucket.offsets[i])
+                p.grad = None  # (in the bucket now: the whole gradient's memory goes; finish puts the chunk)
+                del whole, new
             bucket.got[i] = True
             bucket.missing -= 1
             if bucket.missing == 0:
@@ -242,6 +252,11 @@ class GradSync:
             bucket.mine = rows.new_empty(bucket.numel)
             bucket.work = C.reduce_scatter_async(bucket.mine, bucket.buffer, self.group, self.size)
             bucket.launched = True
+            self._inflight.append(bucket)
+            while len(self._inflight) > INFLIGHT:  # the oldest one's whole buffer goes once it is reduced
+                done = self._inflight.pop(0)
+                done.work.wait()
+                done.work, done.buffer = None, None
             return
         for i, got in enumerate(bucket.got):
             if not got:  # no gradient this backward: zeros keep every rank's buckets alike
@@ -258,16 +273,18 @@ class GradSync:
         for bucket in self.buckets:
             if not bucket.launched:
                 self._launch(bucket)
+        self._inflight.clear()
         for bucket in self.buckets:
             if bucket.work is not None:
                 bucket.work.wait()
             if bucket.layouts is not None and self.rest is not None:
                 C.all_reduce(bucket.mine, *self.rest)
             for i, p in enumerate(bucket.params):
-                if not bucket.got[i] or p.grad is None:  # no gradient, or torch.autograd.grad
-                    continue
                 if bucket.layouts is not None:
-                    self._put_chunk(p, bucket, i)
+                    if bucket.got[i]:
+                        self._put_chunk(p, bucket, i)
+                    continue
+                if not bucket.got[i] or p.grad is None:  # no gradient, or torch.autograd.grad
                     continue
                 grad = local_of(p.grad)  # a DTensor parameter's gradient is one too: its local part
                 reduced = bucket.slot(i).view_as(grad)
@@ -281,15 +298,15 @@ class GradSync:
 
     def _put_chunk(self, p: nn.Parameter, bucket: _Bucket, i: int) -> None:
         """``p.grad`` becomes this rank's chunk of the sum (plus an earlier chunk), split over data."""
-        whole = local_of(p.grad)
+        piece = local_of(p)
         layout = bucket.layouts[i]
-        chunk = self.shards.unpack(bucket.mine, bucket.offsets[i], layout, whole.shape)
+        chunk = self.shards.unpack(bucket.mine, bucket.offsets[i], layout, piece.shape)
         earlier = self.carried.pop(id(p), None) if bucket.replace[i] else bucket.local[i]
         with torch.no_grad():
             if earlier is not None:
-                chunk = earlier + chunk.to(whole.dtype)
-            elif chunk.dtype != whole.dtype:
-                chunk = chunk.to(whole.dtype)
+                chunk = earlier + chunk.to(p.dtype)
+            elif chunk.dtype != p.dtype:
+                chunk = chunk.to(p.dtype)
         p.grad = self.shards.split_grad(p, chunk, layout)
 
     def remove(self) -> None:

@@ -62,6 +62,8 @@ _LOWER_PRECISION = frozenset({
     torch.ops.aten.linear.default, torch.ops.aten.addmm.default, torch.ops.aten.mm.default,
     torch.ops.aten.bmm.default, torch.ops.aten.baddbmm.default, torch.ops.aten.matmul.default, _SDPA,
 })
+_BUCKET_BYTES = 25 * 2**20
+"""The gradient sync's bucket cap (``search_plans.BUCKET_BYTES``, which imports this module)."""
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -94,8 +96,9 @@ class MemoryProfile:
     param_bytes: int
     """This rank's parameters (fp32)."""
     grad_bytes: int
-    """Gradients of this rank's trainable parameters, whole: under ``shard_optimizer`` a rank keeps 1/data of
-    them between backward and the step, but backward makes them whole first (the peak)."""
+    """Gradients of this rank's trainable parameters; under ``shard_optimizer`` without pipeline stages, 1/data
+    of them and a bucket's worth whole (``scattered_grad_bytes``); with stages, whole (they sum their
+    gradients after the last micro-batch)."""
     optimizer_bytes: int
     """Optimizer state: two fp32 tensors per trainable parameter (Adam's moments)."""
     frozen: tuple[str, ...] = ()
@@ -484,9 +487,19 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
     config = plan.config
     local = {p.name: p.local_numel(config) * 4 for p in plan.params}  # fp32
     trainable = sum(b for name, b in local.items() if name not in frozen)
-    state = trainable
+    state = grads = trainable
     if config.shard_optimizer and config.data > 1:  # each data rank keeps one chunk of every piece's state
         state = sum(4 * kept_numel(p.shape, p.split_axes(config), config.data)
                     for p in plan.params if p.name not in frozen)
+        if config.pipeline == 1:  # and of its gradient: the gradient sync frees each whole one once in its
+            # bucket, so at most about a bucket of them is whole at once (``scattered_grad_bytes``)
+            grads = scattered_grad_bytes(state, trainable)
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
-    return MemoryProfile(segments, sum(local.values()), trainable, 2 * state, frozen, largest)
+    return MemoryProfile(segments, sum(local.values()), grads, 2 * state, frozen, largest)
+
+
+def scattered_grad_bytes(chunks: int, whole: int) -> int:
+    """Gradient bytes a rank holds at most under ``shard_optimizer`` without pipeline stages: its ``chunks``
+    of the sums, plus whole gradients up to one 25 MiB bucket (DDP's cap, ``search_plans.BUCKET_BYTES``) on
+    their way into the reduce-scatter. As for whole gradients, the sync's own buffers are not counted."""
+    return chunks + min(whole, _BUCKET_BYTES)

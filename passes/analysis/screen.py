@@ -19,7 +19,7 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from passes.analysis.choose_stages import choose_stages
-from passes.analysis.estimate_memory import block_of
+from passes.analysis.estimate_memory import block_of, scattered_grad_bytes
 from passes.analysis.machine import Machine
 from passes.analysis.report import StepReport
 from passes.analysis.search_plans import BUCKET_BYTES, Candidate, Prices, arrival_skew, matmul_slowdown, pipeline_span
@@ -249,14 +249,16 @@ class _Degrees:
             sync = full * price(kind, "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price(kind, "data", c.data, rest, "step") if rest else 0.0
         state = 2 * params  # Adam's two moments
+        grads = params
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
             state //= c.data
+            grads = scattered_grad_bytes(params // c.data, params) if self.stages == 1 else params
             full, rest = divmod(params, BUCKET_BYTES)
             sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
         machine = self.machine
         update = 7 * state / 2 / machine.memory_bytes_per_second if machine.memory_bytes_per_second else 0.0
-        return sync, update, 2 * params + state + self.kept
+        return sync, update, params + grads + state + self.kept
 
     def _per_micro(self, c: Candidate, micro: int) -> tuple[float, float, float, int]:
         """(compute seconds, tensor collectives' seconds, blocking calls, bytes a pipeline stage sends per

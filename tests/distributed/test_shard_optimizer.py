@@ -463,3 +463,33 @@ def test_fp16_overflow_where_a_rank_holds_no_gradient_element_raises_on_every_ra
     rank stepping with a scale the others lowered."""
     for r, message in enumerate(distributed(_empty_chunk_overflow_worker, 4)):
         assert "hold no element of any gradient" in message and "1 rank(s)" in message, (r, message)
+
+
+def _gradient_peak_worker(shard: bool) -> dict:
+    """48 layers of 4 MiB on 4 data ranks (192 MiB of gradients, eight 25 MiB buckets): the bytes live during
+    one backward at their peak, the gradient bytes held after it, and the plan's gradient bytes."""
+    from autopar.memory import LiveBytes
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(data=4, shard_optimizer=shard):
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(48)])
+    x = torch.randn(8, 1024, generator=torch.Generator().manual_seed(0))
+    model(x).sum().backward()
+    model.zero_grad()
+    with LiveBytes() as live:
+        model(x).sum().backward()
+    return dict(peak=live.peak_bytes(exclude=[]), held=sum(local_of(p.grad).numel() * 4 for p in model.parameters()),
+                planned=autopar.plan_of(model).memory.grad_bytes)
+
+
+def test_split_gradients_lower_the_peak_of_backward(distributed):
+    """Under shard_optimizer each whole gradient goes once its bucket holds it, and at most two buckets' buffers
+    wait for their reduce-scatter: backward's peak falls from whole gradients plus buffers (384 MiB measured)
+    to 228 MiB on gloo (258 with every buffer kept to the end), and the plan counts the chunks plus one bucket
+    of whole gradients (73 MiB) where it counted them whole (192 MiB)."""
+    whole = distributed(_gradient_peak_worker, 4, False)
+    split = distributed(_gradient_peak_worker, 4, True)
+    mib = 2**20
+    for r, (a, b) in enumerate(zip(whole, split)):
+        assert a["held"] == a["planned"] == 48 * (1024 * 1024 + 1024) * 4, (r, a)
+        assert b["held"] * 4 == a["held"] and b["planned"] == b["held"] + 25 * mib, (r, b)
+        assert b["peak"] < 0.63 * a["peak"], (r, a["peak"] / mib, b["peak"] / mib)
