@@ -4,8 +4,10 @@ A step's micro-batches accumulate their gradients into a plain leaf that shares 
 piece (at plain-tensor cost: a DTensor ``.grad`` would add through DTensor's dispatch at every micro-batch,
 ~5% of FC_Net's ``p4`` step); ``finish`` then runs the script's tensor hooks on each step gradient (autograd
 never runs them: the stages do not read the parameter), sums it over data (x depth) and tied weights' over
-the stages holding them, and adds it to ``p.grad`` once. Under ``shard_optimizer`` the sum over data is a
-reduce-scatter (``autopar.runtime.data_shards``): ``p.grad`` holds this data rank's chunk.
+the stages holding them, and adds it to ``p.grad`` once. The sums go in buckets of up to ``BUCKET_BYTES``, one
+collective per bucket, as ``GradSync``'s (not overlapped: a pipeline's step ends with its last micro-batch's
+backward). Under ``shard_optimizer`` the sum over data is a reduce-scatter (``autopar.runtime.data_shards``):
+``p.grad`` holds this data rank's chunk.
 """
 
 from __future__ import annotations
@@ -85,16 +87,21 @@ class StageGrads:
                 replace.add(id(p))
         self.unsynced.clear()
         done: set[int] = set()
+        groups: dict[tuple[bool, str, torch.dtype], list[nn.Parameter]] = {}  # (scattered, axis, dtype): in plan order
         for pp in plan.params:
             p = params[pp.name]
             if id(p) in done or id(p) not in new:
                 continue
             done.add(id(p))
             axis, size = mesh.grad_group(pp.grad_axes)
-            if id(p) in layouts:
-                new[id(p)] = _scatter_grad(mesh, shards, layouts[id(p)], axis, reduce, new[id(p)])
-            elif size > 1:
-                new[id(p)] = _sync_grad(mesh, axis, reduce, new[id(p)])
+            if id(p) in layouts or size > 1:
+                groups.setdefault((id(p) in layouts, axis, reduce or new[id(p)].dtype), []).append(p)
+        for (scattered, axis, dtype), synced in groups.items():  # one collective per bucket, as GradSync's
+            for bucket in _buckets(synced, new):
+                if scattered:
+                    _scatter_grads(mesh, shards, [layouts[id(p)] for p in bucket], axis, dtype, bucket, new)
+                else:
+                    _sync_grads(mesh, axis, dtype, bucket, new)
         for name, stages in plan.pipeline.shared:
             ranks = tuple(sorted({owner(s, config.pipeline) for s in stages}))
             p = params[name]
@@ -138,19 +145,46 @@ def _add_grad(p: nn.Parameter, local: torch.Tensor) -> None:
         local_of(p.grad).add_(local)
 
 
-def _scatter_grad(mesh: Mesh, shards: DataShards, layout: Layout, axis: str, dtype: torch.dtype | None,
-                  grad: torch.Tensor) -> torch.Tensor:
-    """This data rank's chunk of the sum of ``grad`` over data (a reduce-scatter), then over depth where
-    ``axis`` spans it too."""
-    rows = torch.empty((shards.size, layout.width), dtype=dtype or grad.dtype, device=grad.device)
-    shards.pack(grad, layout, rows, 0)
+def _buckets(synced: list[nn.Parameter], new: dict[int, torch.Tensor]) -> list[list[nn.Parameter]]:
+    """``synced`` in runs of up to ``BUCKET_BYTES`` of gradient (one parameter alone where it is larger)."""
+    out: list[list[nn.Parameter]] = []
+    nbytes = 0
+    for p in synced:
+        size = new[id(p)].numel() * new[id(p)].element_size()
+        if not out or nbytes + size > C.BUCKET_BYTES:
+            out.append([])
+            nbytes = 0
+        out[-1].append(p)
+        nbytes += size
+    return out
+
+
+def _scatter_grads(mesh: Mesh, shards: DataShards, layouts: list[Layout], axis: str, dtype: torch.dtype,
+                   bucket: list[nn.Parameter], new: dict[int, torch.Tensor]) -> None:
+    """Each gradient in ``new`` of ``bucket`` becomes this data rank's chunk of its sum over data (one
+    reduce-scatter), then over depth where ``axis`` spans it too (one all-reduce)."""
+    offsets = [0]
+    for layout in layouts:
+        offsets.append(offsets[-1] + layout.width)
+    first = new[id(bucket[0])]
+    rows = torch.empty((shards.size, offsets[-1]), dtype=dtype, device=first.device)
+    for p, layout, offset in zip(bucket, layouts, offsets):
+        shards.pack(new[id(p)], layout, rows, offset)
     mine = C.reduce_scatter(rows.view(-1), shards.group, shards.size)
     if axis == "batch" and mesh.size("depth") > 1:
         mine = C.all_reduce(mine, mesh.group("depth"), mesh.size("depth"))
-    return shards.unpack(mine, 0, layout, grad.shape).to(grad.dtype)
+    for p, layout, offset in zip(bucket, layouts, offsets):
+        grad = new[id(p)]
+        new[id(p)] = shards.unpack(mine, offset, layout, grad.shape).to(grad.dtype)
 
 
-def _sync_grad(mesh: Mesh, axis: str, dtype: torch.dtype | None, grad: torch.Tensor) -> torch.Tensor:
-    if dtype is None or dtype == grad.dtype:  # clone: autograd may hand the same buffer to other consumers
-        return C.all_reduce(grad.clone(), mesh.group(axis), mesh.size(axis))
-    return C.all_reduce(grad.to(dtype), mesh.group(axis), mesh.size(axis)).to(grad.dtype)
+def _sync_grads(mesh: Mesh, axis: str, dtype: torch.dtype, bucket: list[nn.Parameter],
+                new: dict[int, torch.Tensor]) -> None:
+    """Each gradient in ``new`` of ``bucket`` summed over ``axis`` (one all-reduce of their concatenation)."""
+    flat = torch.cat([new[id(p)].reshape(-1).to(dtype) for p in bucket])  # (its own memory: autograd's buffers
+    flat = C.all_reduce(flat, mesh.group(axis), mesh.size(axis))          # may have other consumers)
+    offset = 0
+    for p in bucket:
+        grad = new[id(p)]
+        new[id(p)] = flat[offset:offset + grad.numel()].view(grad.shape).to(grad.dtype)
+        offset += grad.numel()

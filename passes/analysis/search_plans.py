@@ -135,7 +135,7 @@ def _halves(phase: str, axis: str) -> bool:
 
 
 BUCKET_BYTES = 25 * 2**20
-"""The gradient sync's bucket cap (autopar.runtime.grad_sync, as DDP's)."""
+"""The gradient sync's bucket cap (autopar.runtime.grad_sync and, under a pipeline, stage_grads; as DDP's)."""
 
 
 def bucketed(collectives: Iterable[Collective], cap: int = BUCKET_BYTES) -> list[Collective]:

@@ -69,6 +69,7 @@ def _worker(grids: dict, shards: tuple[bool, ...] = (False, True)) -> dict:
             autopar.reset_comm_stats()
             F.cross_entropy(model(x), y).backward()
             synced = autopar.comm_stats()  # forward and backward, the gradient sync included
+            scatters = comm_calls().get("reduce_scatter", 0)
             grads = sum(local_of(p.grad).numel() * 4 for p in model.parameters() if p.grad is not None)
             autopar.reset_comm_stats()
             opt.step()  # the step's own bytes: the parameters' all-gather
@@ -78,7 +79,7 @@ def _worker(grids: dict, shards: tuple[bool, ...] = (False, True)) -> dict:
                 shadow = FC_Net(**SMALL)
             _, report = plan_model(shadow, (x,), runtime.config, rank=dist.get_rank(),
                                    pipeline=runtime.config.pipeline, microbatches=runtime.num_microbatches)
-            out[name, shard] = dict(losses=losses, params=params, grads=grads,
+            out[name, shard] = dict(losses=losses, params=params, grads=grads, scatters=scatters,
                                     state=state, bytes=_state_bytes(opt),
                                     predicted_bytes=autopar.plan_of(model).memory.optimizer_bytes,
                                     gathered=sent.get("all_gather", 0.0), calls=comm_calls().get("all_gather", 0),
@@ -136,6 +137,8 @@ def test_sharded_optimizer_state_trains_like_serial_on_every_grid_kind(distribut
             whole, split = res[name, False]["total"], res[name, True]["total"]
             assert whole <= split <= whole * 1.01 + 8, (name, r, split, whole)
             assert res[name, True]["scattered"] > 0, (name, r)
+            if GRIDS[name].get("tensor", (1, 1, 1))[2] == 1:  # (depth reduce-scatters its weights' gradients too)
+                assert res[name, True]["scatters"] == 1, (name, r, res[name, True]["scatters"])  # one bucket
 
 
 RESUMES = [("dcp", "d2t2", True, "d4", False), ("dcp", "d4", False, "d2p2", True),
