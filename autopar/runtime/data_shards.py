@@ -1,9 +1,10 @@
 """Optimizer state and gradients split over data (``auto_parallelize(shard_optimizer=True)``, ZeRO stages 1-2).
 
 Every data rank holds the same parameters. Under ``shard_optimizer`` data rank i keeps the optimizer state
-of only chunk i of each parameter's local piece, split along one dim (``layout``: dim 0 when no other mesh axis splits it, else the first dim none splits) as
-``torch.chunk`` splits it, the way DTensor's ``Shard(dim)`` lays out an uneven split; it steps those elements
-and the data ranks then all-gather the updated chunks (``gather``), in buckets of ``BUCKET_BYTES``. The state
+of only chunk i of each parameter's local piece, split along one dim (``layout``: dim 0 when no other mesh
+axis splits it, else the first dim none splits) as ``torch.chunk`` splits it, the way DTensor's ``Shard(dim)``
+lays out an uneven split; it steps those elements and the data ranks then all-gather the updated chunks
+(``gather``), in buckets of ``BUCKET_BYTES``. The state
 is a DTensor with ``Shard(dim)`` on the data dim of the parameter's mesh, so ``optimizer.state_dict()``,
 DCP and ``autopar.full_optimizer_state_dict`` see its global shape (the serial one) and which box each rank
 holds, and a checkpoint loads at any grid, sharded or not.
@@ -30,6 +31,7 @@ from collections.abc import Sequence
 import torch
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
+from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar.compat import StridedShard, local_tensor
 from autopar.runtime import collectives as C
@@ -61,6 +63,8 @@ class DataShards:
 
     def __init__(self, mesh: Mesh) -> None:
         self.group, self.size, self.index = mesh.group("data"), mesh.size("data"), mesh.index("data")
+        self._grad_layouts: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        """parameter -> (its local shape and placements, ``grad_layout``'s answer): asked at every pipeline step."""
 
     def layout(self, p: torch.Tensor, piece: torch.Tensor, ndim: int) -> Layout | None:
         """The split of ``p``'s state (``piece``: its local tensor; ``ndim``: its mesh's dims, for a plain
@@ -85,7 +89,12 @@ class DataShards:
         """The split of ``p``'s gradient over data: its optimizer state's (None: whole, all-reduced)."""
         if not isinstance(p, DTensor):
             return None
-        return self.layout(p, local_tensor(p), p.device_mesh.ndim)
+        piece = local_tensor(p)
+        key = (piece.shape, tuple(p.placements))
+        known = self._grad_layouts.get(p)
+        if known is None or known[0] != key:
+            known = self._grad_layouts[p] = (key, self.layout(p, piece, p.device_mesh.ndim))
+        return known[1]
 
     @staticmethod
     def split_grad(p: DTensor, chunk: torch.Tensor, layout: Layout) -> DTensor:
