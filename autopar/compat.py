@@ -106,6 +106,11 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Any = None, a
     return _reduce_scatter(out, t, group=group, async_op=async_op)
 
 
+def default_store() -> dist.Store:
+    """The c10d store the default process group was made with (every rank of the world reaches it)."""
+    return dist.distributed_c10d._get_default_store()
+
+
 def resolve_process_group(name: str) -> dist.ProcessGroup:
     """The ProcessGroup a functional collective names by ``group_name``."""
     return dist.distributed_c10d._resolve_process_group(name)
@@ -365,6 +370,14 @@ def import_compiler() -> None:
 
 # --- compiling (torch.compile, Inductor) ------------------------------------------------------------
 
+def inductor_compile_graph(gm: fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Callable:
+    """Inductor's compile of one graph AOTAutograd partitioned (forward, or backward: ``is_backward``), as
+    ``inductor_backend`` calls it (looked up at each call: tests put a failing one in its place)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    return compile_fx_inner(gm, example_inputs, *args, **kwargs)
+
+
 def inductor_backend(wrap: Callable[[fx.GraphModule], Callable[[Callable], Callable]],
                      config_patches: dict[str, Any]) -> Callable:
     """A ``torch.compile`` backend: Inductor, with every graph it compiles (forward and backward, after
@@ -373,16 +386,20 @@ def inductor_backend(wrap: Callable[[fx.GraphModule], Callable[[Callable], Calla
     its place. AOTAutograd's on-disk cache is off inside it: a graph loaded from that cache would skip
     ``wrap``. So is its common-subexpression elimination over the joint graph, which would merge a
     backward's weight all-gather with the forward's and keep the gathered weight alive between them (the
-    memory a depth-sharded weight exists to save; each graph is still simplified on its own)."""
+    memory a depth-sharded weight exists to save; each graph is still simplified on its own). The backward
+    is lowered with the forward, not at the first backward (where this torch can): a backward that does not
+    compile then fails before the forward runs, and the graph runs eagerly, both ways."""
     from torch._functorch import config as functorch_config
-    from torch._inductor.compile_fx import compile_fx, compile_fx_inner
+    from torch._inductor.compile_fx import compile_fx
 
     def inner(gm: fx.GraphModule, example_inputs: Any, *args: Any, **kwargs: Any) -> Callable:
         around = wrap(gm)  # (before compile_fx_inner's passes rewrite gm)
-        return around(compile_fx_inner(gm, example_inputs, *args, **kwargs))
+        return around(inductor_compile_graph(gm, example_inputs, *args, **kwargs))
 
     def backend(gm: fx.GraphModule, example_inputs: Any) -> Callable:
         patch = {k: False for k in ("enable_autograd_cache", "cse") if hasattr(functorch_config, k)}
+        if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
+            patch["force_non_lazy_backward_lowering"] = True
         with functorch_config.patch(patch):
             return compile_fx(gm, example_inputs, inner_compile=inner, config_patches=config_patches)
     return backend

@@ -238,6 +238,10 @@ BATCH_MODES: tuple[str, ...] = ("auto", "global", "per-rank")
 AGREEMENT_BYTES = 7 * 8
 """One rank's description of a call (autopar.runtime.agreement): all-gathered over the world per call."""
 
+COMPILE_AGREEMENT_TIMEOUT = 1800.0
+"""Seconds a rank waits for the others to finish compiling a graph (autopar.runtime.compile_agreement):
+compiling takes minutes, and ranks that load a graph from Inductor's cache finish far sooner."""
+
 
 @dataclass(frozen=True, slots=True)
 class InputConfig:

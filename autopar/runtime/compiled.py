@@ -45,12 +45,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx
 
 from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile_errors, dispatch_mode_active,
                             inductor_backend, inductor_bucketing_options, inductor_cuda_graph_options,
                             inductor_overlap_options, resolve_process_group, size_hint)
 from autopar.runtime import collectives as C
+from autopar.runtime.compile_agreement import CompileAgreement, Issued, digest, store_key
 from autopar.runtime.param_layout import local_of, replace_local
 
 log = logging.getLogger(__name__)
@@ -74,16 +76,33 @@ def collectives_of(graph: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
     return tuple(out)
 
 
-def _counted(launches: list[tuple[dict[str, int], dict[str, int]]],
+def issued_by_group(graph: fx.GraphModule) -> Issued:
+    """The collectives a compiled graph holds, in order, by the group they go over (its global ranks):
+    (kind, bytes), what every member of the group must issue alike (``compile_agreement``)."""
+    out: Issued = {}
+    for node in graph.graph.nodes:
+        kind = FUNCTIONAL_COLLECTIVES.get(node.target) if node.op == "call_function" else None
+        if kind is None:
+            continue
+        ranks = tuple(dist.get_process_group_ranks(resolve_process_group(node.args[-1])))
+        value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
+        out.setdefault(ranks, []).append((kind, _nbytes(value)))
+    return out
+
+
+def _counted(launches: list[tuple[dict[str, int], dict[str, int]]], issued: list[tuple[Issued, dict[str, int]]],
              graph: fx.GraphModule) -> Callable[[Callable], Callable]:
     """What wraps ``graph`` compiled: it counts the graph's collectives each time it runs (as the graph holds
     them, before Inductor buckets them: the same bytes), and notes in ``launches`` how many of each kind it
-    holds and how many the generated code launches (after bucketing), where that code can be read."""
+    holds and how many the generated code launches (after bucketing), where that code can be read; and in
+    ``issued``, what it issues on each group with those launches (what the ranks agree on)."""
     held = collectives_of(graph)
     tally = C.Tally(held)
+    by_group = issued_by_group(graph) if held and not C.simulated() else {}
 
     def around(run: Callable) -> Callable:
         found = collective_launches(run)
+        issued.append((by_group, found or {}))
         if found is not None:
             launches.append(({kind: calls for kind, _, calls in tally.sums}, found))
         if not held:  # Inductor's own compiled graph, unwrapped
@@ -97,12 +116,24 @@ def _counted(launches: list[tuple[dict[str, int], dict[str, int]]],
     return around
 
 
+class CompileDisagreement(RuntimeError):
+    """Raised inside the compile of a graph that another rank runs eagerly or compiled otherwise
+    (``compile_agreement``): torch.compile then fails on every rank alike, and each runs the graph eagerly."""
+
+
+_made: dict[str, int] = {}
+"""CompiledGraphs made in this process, by name: the n-th of a name is the same graph on every peer."""
+
+
 class CompiledGraph:
-    """A bound graph (or pipeline stage) run through ``torch.compile``; eager after a failed compile."""
+    """A bound graph (or pipeline stage) run through ``torch.compile``; eager after a failed compile.
+
+    ``agreement``: the ranks that run this graph at the same calls, which agree on each compile before any
+    of them runs it (``autopar.runtime.compile_agreement``); None: this rank alone decides."""
 
     def __init__(self, gm: fx.GraphModule, name: str, device: torch.device, warn: Callable[[str], None],
-                 cuda_graphs: bool = False) -> None:
-        self.gm, self.name, self.warn = gm, name, warn
+                 cuda_graphs: bool = False, agreement: CompileAgreement | None = None) -> None:
+        self.gm, self.name, self.warn, self.agreement = gm, name, warn, agreement
         options = {**inductor_bucketing_options(C.BUCKET_BYTES),
                    **(inductor_overlap_options() if device.type == "cuda" else {})}
         graphs = inductor_cuda_graph_options() if cuda_graphs and device.type == "cuda" else {}
@@ -112,27 +143,75 @@ class CompiledGraph:
         self.launches: list[tuple[dict[str, int], dict[str, int]]] = []
         """Per graph Inductor compiled here (forward, backward): the collectives of each kind it holds, and those
         its code launches (fewer where Inductor bucketed them: ``compat.inductor_bucketing_options``)."""
-        self.compiled = torch.compile(gm, backend=inductor_backend(functools.partial(_counted, self.launches), options),
-                                      fullgraph=True, dynamic=False)
+        self._issued: list[tuple[Issued, dict[str, int]]] = []
+        self._key = store_key((name, _made.setdefault(name, 0)))
+        _made[name] += 1
+        self._rounds = 0
+        """Compiles this rank posted to ``agreement`` (the next one's key)."""
+        inductor = inductor_backend(functools.partial(_counted, self.launches, self._issued), options)
+        self.compiled = torch.compile(gm, backend=functools.partial(self._agreed, inductor), fullgraph=True,
+                                      dynamic=False)
         self.failed: str | None = None
         """Why the graph runs eagerly (None: it runs compiled)."""
         self.compiled_runs = 0
         """Calls that ran compiled (the plan report and tests read it)."""
 
+    def _agreed(self, inductor: Callable, gm: fx.GraphModule, example_inputs: Any) -> Callable:
+        """Inductor's compile of ``gm``, run only where every peer compiled the same collectives."""
+        start = len(self._issued)
+        try:
+            run = inductor(gm, example_inputs)
+        except Exception as e:
+            self._agree(_why(e), [])
+            raise
+        why = self._agree(None, self._issued[start:])
+        if why is not None:
+            raise CompileDisagreement(why)
+        return run
+
+    def _agree(self, failed: str | None, issued: list[tuple[Issued, dict[str, int]]]) -> str | None:
+        """This compile's verdict from the peers (``CompileAgreement.agree``); None: run it compiled."""
+        if self.agreement is None:
+            return failed
+        key = f"{self._key}/{self._rounds}"
+        self._rounds += 1
+        return self.agreement.agree(key, failed, digest([i for i, _ in issued], [n for _, n in issued]))
+
     def __call__(self, *args: Any) -> Any:
         if self.failed is None and not dispatch_mode_active():  # (under a user's dispatch mode: eager, this call)
+            rounds = self._rounds
             try:
                 out = self.compiled(*args)
                 self.compiled_runs += 1
                 return out
             except compile_errors() as e:
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                self.failed = f"{type(e).__name__}: {reason}"
+                disagreement = _cause(e, CompileDisagreement)
+                if disagreement is None and self._rounds == rounds:  # (dynamo's: the peers still wait to hear)
+                    self._agree(_why(e), [])
+                self.failed = str(disagreement) if disagreement is not None else _why(e)
                 self.warn(f"compile=True: {self.name} does not compile ({self.failed[:300]}); it runs "
                           "eagerly (same results, launched op by op). Report the model, or pass compile=False "
                           "to silence this.")
                 log.debug("autopar: why %s does not compile", self.name, exc_info=True)
         return self.gm(*args)
+
+
+def _why(e: BaseException) -> str:
+    """An error's type and first line (what the backend raised, where torch.compile wrapped it)."""
+    e = getattr(e, "inner_exception", None) or e
+    reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return f"{type(e).__name__}: {reason}"
+
+
+def _cause(e: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The first of ``e``'s chain of causes (or what torch.compile wrapped) of type ``kind``."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, kind):
+            return e
+        seen.add(id(e))
+        e = getattr(e, "inner_exception", None) or e.__cause__ or e.__context__
+    return None
 
 
 class SurvivingGrads:

@@ -26,6 +26,9 @@ from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
 from autopar.runtime import graphed
+from autopar import config as settings
+from autopar.compat import default_store
+from autopar.runtime.compile_agreement import CompileAgreement
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.depth_buckets import bucket_depth_gathers
 from autopar.runtime.executables import Executable
@@ -128,6 +131,7 @@ class Compiler:
         """``captured`` compiled under ``plan`` for this rank. ``per_rank``: (each member's rows, this rank's
         member index) under per-rank batches."""
         pipelined = self.config.pipeline > 1
+        agreement = self._agreement(per_rank is not None)
         gm, records = run_passes(captured.gm, plan, PIPELINE_PASSES if pipelined else PASSES)
         for note in (n for r in records if r.name == "split_batch" for n in r.notes):
             self.warn_once(f"{note} (correct, but that op is not data-parallel).")
@@ -150,20 +154,29 @@ class Compiler:
         if pipelined:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
                               self.finish_grads, symbolic=captured.accepts is not None,
-                              wrap=None if captured.accepts is not None else self._stage_wrap)
+                              wrap=None if captured.accepts is not None else
+                              lambda stage, name: self._stage_wrap(stage, name, agreement))
             if self.store.held is None:
                 self.store.hold(program.readers())
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
-        run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph")
-        graphs = None if pipelined else self._graphs(gm, inputs, run)
+        run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph", agreement=agreement)
+        graphs = None if pipelined else self._graphs(gm, inputs, run, agreement)
         kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
                           captured.accepts, rows, run, graphs, kept or None,
                           OutputTree(captured.out_spec) if kept else None)
 
+    def _agreement(self, per_rank: bool) -> CompileAgreement | None:
+        """Where this executable's compiled graphs are agreed on by the ranks that run them (None: not
+        compiled, or a simulated world: no other rank to agree with)."""
+        if self.compile.mode is False or self.mesh.simulated:
+            return None
+        return CompileAgreement(default_store(), self.mesh.rank, self.mesh.graph_peers(per_rank),
+                                settings.COMPILE_AGREEMENT_TIMEOUT)
+
     def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
-                run: Callable[..., Any]) -> graphed.CallGraphs | None:
+                run: Callable[..., Any], agreement: CompileAgreement | None) -> graphed.CallGraphs | None:
         """How this graph's repeated evaluation calls replay as CUDA graphs (``autopar.runtime.graphed``): what
         is captured is the graph compiled for their sizes where ``compile`` says so (``CompileConfig``), else
         the eager graph."""
@@ -174,29 +187,31 @@ class Compiler:
         copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
         name = f"the per-rank graph of {type(self._model()).__name__}"
         warm = run if isinstance(run, CompiledGraph) or not self.compile.enabled(self.mesh.device.type, False, True) \
-            else CompiledGraph(gm, name, self.mesh.device, self.warn_once)
+            else CompiledGraph(gm, name, self.mesh.device, self.warn_once, agreement=agreement)
         unused = frozenset(i for i, n in enumerate(placeholders(gm)) if not n.users)
         names = [f"{kind.name.lower()} {target}" for kind, target in inputs]
         return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
                                   names=names, unused=unused)
 
-    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True) -> Callable[..., Any]:
+    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True,
+              agreement: CompileAgreement | None = None) -> Callable[..., Any]:
         """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled``) or as it is; a
         training graph also replayed as a CUDA graph where ``compile="reduce-overhead"`` asks (``replayed``)."""
         device, training = self.mesh.device.type, torch.is_grad_enabled()
         if not self.compile.enabled(device, training):
             return gm
         return CompiledGraph(gm, f"{name} of {type(self._model()).__name__}", self.mesh.device, self.warn_once,
-                             cuda_graphs=replayed and self.compile.cuda_graphs(device, training))
+                             cuda_graphs=replayed and self.compile.cuda_graphs(device, training), agreement=agreement)
 
-    def _stage_wrap(self, gm: fx.GraphModule, name: str) -> Callable[..., Any]:
+    def _stage_wrap(self, gm: fx.GraphModule, name: str,
+                    agreement: CompileAgreement | None = None) -> Callable[..., Any]:
         """A pipeline stage's graph: compiled as ``_wrap`` does, never replayed as a CUDA graph (a schedule
         runs several micro-batches' forwards before their backwards, and accumulates their gradients)."""
         if self.compile.cuda_graphs(self.mesh.device.type, torch.is_grad_enabled()):
             self.warn_once("compile='reduce-overhead': pipeline stages are compiled but not replayed as CUDA graphs "
                            "(their micro-batches' gradients accumulate across replays); pass compile=True to "
                            "silence this.")
-        return self._wrap(gm, name, replayed=False)
+        return self._wrap(gm, name, replayed=False, agreement=agreement)
 
     def _real_constant(self, name: str) -> Any:
         """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""

@@ -86,6 +86,15 @@ class Mesh:
         return [r for r in range(self.config.world_size)
                 if self.config.coords(r)["data"] == c["data"] and self.config.coords(r)["depth"] == c["depth"]]
 
+    def graph_peers(self, per_rank: bool) -> tuple[int, ...]:
+        """The ranks that run this rank's compiled graphs at the same calls, with the same sizes: those at its
+        pipeline coordinate; under per-rank batches (each batch shard its own sizes) those of them that hold
+        its batch shard. They agree on each compile (``autopar.runtime.compile_agreement``)."""
+        c = self.coords
+        same = ("pipeline", "data", "depth") if per_rank else ("pipeline",)
+        return tuple(r for r in range(self.config.world_size)
+                     if all(self.config.coords(r)[a] == c[a] for a in same))
+
     def shard_group(self) -> dist.ProcessGroup:
         """The group of ``shard_members``; made at its first use, which every rank reaches together."""
         if self._shard is None:

@@ -10,8 +10,9 @@ inside forward with a vocabulary-parallel cross-entropy, GPT-2 with a vocabulary
 (64+63), and GPT-2 in two pipeline stages (its tied embedding and head on different stages: the stages'
 parameter leaves, not the compiled graph's one-node read, must collect their gradients). On the depth
 grids the compiled code launches fewer all-gathers and reduce-scatters than its graphs hold (Inductor's
-bucketing: 13 and 6 a step become 2 and 1 at depth 2), with the same bytes. Compiling on 2 CPU cores is
-slow: marked slow.
+bucketing: 13 and 6 a step become 2 and 1 at depth 2), with the same bytes. Ranks whose compiles fail or
+differ (injected on one rank) all run eagerly, with eager's numbers (``test_ranks_whose_compiles_differ_...``).
+Compiling on 2 CPU cores is slow: marked slow.
 """
 
 from __future__ import annotations
@@ -182,10 +183,69 @@ def test_compiled_gpt2_at_depth_with_labels_does_not_hang(distributed):
     """The batch ranks' compiled graphs issue the same collectives in the same order. Before the fix, the loss
     output's backward (``ops._OnOneBatchRank``) made zeros without the gradient on ranks but batch rank 0, and
     AOTAutograd's partitioner moved the all-reduce after them into those ranks' forward: rank 0's forward held
-    one all-reduce fewer, and every rank waited forever (mutation: the zeros back, the test times out)."""
+    one all-reduce fewer, and every rank waited forever. Mutation (the zeros back): the ranks' compile agreement
+    (``autopar.runtime.compile_agreement``) now finds the forwards differ, every rank runs eagerly, and the test
+    fails on the compiled runs (0) instead of timing out."""
     for rank, got in enumerate(distributed(_gpt2_depth_loss_in_forward, 4, timeout=300)):
         (eager, eager_grads, _), (comp, comp_grads, runs) = got[False], got[True]
         assert runs >= 1, f"rank {rank}: the forward did not run compiled"
         assert abs(eager - comp) / abs(eager) < TOL, f"rank {rank}: loss {comp} against eager {eager}"
         for k in eager_grads:
             assert rel_err(eager_grads[k], comp_grads[k]) < TOL, f"rank {rank}: gradient of {k}"
+
+
+def _diverging(case: str) -> dict:
+    """FC_Net trained 2 steps eagerly, then compiled with rank 1's (or every rank's) compile made to differ:
+    rank 1's Inductor fails; rank 1 does not bucket (its code launches other collectives than rank 0's);
+    every rank's backward does not lower."""
+    import autopar.compat as inductor
+    import autopar.runtime.compiled as compiled
+
+    real = inductor.inductor_compile_graph
+    rank = dist.get_rank()
+
+    def fails(gm, inputs, *args, **kwargs):
+        raise RuntimeError("injected: this rank's Inductor fails")
+
+    def backward_fails(gm, inputs, *args, **kwargs):
+        if kwargs.get("is_backward"):
+            raise RuntimeError("injected: the backward does not lower")
+        return real(gm, inputs, *args, **kwargs)
+
+    grid = {"tensor": (1, 1, 2)} if case == "unbucketed" else {"tensor": (2, 1, 1)}
+    out = {"eager": _train("fc", grid, False, "call", steps=2)}
+    patches = {"fails": (inductor, "inductor_compile_graph", fails) if rank == 1 else None,
+               "unbucketed": (compiled, "inductor_bucketing_options", lambda size: {}) if rank == 1 else None,
+               "backward fails": (inductor, "inductor_compile_graph", backward_fails)}[case]
+    if patches is not None:
+        module, name, value = patches
+        saved = getattr(module, name)
+        setattr(module, name, value)
+    try:
+        out["compiled"] = _train("fc", grid, True, "call", steps=2)
+    finally:
+        if patches is not None:
+            setattr(module, name, saved)
+    return out
+
+
+@pytest.mark.parametrize("case", ["fails", "unbucketed", "backward fails"])
+def test_ranks_whose_compiles_differ_all_run_eagerly(case, distributed):
+    """Every rank runs a graph compiled, or every rank runs it eagerly (``autopar.runtime.compile_agreement``):
+    a rank whose compile fails or differs turns them all eager, with serial's numbers and no hang. Mutations:
+    without the agreement, rank 0 runs compiled beside rank 1's eager graph ('fails': the test fails on
+    rank 0's verdict; 'unbucketed': rank 0's two bucketed all-gathers meet rank 1's thirteen, and the ranks
+    wait on each other until the test's timeout); with the backward lowered lazily, 'backward fails' raises
+    in the first backward."""
+    for rank, got in enumerate(distributed(_diverging, 2, case, timeout=600)):
+        eager, comp = got["eager"], got["compiled"]
+        assert comp["failed"], f"rank {rank}: ran compiled beside a rank that runs eagerly"
+        why = comp["failed"][0]
+        expected = {"fails": "rank 1 could not compile it" if rank == 0 else "injected: this rank's Inductor fails",
+                    "unbucketed": "rank 1's compiled code issues other collectives over ranks [0, 1] than rank 0's",
+                    "backward fails": "injected: the backward does not lower"}[case]
+        assert expected in why, f"rank {rank}: {why}"
+        assert comp["compiled_runs"] == 0, f"rank {rank}: {comp['compiled_runs']} compiled runs"
+        assert eager["losses"] == comp["losses"], f"rank {rank}: {eager['losses']} != {comp['losses']}"
+        for k in eager["grads"]:
+            assert torch.equal(eager["grads"][k], comp["grads"][k]), f"rank {rank}: gradient of {k}"
