@@ -149,8 +149,9 @@ class CompiledGraph:
         self._rounds = 0
         """Compiles this rank posted to ``agreement`` (the next one's key)."""
         inductor = inductor_backend(functools.partial(_counted, self.launches, self._issued), options)
-        self.compiled = torch.compile(gm, backend=functools.partial(self._agreed, inductor), fullgraph=True,
-                                      dynamic=False)
+        def backend(graph: fx.GraphModule, example_inputs: Any) -> Callable:  # (a function: copies of
+            return self._agreed(inductor, graph, example_inputs)  # torch.compile's arguments keep it, as Fabric's)
+        self.compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
         self.failed: str | None = None
         """Why the graph runs eagerly (None: it runs compiled)."""
         self.compiled_runs = 0

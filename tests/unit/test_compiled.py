@@ -35,6 +35,35 @@ def test_a_graph_that_compiles_runs_compiled():
     torch.testing.assert_close(x.grad, expected.grad)
 
 
+def test_a_graph_compiles_where_fabric_copies_torch_compiles_arguments():
+    """Lightning Fabric wraps ``torch.compile`` once imported, and deep-copies its arguments (the backend
+    among them). The backend must survive that: a bound method of the graph once dragged the ranks' compile
+    agreement, with its c10d store, into the copy, and every compile under Fabric raised 'cannot pickle'."""
+    import pickle
+
+    import pytest
+
+    wrappers = pytest.importorskip("lightning.fabric.wrappers")
+
+    class Unpicklable:  # an agreement (its store) that every rank's compile agrees with
+        def __reduce__(self):
+            raise pickle.PicklingError("a c10d store or process group")
+
+        def agree(self, key, failed, groups):
+            return failed
+
+    compile_fn = torch.compile
+    torch.compile = wrappers._capture_compile_kwargs(compile_fn)
+    try:
+        run = CompiledGraph(_graph(torch.nn.functional.gelu), "the test graph", torch.device("cpu"), print,
+                            agreement=Unpicklable())
+    finally:
+        torch.compile = compile_fn
+    x = torch.randn(4, 3)
+    torch.testing.assert_close(run(x), torch.nn.functional.gelu(torch.sin(x)))
+    assert run.failed is None and run.compiled_runs == 1, run.failed
+
+
 def test_a_graph_that_does_not_compile_runs_eagerly_with_one_warning():
     warnings: list[str] = []
     gm = _graph(_reads_a_value)
