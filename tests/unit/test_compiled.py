@@ -43,7 +43,8 @@ def test_a_graph_compiles_where_fabric_copies_torch_compiles_arguments():
 
     import pytest
 
-    wrappers = pytest.importorskip("lightning.fabric.wrappers")
+    pytest.importorskip("lightning.fabric")  # (importing it wraps torch.compile, for the whole process)
+    assert getattr(torch.compile, "__wrapped__", None) is not None, "Fabric no longer wraps torch.compile"
 
     class Unpicklable:  # an agreement (its store) that every rank's compile agrees with
         def __reduce__(self):
@@ -52,13 +53,8 @@ def test_a_graph_compiles_where_fabric_copies_torch_compiles_arguments():
         def agree(self, key, failed, groups):
             return failed
 
-    compile_fn = torch.compile
-    torch.compile = wrappers._capture_compile_kwargs(compile_fn)
-    try:
-        run = CompiledGraph(_graph(torch.nn.functional.gelu), "the test graph", torch.device("cpu"), print,
-                            agreement=Unpicklable())
-    finally:
-        torch.compile = compile_fn
+    run = CompiledGraph(_graph(torch.nn.functional.gelu), "the test graph", torch.device("cpu"), print,
+                        agreement=Unpicklable())
     x = torch.randn(4, 3)
     torch.testing.assert_close(run(x), torch.nn.functional.gelu(torch.sin(x)))
     assert run.failed is None and run.compiled_runs == 1, run.failed
