@@ -106,6 +106,20 @@ def reduce_scatter_into(out: torch.Tensor, t: torch.Tensor, group: Any = None, a
     return _reduce_scatter(out, t, group=group, async_op=async_op)
 
 
+def compiled_original(model: Any) -> Any:
+    """The module ``torch.compile(module)`` wrapped (its ``OptimizedModule``), else ``model``."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    return model._orig_mod if isinstance(model, OptimizedModule) else model
+
+
+def dynamo_graphs() -> int:
+    """Graphs dynamo has made in this process so far (its ``unique_graphs`` counter)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def default_store() -> dist.Store:
     """The c10d store the default process group was made with (every rank of the world reaches it)."""
     return dist.distributed_c10d._get_default_store()

@@ -320,6 +320,9 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
         return runtimes[ref()](*args, **kwargs)  # the runtime of the grid chosen at the first call, if it was
 
     functools.update_wrapper(forward, original)  # inspect.signature(model.forward) stays the user's
+    # A script's own torch.compile(model) (nanoGPT's train.py) would have dynamo trace autopar's runtime on every
+    # call (5-6x slower steps, measured): it runs as it is, and compiles the per-rank program itself (compile=)
+    forward = torch.compiler.disable(forward, recursive=True)
     installed = patches.of_model(model)
     installed.set_attribute("forward", forward)  # instance attribute: nn.Module.__call__ dispatches to it
     if not hasattr(model, "no_sync"):  # DDP's spelling, so a DDP script's accumulation loop runs unchanged

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from autopar import patches
-from autopar.compat import buffer_slots, local_tensor, parameter_slots
+from autopar.compat import buffer_slots, compiled_original, local_tensor, parameter_slots
 from autopar.decisions import Plan
 from autopar.errors import ContextError
 from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
@@ -33,8 +33,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 
 def unwrapped(model: nn.Module) -> nn.Module:
     """The model a framework's wrapper holds (Lightning Fabric's ``_FabricModule``: the script passes what
-    ``fabric.setup`` returned), else ``model``."""
-    return getattr(model, "_forward_module", model)
+    ``fabric.setup`` returned; the script's own ``torch.compile(model)``), else ``model``."""
+    return compiled_original(getattr(compiled_original(model), "_forward_module", compiled_original(model)))
 
 
 def runtime_of(model: nn.Module) -> ParallelRuntime:
