@@ -34,7 +34,8 @@ def no_sync(model: nn.Module) -> Iterator[None]:
 def unwrapped(model: nn.Module) -> nn.Module:
     """The model a framework's wrapper holds (Lightning Fabric's ``_FabricModule``: the script passes what
     ``fabric.setup`` returned; the script's own ``torch.compile(model)``), else ``model``."""
-    return compiled_original(getattr(compiled_original(model), "_forward_module", compiled_original(model)))
+    inner = compiled_original(model)
+    return compiled_original(getattr(inner, "_forward_module", inner))
 
 
 def runtime_of(model: nn.Module) -> ParallelRuntime:

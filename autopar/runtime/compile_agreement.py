@@ -62,6 +62,7 @@ class CompileAgreement:
 
     def __init__(self, store: dist.Store, rank: int, peers: tuple[int, ...], timeout: float) -> None:
         self.store, self.rank, self.peers, self.timeout = store, rank, peers, timeout
+        self.members = frozenset(peers)
 
     def agree(self, key: str, failed: str | None, groups: dict[tuple[int, ...], str]) -> str | None:
         """Posts this rank's compile of graph ``key`` (``failed``: why it did not compile; ``groups``: its
@@ -90,7 +91,7 @@ class CompileAgreement:
         """Why this rank's collectives differ from a group's first member's (None: they do not)."""
         for g, h in groups.items():
             first = min(g)
-            if first == self.rank or not set(g) <= set(self.peers):  # (a group reaching beyond the peers: they
+            if first == self.rank or not self.members.issuperset(g):  # (a group reaching beyond the peers: they
                 continue  # may compile other sizes at other calls, so they are not compared)
             self._wait([f"{base}/state/{first}"], f"rank {first} to finish compiling it")
             if self.store.get(f"{base}/state/{first}") != b"compiled":

@@ -62,31 +62,30 @@ def _nbytes(value: Any) -> int:
     return int(size_hint(value.numel())) * value.element_size()
 
 
-def collectives_of(graph: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
-    """The collectives a compiled graph holds, in order: (kind, group size, bytes as ``comm_stats`` counts
-    them: the input of an all-reduce or reduce-scatter, the output of an all-gather)."""
+def _collectives(graph: fx.GraphModule) -> list[tuple[str, dist.ProcessGroup, int]]:
+    """The collectives a compiled graph holds, in order: (kind, group, bytes as ``comm_stats`` counts them:
+    the input of an all-reduce or reduce-scatter, the output of an all-gather)."""
     out = []
     for node in graph.graph.nodes:
         kind = FUNCTIONAL_COLLECTIVES.get(node.target) if node.op == "call_function" else None
         if kind is None:
             continue
-        size = resolve_process_group(node.args[-1]).size()
         value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-        out.append((kind, size, _nbytes(value)))
-    return tuple(out)
+        out.append((kind, resolve_process_group(node.args[-1]), _nbytes(value)))
+    return out
+
+
+def collectives_of(graph: fx.GraphModule) -> tuple[tuple[str, int, int], ...]:
+    """The collectives a compiled graph holds, in order: (kind, group size, bytes)."""
+    return tuple((kind, group.size(), nbytes) for kind, group, nbytes in _collectives(graph))
 
 
 def issued_by_group(graph: fx.GraphModule) -> Issued:
     """The collectives a compiled graph holds, in order, by the group they go over (its global ranks):
     (kind, bytes), what every member of the group must issue alike (``compile_agreement``)."""
     out: Issued = {}
-    for node in graph.graph.nodes:
-        kind = FUNCTIONAL_COLLECTIVES.get(node.target) if node.op == "call_function" else None
-        if kind is None:
-            continue
-        ranks = tuple(dist.get_process_group_ranks(resolve_process_group(node.args[-1])))
-        value = node.meta["val"] if kind == "all_gather" else node.args[0].meta["val"]
-        out.setdefault(ranks, []).append((kind, _nbytes(value)))
+    for kind, group, nbytes in _collectives(graph):
+        out.setdefault(tuple(dist.get_process_group_ranks(group)), []).append((kind, nbytes))
     return out
 
 

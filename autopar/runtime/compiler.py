@@ -19,15 +19,14 @@ import torch
 from torch import fx, nn
 
 from autopar.capture import Captured, capture_shard, state_outputs
-from autopar.compat import pytree
+from autopar import config as settings
+from autopar.compat import default_store, pytree
 from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
 from autopar.runtime import graphed
-from autopar import config as settings
-from autopar.compat import default_store
 from autopar.runtime.compile_agreement import CompileAgreement
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.depth_buckets import bucket_depth_gathers
