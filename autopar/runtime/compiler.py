@@ -25,7 +25,7 @@ from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.memory import half_dtype
-from autopar.runtime.binding import bind_markers, gather_spec, placeholders, travels
+from autopar.runtime.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
 from autopar.runtime import graphed
 from autopar.runtime.compile_agreement import CompileAgreement
 from autopar.runtime.compiled import CompiledGraph
@@ -162,9 +162,10 @@ class Compiler:
         run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph", agreement=agreement)
         graphs = None if pipelined else self._graphs(gm, inputs, run, agreement)
         kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
+        eager = run is gm and graphs is None and program is None
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
-                          captured.accepts, rows, run, graphs, kept or None,
-                          OutputTree(captured.out_spec) if kept else None)
+                          captured.accepts, rows, reading_params_at_use(gm) if eager else run, graphs, kept or None,
+                          OutputTree(captured.out_spec) if kept else None, reads_params=eager)
 
     def _agreement(self, per_rank: bool) -> CompileAgreement | None:
         """Where this executable's compiled graphs are agreed on by the ranks that run them (None: not

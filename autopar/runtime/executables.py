@@ -62,6 +62,9 @@ class Executable:
     """Its outputs kept split (a cache), made DTensors after it runs; None: it keeps none."""
     tree: OutputTree | None = None
     """Its outputs in the model's structure, the cache moved into the caller's (None: ``out_spec`` as is)."""
+    reads_params: bool = False
+    """``run`` takes the parameters themselves and reads each one's local piece where it is first used
+    (``binding.reading_params_at_use``: an eager graph); False: it takes the local pieces."""
 
     def __post_init__(self) -> None:
         if self.run is None:

@@ -50,10 +50,12 @@ from autopar.runtime import collectives as C
 from autopar.runtime.collectives import BUCKET_BYTES
 from autopar.runtime.data_shards import DataShards, Layout, split_over_data
 from autopar.runtime.param_layout import local_of, replace_local
+from passes.analysis.estimate_memory import SCATTER_BUCKETS_HELD
 
 
-INFLIGHT = 2
-"""Reduce-scattered buckets whose whole buffers backward keeps at once: launching another waits for the oldest."""
+INFLIGHT = SCATTER_BUCKETS_HELD - 1
+"""Reduce-scattered buckets whose whole buffers backward keeps at once: launching another waits for the oldest
+(with the bucket filling, the plan's ``SCATTER_BUCKETS_HELD``)."""
 
 
 class _Bucket:

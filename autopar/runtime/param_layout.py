@@ -203,7 +203,8 @@ def local_views(params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     For a compiled graph (``autopar.runtime.compiled``): its backward is one node that returns every
     gradient at once, so one node reading every parameter delays no gradient, where a node per parameter
     cost a Python ``apply`` in forward and a Python backward call per parameter (eager graphs keep those:
-    each gradient is ready, and its data-parallel sync can start, as soon as its own layer's backward ran).
+    each gradient is ready, and its data-parallel sync can start, as soon as its own layer's backward ran, since
+    the graph makes each node where the parameter is first used: ``binding.reading_params_at_use``).
     """
     out = [local_view(p) if not isinstance(p, DTensor) or not p.requires_grad or isinstance(local_tensor(p), Absent)
            or not torch.is_grad_enabled() else None for p in params]

@@ -495,7 +495,9 @@ class ParallelRuntime:
         """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
         flat = []
         read = self.stage_grads.leaf if exe.program is not None else local_view
-        if exe.program is None and isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one node reads all
+        if exe.reads_params:  # (the graph reads each where it is first used)
+            read = _itself
+        elif exe.program is None and isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one node reads all
             views = iter(local_views([self.params[t] for kind, t in exe.inputs if kind is InputKind.PARAMETER]))
             read = lambda p: next(views)  # noqa: E731
         for kind, target in exe.inputs:
@@ -562,3 +564,7 @@ class ParallelRuntime:
 
     def full_grads(self) -> dict[str, torch.Tensor | None]:
         return self.store.full_grads()
+
+
+def _itself(p: Any) -> Any:
+    return p

@@ -64,6 +64,9 @@ _LOWER_PRECISION = frozenset({
 })
 _BUCKET_BYTES = 25 * 2**20
 """The gradient sync's bucket cap (``search_plans.BUCKET_BYTES``, which imports this module)."""
+SCATTER_BUCKETS_HELD = 3
+"""Buckets of whole gradients the gradient sync holds at most under ``shard_optimizer``: the one filling, and
+those whose reduce-scatter still runs (``autopar.runtime.grad_sync.INFLIGHT`` is one less)."""
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -97,7 +100,7 @@ class MemoryProfile:
     """This rank's parameters (fp32)."""
     grad_bytes: int
     """Gradients of this rank's trainable parameters; under ``shard_optimizer`` without pipeline stages, 1/data
-    of them and a bucket's worth whole (``scattered_grad_bytes``); with stages, whole (they sum their
+    of them and a few buckets' worth whole (``scattered_grad_bytes``); with stages, whole (they sum their
     gradients after the last micro-batch)."""
     optimizer_bytes: int
     """Optimizer state: two fp32 tensors per trainable parameter (Adam's moments)."""
@@ -107,6 +110,10 @@ class MemoryProfile:
     """The largest parameter, whole (fp32): deferred construction holds it besides this rank's pieces."""
     output_bytes: int = 0
     """The model's outputs, whole on every rank (counted in ``<shared>``)."""
+    compiled_grad_bytes: int = 0
+    """``grad_bytes`` where a compiled backward returns every gradient at once (``compiled_recompute``); 0: the
+    same. Under ``shard_optimizer`` every whole gradient besides what the sync holds (``scattered_grad_bytes``):
+    they all live until the sync has packed each into its bucket."""
 
     @property
     def static_bytes(self) -> int:
@@ -461,10 +468,12 @@ def _kept_layout(res: LayoutResult, saver: fx.Node, read: fx.Node) -> Sharding:
 
 def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
     """``profile`` as ``compile=True`` runs it: a recomputed segment keeps its collectives' outputs besides its
-    inputs (torch's partitioner never issues a collective again, so it saves their outputs from forward)."""
+    inputs (torch's partitioner never issues a collective again, so it saves their outputs from forward), and
+    the backward, one node, returns every gradient at once (``MemoryProfile.compiled_grad_bytes``)."""
     segments = tuple(dataclasses.replace(s, input_bytes=s.input_bytes + s.collective_bytes) if s.checkpointable
                      else s for s in profile.segments)
-    return dataclasses.replace(profile, segments=segments)
+    return dataclasses.replace(profile, segments=segments,
+                               grad_bytes=profile.compiled_grad_bytes or profile.grad_bytes)
 
 
 def _output_bytes(gm: fx.GraphModule) -> list[int]:
@@ -488,18 +497,22 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
     local = {p.name: p.local_numel(config) * 4 for p in plan.params}  # fp32
     trainable = sum(b for name, b in local.items() if name not in frozen)
     state = grads = trainable
+    compiled_grads = 0
     if config.shard_optimizer and config.data > 1:  # each data rank keeps one chunk of every piece's state
         state = sum(4 * kept_numel(p.shape, p.split_axes(config), config.data)
                     for p in plan.params if p.name not in frozen)
         if config.pipeline == 1:  # and of its gradient: the gradient sync frees each whole one once in its
-            # bucket, so at most about a bucket of them is whole at once (``scattered_grad_bytes``)
+            # bucket, so at most a few buckets of them are whole at once (``scattered_grad_bytes``)
             grads = scattered_grad_bytes(state, trainable)
+            compiled_grads = grads + trainable
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
-    return MemoryProfile(segments, sum(local.values()), grads, 2 * state, frozen, largest)
+    return MemoryProfile(segments, sum(local.values()), grads, 2 * state, frozen, largest,
+                         compiled_grad_bytes=compiled_grads)
 
 
 def scattered_grad_bytes(chunks: int, whole: int) -> int:
     """Gradient bytes a rank holds at most under ``shard_optimizer`` without pipeline stages: its ``chunks``
-    of the sums, plus whole gradients up to one 25 MiB bucket (DDP's cap, ``search_plans.BUCKET_BYTES``) on
-    their way into the reduce-scatter. As for whole gradients, the sync's own buffers are not counted."""
-    return chunks + min(whole, _BUCKET_BYTES)
+    of the sums, plus the whole gradients on their way into the reduce-scatter: the buckets (of up to 25 MiB,
+    DDP's cap, ``search_plans.BUCKET_BYTES``) the sync holds at once (``SCATTER_BUCKETS_HELD``). A whole
+    gradient goes once its bucket holds it."""
+    return chunks + min(whole, SCATTER_BUCKETS_HELD * _BUCKET_BYTES)

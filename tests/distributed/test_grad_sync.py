@@ -3,12 +3,15 @@ parameters and several buckets; autopar's data parallelism under gradient accumu
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
+from autopar.compat import TorchDispatchMode
 from autopar.parallel_model import runtime_of
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
 from autopar.runtime.collectives import comm_calls
@@ -162,3 +165,61 @@ def test_a_scripts_parameter_hook_shapes_the_summed_gradient(distributed):
         for errors in distributed(_hooked_worker, world, tensor, data, pipeline):
             assert max(errors.values()) < 1e-5, (tensor, data, pipeline, errors)
 
+
+
+def _arrival_worker(grids: list[tuple[tuple[int, int, int], int, bool]]) -> dict:
+    """When one backward delivers each layer's gradients (a post-accumulate-grad hook of the script's): how many
+    matmuls backward had run by then, for serial and for each grid (tensor, data, shard_optimizer)."""
+    matmuls = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+
+    def arrivals(model: nn.Module) -> dict[str, int]:
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        model(x).sum().backward()  # (the first call builds the parameters)
+        model.zero_grad()
+        ran, seen = [0], {}
+
+        def arrived(name: str) -> Callable[[torch.Tensor], None]:
+            def hook(_: torch.Tensor) -> None:
+                seen.setdefault(name.split(".")[0], ran[0])
+            return hook
+
+        handles = [p.register_post_accumulate_grad_hook(arrived(n)) for n, p in model.named_parameters()]
+
+        class Count(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+                ran[0] += func in matmuls
+                return func(*args, **(kwargs or {}))
+
+        loss = model(x).sum()
+        with Count():
+            loss.backward()
+        for h in handles:
+            h.remove()
+        return {**seen, "total": ran[0]}
+
+    def build() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+
+    out = {"serial": arrivals(build())}
+    for tensor, data, shard in grids:
+        with autopar.auto_parallelize(tensor=tensor, data=data, shard_optimizer=shard, compile=False):
+            model = build()
+        out[f"{tensor} data {data} shard {shard}"] = arrivals(model)
+    return out
+
+
+def test_each_gradient_arrives_when_its_layer_ran_backward(distributed):
+    """As in serial (and under DDP), a parameter's gradient reaches ``p.grad``, and its data-parallel bucket, as
+    soon as its layer's backward ran, not once all of backward did: buckets are reduced while backward goes on,
+    and under shard_optimizer the whole gradients do not all live at once. Autograd runs a node after every node
+    made later in forward; where parameters are DTensors (shard_optimizer, tensor and depth grids) their local
+    pieces were read before the graph ran, and every gradient arrived once all of backward's matmuls had run
+    (the mutation)."""
+    grids = [((1, 1, 1), 4, True), ((1, 1, 1), 4, False), ((2, 1, 1), 2, False), ((1, 2, 1), 2, True),
+             ((1, 1, 2), 2, False)]
+    for r in distributed(_arrival_worker, 4, grids):
+        serial = r.pop("serial")
+        assert serial["3"] < serial["2"] < serial["1"] < serial["0"] <= serial["total"], serial
+        for grid, seen in r.items():
+            assert seen["3"] < seen["2"] < seen["1"] < seen["0"] <= seen["total"], (grid, seen)

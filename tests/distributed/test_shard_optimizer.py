@@ -485,18 +485,19 @@ def _gradient_peak_worker(shard: bool) -> dict:
 
 
 def test_split_gradients_lower_the_peak_of_backward(distributed):
-    """Backward's peak, 4 data ranks, 192 MiB of gradients in eight 25 MiB buckets. All-reduced, each gradient
+    """Backward's peak, 4 data ranks, 192 MiB of gradients in eight 24 MiB buckets. All-reduced, each gradient
     becomes a view of its bucket as the bucket takes it (DDP's ``gradient_as_bucket_view``): the peak is the
     gradients and one layer's (196 MiB measured; 384 when the buckets held copies until the end of backward,
     the mutation), as the plan counts. Under shard_optimizer each whole gradient goes once its bucket holds it,
-    and at most two buckets' buffers wait for their reduce-scatter: 228 MiB on gloo, whose reduce-scatter
-    copies its input (258 with every buffer kept to the end), where the plan counts the chunks plus one bucket
-    of whole gradients (73 MiB)."""
+    and at most three buckets' buffers are held (the one filling, two waiting for their reduce-scatter): the
+    chunks and three buckets, 120 MiB measured, within the plan's chunks plus three 25 MiB buckets (123 MiB).
+    That needs each gradient to reach its bucket as soon as its layer's backward ran: with every parameter read
+    before the graph ran, autograd delivered all gradients at the end, all whole at once (228 MiB)."""
     whole = distributed(_gradient_peak_worker, 4, False)
     split = distributed(_gradient_peak_worker, 4, True)
     mib = 2**20
     for r, (a, b) in enumerate(zip(whole, split)):
         assert a["held"] == a["planned"] == 48 * (1024 * 1024 + 1024) * 4, (r, a)
         assert a["peak"] < a["held"] + 24 * mib, (r, a["peak"] / mib, a["held"] / mib)
-        assert b["held"] * 4 == a["held"] and b["planned"] == b["held"] + 25 * mib, (r, b)
-        assert b["peak"] < 242 * mib, (r, b["peak"] / mib)
+        assert b["held"] * 4 == a["held"] and b["planned"] == b["held"] + 75 * mib, (r, b)
+        assert b["peak"] <= b["planned"], (r, b["peak"] / mib, b["planned"] / mib)
