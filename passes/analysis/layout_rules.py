@@ -65,6 +65,10 @@ class LayoutResult:
     matmul in ``partial_dx``."""
     partial_dx: set[fx.Node] = field(default_factory=set)
     """Matmuls whose input gradient stays partial over their output axis (summed by the gather's backward)."""
+    uneven_heads: dict[fx.Node, tuple[Sharding, int]] = field(default_factory=dict)
+    """Views that cut a split dim into pieces of their own (heads) that do not divide over its axis: view ->
+    (the input's sharding, the size of the pieces). Their input is gathered: what reads the pieces (the
+    attention) runs whole on each rank of that axis."""
 
     def sharding(self, node: Any) -> Sharding:
         s = self.shardings.get(node, REPLICATED) if isinstance(node, fx.Node) else REPLICATED
@@ -161,6 +165,8 @@ class LayoutRules:
             # infers it; a view that would cut the split dim into pieces of its own (heads) is not split
             if (self.divides(s) or len(mapped.parts) != 1 or mapped.full_size != s.full_size
                     or any(v == -1 for i, v in enumerate(sizes) if i != mapped.dim)):
+                if mapped.full_size != s.full_size:  # (heads: 14 of them over 4 ranks)
+                    self.res.uneven_heads[node] = (s, s.full_size // mapped.full_size)
                 return None
             sizes[mapped.dim] = -1
         elif sizes[mapped.dim] != -1:

@@ -322,8 +322,8 @@ class _Planner:
                 trials.append((self.cost(trial), trial))
             best = min(range(len(options)), key=lambda i: (*trials[i][0], i))
             self.table_splits[weight], roots = options[best], trials[best][1]  # (later tables decide on top)
-        _, chosen = self.propagate(self.choose_roots() if roots is None else roots)
-        return self.plan(chosen)
+        res, chosen = self.propagate(self.choose_roots() if roots is None else roots)
+        return self.plan(chosen, res)
 
     def choose_roots(self) -> dict[str, Orientation]:
         """Orientations of the matmuls whose input is replicated, greedily in graph order (module docstring)."""
@@ -356,7 +356,9 @@ class _Planner:
             return None
         return next((o for o in options if self.config.size(o.in_axis) == 1 and o.out_axis == s.axis), None)
 
-    def plan(self, chosen: dict[str, Orientation]) -> Plan:
+    def plan(self, chosen: dict[str, Orientation], res: LayoutResult | None = None) -> Plan:
+        """The plan of orientations ``chosen``; with ``res`` (the layouts they lead to), its notes say where
+        heads that do not divide are gathered."""
         matmuls = {}
         for m in self.matches:
             o = chosen.get(m.weight, Orientation.REPLICATED)
@@ -371,9 +373,22 @@ class _Planner:
                                             mode, axis, reason))
         why = [(m.weight, m.reason) for m in matmuls.values() if m.reason]
         why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
-        notes = replicated_notes(why)
+        notes = replicated_notes(why) + (uneven_head_notes(res, self.config) if res is not None else ())
         return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings), notes,
                     tuple(embeddings))
+
+
+def uneven_head_notes(res: LayoutResult, config: ParallelConfig) -> tuple[str, ...]:
+    """One line per region (repeated blocks share one, ``#`` for the block's index) where a split features dim
+    is cut into heads that do not divide over its axis (``LayoutResult.uneven_heads``): gathered there, the
+    attention runs whole on each rank of the axis."""
+    groups: dict[tuple[str, str], dict[str, None]] = {}
+    for view, (s, size) in res.uneven_heads.items():
+        where = _block_key((module_of(view) or view.name) + ".").rstrip(".")
+        heads = "+".join(str(p // size) for p in s.parts)
+        groups.setdefault((where, s.axis), {})[f"{heads} heads of {size}"] = None
+    return tuple(f"{where}: {', '.join(cuts)} split over {axis}={config.size(axis)} do not divide: gathered there, "
+                 f"so the attention runs whole on each {axis} rank" for (where, axis), cuts in groups.items())
 
 
 def replicated_notes(why: list[tuple[str, str]]) -> tuple[str, ...]:

@@ -154,13 +154,16 @@ def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: Memo
 
 def repeat_plan(plan: Plan, repeats: Sequence[Repeat]) -> Plan:
     matmuls, params, embeddings = plan.matmuls, plan.params, plan.embeddings
+    captured = [(m.weight, m.reason) for m in matmuls if m.reason]
+    captured += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
+    layouts = tuple(n for n in plan.notes if n not in replicated_notes(captured))  # (per block: they hold for all)
     for r in repeats:
         matmuls, params, embeddings = _extend(matmuls, r), _extend(params, r), _extend(embeddings, r)
     why = [(m.weight, m.reason) for m in matmuls if m.reason]
     why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
     copied = tuple(f"{r.prefix}: blocks {r.template + 1}-{r.count - 1} planned as copies of block {r.template} "
                    f"(alike modules; blocks {r.template - 1} and {r.template} planned alike)" for r in repeats)
-    return Plan(plan.config, matmuls, params, replicated_notes(why) + copied, embeddings)
+    return Plan(plan.config, matmuls, params, replicated_notes(why) + layouts + copied, embeddings)
 
 
 def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat], totals: bool = True

@@ -88,3 +88,19 @@ def test_copied_blocks_give_the_memory_plan_of_a_full_capture(name, precision):
         plan = plan_model(model, args, ParallelConfig(1, 1, 2, 1), **kw)[0]
         full = plan_model(model, args, ParallelConfig(1, 1, 2, 1), repeat=False, **kw)[0]
         assert plan.memory == full.memory and plan.memory is not None
+
+
+def test_heads_that_do_not_divide_are_noted_in_copied_blocks_too():
+    """Item 4 of issue 34: where no orientation splits the heads evenly (4 heads over col=8, and the 2 key/value
+    heads), q/k/v are gathered and the attention runs whole on each rank of that axis; the plan says so, once
+    for all blocks, whether the blocks were captured or copied. A grid whose axes divide the heads says nothing."""
+    with torch.device("meta"):
+        model = zoo.build_model("llama", layers=6)
+    inputs = zoo.example_inputs("llama")
+    (plan, _), (full_plan, _) = _both(model, inputs, ParallelConfig(1, 8, 8, 1))
+    heads = [n for n in plan.notes if "heads" in n]
+    assert heads == [n for n in full_plan.notes if "heads" in n], (plan.notes, full_plan.notes)
+    assert len(heads) == 1 and heads[0].startswith("model.layers.#.self_attn: 4 heads of 8, 2 heads of 8 split "), heads
+    assert "do not divide" in heads[0] and "attention runs whole" in heads[0]
+    plan, _ = plan_model(model, inputs, ParallelConfig(1, 2, 2, 1))
+    assert not [n for n in plan.notes if "heads" in n], plan.notes
