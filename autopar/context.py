@@ -267,7 +267,8 @@ def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: 
                                               shard_optimizer=options.memory.shard_optimizer,
                                               sequence_parallel=options.memory.sequence_parallel)
         elif config is None:  # (plan="auto" chooses one grid for one model: several raise)
-            config, pipe = choose_grid_now([model] if big else roots, example_inputs, options.given, options.memory, pipe)
+            config, pipe = choose_grid_now([model] if big else roots, example_inputs, options.given, options.memory, pipe,
+                                           options.compile)
         plans.append((model, config, pipe, later))
     # a torch.device("meta") around the block is the model's, not autopar's
     with torch.device("cpu") if torch.get_default_device().type == "meta" else nullcontext():

@@ -238,6 +238,8 @@ class MemoryPlan:
     """Kept free under a budget: one largest tensor, for transients the prediction does not see."""
     construction_bytes: int = 0
     """Peak while the model is built (autopar.runtime.deferred): the parameters plus the largest one whole."""
+    compiled: bool = False
+    """Counted as a compiled step holds it (``compile=``: ``estimate_memory.compiled_recompute``)."""
 
     @property
     def static_bytes(self) -> int:
@@ -249,7 +251,7 @@ class MemoryPlan:
 
     def summary(self) -> str:
         mib = 2.0 ** 20
-        lines = [f"memory per rank ({self.checkpoint}"
+        lines = [f"memory per rank ({self.checkpoint}" + (", compiled" if self.compiled else "")
                  + (f", budget {self.budget_bytes / mib:,.1f} MiB" if self.budget_bytes else "") + "): "
                  f"parameters {self.param_bytes / mib:,.1f} MiB, gradients {self.grad_bytes / mib:,.1f} MiB, "
                  f"optimizer {self.optimizer_bytes / mib:,.1f} MiB, activations "

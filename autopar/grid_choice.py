@@ -15,7 +15,7 @@ from torch import nn
 
 from autopar.capture import batch_leaves, input_names
 from autopar.compat import pytree
-from autopar.config import MemoryConfig, ParallelConfig, PipelineConfig
+from autopar.config import CompileConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError
 from autopar.memory import device_budget
 from autopar.runtime import collectives as C
@@ -66,7 +66,7 @@ def too_big_for_data_parallel(roots: list[nn.Module], memory: MemoryConfig, at_f
 
 
 def choose_grid_now(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
-                 pipe: PipelineConfig) -> tuple[ParallelConfig, PipelineConfig]:
+                    pipe: PipelineConfig, compile: CompileConfig) -> tuple[ParallelConfig, PipelineConfig]:
     """plan="auto": the best grid for the block's model (``autopar.search.choose_grid``), rank 0's choice on
     every rank; the degrees the user gave stay."""
     if len(roots) > 1:
@@ -75,11 +75,12 @@ def choose_grid_now(roots: list[nn.Module], example_inputs: tuple, given: dict[s
                            "leave example_inputs out (each model's grid is then chosen at its first call), or give "
                            "the degrees.")
     inputs = example_inputs if isinstance(example_inputs, tuple) else (example_inputs,)
-    return agreed_choice(roots[0], type(roots[0]).__name__, inputs, {}, None, given, memory, pipe, None)
+    return agreed_choice(roots[0], type(roots[0]).__name__, inputs, {}, None, given, memory, pipe, None, compile)
 
 
 def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: int | None, given: dict[str, int],
-                   memory: MemoryConfig, pipe: PipelineConfig, group: Any) -> tuple[ParallelConfig, PipelineConfig]:
+                   memory: MemoryConfig, pipe: PipelineConfig, group: Any,
+                   compile: CompileConfig) -> tuple[ParallelConfig, PipelineConfig]:
     """Rank 0's search (``autopar.search.choose_grid``) for one global batch (``rows``: its rows, where the call
     holds one rank's), broadcast: every rank runs the same grid, or raises rank 0's error."""
     from autopar.search import choose_grid
@@ -91,7 +92,8 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
         try:
             budget = memory.checkpoint if isinstance(memory.checkpoint, int) else None
             ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
-                                 batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget)
+                                 batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget,
+                                 compiled=compile.enabled(device_for_backend().type, training=True))
         except Exception as e:  # every rank raises it, none waits for a choice that never comes
             box[0] = e
         else:
@@ -137,7 +139,7 @@ def choose_at_first_call(ref: weakref.ref, given: dict[str, int], args: tuple, k
     if mode == PER_RANK or not train_step:  # a plain call runs a pipeline's stages one after another
         given = {**given, "pipeline": 1}
     config, pipe = agreed_choice(old.shadow, type(model).__name__, args, kwargs, rows, given, old.memory, old.pipe,
-                                  old.mesh.control)
+                                  old.mesh.control, old.compile)
     if config == old.config:
         return old
     old.retire()

@@ -38,6 +38,17 @@ def load_machine(spec: str, gpus_per_node: int | None = None) -> Machine:
     return machine if gpus_per_node is None else dataclasses.replace(machine, gpus_per_node=gpus_per_node)
 
 
+def device_type_of(machine: Machine) -> str:
+    """The device type a machine description's ranks compute on: "cpu" for the built-in CPU and a calibrated
+    one (its ``cores``), else "cuda" (what ``auto_parallelize(compile="auto")`` compiles training on)."""
+    return "cpu" if machine.cores or machine.name == "cpu" else "cuda"
+
+
+def compile_arg(text: str) -> bool | str:
+    """A CLI's ``--compile`` value as ``auto_parallelize(compile=...)`` takes it."""
+    return {"true": True, "false": False}.get(text.lower(), text)
+
+
 def local_machine(world: int, device: torch.device | None = None) -> Machine:
     """This machine as the search sees it: the built-in description of its GPU (H100, A100; else H100's
     figures) with the device's memory, or the CPU's with its memory shared by the ranks. ``device``: the

@@ -22,10 +22,10 @@ from typing import Any
 
 import torch
 
-from autopar.config import PipelineConfig
+from autopar.config import CompileConfig, PipelineConfig
 from autopar.errors import AutoparError, ConfigError
 from autopar.model_file import load_model_file, meta_inputs
-from autopar.machines import BUILT_IN, load_machine
+from autopar.machines import BUILT_IN, compile_arg, device_type_of, load_machine
 from autopar.search import KEEP, SCREENED, gib, score, search
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import DEGREES, Candidate, Scored, why_slower
@@ -109,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
                         help='score this grid with the same model: '
                              '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V]"')
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
+    parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
+                        help="auto_parallelize's compile= (default auto: compiled on GPUs): a compiled backward "
+                             "returns every gradient at once, which the memory plans count")
     parser.add_argument("--keep", type=int, default=KEEP,
                         help=f"grids to plan exactly, the closed-form screen's best (default {KEEP})")
     parser.add_argument("--exhaustive", action="store_true", help="plan every grid exactly (slow at scale)")
@@ -141,12 +144,13 @@ def main(argv: list[str] | None = None) -> int:
         inputs = module.example_inputs()
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.global_batch, args.seq)
         fixed = {d: getattr(args, d) for d in (*DEGREES, "chunks") if getattr(args, d) is not None}
+        compiled = CompileConfig(compile_arg(args.compile)).enabled(device_type_of(machine), training=True)
         ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision,
-                        keep=None if args.exhaustive else max(args.keep, 1))
+                        keep=None if args.exhaustive else max(args.keep, 1), compiled=compiled)
         evaluated = None
         if args.evaluate:
             evaluated = score(model, inputs, parse_evaluate(args.evaluate, args.gpus), machine,
-                              precision=args.precision)
+                              precision=args.precision, compiled=compiled)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -123,9 +123,10 @@ def choose_memory(profile: MemoryProfile, plan: Plan, options: PlanOptions) -> M
             raise PlanError(f"checkpoint={options.checkpoint:,} bytes per device: a pipeline rank does not fit even "
                             f"recomputing every block of its stages ({memory.summary().splitlines()[0]}). "
                             "Raise the budget, or use more pipeline or tensor ranks.")
-        return memory
+        return dataclasses.replace(memory, compiled=options.compiled)
     strict = options.strict and isinstance(options.checkpoint, int)
-    return plan_memory(profile, options.checkpoint, budget, strict=strict)
+    return dataclasses.replace(plan_memory(profile, options.checkpoint, budget, strict=strict),
+                               compiled=options.compiled)
 
 
 def decide_plan(gm: fx.GraphModule, config: ParallelConfig, options: PlanOptions) -> Plan:
@@ -148,7 +149,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
                budget: int | None = None, precision: str = "fp32", pipeline: int = 1,
                microbatches: int = 1, chunks: int = 1, per_rank: bool = False,
                batch_dims: dict[int | str, int | None] | None = None,
-               captures: dict[Any, Any] | None = None, hardware: Hardware | None = None) -> tuple[Plan, StepReport]:
+               captures: dict[Any, Any] | None = None, hardware: Hardware | None = None,
+               compiled: bool = False) -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch (or, with
     ``per_rank``, for ``inputs`` as every rank's own batch, DDP-style: ``auto_parallelize(batch="per-rank")``,
     every rank with as many rows). ``batch_dims`` is auto_parallelize's.
@@ -168,7 +170,9 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
 
     ``captures``: a dict kept between calls for the same model and inputs (the plan search's): a capture
     depends only on the rows each batch shard gets, so grids alike in that share it. ``hardware``: the rates
-    the pipeline's stages are cut with (default: this machine's, as the runtime here cuts them).
+    the pipeline's stages are cut with (default: this machine's, as the runtime here cuts them). ``compiled``:
+    training runs compiled (``auto_parallelize(compile=...)`` on the device it runs on, e.g. "auto" on CUDA): the
+    memory plan counts what a compiled step holds (``estimate_memory.compiled_recompute``).
     """
     slowest = rank == SLOWEST
     rank = 0 if slowest else rank
@@ -204,11 +208,12 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     if found is not None:
         whole = _repeated(found, lists, pipeline, _cache_for(captures, "cut"))
         if whole is not None:
-            return _finish(*whole, checkpoint, budget, pipeline, microbatches, chunks, rank, slowest, hardware)
+            return _finish(*whole, checkpoint, budget, pipeline, microbatches, chunks, rank, slowest, hardware,
+                           compiled)
     plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
                                                         batch_dims, _cache_for(captures, "whole"))
     return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank,
-                   slowest, hardware)
+                   slowest, hardware, compiled)
 
 
 def _repeated(found: tuple, lists: list[tuple[str, int, int]], pipeline: int, captures: dict[Any, Any] | None
@@ -235,8 +240,9 @@ def _repeated(found: tuple, lists: list[tuple[str, int, int]], pipeline: int, ca
 def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple[ChainSegment, ...],
             loss: tuple[Collective, ...], checkpoint: str | int, budget: int | None, pipeline: int,
             microbatches: int, chunks: int, rank: int, slowest: bool = False,
-            hardware: Hardware | None = None) -> tuple[Plan, StepReport]:
-    options = PlanOptions(checkpoint, budget, microbatches=microbatches, chunks=chunks, hardware=hardware)
+            hardware: Hardware | None = None, compiled: bool = False) -> tuple[Plan, StepReport]:
+    options = PlanOptions(checkpoint, budget, microbatches=microbatches, chunks=chunks, compiled=compiled,
+                          hardware=hardware)
     plan = dataclasses.replace(plan, memory=choose_memory(profile, plan, options))
     report = dataclasses.replace(report, rank_saved_bytes=sum(s.saved_bytes for s in profile.segments),
                                  rank_attention_flops=ATTENTION_STEP_FACTOR * sum(s.attention_flops

@@ -28,14 +28,15 @@ from passes.analysis.search_plans import Candidate, Scored, candidates, factoriz
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
           checkpoint: str = "auto", precision: str = "fp32", captures: dict[Any, Any] | None = None,
-          kwargs: dict | None = None) -> Scored:
+          kwargs: dict | None = None, compiled: bool = False) -> Scored:
     """One grid's plan and its predicted step on ``machine``: rank 0's without a pipeline (every rank does
-    the same work), else the rank whose stages compute most. ``kwargs``: the call's keyword inputs."""
+    the same work), else the rank whose stages compute most. ``kwargs``: the call's keyword inputs;
+    ``compiled``: training runs compiled (``plan_model``'s)."""
     try:
         plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint, kwargs=kwargs,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
                                   microbatches=candidate.microbatches, chunks=candidate.chunks, captures=captures,
-                                  hardware=Hardware.of(machine, candidate.config))
+                                  hardware=Hardware.of(machine, candidate.config), compiled=compiled)
     except AutoparError as e:
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
     # the step is the slowest rank's (plan_seconds reads its report), the memory the fullest rank's: under
@@ -78,20 +79,22 @@ def _collector_skips_what_exists() -> Iterator[None]:
 
 def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
            checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
-           kwargs: dict | None = None) -> list[Scored]:
+           kwargs: dict | None = None, compiled: bool = False) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``passes.analysis.screen``, from one
     plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly, each pipeline
     grid under both schedules (the screen does not price the interleaved schedule's recomputation); the
     rest follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per
-    pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster)."""
+    pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster). ``compiled``: training runs
+    compiled (``plan_model``'s; the screen's too)."""
     with _collector_skips_what_exists():
         return _search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
-                       keep=keep, kwargs=kwargs)
+                       keep=keep, kwargs=kwargs, compiled=compiled)
 
 
 def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None,
-            checkpoint: str, precision: str, keep: int | None, kwargs: dict | None) -> list[Scored]:
+            checkpoint: str, precision: str, keep: int | None, kwargs: dict | None,
+            compiled: bool = False) -> list[Scored]:
     batch = _batch_size((inputs, kwargs))
     fixed = dict(fixed or {})
     chunks = (fixed.pop("chunks"),) if "chunks" in fixed else (1, 2)
@@ -109,7 +112,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
 
     def scored_one(c: Candidate) -> Scored:
         return score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
-                     kwargs=kwargs)
+                     kwargs=kwargs, compiled=compiled)
 
     def planned(grids: list[Candidate]) -> list[Scored]:
         """Each grid's plan; one that does not fit, with its optimizer state split over data when that needs
@@ -147,7 +150,8 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             return split[0], split[1], dataclasses.replace(c, shard_optimizer=True)  # (the state split over data)
         return own[0], own[1], c
 
-    screened = sorted((screened_one(c, *pair) for c, pair in zip(grids, screen_grids(shape, grids, machine, half))),
+    screened = sorted((screened_one(c, *pair) for c, pair in zip(grids, screen_grids(shape, grids, machine, half,
+                                                                                       compiled=compiled))),
                       key=lambda t: (t[1] > machine.memory_bytes, t[0]))
     near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
     first = min(keep, max(near, MIN_KEEP))
@@ -206,11 +210,12 @@ def _batch_size(inputs: tuple) -> int:
 
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
                 checkpoint: str = "auto", precision: str = "fp32", kwargs: dict | None = None,
-                batch_size: int | None = None, budget: int | None = None) -> list[Scored]:
+                batch_size: int | None = None, budget: int | None = None, compiled: bool = False) -> list[Scored]:
     """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (and keyword
     inputs ``kwargs``: one global batch; ``batch_size`` replaces its rows) on this machine, ranked; the first
     is the one to run. ``budget``: bytes per device the plan must fit (``checkpoint=<bytes>``'s) instead of
-    the device's memory. Raises PlanError when none fits memory, with the closest."""
+    the device's memory; ``compiled``: the runtime compiles training there (its ``compile=`` on this device).
+    Raises PlanError when none fits memory, with the closest."""
     machine = local_machine(world)
     if budget is not None:
         machine = dataclasses.replace(machine, memory_bytes=budget)
@@ -220,7 +225,7 @@ def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str,
     else:
         inputs = meta_inputs(tuple(inputs), batch_size)
     ranked = search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
-                    kwargs=kwargs)
+                    kwargs=kwargs, compiled=compiled)
     if not ranked[0].fits:
         closest = "; ".join(f"{s.candidate.describe()}: {gib(s.memory_bytes)}" for s in ranked[:3])
         raise PlanError(f"no grid of {world} ranks fits {gib(machine.memory_bytes)} per device for this model "

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 
 from autopar.compat import pytree
-from autopar.config import ParallelConfig
+from autopar.config import CompileConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import AutoparError
-from autopar.machines import BUILT_IN, load_machine
+from autopar.machines import BUILT_IN, compile_arg, device_type_of, load_machine
 from autopar.model_file import load_model_file, meta_inputs
 from autopar.planner import plan_model
 from passes.analysis.choose_stages import Hardware
@@ -160,6 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between matmuls along the tokens over the tensor group, as "
                              "auto_parallelize(sequence_parallel=True) runs it")
+    parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
+                        help="auto_parallelize's compile= (default auto: compiled on GPUs, so with a GPU --hardware "
+                             "or on a machine with CUDA): a compiled backward returns every gradient at once, which "
+                             "the memory plan counts")
     parser.add_argument("--capture-all-blocks", action="store_true",
                         help="capture every repeated block instead of three (slower; the plan is the same "
                              "whenever the shortcut applies)")
@@ -174,12 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.batch_size)
         leaves = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
         batch_size = leaves[0].shape[0] if leaves else 0
-        hardware = None if args.hardware is None else Hardware.of(load_machine(args.hardware), config)
+        machine = None if args.hardware is None else load_machine(args.hardware)
+        hardware = None if machine is None else Hardware.of(machine, config)
+        device = device_type_of(machine) if machine is not None else "cuda" if torch.cuda.is_available() else "cpu"
         plan, report = plan_model(model, inputs, config, rank=args.rank, repeat=not args.capture_all_blocks,
                                   checkpoint=args.checkpoint, budget=args.memory_per_device,
                                   precision=args.precision, pipeline=args.pipeline,
                                   microbatches=args.microbatches or args.pipeline, chunks=args.chunks,
-                                  hardware=hardware)
+                                  hardware=hardware,
+                                  compiled=CompileConfig(compile_arg(args.compile)).enabled(device, training=True))
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

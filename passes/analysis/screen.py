@@ -166,7 +166,7 @@ def _divides(k: int, n: int, row: int, col: int) -> bool:
 
 
 def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
-           memo: dict[Any, float] | None = None) -> tuple[float, int]:
+           memo: dict[Any, float] | None = None, compiled: bool = False) -> tuple[float, int]:
     """(predicted seconds, least memory per device) of ``candidate`` in closed form: AxoNN's per-layer
     collectives (DESIGN-NOTES section 2) on even splits, the head's matmuls over one tensor axis, and the
     busiest pipeline rank's share of the blocks (``stage_imbalance``), without planning it. The memory is a
@@ -176,20 +176,23 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     keeps more micro-batches in flight), which the search leaves to exact planning (it plans both schedules
     of a grid it keeps). Ranks grids for the search to plan the most promising exactly; not a plan's
     prediction.
-    ``memo``: collective prices kept between calls on the same machine (``Prices``)."""
-    return _Degrees(shape, candidate, machine, half, {} if memo is None else memo).pair(candidate)[0]
+    ``memo``: collective prices kept between calls on the same machine (``Prices``). ``compiled``: training runs
+    compiled, whose backward returns every gradient at once (``estimate_memory.compiled_recompute``)."""
+    return _Degrees(shape, candidate, machine, half, {} if memo is None else memo, compiled).pair(candidate)[0]
 
 
 def screen_pair(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool = False,
-                memo: dict[Any, float] | None = None) -> tuple[tuple[float, int], tuple[float, int] | None]:
+                memo: dict[Any, float] | None = None, compiled: bool = False
+                ) -> tuple[tuple[float, int], tuple[float, int] | None]:
     """``screen`` of ``candidate`` and of it with its optimizer state split over data (None where data is 1
     or it is split already), the part they share priced once (the search screens both for a grid that does
     not fit)."""
-    return screen_grids(shape, [candidate], machine, half, memo)[0]
+    return screen_grids(shape, [candidate], machine, half, memo, compiled)[0]
 
 
 def screen_grids(shape: ModelShape, grids: Sequence[Candidate], machine: Machine, half: bool = False,
-                 memo: dict[Any, float] | None = None) -> list[tuple[tuple[float, int], tuple[float, int] | None]]:
+                 memo: dict[Any, float] | None = None, compiled: bool = False
+                 ) -> list[tuple[tuple[float, int], tuple[float, int] | None]]:
     """``screen_pair`` of each of ``grids``, in order, the same to the bit: grids of the same degrees (their
     micro-batches and schedules differ: 53,482 grids of 3,072 GPUs have 5,005 degrees) share what depends on
     the degrees alone (the config, the links, the FLOPs, the parameters, the gradient sync and the optimizer
@@ -201,7 +204,7 @@ def screen_grids(shape: ModelShape, grids: Sequence[Candidate], machine: Machine
         key = (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer, c.sequence_parallel)
         group = groups.get(key)
         if group is None:
-            group = groups[key] = _Degrees(shape, c, machine, half, memo)
+            group = groups[key] = _Degrees(shape, c, machine, half, memo, compiled)
         out.append(group.pair(c))
     return out
 
@@ -210,8 +213,9 @@ class _Degrees:
     """What the screen prices alike for every grid of one set of degrees (and state and sequence splits),
     and, per grid, the rest (``pair``)."""
 
-    def __init__(self, shape: ModelShape, c: Candidate, machine: Machine, half: bool, memo: dict[Any, Any]) -> None:
-        self.shape, self.machine, self.half, self.memo = shape, machine, half, memo
+    def __init__(self, shape: ModelShape, c: Candidate, machine: Machine, half: bool, memo: dict[Any, Any],
+                 compiled: bool = False) -> None:
+        self.shape, self.machine, self.half, self.memo, self.compiled = shape, machine, half, memo, compiled
         self.config = config = c.config
         self.shards, self.tensor, self.stages = c.data * c.depth, c.row * c.col, c.pipeline
         self.price = price = Prices(machine, config, half, memo)
@@ -253,6 +257,8 @@ class _Degrees:
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
             state //= c.data
             grads = scattered_grad_bytes(params // c.data, params) if self.stages == 1 else params
+            if self.compiled and self.stages == 1:  # (a compiled backward returns every whole gradient at once)
+                grads += params
             full, rest = divmod(params, BUCKET_BYTES)
             sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0

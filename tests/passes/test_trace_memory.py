@@ -46,3 +46,44 @@ def test_bf16_halves_what_matmuls_and_attention_keep():
     # the norms' inputs stay fp32 and whole between blocks (Megatron's alternation): ~0.81 here
     assert 0.5 * fp32.activation_bytes < bf16.activation_bytes < 0.85 * fp32.activation_bytes
     assert bf16.static_bytes == fp32.static_bytes  # fp32 master weights, gradients and Adam moments
+
+
+def test_a_compiled_run_is_planned_as_it_holds_its_gradients(capsys):
+    """``compile="auto"`` compiles training on GPUs, and a compiled backward returns every gradient at once: under
+    shard_optimizer the whole gradients all live besides the chunks. The trace and the plan search count that
+    where the run would compile (``--compile true``, or a GPU's ``--hardware``) and say so; on this CPU, "auto"
+    is eager. The same path plans for the runtime (PlanOptions.compiled) and the search (its screen too)."""
+    import re
+
+    import torch
+
+    from autopar.config import ParallelConfig
+    from autopar.planner import plan_model
+    from passes.analysis.screen import screen_pair, shape_of
+    from passes.analysis.search_plans import Candidate
+    from autopar.machines import load_machine
+
+    def grads(*flags: str) -> tuple[float, bool]:
+        assert main([f"{zoo.__file__}:llama", "--data", "4", "--shard-optimizer", *flags]) == 0
+        line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory per rank"))
+        return float(re.search(r"gradients ([\d.,]+) MiB", line).group(1)), ", compiled" in line
+
+    eager, compiled = grads("--compile", "false"), grads("--compile", "true")
+    assert not eager[1] and compiled[1] and compiled[0] > eager[0]
+    assert grads("--hardware", "h100-80gb") == compiled and grads("--hardware", "cpu") == eager
+    assert (grads() == compiled) == torch.cuda.is_available()
+
+    with torch.device("meta"):
+        model = zoo.build_model("llama")
+    config = ParallelConfig(4, shard_optimizer=True)
+    plans = [plan_model(model, zoo.example_inputs("llama"), config, compiled=c)[0].memory for c in (False, True)]
+    whole = sum(p.local_numel(ParallelConfig(4)) * 4 for p in plan_model(model, zoo.example_inputs("llama"),
+                                                                         ParallelConfig(4))[0].params)
+    assert plans[1].grad_bytes == plans[0].grad_bytes + whole and plans[1].compiled and not plans[0].compiled
+
+    _, probe = plan_model(model, zoo.example_inputs("llama"), ParallelConfig(4), checkpoint="none")
+    shape, machine = shape_of(probe, 4), load_machine("h100-80gb")
+    candidate = Candidate(data=4, pipeline=1, row=1, col=1, depth=1, microbatches=1, shard_optimizer=True)
+    (_, eager_bytes), _ = screen_pair(shape, candidate, machine)
+    (_, compiled_bytes), _ = screen_pair(shape, candidate, machine, compiled=True)
+    assert compiled_bytes > eager_bytes
