@@ -427,12 +427,12 @@ def compile_errors() -> tuple[type[BaseException], ...]:
                                            "InternalTorchDynamoError", "UserError") if hasattr(exc, n))
 
 
-def dispatch_mode_active() -> bool:
-    """Whether a user's TorchDispatchMode is active (a FLOP counter, a byte meter): torch.compile does not run
-    under one, and a CUDA graph's replay would not pass through it."""
+def dispatch_mode_active() -> Any:
+    """The user's TorchDispatchMode that is active (a FLOP counter, a byte meter), else None: torch.compile does
+    not run under one, and a CUDA graph's replay would not pass through it."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-    return _get_current_dispatch_mode() is not None
+    return _get_current_dispatch_mode()
 
 
 def assert_all(ok: torch.Tensor, message: str) -> None:

@@ -52,7 +52,7 @@ from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile
                             inductor_backend, inductor_bucketing_options, inductor_cuda_graph_options,
                             inductor_overlap_options, resolve_process_group, size_hint)
 from autopar.runtime import collectives as C
-from autopar.runtime.compile_agreement import CompileAgreement, Issued, digest, store_key
+from autopar.runtime.compile_agreement import ONCE, CompileAgreement, Issued, digest, store_key
 from autopar.runtime.param_layout import local_of, replace_local
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,12 @@ def _counted(launches: list[tuple[dict[str, int], dict[str, int]]], issued: list
 
 class CompileDisagreement(RuntimeError):
     """Raised inside the compile of a graph that another rank runs eagerly or compiled otherwise
-    (``compile_agreement``): torch.compile then fails on every rank alike, and each runs the graph eagerly."""
+    (``compile_agreement``): torch.compile then fails on every rank alike, and each runs the graph eagerly
+    (``once``: this call only; the next compiles again)."""
+
+    def __init__(self, why: str) -> None:
+        super().__init__(why)
+        self.once = why.startswith(ONCE)
 
 
 _made: dict[str, int] = {}
@@ -155,6 +160,8 @@ class CompiledGraph:
         """Why the graph runs eagerly (None: it runs compiled)."""
         self.compiled_runs = 0
         """Calls that ran compiled (the plan report and tests read it)."""
+        self._skipped = False
+        """A call ran under a TorchDispatchMode before the graph ran compiled (``_without_compiling``)."""
 
     def _agreed(self, inductor: Callable, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         """Inductor's compile of ``gm``, run only where every peer compiled the same collectives."""
@@ -169,16 +176,18 @@ class CompiledGraph:
             raise CompileDisagreement(why)
         return run
 
-    def _agree(self, failed: str | None, issued: list[tuple[Issued, dict[str, int]]]) -> str | None:
+    def _agree(self, failed: str | None, issued: list[tuple[Issued, dict[str, int]]], once: bool = False) -> str | None:
         """This compile's verdict from the peers (``CompileAgreement.agree``); None: run it compiled."""
         if self.agreement is None:
             return failed
         key = f"{self._key}/{self._rounds}"
         self._rounds += 1
-        return self.agreement.agree(key, failed, digest([i for i, _ in issued], [n for _, n in issued]))
+        return self.agreement.agree(key, failed, digest([i for i, _ in issued], [n for _, n in issued]), once)
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed is None and not dispatch_mode_active():  # (under a user's dispatch mode: eager, this call)
+        if self.failed is None and dispatch_mode_active():  # (torch.compile does not run under a user's mode)
+            self._without_compiling()
+        if self.failed is None and not dispatch_mode_active():
             rounds = self._rounds
             try:
                 out = self.compiled(*args)
@@ -188,12 +197,35 @@ class CompiledGraph:
                 disagreement = _cause(e, CompileDisagreement)
                 if disagreement is None and self._rounds == rounds:  # (dynamo's: the peers still wait to hear)
                     self._agree(_why(e), [])
+                if disagreement is not None and disagreement.once:
+                    self.warn(f"compile=True: {self.name} ran its first call eagerly on every rank: "
+                              f"{str(disagreement)[len(ONCE):][:300]}. It compiles at the next call; enter such a "
+                              "mode on every rank, or after the first step, to keep this from happening.")
+                    return self.gm(*args)
                 self.failed = str(disagreement) if disagreement is not None else _why(e)
                 self.warn(f"compile=True: {self.name} does not compile ({self.failed[:300]}); it runs "
                           "eagerly (same results, launched op by op). Report the model, or pass compile=False "
                           "to silence this.")
                 log.debug("autopar: why %s does not compile", self.name, exc_info=True)
         return self.gm(*args)
+
+    def _without_compiling(self) -> None:
+        """This call runs eagerly under a user's TorchDispatchMode (a FLOP counter). Before the graph first ran
+        compiled, the peers compile at this call and wait to hear from this rank: it tells them to run this
+        call eagerly too (the first time; a second such call makes the graph eager for good), so that no rank
+        waits out ``COMPILE_AGREEMENT_TIMEOUT`` nor runs compiled beside this one."""
+        if self.compiled_runs or self.agreement is None:
+            return
+        mode = type(dispatch_mode_active()).__name__
+        if not self._skipped:
+            self._skipped = True
+            self._agree(f"ran this call under a TorchDispatchMode ({mode}), where torch.compile does not run", [],
+                        once=True)
+            return
+        self.failed = f"rank {self.agreement.rank} ran its calls under a TorchDispatchMode ({mode}) before the graph ran compiled"
+        self._agree(self.failed, [])
+        self.warn(f"compile=True: {self.name} runs eagerly on every rank: {self.failed}. Enter such a mode on every "
+                  "rank, or after the first step, to keep the graph compiled.")
 
 
 def _why(e: BaseException) -> str:

@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from autopar.errors import AgreementError
-from autopar.runtime.compile_agreement import CompileAgreement, digest
+from autopar.runtime.compile_agreement import ONCE, CompileAgreement, digest
 
 ROW_A, ROW_B, DEPTH_A, DEPTH_B = (0, 1), (2, 3), (0, 2), (1, 3)
 
@@ -85,11 +85,59 @@ def test_groups_beyond_the_peers_are_not_compared():
 
 
 def test_a_rank_that_never_posts_is_an_error_not_a_hang():
+    """The first rank to give up raises; its verdict (eager) releases the others at once, each with its reason."""
     posts = {r: (None, _groups(r)) for r in range(3)}  # rank 3 died while compiling
     got = _verdicts(posts, timeout=1.0)
+    errors = [r for r in range(3) if isinstance(got[r], AgreementError)]
+    assert errors, got
     for r in range(3):
-        assert isinstance(got[r], AgreementError), got
-        assert "compile=True" in str(got[r]) and "COMPILE_AGREEMENT_TIMEOUT" in str(got[r])
+        text = str(got[r])
+        assert "waited 1 s for the other ranks to finish compiling it" in text, got
+        if r in errors:
+            assert "compile=True" in text and "COMPILE_AGREEMENT_TIMEOUT" in text, got
+
+
+def test_a_rank_that_arrives_after_the_others_gave_up_runs_eagerly_too():
+    """A rank that compiled so slowly that the others gave up runs the graph eagerly as they do, though it finds
+    every rank compiled: the verdict is written once. Mutation (the last arrival deciding from the count alone):
+    it ran compiled beside three eager ranks (seen with a FLOP counter on one rank at the first call)."""
+    store = dist.HashStore()
+    early: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        try:
+            early[r] = CompileAgreement(store, r, (0, 1, 2, 3), 1.0).agree("graph/0", None, _groups(r))
+        except AgreementError as e:
+            early[r] = e
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert all(early[r] is not None for r in range(3)), early
+    late = CompileAgreement(store, 3, (0, 1, 2, 3), 1.0).agree("graph/0", None, _groups(3))
+    assert late is not None and "waited 1 s" in late, late
+
+
+def test_a_rank_that_runs_the_call_without_compiling_makes_it_eager_for_that_call():
+    """Rank 1 runs the call under a TorchDispatchMode (torch.compile does not run there) and posts so: it does
+    not wait, and the others run this call eagerly with a verdict that says it is for this call only."""
+    posts = {r: (None, _groups(r)) for r in range(4)}
+    store = dist.HashStore()
+    got: dict[int, object] = {}
+
+    def rank(r: int) -> None:
+        once = r == 1
+        got[r] = CompileAgreement(store, r, (0, 1, 2, 3), 20.0).agree(
+            "graph/0", "ran this call under a TorchDispatchMode" if once else None, posts[r][1], once=once)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert got[1] == "ran this call under a TorchDispatchMode"
+    for r in (0, 2, 3):
+        assert got[r] == f"{ONCE}rank 1 ran this call under a TorchDispatchMode", got
 
 
 def test_a_rank_alone_needs_no_store():

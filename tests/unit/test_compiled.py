@@ -50,7 +50,7 @@ def test_a_graph_compiles_where_fabric_copies_torch_compiles_arguments():
         def __reduce__(self):
             raise pickle.PicklingError("a c10d store or process group")
 
-        def agree(self, key, failed, groups):
+        def agree(self, key, failed, groups, once=False):
             return failed
 
     run = CompiledGraph(_graph(torch.nn.functional.gelu), "the test graph", torch.device("cpu"), print,
