@@ -79,7 +79,7 @@ class CompileAgreement:
         ``digest``) and returns why every rank runs it eagerly, or None when every rank runs it compiled.
         A rank that did not compile does not wait: it runs eagerly whatever the others found. ``once``: this rank
         runs this call without compiling (``failed`` says why); every rank runs the call eagerly, and the
-        verdict starts with ``ONCE``."""
+        verdict starts with ``ONCE`` (this rank waits for it: another rank's failed compile may stand instead)."""
         if len(self.peers) < 2:
             return failed
         base = f"autopar/compiled/{min(self.peers)}/{key}"
@@ -95,7 +95,7 @@ class CompileAgreement:
         self.store.add(f"{base}/bad", 1 if why else 0)
         if self.store.add(f"{base}/arrived", 1) == len(self.peers):  # the last: every count is in
             self._decide(base, "bad" if self.store.add(f"{base}/bad", 0) else "ok")
-        if failed:
+        if failed and not once:
             return failed
         self._wait(base, "the other ranks to finish compiling it")
         if self.store.get(f"{base}/verdict") != b"ok":

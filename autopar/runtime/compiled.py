@@ -219,10 +219,16 @@ class CompiledGraph:
         mode = type(dispatch_mode_active()).__name__
         if not self._skipped:
             self._skipped = True
-            self._agree(f"ran this call under a TorchDispatchMode ({mode}), where torch.compile does not run", [],
-                        once=True)
+            why = self._agree(f"ran this call under a TorchDispatchMode ({mode}), where torch.compile does not run",
+                              [], once=True)
+            if why is None or why.startswith(ONCE):
+                return
+            self.failed = why  # (another rank's compile failed at this call: every rank runs it eagerly for good)
+            self.warn(f"compile=True: {self.name} does not compile ({why[:300]}); it runs eagerly (same results, "
+                      "launched op by op). Report the model, or pass compile=False to silence this.")
             return
-        self.failed = f"rank {self.agreement.rank} ran its calls under a TorchDispatchMode ({mode}) before the graph ran compiled"
+        self.failed = (f"rank {self.agreement.rank} ran its calls under a TorchDispatchMode ({mode}) before the "
+                       "graph ran compiled")
         self._agree(self.failed, [])
         self.warn(f"compile=True: {self.name} runs eagerly on every rank: {self.failed}. Enter such a mode on every "
                   "rank, or after the first step, to keep the graph compiled.")

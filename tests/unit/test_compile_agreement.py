@@ -120,8 +120,9 @@ def test_a_rank_that_arrives_after_the_others_gave_up_runs_eagerly_too():
 
 
 def test_a_rank_that_runs_the_call_without_compiling_makes_it_eager_for_that_call():
-    """Rank 1 runs the call under a TorchDispatchMode (torch.compile does not run there) and posts so: it does
-    not wait, and the others run this call eagerly with a verdict that says it is for this call only."""
+    """Rank 1 runs the call under a TorchDispatchMode (torch.compile does not run there) and posts so: every rank
+    runs this call eagerly, with a verdict that says it is for this call only. Where another rank's compile
+    fails at that call, that failure may stand instead, and rank 1 hears it."""
     posts = {r: (None, _groups(r)) for r in range(4)}
     store = dist.HashStore()
     got: dict[int, object] = {}
@@ -135,11 +136,27 @@ def test_a_rank_that_runs_the_call_without_compiling_makes_it_eager_for_that_cal
         t.start()
     for t in threads:
         t.join(30)
-    assert got[1] == "ran this call under a TorchDispatchMode"
-    for r in (0, 2, 3):
+    for r in range(4):  # (rank 1 hears the verdict too: another rank's failed compile could have stood instead)
         assert got[r] == f"{ONCE}rank 1 ran this call under a TorchDispatchMode", got
 
 
 def test_a_rank_alone_needs_no_store():
     assert CompileAgreement(None, 0, (0,), 1.0).agree("g", None, {}) is None
     assert CompileAgreement(None, 0, (0,), 1.0).agree("g", "why", {}) == "why"
+
+
+def test_a_failed_compile_beside_a_rank_without_compiling_is_every_ranks_verdict():
+    store = dist.HashStore()
+    got: dict[int, object] = {}
+    posts = {0: ("RuntimeError: its Inductor failed", False), 1: ("ran this call under a TorchDispatchMode", True)}
+
+    def rank(r: int) -> None:
+        failed, once = posts[r]
+        got[r] = CompileAgreement(store, r, (0, 1), 20.0).agree("graph/0", failed, {}, once=once)
+    threads = [threading.Thread(target=rank, args=(r,)) for r in posts]
+    threads[0].start()
+    threads[0].join(30)  # rank 0's failure is posted first: its reason stands
+    threads[1].start()
+    threads[1].join(30)
+    assert got[0] == "RuntimeError: its Inductor failed"
+    assert got[1] == "rank 0 could not compile it (RuntimeError: its Inductor failed)", got
