@@ -160,8 +160,6 @@ class CompiledGraph:
         """Why the graph runs eagerly (None: it runs compiled)."""
         self.compiled_runs = 0
         """Calls that ran compiled (the plan report and tests read it)."""
-        self._skipped = False
-        """A call ran under a TorchDispatchMode before the graph ran compiled (``_without_compiling``)."""
 
     def _agreed(self, inductor: Callable, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         """Inductor's compile of ``gm``, run only where every peer compiled the same collectives."""
@@ -198,9 +196,10 @@ class CompiledGraph:
                 if disagreement is None and self._rounds == rounds:  # (dynamo's: the peers still wait to hear)
                     self._agree(_why(e), [])
                 if disagreement is not None and disagreement.once:
-                    self.warn(f"compile=True: {self.name} ran its first call eagerly on every rank: "
-                              f"{str(disagreement)[len(ONCE):][:300]}. It compiles at the next call; enter such a "
-                              "mode on every rank, or after the first step, to keep this from happening.")
+                    self.warn(f"compile=True: {self.name} ran a call eagerly on every rank before it first ran "
+                              f"compiled: {str(disagreement)[len(ONCE):][:300]}. It compiles again at the next call "
+                              "(each such call costs the other ranks a compile); enter such a mode on every rank, "
+                              "or after the graph's first call, to avoid it.")
                     return self.gm(*args)
                 self.failed = str(disagreement) if disagreement is not None else _why(e)
                 self.warn(f"compile=True: {self.name} does not compile ({self.failed[:300]}); it runs "
@@ -212,26 +211,19 @@ class CompiledGraph:
     def _without_compiling(self) -> None:
         """This call runs eagerly under a user's TorchDispatchMode (a FLOP counter). Before the graph first ran
         compiled, the peers compile at this call and wait to hear from this rank: it tells them to run this
-        call eagerly too (the first time; a second such call makes the graph eager for good), so that no rank
-        waits out ``COMPILE_AGREEMENT_TIMEOUT`` nor runs compiled beside this one."""
+        call eagerly too, so that no rank waits out ``COMPILE_AGREEMENT_TIMEOUT`` nor runs compiled beside this
+        one; they compile again at the next call (every rank under such a mode for the first steps: every rank
+        compiles after them). Where another rank's compile failed at this call, that verdict stands here too."""
         if self.compiled_runs or self.agreement is None:
             return
         mode = type(dispatch_mode_active()).__name__
-        if not self._skipped:
-            self._skipped = True
-            why = self._agree(f"ran this call under a TorchDispatchMode ({mode}), where torch.compile does not run",
-                              [], once=True)
-            if why is None or why.startswith(ONCE):
-                return
-            self.failed = why  # (another rank's compile failed at this call: every rank runs it eagerly for good)
-            self.warn(f"compile=True: {self.name} does not compile ({why[:300]}); it runs eagerly (same results, "
-                      "launched op by op). Report the model, or pass compile=False to silence this.")
+        why = self._agree(f"ran this call under a TorchDispatchMode ({mode}), where torch.compile does not run",
+                          [], once=True)
+        if why is None or why.startswith(ONCE):
             return
-        self.failed = (f"rank {self.agreement.rank} ran its calls under a TorchDispatchMode ({mode}) before the "
-                       "graph ran compiled")
-        self._agree(self.failed, [])
-        self.warn(f"compile=True: {self.name} runs eagerly on every rank: {self.failed}. Enter such a mode on every "
-                  "rank, or after the first step, to keep the graph compiled.")
+        self.failed = why  # (another rank's compile failed at this call: every rank runs it eagerly for good)
+        self.warn(f"compile=True: {self.name} does not compile ({why[:300]}); it runs eagerly (same results, "
+                  "launched op by op). Report the model, or pass compile=False to silence this.")
 
 
 def _why(e: BaseException) -> str:
