@@ -38,8 +38,9 @@ NANO = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32)
 pytestmark = pytest.mark.slow
 
 
-def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3, counted: int | None = None) -> dict:
-    """``counted``: the rank whose first step runs under a FLOP counter (a TorchDispatchMode)."""
+def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
+           counted: dict[int, int] | None = None) -> dict:
+    """``counted``: rank -> its first steps that run under a FLOP counter (a TorchDispatchMode)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
@@ -60,7 +61,8 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3, c
             if how == "train_step":
                 loss = autopar.train_step(model, x, y, F.cross_entropy)
             else:
-                with FlopCounterMode(display=False) if step == 0 and dist.get_rank() == counted else nullcontext():
+                with FlopCounterMode(display=False) if step < (counted or {}).get(dist.get_rank(), 0) \
+                        else nullcontext():
                     loss = F.cross_entropy(model(x), y)
                     loss.backward()
         elif kind == "nano":
@@ -258,23 +260,26 @@ def test_ranks_whose_compiles_differ_all_run_eagerly(case, distributed):
             assert torch.equal(eager["grads"][k], comp["grads"][k]), f"rank {rank}: gradient of {k}"
 
 
-def _counted_first_step() -> dict:
+def _counted_first_steps(counted: dict[int, int]) -> dict:
     import autopar.config as settings
 
     settings.COMPILE_AGREEMENT_TIMEOUT = 60
     start = time.perf_counter()
-    out = _train("fc", {"tensor": (2, 1, 1)}, True, "call", steps=3, counted=1)
+    out = _train("fc", {"tensor": (2, 1, 1)}, True, "call", steps=3, counted=counted)
     return {**out, "seconds": time.perf_counter() - start, "eager": _train("fc", {"tensor": (2, 1, 1)}, False, "call")}
 
 
-def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_the_ranks(distributed):
+@pytest.mark.parametrize("counted", [{1: 1}, {0: 2, 1: 2}], ids=["rank 1, one step", "every rank, two steps"])
+def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_the_ranks(counted, distributed):
     """Rank 1 counts FLOPs in its first step (a TorchDispatchMode, under which torch.compile does not run), while
     rank 0 compiles and waits to hear from rank 1. Rank 1 tells it to run that call eagerly too, and both compile
-    at the next: two compiled runs each, eager's losses. Mutation (rank 1 silent): rank 0 waited out the
-    agreement's timeout (60 s here, 30 minutes by default), then ran eagerly for good beside a compiled rank 1."""
-    for rank, got in enumerate(distributed(_counted_first_step, 2, timeout=600)):
+    at the next: two compiled runs each, eager's losses. Every rank counting its first two steps compiles at the
+    third. Mutations: rank 1 silent: rank 0 waited out the agreement's timeout (60 s here, 30 minutes by
+    default), then ran eagerly for good beside a compiled rank 1; a second such call making the graph eager for
+    good: no compiled run in the second case."""
+    for rank, got in enumerate(distributed(_counted_first_steps, 2, counted, timeout=600)):
         assert not got["failed"], f"rank {rank}: {got['failed']}"
-        assert got["compiled_runs"] == 2, f"rank {rank}: {got['compiled_runs']} compiled runs"
+        assert got["compiled_runs"] == 3 - max(counted.values()), f"rank {rank}: {got['compiled_runs']} compiled runs"
         assert got["seconds"] < 55, f"rank {rank}: {got['seconds']:.0f} s"
         for a, b in zip(got["eager"]["losses"], got["losses"]):
             assert abs(a - b) / abs(a) < TOL, f"rank {rank}: {got['eager']['losses']} != {got['losses']}"
