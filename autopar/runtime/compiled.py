@@ -183,9 +183,10 @@ class CompiledGraph:
         return self.agreement.agree(key, failed, digest([i for i, _ in issued], [n for _, n in issued]), once)
 
     def __call__(self, *args: Any) -> Any:
-        if self.failed is None and dispatch_mode_active():  # (torch.compile does not run under a user's mode)
-            self._without_compiling()
-        if self.failed is None and not dispatch_mode_active():
+        mode = dispatch_mode_active() if self.failed is None else None
+        if mode is not None:  # (torch.compile does not run under a user's mode)
+            self._without_compiling(mode)
+        elif self.failed is None:
             rounds = self._rounds
             try:
                 out = self.compiled(*args)
@@ -201,14 +202,11 @@ class CompiledGraph:
                               "(each such call costs the other ranks a compile); enter such a mode on every rank, "
                               "or after the graph's first call, to avoid it.")
                     return self.gm(*args)
-                self.failed = str(disagreement) if disagreement is not None else _why(e)
-                self.warn(f"compile=True: {self.name} does not compile ({self.failed[:300]}); it runs "
-                          "eagerly (same results, launched op by op). Report the model, or pass compile=False "
-                          "to silence this.")
+                self._eager_for_good(str(disagreement) if disagreement is not None else _why(e))
                 log.debug("autopar: why %s does not compile", self.name, exc_info=True)
         return self.gm(*args)
 
-    def _without_compiling(self) -> None:
+    def _without_compiling(self, mode: Any) -> None:
         """This call runs eagerly under a user's TorchDispatchMode (a FLOP counter). Before the graph first ran
         compiled, the peers compile at this call and wait to hear from this rank: it tells them to run this
         call eagerly too, so that no rank waits out ``COMPILE_AGREEMENT_TIMEOUT`` nor runs compiled beside this
@@ -216,12 +214,14 @@ class CompiledGraph:
         compiles after them). Where another rank's compile failed at this call, that verdict stands here too."""
         if self.compiled_runs or self.agreement is None:
             return
-        mode = type(dispatch_mode_active()).__name__
-        why = self._agree(f"ran this call under a TorchDispatchMode ({mode}), where torch.compile does not run",
-                          [], once=True)
-        if why is None or why.startswith(ONCE):
-            return
-        self.failed = why  # (another rank's compile failed at this call: every rank runs it eagerly for good)
+        why = self._agree(f"ran this call under a TorchDispatchMode ({type(mode).__name__}), where torch.compile "
+                          "does not run", [], once=True)
+        if why is not None and not why.startswith(ONCE):  # (another rank's compile failed at this call)
+            self._eager_for_good(why)
+
+    def _eager_for_good(self, why: str) -> None:
+        """Every rank runs this graph eagerly from now on (``why``: the verdict); one warning line says why."""
+        self.failed = why
         self.warn(f"compile=True: {self.name} does not compile ({why[:300]}); it runs eagerly (same results, "
                   "launched op by op). Report the model, or pass compile=False to silence this.")
 
