@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -28,7 +28,9 @@ from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
 from autopar.runtime import graphed
 from autopar.runtime.compile_agreement import CompileAgreement
+from autopar.runtime import compiled_pieces
 from autopar.runtime.compiled import CompiledGraph
+from autopar.runtime.compiled_pieces import CompiledPieces, cut_into_pieces
 from autopar.runtime.depth_buckets import bucket_depth_gathers
 from autopar.runtime.executables import Executable
 from autopar.runtime.kept import KeptOutputs, OutputTree
@@ -57,13 +59,16 @@ class Compiler:
 
     def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
                  memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None],
-                 compile: CompileConfig = CompileConfig(False)) -> None:
+                 compile: CompileConfig = CompileConfig(False),
+                 synced: Callable[[], Mapping[str, int]] = dict) -> None:
         """``finish_grads``: what a pipeline's backward ends with (the runtime's); ``warn_once``: one warning line
         per distinct message, on rank 0; ``compile``: which bound graphs run under torch.compile
-        (``autopar.runtime.compiled``)."""
+        (``autopar.runtime.compiled``); ``synced``: the parameters whose gradients are summed during backward,
+        with their gradients' bytes (``ParallelRuntime.synced_grad_bytes``): a compiled training graph is cut
+        in pieces by them (``autopar.runtime.compiled_pieces``)."""
         self._model = weakref.ref(model)
         self.shadow, self.store, self.mesh, self.config, self.memory = shadow, store, mesh, config, memory
-        self.finish_grads, self.warn_once, self.compile = finish_grads, warn_once, compile
+        self.finish_grads, self.warn_once, self.compile, self.synced = finish_grads, warn_once, compile, synced
 
     def capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
                 index: int, segments: tuple[int, ...] = (), dynamic: dict[int, dict[int, Any]] | None = None,
@@ -159,13 +164,15 @@ class Compiler:
                 self.store.hold(program.readers())
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
-        run = gm if captured.accepts is not None else self._wrap(gm, "the per-rank graph", agreement=agreement)
+        run = gm if captured.accepts is not None else \
+            self._wrap(gm, "the per-rank graph", agreement=agreement, synced=None if pipelined else self.synced())
         graphs = None if pipelined else self._graphs(gm, inputs, run, agreement)
         kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
         eager = run is gm and graphs is None and program is None
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
                           captured.accepts, rows, reading_params_at_use(gm) if eager else run, graphs, kept or None,
-                          OutputTree(captured.out_spec) if kept else None, reads_params=eager)
+                          OutputTree(captured.out_spec) if kept else None,
+                          reads_params=eager or isinstance(run, CompiledPieces))
 
     def _agreement(self, per_rank: bool) -> CompileAgreement | None:
         """Where this executable's compiled graphs are agreed on by the ranks that run them (None: not
@@ -193,15 +200,23 @@ class Compiler:
         return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
                                   names=names, unused=unused)
 
-    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True,
-              agreement: CompileAgreement | None = None) -> Callable[..., Any]:
+    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True, agreement: CompileAgreement | None = None,
+              synced: Mapping[str, int] | None = None) -> Callable[..., Any]:
         """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled``) or as it is; a
-        training graph also replayed as a CUDA graph where ``compile="reduce-overhead"`` asks (``replayed``)."""
+        training graph also replayed as a CUDA graph where ``compile="reduce-overhead"`` asks (``replayed``).
+        A training graph whose ``synced`` gradients (name -> bytes) fill more than one bucket is compiled in
+        pieces, so that they reach their buckets during backward (``autopar.runtime.compiled_pieces``)."""
         device, training = self.mesh.device.type, torch.is_grad_enabled()
         if not self.compile.enabled(device, training):
             return gm
-        return CompiledGraph(gm, f"{name} of {type(self._model()).__name__}", self.mesh.device, self.warn_once,
-                             cuda_graphs=replayed and self.compile.cuda_graphs(device, training), agreement=agreement)
+        name = f"{name} of {type(self._model()).__name__}"
+        cuda_graphs = replayed and self.compile.cuda_graphs(device, training)
+        cut = cut_into_pieces(gm, synced, compiled_pieces.PIECE_BYTES) if training and synced else None
+        if cut is not None:
+            return CompiledPieces(cut, lambda piece, k, n: CompiledGraph(
+                piece, f"piece {k + 1} of {n} of {name}", self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs,
+                agreement=agreement))
+        return CompiledGraph(gm, name, self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs, agreement=agreement)
 
     def _stage_wrap(self, gm: fx.GraphModule, name: str,
                     agreement: CompileAgreement | None = None) -> Callable[..., Any]:

@@ -110,6 +110,8 @@ class GradSync:
                  enabled: Callable[[], bool] = lambda: True, shards: DataShards | None = None,
                  rest: tuple[dist.ProcessGroup, int] | None = None) -> None:
         self.group, self.size, self.reduce_dtype, self.enabled = group, size, reduce_dtype, enabled
+        self.params = tuple(params)
+        """The parameters whose gradients it sums."""
         self.shards = shards
         self.rest = rest
         """The other axis the gradients are summed over (depth), after the reduce-scatter over data: an

@@ -35,6 +35,7 @@ from autopar.runtime.binding import placeholders
 from autopar.runtime.casts import Casts
 from autopar.runtime.checkpoint import state_dict_post_hook
 from autopar.runtime.compiled import CompiledGraph, SurvivingGrads
+from autopar.runtime.compiled_pieces import CompiledPieces
 from autopar.runtime.compiler import Compiler
 from autopar.runtime.deferred import Deferred, Sink
 from autopar.runtime.executables import Executable, Executables, signature
@@ -94,7 +95,7 @@ class ParallelRuntime:
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.casts = Casts(model, self.shadow, self.store)
         self.compiler = Compiler(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
-                                 self._warn_once, compile)
+                                 self._warn_once, compile, self.synced_grad_bytes)
         """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.plan: Plan | None = None
         self.executables = Executables()
@@ -144,6 +145,15 @@ class ParallelRuntime:
         """Whether this backward sums gradients over data (x depth): not inside ``no_sync()``, nor while the
         script sets DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's accumulation)."""
         return self.no_sync_depth == 0 and getattr(self._model(), "require_backward_grad_sync", True) is not False
+
+    def synced_grad_bytes(self) -> dict[str, int]:
+        """The parameters whose gradients this rank's gradient syncs sum during backward, by name: the bytes of
+        each one's gradient on a rank as the plan counts them (the same on every rank, a piece split unevenly
+        counted at its largest)."""
+        held = {id(p) for sync in self._syncs for p in sync.params}
+        sizes = {pp.name: pp.local_numel(self.config) for pp in self.plan.params} if self.plan is not None else {}
+        return {name: sizes[name] * p.element_size() for name, p in self.params.items()
+                if id(p) in held and name in sizes}
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return carry_cache(args, kwargs, self.run(args, kwargs)[0])  # the cache passed in is updated, as serial
@@ -234,7 +244,7 @@ class ParallelRuntime:
             out = exe.program.run_sequential(values)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
-        if isinstance(exe.run, CompiledGraph) and exe.run.cuda_graphs and torch.is_grad_enabled():
+        if isinstance(exe.run, (CompiledGraph, CompiledPieces)) and exe.run.cuda_graphs and torch.is_grad_enabled():
             self.surviving_grads.copy_out()  # (before the replay overwrites the last one's gradients)
         with torch.autocast(self.mesh.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
             out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
@@ -553,7 +563,8 @@ class ParallelRuntime:
         """The graphs this model runs compiled (each executable's, or each pipeline stage's, and those captured
         as CUDA graphs)."""
         runs = [r for graphs in self.executables.values() for exe in graphs
-                for r in ([exe.run] if exe.program is None else [a.run for a in exe.program.adapters.values()])
+                for r in ((exe.run.pieces if isinstance(exe.run, CompiledPieces) else [exe.run]) if exe.program is None
+                          else [a.run for a in exe.program.adapters.values()])
                 + ([exe.graphs.warm] if exe.graphs is not None and exe.graphs.warm is not exe.run else [])]
         return [r for r in runs if isinstance(r, CompiledGraph)]
 

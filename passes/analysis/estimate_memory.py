@@ -111,9 +111,10 @@ class MemoryProfile:
     output_bytes: int = 0
     """The model's outputs, whole on every rank (counted in ``<shared>``)."""
     compiled_grad_bytes: int = 0
-    """``grad_bytes`` where a compiled backward returns every gradient at once (``compiled_recompute``); 0: the
-    same. Under ``shard_optimizer`` every whole gradient besides what the sync holds (``scattered_grad_bytes``):
-    they all live until the sync has packed each into its bucket."""
+    """``grad_bytes`` where the backward is compiled (``compiled_recompute``); 0: the same. Under
+    ``shard_optimizer``, besides what the sync holds (``scattered_grad_bytes``), the whole gradients one compiled
+    piece returns at once (``autopar.runtime.compiled_pieces``: a bucket's worth), which live until the sync
+    has packed each into its bucket."""
 
     @property
     def static_bytes(self) -> int:
@@ -469,7 +470,7 @@ def _kept_layout(res: LayoutResult, saver: fx.Node, read: fx.Node) -> Sharding:
 def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
     """``profile`` as ``compile=True`` runs it: a recomputed segment keeps its collectives' outputs besides its
     inputs (torch's partitioner never issues a collective again, so it saves their outputs from forward), and
-    the backward, one node, returns every gradient at once (``MemoryProfile.compiled_grad_bytes``)."""
+    each piece of the backward returns its gradients at once (``MemoryProfile.compiled_grad_bytes``)."""
     segments = tuple(dataclasses.replace(s, input_bytes=s.input_bytes + s.collective_bytes) if s.checkpointable
                      else s for s in profile.segments)
     return dataclasses.replace(profile, segments=segments,
@@ -504,7 +505,10 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
         if config.pipeline == 1:  # and of its gradient: the gradient sync frees each whole one once in its
             # bucket, so at most a few buckets of them are whole at once (``scattered_grad_bytes``)
             grads = scattered_grad_bytes(state, trainable)
-            compiled_grads = grads + trainable
+            # compiled, a piece's backward returns its gradients at once, a bucket's worth
+            # (``autopar.runtime.compiled_pieces``), and autograd copies one to lay it out like its parameter
+            largest_local = max((b for name, b in local.items() if name not in frozen), default=0)
+            compiled_grads = grads + min(trainable, _BUCKET_BYTES + largest_local)
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
     return MemoryProfile(segments, sum(local.values()), grads, 2 * state, frozen, largest,
                          compiled_grad_bytes=compiled_grads)

@@ -177,7 +177,7 @@ def screen(shape: ModelShape, candidate: Candidate, machine: Machine, half: bool
     of a grid it keeps). Ranks grids for the search to plan the most promising exactly; not a plan's
     prediction.
     ``memo``: collective prices kept between calls on the same machine (``Prices``). ``compiled``: training runs
-    compiled, whose backward returns every gradient at once (``estimate_memory.compiled_recompute``)."""
+    compiled, each piece of whose backward returns its gradients at once (``estimate_memory.compiled_recompute``)."""
     return _Degrees(shape, candidate, machine, half, {} if memo is None else memo, compiled).pair(candidate)[0]
 
 
@@ -257,8 +257,8 @@ class _Degrees:
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
             state //= c.data
             grads = scattered_grad_bytes(params // c.data, params) if self.stages == 1 else params
-            if self.compiled and self.stages == 1:  # (a compiled backward returns every whole gradient at once)
-                grads += params
+            if self.compiled and self.stages == 1:  # (a compiled piece of backward returns a bucket's worth of
+                grads += min(params, BUCKET_BYTES)  # whole gradients at once: autopar.runtime.compiled_pieces)
             full, rest = divmod(params, BUCKET_BYTES)
             sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0

@@ -91,7 +91,7 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
                     total[kind] = total.get(kind, 0) + n
     return {"losses": losses, "comm": comm, "grads": grads, "params": autopar.full_state_dict(model),
             "compiled_runs": sum(c.compiled_runs for c in graphs), "failed": [c.failed for c in graphs if c.failed],
-            "launches": (held, launched)}
+            "launches": (held, launched), "pieces": sum(c.name.startswith("piece ") for c in graphs)}
 
 
 def _serial_fc(steps: int = 3) -> dict:
@@ -124,7 +124,7 @@ def _compare(cases: list[tuple]) -> dict:
             errs["serial"] = max(rel_err(serial["params"][k], comp["params"][k]) for k in serial["params"])
             errs["serial_loss"] = max(abs(a - b) for a, b in zip(serial["losses"], comp["losses"]))
         out[name] = {"errs": errs, "comm": (eager["comm"], comp["comm"]), "runs": comp["compiled_runs"],
-                     "failed": comp["failed"], "launches": comp["launches"]}
+                     "failed": comp["failed"], "launches": comp["launches"], "pieces": comp["pieces"]}
     return out
 
 
@@ -283,3 +283,87 @@ def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_t
         assert got["seconds"] < 55, f"rank {rank}: {got['seconds']:.0f} s"
         for a, b in zip(got["eager"]["losses"], got["losses"]):
             assert abs(a - b) / abs(a) < TOL, f"rank {rank}: {got['eager']['losses']} != {got['losses']}"
+
+
+PIECES = [("d4", "fc", {"data": 4}, "call"),
+          ("t2x1x1 d2 shard_optimizer", "fc", {"tensor": (2, 1, 1), "data": 2, "shard_optimizer": True}, "call"),
+          ("t1x1x2 d2", "fc", {"tensor": (1, 1, 2), "data": 2}, "call"),
+          ("t1x2x1 d2 checkpoint full", "fc", {"tensor": (1, 2, 1), "data": 2, "checkpoint": "full"}, "call"),
+          ("nanogpt t2x1x1 d2 loss in forward (tied head)", "nano", {"tensor": (2, 1, 1), "data": 2}, "call"),
+          ("gpt2 vocab 127 d4 (tied head)", "gpt2", {"data": 4}, "call")]
+
+
+
+def _pieces_compare(cases: list[tuple]) -> dict:
+    from autopar.runtime import compiled_pieces
+    compiled_pieces.PIECE_BYTES = 2**12  # (tiny models: pieces of 4 KiB of synced gradients)
+    return _compare(cases)
+
+
+def test_a_graph_compiled_in_pieces_matches_eager_and_serial(distributed):
+    """Where data-parallel ranks sum gradients during backward, a compiled training graph is cut in pieces
+    holding a bucket's worth of those gradients each (``autopar.runtime.compiled_pieces``): the same numbers
+    as eager autopar (and serial, FC_Net) on data, tensor x data, depth x data, checkpointed, shard_optimizer
+    and tied-head LMs (a weight read by the first piece and the last)."""
+    for rank, got in enumerate(distributed(_pieces_compare, 4, PIECES, timeout=900)):
+        for name, r in got.items():
+            assert not r["failed"], f"rank {rank} {name}: fell back to eager: {r['failed']}"
+            assert r["pieces"] >= 3, f"rank {rank} {name}: {r['pieces']} pieces"
+            assert r["runs"] >= 3 * r["pieces"], f"rank {rank} {name}: {r['runs']} compiled runs"
+            for what, err in r["errs"].items():
+                assert err < TOL, f"rank {rank} {name}: {what} differ by {err:.2e}"
+            eager, comp = r["comm"]
+            if "checkpoint" not in name:
+                assert eager == comp, f"rank {rank} {name}: bytes per step eager {eager} != compiled {comp}"
+
+
+def _arrivals(piece_bytes: int) -> dict:
+    """When one compiled backward delivers each layer's gradients (a post-accumulate-grad hook of the script's):
+    how many compiled pieces had run backward by then (a hook on each compiled node of the autograd graph), on
+    four data ranks (plain parameters) and on depth x data (DTensors), each with shard_optimizer or without."""
+    from torch import nn
+
+    from autopar.runtime import compiled_pieces
+    compiled_pieces.PIECE_BYTES = piece_bytes
+
+    def nodes(t: torch.Tensor) -> set:
+        seen, todo = set(), [t.grad_fn]
+        while todo:
+            n = todo.pop()
+            if n is not None and n not in seen:
+                seen.add(n)
+                todo.extend(f for f, _ in n.next_functions)
+        return seen
+
+    out = {}
+    for options in ({"data": 4}, {"data": 4, "shard_optimizer": True}, {"tensor": (1, 1, 2), "data": 2},
+                    {"tensor": (1, 1, 2), "data": 2, "shard_optimizer": True}):
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(compile=True, **options):
+            model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(4)])
+        x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+        model(x).sum().backward()  # (the first call builds the parameters and compiles)
+        model.zero_grad()
+        ran, seen = [0], {}
+        handles = [p.register_post_accumulate_grad_hook(
+            lambda _, n=name.split(".")[0]: (seen.setdefault(n, ran[0]), None)[1]) for name, p in model.named_parameters()]
+        loss = model(x).sum()
+        for node in nodes(loss):
+            if "CompiledFunction" in node.name():
+                node.register_hook(lambda *_: (ran.__setitem__(0, ran[0] + 1), None)[1])
+        loss.backward()
+        for h in handles:
+            h.remove()
+        out[str(options)] = {**seen, "total": ran[0]}
+    return out
+
+
+def test_a_graph_compiled_in_pieces_delivers_each_pieces_gradients_as_its_backward_ends(distributed):
+    """Cut in one piece per layer (pieces of 4 KiB of gradients here, a layer's 4.1), each layer's gradients reach
+    ``p.grad`` and their data-parallel bucket as soon as its piece ran backward, as eagerly: the sync overlaps
+    the rest of backward, and under shard_optimizer a piece's whole gradients go before the next piece's come.
+    Mutation (pieces as large as the graph: one piece, the graph compiled whole): every gradient arrives once
+    all of backward has run, and the test fails."""
+    for rank, got in enumerate(distributed(_arrivals, 4, 2**12, timeout=600)):
+        for grid, seen in got.items():
+            assert seen == {"3": 1, "2": 2, "1": 3, "0": 4, "total": 4}, (rank, grid, seen)

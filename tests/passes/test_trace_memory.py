@@ -49,8 +49,9 @@ def test_bf16_halves_what_matmuls_and_attention_keep():
 
 
 def test_a_compiled_run_is_planned_as_it_holds_its_gradients(capsys):
-    """``compile="auto"`` compiles training on GPUs, and a compiled backward returns every gradient at once: under
-    shard_optimizer the whole gradients all live besides the chunks. The trace and the plan search count that
+    """``compile="auto"`` compiles training on GPUs, and each compiled piece of backward returns its gradients at
+    once (``autopar.runtime.compiled_pieces``): under shard_optimizer a piece's whole gradients live besides the
+    chunks (here every gradient: the model's fit one piece). The trace and the plan search count that
     where the run would compile (``--compile true``, or a GPU's ``--hardware``) and say so; on this CPU, "auto"
     is eager. The same path plans for the runtime (PlanOptions.compiled) and the search (its screen too)."""
     import re
