@@ -110,8 +110,8 @@ def main(argv: list[str] | None = None) -> int:
                              '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V]"')
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
-                        help="auto_parallelize's compile= (default auto: compiled on GPUs): a compiled backward "
-                             "returns every gradient at once, which the memory plans count")
+                        help="auto_parallelize's compile= (default auto: compiled on GPUs): a compiled piece of "
+                             "backward returns a bucket's gradients at once, which the memory plans count")
     parser.add_argument("--keep", type=int, default=KEEP,
                         help=f"grids to plan exactly, the closed-form screen's best (default {KEEP})")
     parser.add_argument("--exhaustive", action="store_true", help="plan every grid exactly (slow at scale)")

@@ -162,8 +162,8 @@ def main(argv: list[str] | None = None) -> int:
                              "auto_parallelize(sequence_parallel=True) runs it")
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
                         help="auto_parallelize's compile= (default auto: compiled on GPUs, so with a GPU --hardware "
-                             "or on a machine with CUDA): a compiled backward returns every gradient at once, which "
-                             "the memory plan counts")
+                             "or on a machine with CUDA): a compiled piece of backward returns a bucket's gradients at "
+                             "once, which the memory plan counts")
     parser.add_argument("--capture-all-blocks", action="store_true",
                         help="capture every repeated block instead of three (slower; the plan is the same "
                              "whenever the shortcut applies)")

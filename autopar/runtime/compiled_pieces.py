@@ -3,21 +3,23 @@
 A graph compiled whole (``autopar.runtime.compiled``) is one autograd node in backward: it returns every
 gradient when all of its backward has run. The data-parallel sync (``GradSync``) then gets every gradient at
 once at the end: no bucket's all-reduce overlaps backward, and under ``shard_optimizer`` every whole gradient
-lives at once beside the chunks (48 layers of 4 MiB at data 4: 294 MiB where eager holds 120). Dynamo's
+lives at once beside the chunks (48 layers of 4 MiB at data 4, the heap at backward's peak: 328 MiB, where
+eager holds 170 and the pieces 202). Dynamo's
 ``DDPOptimizer`` meets the same problem for DDP and splits the graph it compiles at bucket boundaries; this
 does that for autopar's per-rank graph:
 
-- ``cut_into_pieces`` cuts the bound graph into consecutive pieces holding about ``BUCKET_BYTES`` of synced
-  gradients each, counted from the end (the order backward produces them, the order ``GradSync`` fills its
-  buckets), each cut just before the node that first reads a parameter. The last piece's backward runs
-  first and returns its gradients while the others' backward still has to run.
+- ``cut_into_pieces`` cuts the bound graph into consecutive pieces holding up to ``BUCKET_BYTES`` of synced
+  gradients each (more where that would make more than ``MAX_PIECES`` pieces: each costs a compiled call each
+  way), counted from the end (the order backward produces them, the order ``GradSync`` fills its buckets),
+  each cut just before the node that first reads a parameter. The last piece's backward runs first and
+  returns its gradients while the others' backward still has to run.
 - ``CompiledPieces`` runs the outer graph eagerly: before each piece it reads the local pieces of the
   parameters that piece first uses (one autograd node per piece, ``local_views``), then calls the piece
   compiled (a ``CompiledGraph`` each: its own compile, fallback and agreement). Autograd runs each reading
   node as soon as the piece after it has run backward, so each piece's gradients land there and then.
 
 The cut is decided from the plan (each parameter's local elements, the same on every rank) so that every
-rank cuts alike and compiles the same pieces. A graph whose synced gradients fit one bucket is not cut.
+rank cuts alike and compiles the same pieces. A graph whose synced gradients fit one piece is not cut.
 Inductor sees a piece at a time: it fuses and buckets collectives within a piece only.
 """
 
@@ -33,18 +35,26 @@ from torch import fx
 from autopar.runtime.collectives import BUCKET_BYTES
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.param_layout import local_views
+from passes.analysis.estimate_memory import MAX_PIECES
 from passes.ir import InputKind, input_info
 from passes.outline import outline
 
 PIECE_BYTES = BUCKET_BYTES
-"""A piece's synced gradient bytes, at least (but the first piece's): the gradient sync's bucket cap."""
+"""A piece's synced gradient bytes (the last piece's, at most; the gradient sync's bucket cap), or more where
+that would make more than ``MAX_PIECES`` pieces (``estimate_memory.piece_bytes``, which the plan counts)."""
+
+
+def piece_cap(synced: Mapping[str, int]) -> int:
+    """The synced gradient bytes each piece holds at most (a node reading more: a piece of its own), for about
+    ``MAX_PIECES`` pieces at most."""
+    return max(PIECE_BYTES, -(-sum(synced.values()) // MAX_PIECES))
 
 
 def cut_into_pieces(gm: fx.GraphModule, synced: Mapping[str, int], cap: int) -> fx.GraphModule | None:
     """A copy of ``gm`` whose nodes are in consecutive submodules ``piece_0`` ... (called in order, with
-    ``getitem`` of their outputs between them), each but the first reading first parameters with ``cap`` bytes
-    of ``synced`` (parameter name -> bytes of its gradient here) or more, counted from the graph's end; None
-    where that makes one piece."""
+    ``getitem`` of their outputs between them), each the first to read parameters with up to ``cap`` bytes of
+    ``synced`` (parameter name -> bytes of its gradient here; a node reading more is a piece of its own),
+    filled from the graph's end as the gradient sync fills its buckets; None where that makes one piece."""
     graph = _with_private_attrs(gm.graph)
     nodes = list(graph.nodes)
     order = {n: i for i, n in enumerate(nodes)}

@@ -211,7 +211,7 @@ class Compiler:
             return gm
         name = f"{name} of {type(self._model()).__name__}"
         cuda_graphs = replayed and self.compile.cuda_graphs(device, training)
-        cut = cut_into_pieces(gm, synced, compiled_pieces.PIECE_BYTES) if training and synced else None
+        cut = cut_into_pieces(gm, synced, compiled_pieces.piece_cap(synced)) if training and synced else None
         if cut is not None:
             return CompiledPieces(cut, lambda piece, k, n: CompiledGraph(
                 piece, f"piece {k + 1} of {n} of {name}", self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs,

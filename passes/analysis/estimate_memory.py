@@ -67,6 +67,9 @@ _BUCKET_BYTES = 25 * 2**20
 SCATTER_BUCKETS_HELD = 3
 """Buckets of whole gradients the gradient sync holds at most under ``shard_optimizer``: the one filling, and
 those whose reduce-scatter still runs (``autopar.runtime.grad_sync.INFLIGHT`` is one less)."""
+MAX_PIECES = 16
+"""A compiled training graph is cut in at most this many pieces (``autopar.runtime.compiled_pieces``): each
+piece costs a compiled call each way a step, so a large model's pieces hold more than a bucket each."""
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
 
@@ -508,10 +511,16 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
             # compiled, a piece's backward returns its gradients at once, a bucket's worth
             # (``autopar.runtime.compiled_pieces``), and autograd copies one to lay it out like its parameter
             largest_local = max((b for name, b in local.items() if name not in frozen), default=0)
-            compiled_grads = grads + min(trainable, _BUCKET_BYTES + largest_local)
+            compiled_grads = grads + min(trainable, piece_bytes(trainable) + largest_local)
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
     return MemoryProfile(segments, sum(local.values()), grads, 2 * state, frozen, largest,
                          compiled_grad_bytes=compiled_grads)
+
+
+def piece_bytes(synced: int) -> int:
+    """The synced gradient bytes a compiled piece holds (``autopar.runtime.compiled_pieces``), of ``synced`` in
+    all: a bucket's worth, or more where that would make more than ``MAX_PIECES`` pieces."""
+    return max(_BUCKET_BYTES, -(-synced // MAX_PIECES))
 
 
 def scattered_grad_bytes(chunks: int, whole: int) -> int:
