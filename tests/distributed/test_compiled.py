@@ -60,6 +60,11 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
             x, y = torch.randn(8, 1, 8, 8, generator=g), torch.randint(0, 10, (8,), generator=g)
             if how == "train_step":
                 loss = autopar.train_step(model, x, y, F.cross_entropy)
+            elif how == "no_sync":  # two halves accumulated, the first kept local (DDP's no_sync)
+                with model.no_sync():
+                    (F.cross_entropy(model(x[:4]), y[:4]) / 2).backward()
+                loss = F.cross_entropy(model(x[4:]), y[4:]) / 2
+                loss.backward()
             else:
                 with FlopCounterMode(display=False) if step < (counted or {}).get(dist.get_rank(), 0) \
                         else nullcontext():
@@ -120,7 +125,7 @@ def _compare(cases: list[tuple]) -> dict:
         errs = {"loss": max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(eager["losses"], comp["losses"])),
                 "grads": max(rel_err(eager["grads"][k], comp["grads"][k]) for k in eager["grads"]),
                 "params": max(rel_err(eager["params"][k], comp["params"][k]) for k in eager["params"])}
-        if kind == "fc" and options.get("batch") != "per-rank":
+        if kind == "fc" and options.get("batch") != "per-rank" and how != "no_sync":
             errs["serial"] = max(rel_err(serial["params"][k], comp["params"][k]) for k in serial["params"])
             errs["serial_loss"] = max(abs(a - b) for a, b in zip(serial["losses"], comp["losses"]))
         out[name] = {"errs": errs, "comm": (eager["comm"], comp["comm"]), "runs": comp["compiled_runs"],
@@ -286,6 +291,8 @@ def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_t
 
 
 PIECES = [("d4", "fc", {"data": 4}, "call"),
+          ("d4 no_sync accumulation", "fc", {"data": 4}, "no_sync"),
+          ("t2x1x1 d2 per-rank", "fc", {"tensor": (2, 1, 1), "data": 2, "batch": "per-rank"}, "call"),
           ("t2x1x1 d2 shard_optimizer", "fc", {"tensor": (2, 1, 1), "data": 2, "shard_optimizer": True}, "call"),
           ("t1x1x2 d2", "fc", {"tensor": (1, 1, 2), "data": 2}, "call"),
           ("t1x2x1 d2 checkpoint full", "fc", {"tensor": (1, 2, 1), "data": 2, "checkpoint": "full"}, "call"),
@@ -303,8 +310,9 @@ def _pieces_compare(cases: list[tuple]) -> dict:
 def test_a_graph_compiled_in_pieces_matches_eager_and_serial(distributed):
     """Where data-parallel ranks sum gradients during backward, a compiled training graph is cut in pieces
     holding a bucket's worth of those gradients each (``autopar.runtime.compiled_pieces``): the same numbers
-    as eager autopar (and serial, FC_Net) on data, tensor x data, depth x data, checkpointed, shard_optimizer
-    and tied-head LMs (a weight read by the first piece and the last)."""
+    as eager autopar (and serial, FC_Net) on data, tensor x data, depth x data, checkpointed, shard_optimizer,
+    per-rank batches, accumulation under no_sync, and tied-head LMs (a weight read by the first piece and the
+    last)."""
     for rank, got in enumerate(distributed(_pieces_compare, 4, PIECES, timeout=900)):
         for name, r in got.items():
             assert not r["failed"], f"rank {rank} {name}: fell back to eager: {r['failed']}"
