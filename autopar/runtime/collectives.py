@@ -30,29 +30,44 @@ parameter all-gather, compiled graphs' merged collectives."""
 
 
 class _CommStats:
+    """The collectives counted: their messages' bytes summed per (kind, group size), integers (the bytes sent,
+    ``collective_bytes``, are linear in them: exact fractions made only when read, not at each collective)."""
+
     def __init__(self) -> None:
-        self.bytes = {k: Fraction(0) for k in COLLECTIVE_KINDS}
+        self.messages: dict[tuple[str, int], int] = {}
         self.calls = {k: 0 for k in COLLECTIVE_KINDS}
 
     def record(self, kind: str, group_size: int, message_bytes: int) -> None:
-        self.bytes[kind] += collective_bytes(kind, group_size, message_bytes)
+        key = (kind, group_size)
+        self.messages[key] = self.messages.get(key, 0) + message_bytes
         self.calls[kind] += 1
 
     def add(self, tally: Tally) -> None:
-        for kind, nbytes, calls in tally.sums:
-            self.bytes[kind] += nbytes
+        for key, nbytes in tally.messages:
+            self.messages[key] = self.messages.get(key, 0) + nbytes
+        for kind, _, calls in tally.sums:
             self.calls[kind] += calls
+
+    def bytes(self) -> dict[str, Fraction]:
+        """Bytes sent, per kind."""
+        out = {k: Fraction(0) for k in COLLECTIVE_KINDS}
+        for (kind, size), nbytes in self.messages.items():
+            out[kind] += collective_bytes(kind, size, nbytes)
+        return out
 
 
 class Tally:
     """Collectives a graph holds, summed per kind once, counted together at each run (``record_tally``)."""
 
     def __init__(self, collectives: Sequence[tuple[str, int, int]]) -> None:
-        bytes_, calls = {}, {}
+        bytes_, calls, messages = {}, {}, {}
         for kind, size, nbytes in collectives:
             bytes_[kind] = bytes_.get(kind, Fraction(0)) + collective_bytes(kind, size, nbytes)
             calls[kind] = calls.get(kind, 0) + 1
+            messages[(kind, size)] = messages.get((kind, size), 0) + nbytes
         self.sums = tuple((kind, bytes_[kind], calls[kind]) for kind in bytes_)
+        self.messages = tuple(messages.items())
+        """The messages' bytes per (kind, group size) (``_CommStats``)."""
         self.held = tuple(collectives)
 
 
@@ -61,8 +76,9 @@ _stats = _CommStats()
 
 def comm_stats() -> dict[str, float]:
     """Bytes this rank sent since the last ``reset_comm_stats()``: one key per collective kind and "total"."""
-    out = {k: float(v) for k, v in _stats.bytes.items()}
-    out["total"] = float(sum(_stats.bytes.values(), Fraction(0)))
+    sent = _stats.bytes()
+    out = {k: float(v) for k, v in sent.items()}
+    out["total"] = float(sum(sent.values(), Fraction(0)))
     return out
 
 
