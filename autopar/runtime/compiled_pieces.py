@@ -114,13 +114,16 @@ class CompiledPieces:
         """Each piece's compiled graph, in the order they run."""
         graph = cut.graph
         order = {n: i for i, n in enumerate(graph.nodes)}
-        first = {n: min(n.users, key=order.__getitem__) for n in graph.nodes if n.op == "placeholder" and n.users
-                 and (info := input_info(n)) is not None and info.kind is InputKind.PARAMETER}
+        first: dict[fx.Node, list[fx.Node]] = {}  # the node first reading parameters -> those parameters
+        for n in graph.nodes:
+            if n.op == "placeholder" and n.users and (info := input_info(n)) is not None \
+                    and info.kind is InputKind.PARAMETER:
+                first.setdefault(min(n.users, key=order.__getitem__), []).append(n)
         for node, piece in zip(calls, self.pieces):
-            params = [p for p, user in first.items() if user is node]
+            node.op, node.target = "call_function", piece.__call__
+        for node, params in first.items():  # (a piece; the output, for a parameter the graph returns as it is)
             with graph.inserting_before(node):
-                read = graph.call_function(local_views, (params,)) if params else None
-                node.op, node.target = "call_function", piece.__call__
+                read = graph.call_function(local_views, (params,))
             for j, p in enumerate(params):
                 with graph.inserting_before(node):
                     view = graph.call_function(operator.getitem, (read, j))

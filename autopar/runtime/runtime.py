@@ -505,8 +505,8 @@ class ParallelRuntime:
         """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
         flat = []
         read = self.stage_grads.leaf if exe.program is not None else local_view
-        if exe.reads_params:  # (the graph reads each where it is first used)
-            read = _itself
+        if exe.reads_params and torch.is_grad_enabled():  # (the graph reads each where it is first used; without
+            read = _itself  # gradients it takes the local pieces as well, as a CUDA graph's capture of it does)
         elif exe.program is None and isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one node reads all
             views = iter(local_views([self.params[t] for kind, t in exe.inputs if kind is InputKind.PARAMETER]))
             read = lambda p: next(views)  # noqa: E731

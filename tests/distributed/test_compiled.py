@@ -87,6 +87,11 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+    runs = sum(c.compiled_runs for c in runtime_of(model).compiled_graphs())
+    evaluated = None
+    if kind == "fc" and how != "train_step":  # the training graph called without gradients (same signature)
+        with torch.no_grad():
+            evaluated = model(x)
     graphs = runtime_of(model).compiled_graphs()
     held, launched = {}, {}  # collectives of each kind the compiled graphs hold, and those their code launches
     for c in graphs:
@@ -95,8 +100,9 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
                 for kind, n in counts.items():
                     total[kind] = total.get(kind, 0) + n
     return {"losses": losses, "comm": comm, "grads": grads, "params": autopar.full_state_dict(model),
-            "compiled_runs": sum(c.compiled_runs for c in graphs), "failed": [c.failed for c in graphs if c.failed],
-            "launches": (held, launched), "pieces": sum(c.name.startswith("piece ") for c in graphs)}
+            "compiled_runs": runs, "failed": [c.failed for c in graphs if c.failed],
+            "launches": (held, launched), "pieces": sum(c.name.startswith("piece ") for c in graphs),
+            "evaluated": evaluated}
 
 
 def _serial_fc(steps: int = 3) -> dict:
@@ -125,6 +131,8 @@ def _compare(cases: list[tuple]) -> dict:
         errs = {"loss": max(abs(a - b) / max(abs(a), 1e-6) for a, b in zip(eager["losses"], comp["losses"])),
                 "grads": max(rel_err(eager["grads"][k], comp["grads"][k]) for k in eager["grads"]),
                 "params": max(rel_err(eager["params"][k], comp["params"][k]) for k in eager["params"])}
+        if eager["evaluated"] is not None:
+            errs["no_grad"] = rel_err(eager["evaluated"], comp["evaluated"])
         if kind == "fc" and options.get("batch") != "per-rank" and how != "no_sync":
             errs["serial"] = max(rel_err(serial["params"][k], comp["params"][k]) for k in serial["params"])
             errs["serial_loss"] = max(abs(a - b) for a, b in zip(serial["losses"], comp["losses"]))
