@@ -40,8 +40,9 @@ from passes.ir import InputKind, input_info
 from passes.outline import outline
 
 PIECE_BYTES = BUCKET_BYTES
-"""A piece's synced gradient bytes (the last piece's, at most; the gradient sync's bucket cap), or more where
-that would make more than ``MAX_PIECES`` pieces (``estimate_memory.piece_bytes``, which the plan counts)."""
+"""The synced gradient bytes a piece holds at most: the gradient sync's bucket cap, so that a piece's backward
+fills about a bucket (more where that would make more than ``MAX_PIECES`` pieces: ``piece_cap``, and
+``estimate_memory.piece_bytes``, which the plan counts)."""
 
 
 def piece_cap(synced: Mapping[str, int]) -> int:
@@ -112,7 +113,7 @@ class CompiledPieces:
         calls = [n for n in cut.graph.nodes if n.op == "call_module" and str(n.target).startswith("piece_")]
         self.pieces = [compiled(cut.get_submodule(str(n.target)), k, len(calls)) for k, n in enumerate(calls)]
         """Each piece's compiled graph, in the order they run."""
-        graph = cut.graph
+        graph = cut.graph  # (taken over: the cut module is not run)
         order = {n: i for i, n in enumerate(graph.nodes)}
         first: dict[fx.Node, list[fx.Node]] = {}  # the node first reading parameters -> those parameters
         for n in graph.nodes:
