@@ -273,26 +273,32 @@ def test_ranks_whose_compiles_differ_all_run_eagerly(case, distributed):
             assert torch.equal(eager["grads"][k], comp["grads"][k]), f"rank {rank}: gradient of {k}"
 
 
-def _counted_first_steps(counted: dict[int, int]) -> dict:
+def _counted_first_steps(counted: dict[int, int], options: dict) -> dict:
     import autopar.config as settings
+    from autopar.runtime import compiled_pieces
 
     settings.COMPILE_AGREEMENT_TIMEOUT = 60
+    compiled_pieces.PIECE_BYTES = 2**12  # (data 2: the graph in pieces, each agreed on by itself)
     start = time.perf_counter()
-    out = _train("fc", {"tensor": (2, 1, 1)}, True, "call", steps=3, counted=counted)
-    return {**out, "seconds": time.perf_counter() - start, "eager": _train("fc", {"tensor": (2, 1, 1)}, False, "call")}
+    out = _train("fc", options, True, "call", steps=3, counted=counted)
+    return {**out, "seconds": time.perf_counter() - start, "eager": _train("fc", options, False, "call")}
 
 
+@pytest.mark.parametrize("options", [{"tensor": (2, 1, 1)}, {"data": 2}], ids=["t2x1x1", "d2 in pieces"])
 @pytest.mark.parametrize("counted", [{1: 1}, {0: 2, 1: 2}], ids=["rank 1, one step", "every rank, two steps"])
-def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_the_ranks(counted, distributed):
+def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_the_ranks(counted, options,
+                                                                                         distributed):
     """Rank 1 counts FLOPs in its first step (a TorchDispatchMode, under which torch.compile does not run), while
     rank 0 compiles and waits to hear from rank 1. Rank 1 tells it to run that call eagerly too, and both compile
-    at the next: two compiled runs each, eager's losses. Every rank counting its first two steps compiles at the
-    third. Mutations: rank 1 silent: rank 0 waited out the agreement's timeout (60 s here, 30 minutes by
-    default), then ran eagerly for good beside a compiled rank 1; a second such call making the graph eager for
-    good: no compiled run in the second case."""
-    for rank, got in enumerate(distributed(_counted_first_steps, 2, counted, timeout=600)):
+    at the next: two compiled runs each (of each piece, at data 2), eager's losses. Every rank counting its first
+    two steps compiles at the third. Mutations: rank 1 silent: rank 0 waited out the agreement's timeout (60 s
+    here, 30 minutes by default), then ran eagerly for good beside a compiled rank 1; a second such call making
+    the graph eager for good: no compiled run in the second case."""
+    for rank, got in enumerate(distributed(_counted_first_steps, 2, counted, options, timeout=600)):
         assert not got["failed"], f"rank {rank}: {got['failed']}"
-        assert got["compiled_runs"] == 3 - max(counted.values()), f"rank {rank}: {got['compiled_runs']} compiled runs"
+        assert (got["pieces"] > 1) == ("data" in options), f"rank {rank}: {got['pieces']} pieces"
+        assert got["compiled_runs"] == (3 - max(counted.values())) * max(got["pieces"], 1), \
+            f"rank {rank}: {got['compiled_runs']} compiled runs"
         assert got["seconds"] < 55, f"rank {rank}: {got['seconds']:.0f} s"
         for a, b in zip(got["eager"]["losses"], got["losses"]):
             assert abs(a - b) / abs(a) < TOL, f"rank {rank}: {got['eager']['losses']} != {got['losses']}"
