@@ -48,7 +48,10 @@ def apply(fn: type[torch.autograd.Function], *args: Any) -> Any:
     step)."""
     if torch.is_grad_enabled():
         return fn.apply(*args)
-    return fn.forward(_Untracked(), *args)
+    out = fn.forward(_Untracked(), *args)
+    if isinstance(out, torch.Tensor) and any(out is a for a in args):
+        return out.detach()  # (as apply's: an input returned as it is comes back another tensor of its storage)
+    return out
 
 
 def _axis(mesh: Mesh, s: Sharding) -> tuple[int, int]:
