@@ -1,4 +1,4 @@
-"""``ops.apply``: an autograd Function's call, or where autograd records nothing (evaluation, decoding) its
+"""``untracked.apply``: an autograd Function's call, or where autograd records nothing (evaluation, decoding) its
 forward alone, with the values ``Function.apply`` gives; an input returned as it is comes back as another tensor
 (a script's attribute on it, or autopar's ``REGATHER``, must not land on the input)."""
 
@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.ops import apply
+from autopar.runtime.untracked import apply
 
 
 class _Scale(torch.autograd.Function):
