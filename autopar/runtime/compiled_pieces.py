@@ -35,7 +35,7 @@ from torch import fx
 from autopar.runtime.collectives import BUCKET_BYTES
 from autopar.runtime.compiled import CompiledGraph
 from autopar.runtime.param_layout import local_views
-from passes.analysis.estimate_memory import MAX_PIECES
+from passes.analysis.estimate_memory import piece_bytes
 from passes.ir import InputKind, input_info
 from passes.outline import outline
 
@@ -48,7 +48,7 @@ fills about a bucket (more where that would make more than ``MAX_PIECES`` pieces
 def piece_cap(synced: Mapping[str, int]) -> int:
     """The synced gradient bytes each piece holds at most (a node reading more: a piece of its own), for about
     ``MAX_PIECES`` pieces at most."""
-    return max(PIECE_BYTES, -(-sum(synced.values()) // MAX_PIECES))
+    return piece_bytes(sum(synced.values()), PIECE_BYTES)
 
 
 def cut_into_pieces(gm: fx.GraphModule, synced: Mapping[str, int], cap: int) -> fx.GraphModule | None:

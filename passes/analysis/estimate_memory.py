@@ -517,10 +517,10 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
                          compiled_grad_bytes=compiled_grads)
 
 
-def piece_bytes(synced: int) -> int:
+def piece_bytes(synced: int, bucket: int = _BUCKET_BYTES) -> int:
     """The synced gradient bytes a compiled piece holds (``autopar.runtime.compiled_pieces``), of ``synced`` in
-    all: a bucket's worth, or more where that would make more than ``MAX_PIECES`` pieces."""
-    return max(_BUCKET_BYTES, -(-synced // MAX_PIECES))
+    all: a ``bucket``'s worth, or more where that would make more than ``MAX_PIECES`` pieces."""
+    return max(bucket, -(-synced // MAX_PIECES))
 
 
 def scattered_grad_bytes(chunks: int, whole: int) -> int:
