@@ -36,6 +36,9 @@ What lives here, and why each is private:
   compiled graph holds as nodes.
 - ``assert_all``: a check a compiled graph runs on a tensor's values (``torch._assert_async``).
 - ``compile_errors``: what torch.compile raises when a graph does not compile (``torch._dynamo.exc``).
+- ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` / ``dispatch_modes_entered``: a user's
+  TorchDispatchModes (a FLOP counter): whether one is on, and off their stack for torch.compile's entry, then
+  on again around the compiled code (``torch.utils._python_dispatch``).
 - ``inductor_backend`` / ``inductor_overlap_options``: Inductor with a hook on each graph it compiles
   (``torch._inductor.compile_fx``), and its compute/communication overlap options where this torch has them.
 - ``inductor_bucketing_options`` / ``collective_launches``: Inductor's FX passes that merge a graph's
@@ -68,7 +71,8 @@ __all__ = [
     "all_gather_into", "buffer_slots", "deregister_pytree_nodes", "disabled_torch_function_impl",
     "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "FUNCTIONAL_COLLECTIVES",
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all",
-    "compile_errors", "dispatch_mode_active", "inductor_backend", "inductor_overlap_options",
+    "compile_errors", "dispatch_mode_active", "dispatch_modes_set_aside", "dispatch_modes_entered",
+    "inductor_backend", "inductor_overlap_options",
     "inductor_bucketing_options", "collective_launches", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
     "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
@@ -433,6 +437,31 @@ def dispatch_mode_active() -> Any:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
+
+
+@contextlib.contextmanager
+def dispatch_modes_set_aside() -> Iterator[list[Any]]:
+    """Takes the active TorchDispatchModes off their stack for the block (torch.compile then runs) and yields
+    them, innermost first; puts them back after (``torch.utils._python_dispatch._disable_current_modes``)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    with _disable_current_modes() as modes:
+        yield modes
+
+
+@contextlib.contextmanager
+def dispatch_modes_entered(modes: list[Any]) -> Iterator[None]:
+    """Puts ``modes`` (innermost first, as ``dispatch_modes_set_aside`` yields them) back on their stack for
+    the block, as they were: the ops dispatched inside pass through them."""
+    from torch.utils._python_dispatch import _pop_mode, _push_mode
+
+    for mode in reversed(modes):
+        _push_mode(mode)
+    try:
+        yield
+    finally:
+        for mode in modes:
+            _pop_mode(getattr(mode, "_dispatch_key", None))
 
 
 def assert_all(ok: torch.Tensor, message: str) -> None:

@@ -38,10 +38,11 @@ is its own graph.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -49,6 +50,7 @@ import torch.distributed as dist
 from torch import fx
 
 from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile_errors, dispatch_mode_active,
+                            dispatch_modes_entered, dispatch_modes_set_aside,
                             inductor_backend, inductor_bucketing_options, inductor_cuda_graph_options,
                             inductor_overlap_options, resolve_process_group, size_hint)
 from autopar.runtime import collectives as C
@@ -155,11 +157,16 @@ class CompiledGraph:
         inductor = inductor_backend(functools.partial(_counted, self.launches, self._issued), options)
         def backend(graph: fx.GraphModule, example_inputs: Any) -> Callable:  # (a function: copies of
             return self._agreed(inductor, graph, example_inputs)  # torch.compile's arguments keep it, as Fabric's)
-        self.compiled = torch.compile(gm, backend=backend, fullgraph=True, dynamic=False)
+        # (its forward, not the module: a module's call runs the global module hooks, which a user's tool may
+        # add (a FLOP counter's module tracker) and dynamo would trace; they are for the user's modules)
+        self.compiled = torch.compile(gm.forward, backend=backend, fullgraph=True, dynamic=False)
         self.failed: str | None = None
         """Why the graph runs eagerly (None: it runs compiled)."""
         self.compiled_runs = 0
         """Calls that ran compiled (the plan report and tests read it)."""
+        self._modes: list[Any] = []
+        """The user's dispatch modes set aside for this call's entry into torch.compile (``_compiled_under``)."""
+        self._said_modes = False
 
     def _agreed(self, inductor: Callable, gm: fx.GraphModule, example_inputs: Any) -> Callable:
         """Inductor's compile of ``gm``, run only where every peer compiled the same collectives."""
@@ -172,7 +179,22 @@ class CompiledGraph:
         why = self._agree(None, self._issued[start:])
         if why is not None:
             raise CompileDisagreement(why)
-        return run
+        return self._under_modes(run)
+
+    def _under_modes(self, run: Callable) -> Callable:
+        """``run`` (a compiled forward), inside the user's dispatch modes this call set aside for torch.compile's
+        entry, if any (``_compiled_under``)."""
+        @functools.wraps(run)  # (keeps its calling convention: ``_boxed_call``)
+        def call(*args: Any) -> Any:
+            if not self._modes:
+                return run(*args)
+            with dispatch_modes_entered(self._modes):
+                return run(*args)
+        return call
+
+    def _collectives_held(self) -> bool:
+        """Whether the code compiled for this graph (forward or backward) issues collectives over groups."""
+        return any(by_group for by_group, _ in self._issued)
 
     def _agree(self, failed: str | None, issued: list[tuple[Issued, dict[str, int]]], once: bool = False) -> str | None:
         """This compile's verdict from the peers (``CompileAgreement.agree``); None: run it compiled."""
@@ -184,12 +206,14 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         mode = dispatch_mode_active() if self.failed is None else None
-        if mode is not None:  # (torch.compile does not run under a user's mode)
+        under = mode is not None and self.compiled_runs > 0 and self._collectives_held()
+        if mode is not None and not under:  # (torch.compile does not run under a user's mode)
             self._without_compiling(mode)
         elif self.failed is None:
             rounds = self._rounds
             try:
-                out = self.compiled(*args)
+                with self._modes_set_aside(mode) if under else contextlib.nullcontext():
+                    out = self.compiled(*args)
                 self.compiled_runs += 1
                 return out
             except compile_errors() as e:
@@ -205,6 +229,29 @@ class CompiledGraph:
                 self._eager_for_good(str(disagreement) if disagreement is not None else _why(e))
                 log.debug("autopar: why %s does not compile", self.name, exc_info=True)
         return self.gm(*args)
+
+    @contextlib.contextmanager
+    def _modes_set_aside(self, mode: Any) -> Iterator[None]:
+        """A call under a user's TorchDispatchMode (a FLOP counter) of a graph that already ran compiled and
+        issues collectives runs compiled, as the other ranks run it whether or not a mode is on there. Run
+        eagerly, its collectives would differ from theirs where Inductor bucketed or reordered them (a depth
+        grid's gathers), and the ranks would wait on each other for good. torch.compile does not enter under
+        a mode, so the modes are set aside for its entry and entered again around the compiled code
+        (``_under_modes``): they see the ops that code dispatches (matmuls, attention, collectives; not what
+        Inductor fused). One warning line says so."""
+        if not self._said_modes:
+            self._said_modes = True
+            self.warn(f"compile=True: {self.name} ran compiled under a TorchDispatchMode ({type(mode).__name__}) "
+                      "after its first compiled call, as every rank runs it: the mode sees the ops the compiled "
+                      "code dispatches (matmuls, attention, collectives), not the elementwise work Inductor "
+                      "fused. Enter the mode on every rank before the graph's first call to see every op, or "
+                      "pass compile=False.")
+        with dispatch_modes_set_aside() as modes:
+            self._modes = modes
+            try:
+                yield
+            finally:
+                self._modes = []
 
     def _without_compiling(self, mode: Any) -> None:
         """This call runs eagerly under a user's TorchDispatchMode (a FLOP counter). Before the graph first ran

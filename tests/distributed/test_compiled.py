@@ -39,8 +39,9 @@ pytestmark = pytest.mark.slow
 
 
 def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
-           counted: dict[int, int] | None = None) -> dict:
-    """``counted``: rank -> its first steps that run under a FLOP counter (a TorchDispatchMode)."""
+           counted: dict[int, tuple[int, ...]] | None = None) -> dict:
+    """``counted``: rank -> its steps that run under a FLOP counter (a TorchDispatchMode); ``flops``: what the
+    counter counted at each of those steps."""
     from torch.utils.flop_counter import FlopCounterMode
 
     torch.manual_seed(0)
@@ -53,7 +54,7 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2) if kind == "fc" else \
         torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     g = torch.Generator().manual_seed(dist.get_rank() if per_rank else 0)
-    losses, comm, grads = [], [], None
+    losses, comm, grads, flops = [], [], None, {}
     for step in range(steps):
         autopar.reset_comm_stats()
         if kind == "fc":
@@ -66,10 +67,13 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
                 loss = F.cross_entropy(model(x[4:]), y[4:]) / 2
                 loss.backward()
             else:
-                with FlopCounterMode(display=False) if step < (counted or {}).get(dist.get_rank(), 0) \
-                        else nullcontext():
+                counter = FlopCounterMode(display=False) if step in (counted or {}).get(dist.get_rank(), ()) \
+                    else None
+                with counter or nullcontext():
                     loss = F.cross_entropy(model(x), y)
                     loss.backward()
+                if counter is not None:
+                    flops[step] = counter.get_total_flops()
         elif kind == "nano":
             x = torch.randint(0, 128, (4, 16), generator=g)
             y = torch.randint(0, 128, (4, 16), generator=g)
@@ -102,7 +106,7 @@ def _train(kind: str, options: dict, compiled: bool, how: str, steps: int = 3,
     return {"losses": losses, "comm": comm, "grads": grads, "params": autopar.full_state_dict(model),
             "compiled_runs": runs, "failed": [c.failed for c in graphs if c.failed],
             "launches": (held, launched), "pieces": sum(c.name.startswith("piece ") for c in graphs),
-            "evaluated": evaluated}
+            "evaluated": evaluated, "flops": flops}
 
 
 def _serial_fc(steps: int = 3) -> dict:
@@ -281,11 +285,13 @@ def _counted_first_steps(counted: dict[int, int], options: dict) -> dict:
     compiled_pieces.PIECE_BYTES = 2**12  # (data 2: the graph in pieces, each agreed on by itself)
     start = time.perf_counter()
     out = _train("fc", options, True, "call", steps=3, counted=counted)
-    return {**out, "seconds": time.perf_counter() - start, "eager": _train("fc", options, False, "call")}
+    return {**out, "seconds": time.perf_counter() - start,
+            "eager": _train("fc", options, False, "call", counted=counted)}
 
 
 @pytest.mark.parametrize("options", [{"tensor": (2, 1, 1)}, {"data": 2}], ids=["t2x1x1", "d2 in pieces"])
-@pytest.mark.parametrize("counted", [{1: 1}, {0: 2, 1: 2}], ids=["rank 1, one step", "every rank, two steps"])
+@pytest.mark.parametrize("counted", [{1: (0,)}, {0: (0, 1), 1: (0, 1)}],
+                         ids=["rank 1, one step", "every rank, two steps"])
 def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_the_ranks(counted, options,
                                                                                          distributed):
     """Rank 1 counts FLOPs in its first step (a TorchDispatchMode, under which torch.compile does not run), while
@@ -297,9 +303,28 @@ def test_a_flop_counter_on_one_rank_at_the_first_step_neither_hangs_nor_splits_t
     for rank, got in enumerate(distributed(_counted_first_steps, 2, counted, options, timeout=600)):
         assert not got["failed"], f"rank {rank}: {got['failed']}"
         assert (got["pieces"] > 1) == ("data" in options), f"rank {rank}: {got['pieces']} pieces"
-        assert got["compiled_runs"] == (3 - max(counted.values())) * max(got["pieces"], 1), \
+        assert got["compiled_runs"] == (3 - max(map(len, counted.values()))) * max(got["pieces"], 1), \
             f"rank {rank}: {got['compiled_runs']} compiled runs"
         assert got["seconds"] < 55, f"rank {rank}: {got['seconds']:.0f} s"
+        for a, b in zip(got["eager"]["losses"], got["losses"]):
+            assert abs(a - b) / abs(a) < TOL, f"rank {rank}: {got['eager']['losses']} != {got['losses']}"
+
+
+@pytest.mark.parametrize("counted", [{1: (1,)}, {0: (1,), 1: (1,)}], ids=["rank 1", "every rank"])
+def test_a_flop_counter_at_a_later_step_runs_the_compiled_code_on_every_rank(counted, distributed):
+    """At depth 2 the compiled code gathers the weights in 2 bucketed all-gathers where the eager graph issues
+    13. A FLOP counter entered at the second step, on rank 1 or on both: the graph runs compiled there too, the
+    counter set aside for torch.compile's entry and on again around the compiled code, so every rank issues
+    the same collectives; the counter counts the matmuls the compiled code dispatches: eager's FLOPs. Eager's
+    losses; three compiled runs each. Mutation: running such a call eagerly (as before 2026-11-29): rank 1's
+    13 all-gathers met rank 0's 2, and gloo aborted rank 1 (NCCL may wait for good); on every rank, two
+    compiled runs."""
+    for rank, got in enumerate(distributed(_counted_first_steps, 2, counted, {"tensor": (1, 1, 2)}, timeout=600)):
+        assert not got["failed"], f"rank {rank}: {got['failed']}"
+        assert got["compiled_runs"] == 3, f"rank {rank}: {got['compiled_runs']} compiled runs"
+        assert got["seconds"] < 55, f"rank {rank}: {got['seconds']:.0f} s"
+        assert got["flops"] == got["eager"]["flops"], f"rank {rank}: {got['flops']} != {got['eager']['flops']}"
+        assert all(got["flops"].values()), f"rank {rank}: {got['flops']}"
         for a, b in zip(got["eager"]["losses"], got["losses"]):
             assert abs(a - b) / abs(a) < TOL, f"rank {rank}: {got['eager']['losses']} != {got['losses']}"
 
