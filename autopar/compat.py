@@ -25,7 +25,8 @@ What lives here, and why each is private:
 - ``flatten_mesh``: a DeviceMesh's dims flattened into one.
 - ``parameter_slots`` / ``buffer_slots``: nn.Module's own tables, to swap a parameter or buffer object.
 - ``DTENSOR_HANDLES_FUSED_PIECES``: whether DTensor computes right on fused pieces' layout (2.13: yes; 2.11: no).
-- ``dtensor_op_handlers``: DTensor's table of custom op handlers (autopar's distributed norms).
+- ``dtensor_op_handlers`` / ``dtensor_default``: DTensor's table of custom op handlers (autopar's distributed
+  norms, gradient accumulation), and an op run without the handler installed for it.
 - ``op_schema``: an op overload's schema (arguments, which it writes).
 - ``register_fx_builtin``: names fx's generated code may use (specs printed as constructor calls);
   ``fx_without_stack_traces``: fx's switch for graphs that are only analysed (torch >= 2.13).
@@ -73,7 +74,7 @@ __all__ = [
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all",
     "compile_errors", "dispatch_mode_active", "dispatch_modes_set_aside", "dispatch_modes_entered",
     "inductor_backend", "inductor_overlap_options",
-    "inductor_bucketing_options", "collective_launches", "dtensor_op_handlers", "dtensor_spec",
+    "inductor_bucketing_options", "collective_launches", "dtensor_default", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
     "import_compiler", "local_or_none", "local_tensor", "make_wrapper_subclass", "module_hook_tables", "op_schema",
     "OpOverload", "optimizer_global_hooks", "parameter_slots", "post_accumulate_grad_hooks", "pytree",
@@ -304,6 +305,17 @@ def optimizer_global_hooks() -> tuple[dict, dict]:
 def dtensor_op_handlers() -> dict:
     """DTensor's table of custom op handlers (op overload -> handler(op, args, kwargs)), process-wide."""
     return DTensor._op_dispatcher._custom_op_handlers
+
+
+def dtensor_default(op: Any, args: tuple, kwargs: dict) -> Any:
+    """Runs ``op`` through DTensor's own dispatch, without the custom handler installed for it (if any)."""
+    table = dtensor_op_handlers()
+    mine = table.pop(op, None)
+    try:
+        return op(*args, **kwargs)
+    finally:
+        if mine is not None:
+            table[op] = mine
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:

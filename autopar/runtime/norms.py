@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar import patches
-from autopar.compat import DisableTorchFunctionSubclass, dtensor_op_handlers, local_tensor
+from autopar.compat import DisableTorchFunctionSubclass, dtensor_default, dtensor_op_handlers, local_tensor
 from autopar.errors import AutoparError
 from autopar.runtime import collectives as C
 from autopar.runtime.mesh import ShardMesh
@@ -141,21 +141,11 @@ def _share(t: DTensor, ord: float, dtype: torch.dtype | None) -> PartialNorm:
     return PartialNorm.of(value, float(ord))
 
 
-def _default(op: Any, args: tuple, kwargs: dict) -> Any:
-    """Runs ``op`` through DTensor's own dispatch (without this module's handler)."""
-    table = dtensor_op_handlers()
-    mine = table.pop(op)
-    try:
-        return op(*args, **kwargs)
-    finally:
-        table[op] = mine
-
-
 def _vector_norm(op: Any, args: tuple, kwargs: dict) -> Any:
     t, rest = args[0], dict(zip(("ord", "dim", "keepdim"), args[1:]))
     rest.update(kwargs)
     if not _ours(t) or rest.get("dim") is not None or rest.get("keepdim", False):
-        return _default(op, args, kwargs)
+        return dtensor_default(op, args, kwargs)
     return _share(t, float(rest.get("ord", 2.0)), rest.get("dtype"))
 
 
@@ -164,7 +154,7 @@ def _foreach_norm(op: Any, args: tuple, kwargs: dict) -> Any:
     ord = float(args[1] if len(args) > 1 else kwargs.get("ord", 2.0))
     mine = [_ours(t) for t in tensors]
     if not any(mine):
-        return _default(op, args, kwargs)
+        return dtensor_default(op, args, kwargs)
     if not all(mine):
         return _stack([PartialNorm.of(torch.zeros(()), ord), torch.zeros(())])  # raises the mixing error
     return [_share(t, ord, kwargs.get("dtype")) for t in tensors]
@@ -176,7 +166,7 @@ def _foreach_local(op: Any, args: tuple, kwargs: dict) -> Any:
     mesh over the stages sharing them), which DTensor's foreach refuses."""
     tensors = list(args[0])
     if not all(_ours(t) for t in tensors) or any(isinstance(a, DTensor) for a in args[1:]):
-        return _default(op, args, kwargs)
+        return dtensor_default(op, args, kwargs)
     op([local_tensor(t) for t in tensors], *args[1:], **kwargs)
     return None
 
