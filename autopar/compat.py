@@ -37,9 +37,10 @@ What lives here, and why each is private:
   compiled graph holds as nodes.
 - ``assert_all``: a check a compiled graph runs on a tensor's values (``torch._assert_async``).
 - ``compile_errors``: what torch.compile raises when a graph does not compile (``torch._dynamo.exc``).
-- ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` / ``dispatch_modes_entered``: a user's
-  TorchDispatchModes (a FLOP counter): whether one is on, and off their stack for torch.compile's entry, then
-  on again around the compiled code (``torch.utils._python_dispatch``).
+- ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` / ``dispatch_modes_entered`` /
+  ``tracing_modes_active``: a user's TorchDispatchModes (a FLOP counter): whether one is on, and off their
+  stack for torch.compile's entry, then on again around the compiled code (``torch.utils._python_dispatch``);
+  whether one of them fakes or traces tensors.
 - ``inductor_backend`` / ``inductor_overlap_options``: Inductor with a hook on each graph it compiles
   (``torch._inductor.compile_fx``), and its compute/communication overlap options where this torch has them.
 - ``inductor_bucketing_options`` / ``collective_launches``: Inductor's FX passes that merge a graph's
@@ -73,6 +74,7 @@ __all__ = [
     "DisableTorchFunctionSubclass", "DTENSOR_HANDLES_FUSED_PIECES", "FUNCTIONAL_COLLECTIVES",
     "functional_all_gather", "functional_all_reduce", "functional_reduce_scatter", "group_name", "assert_all",
     "compile_errors", "dispatch_mode_active", "dispatch_modes_set_aside", "dispatch_modes_entered",
+    "tracing_modes_active",
     "inductor_backend", "inductor_overlap_options",
     "inductor_bucketing_options", "collective_launches", "dtensor_default", "dtensor_op_handlers", "dtensor_spec",
     "DTensorSpec", "fake_store", "FakeTensorMode", "flatten_mesh", "fx_builtin_names", "fx_without_stack_traces",
@@ -449,6 +451,17 @@ def dispatch_mode_active() -> Any:
     from torch.utils._python_dispatch import _get_current_dispatch_mode
 
     return _get_current_dispatch_mode()
+
+
+def tracing_modes_active() -> bool:
+    """Whether a mode that traces or fakes tensors is among the active TorchDispatchModes (FakeTensorMode, a
+    make_fx proxy mode, functionalization): compiled code cannot run under those."""
+    from torch._subclasses.functional_tensor import FunctionalTensorMode
+    from torch.fx.experimental.proxy_tensor import ProxyTorchDispatchMode
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    return any(isinstance(m, (FakeTensorMode, ProxyTorchDispatchMode, FunctionalTensorMode))
+               for m in _get_current_dispatch_mode_stack())
 
 
 @contextlib.contextmanager

@@ -52,7 +52,7 @@ from torch import fx
 from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile_errors, dispatch_mode_active,
                             dispatch_modes_entered, dispatch_modes_set_aside,
                             inductor_backend, inductor_bucketing_options, inductor_cuda_graph_options,
-                            inductor_overlap_options, resolve_process_group, size_hint)
+                            inductor_overlap_options, resolve_process_group, size_hint, tracing_modes_active)
 from autopar.runtime import collectives as C
 from autopar.runtime.compile_agreement import ONCE, CompileAgreement, Issued, digest, store_key
 from autopar.runtime.param_layout import local_of, replace_local
@@ -206,7 +206,8 @@ class CompiledGraph:
 
     def __call__(self, *args: Any) -> Any:
         mode = dispatch_mode_active() if self.failed is None else None
-        under = mode is not None and self.compiled_runs > 0 and self._collectives_held()
+        under = (mode is not None and self.compiled_runs > 0 and self._collectives_held()
+                 and not tracing_modes_active())  # (fake tensors: eager, as before)
         if mode is not None and not under:  # (torch.compile does not run under a user's mode)
             self._without_compiling(mode)
         elif self.failed is None:

@@ -179,3 +179,23 @@ def test_collective_launches_reads_each_form_inductor_writes_and_bucketing_is_ca
         assert options["bucket_all_gathers_fx"] == options["bucket_reduce_scatters_fx"] == "all"
         assert options["bucket_all_gathers_fx_bucket_size_determinator"](0) == 25.0
         assert options["bucket_reduce_scatters_fx_bucket_size_determinator"](7) == 25.0
+
+
+def test_dispatch_modes_set_aside_and_entered_again_and_the_tracing_ones_named():
+    """A FLOP counter is a user's mode: set aside (none active), entered again (its ops counted, as they are
+    around autopar's compiled code), then back as it was. A fake-tensor mode under it is a tracing one."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    with FlopCounterMode(display=False) as counter:
+        assert compat.dispatch_mode_active() is not None and not compat.tracing_modes_active()
+        with compat.dispatch_modes_set_aside() as modes:
+            assert compat.dispatch_mode_active() is None and len(modes) == 1
+            a @ b  # not counted
+            with compat.dispatch_modes_entered(modes):
+                a @ b  # counted
+            assert compat.dispatch_mode_active() is None
+        assert compat.dispatch_mode_active() is not None
+    assert counter.get_total_flops() == 2 * 4 * 4 * 4
+    with compat.FakeTensorMode(), FlopCounterMode(display=False):
+        assert compat.tracing_modes_active()
