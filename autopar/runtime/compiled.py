@@ -165,7 +165,7 @@ class CompiledGraph:
         self.compiled_runs = 0
         """Calls that ran compiled (the plan report and tests read it)."""
         self._modes: list[Any] = []
-        """The user's dispatch modes set aside for this call's entry into torch.compile (``_compiled_under``)."""
+        """The user's dispatch modes set aside for this call's entry into torch.compile (``_modes_set_aside``)."""
         self._said_modes = False
 
     def _agreed(self, inductor: Callable, gm: fx.GraphModule, example_inputs: Any) -> Callable:
@@ -183,7 +183,7 @@ class CompiledGraph:
 
     def _under_modes(self, run: Callable) -> Callable:
         """``run`` (a compiled forward), inside the user's dispatch modes this call set aside for torch.compile's
-        entry, if any (``_compiled_under``)."""
+        entry, if any (``_modes_set_aside``)."""
         @functools.wraps(run)  # (keeps its calling convention: ``_boxed_call``)
         def call(*args: Any) -> Any:
             if not self._modes:
