@@ -29,7 +29,7 @@ from autopar.memory import device_budget, half_dtype
 from autopar.planner import PlanOptions, decide_plan, pooled_rows
 from autopar.runtime.data_shards import DataShards
 from autopar.runtime import collectives as C
-from autopar.runtime import accumulate, executables, norms, optim
+from autopar.runtime import executables, norms, optim, pointwise
 from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.binding import placeholders
 from autopar.runtime.casts import Casts
@@ -89,7 +89,7 @@ class ParallelRuntime:
             optim.install()  # each data rank steps its chunk of every parameter
         if self.store.dtensors:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
-            accumulate.install()  # a backward adding into p.grad adds the local pieces
+            pointwise.install()  # in-place elementwise ops (a backward adding into p.grad) on the local pieces
             optim.install()  # torch.optim's elementwise optimizers step on the local pieces
             if "state_dict post-hook" not in installed:  # DCP sees every box of fused pieces
                 installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
