@@ -23,6 +23,7 @@ from pathlib import Path
 
 from benchmarks import interleaved
 from benchmarks.interleaved import ROOT
+from benchmarks.teardown import end_job
 _PACKAGES = ("autopar", "passes")
 
 
@@ -90,7 +91,7 @@ def _job(args: argparse.Namespace) -> None:
         print("|---|---|---:|---:|---:|---|")
         for m, g, b, h, r, e in rows:
             print(f"| {m} | {g} | {b * 1e3:.1f} | {h * 1e3:.1f} | {r:.3f} | {'yes' if e < 1e-4 else f'NO ({e:.1e})'} |")
-    dist.destroy_process_group()
+    end_job()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,8 @@ from typing import Any
 
 import torch
 
+from benchmarks.teardown import end_job
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -103,7 +105,7 @@ def job(args: argparse.Namespace) -> None:
     if rank == 0:
         Path(args.out).write_text(json.dumps({"model": args.model, "world": world, "tokens": args.tokens,
                                               "prompt": args.prompt, "systems": rows}, indent=1))
-    dist.destroy_process_group()
+    end_job()
 
 
 def table(results: list[dict]) -> str:

@@ -34,6 +34,7 @@ from autopar.memory import bytes_in_use
 from benchmarks.measure import Instrument, calibrate, compute_rates, slowest_median, timed
 from benchmarks.models import SIZES, BenchModel, NotApplicable, bench_model
 from benchmarks.systems import Context, build, param_bytes, parse_grid
+from benchmarks.teardown import end_job
 
 
 def _gathered(value: Any) -> list[Any]:
@@ -163,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
             with open(args.out, "w") as f:
                 json.dump(report, f, indent=1)
             print(f"@@done {system}", flush=True)
-    dist.destroy_process_group()
+    end_job()
 
 
 if __name__ == "__main__":

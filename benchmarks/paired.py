@@ -18,6 +18,7 @@ import statistics
 import time
 
 from benchmarks import interleaved
+from benchmarks.teardown import end_job
 
 
 def _job(args: argparse.Namespace) -> None:
@@ -61,7 +62,7 @@ def _job(args: argparse.Namespace) -> None:
                 print(f"| {m} | {g} | {peer} | n/a: {why} | | |")
             else:
                 print(f"| {m} | {g} | {peer} | {p * 1e3:.1f} | {a * 1e3:.1f} | {r:.3f} |")
-    dist.destroy_process_group()
+    end_job()
 
 
 def main(argv: list[str] | None = None) -> int:

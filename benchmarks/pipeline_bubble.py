@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 import autopar
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
+from benchmarks.teardown import end_job
 
 
 def median_step(step, batches: list, warmup: int) -> float:
@@ -88,7 +89,7 @@ def main() -> None:
         print("|---|---|---|---|---|---|")
         for schedule, m, predicted, measured, ratio, balance in rows:
             print(f"| {schedule} | {m} | {predicted:.1%} | {measured:.1%} | {ratio:.2f} | {balance:.3f} |")
-    dist.destroy_process_group()
+    end_job()
 
 
 if __name__ == "__main__":
