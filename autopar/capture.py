@@ -12,9 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
-import sys
-import threading
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,15 +26,16 @@ from torch import fx, nn
 from torch.export.graph_signature import InputKind as ExportInputKind
 from torch.export.graph_signature import OutputKind
 
-from autopar import patches
-from autopar.compat import (FakeTensorMode, deregister_pytree_nodes, fx_without_stack_traces, pytree,
-                            pytree_node_types)
+from autopar.compat import FakeTensorMode, fx_without_stack_traces, pytree
+from autopar.custom_functions import kept_during_capture, unwrap_calls
 from autopar.errors import CaptureError, InputError
+from autopar.hf_caches import cache_outputs
+from passes.analysis.batch_dims import analyze_batch
+from passes.analysis.row_extents import RowExtents, compare_rows
 from passes.causal_attention import causal_attention
 from passes.ir import BatchInfo, InputInfo, InputKind, Sharding, record_graph_info
 
 log = logging.getLogger(__name__)
-_warned = threading.local()
 
 _KINDS = {
     ExportInputKind.PARAMETER: InputKind.PARAMETER,
@@ -58,6 +58,9 @@ class Captured:
     constants: dict[str, Any]
     accepts: Callable[[list[Any]], bool] | None = None
     """Captured with dynamic dims: whether input leaves of these sizes fit the graph (None: static)."""
+    twice: fx.GraphModule | None = None
+    """The same call captured with twice this shard's rows, where the batch analysis needed it to tell which
+    values hold rows (``capture_shard``)."""
 
 
 def _acceptor(ep: Any) -> Callable[[list[Any]], bool]:
@@ -230,11 +233,13 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
     copy_, fake_leaves = _fake_copy(shadow, leaves, device)
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_leaves, in_spec)
     try:
-        with cache_outputs(copy_, "use_cache" in fake_kwargs):
+        with cache_outputs(copy_, "use_cache" in fake_kwargs), kept_during_capture():
             if not dynamic:
                 ep = torch.export.export(copy_, tuple(fake_args), dict(fake_kwargs), strict=False)
             else:
                 ep = _flat_export(copy_, fake_leaves, in_spec, dynamic)
+    except CaptureError:
+        raise
     except Exception as e:
         raise CaptureError(
             f"torch.export could not capture {type(shadow).__name__} ({type(e).__name__}: "
@@ -247,7 +252,8 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
                            "autopar does not yet support in-place buffer updates (e.g. BatchNorm running stats); "
                            "use a model without them or put it in eval mode.")
     gm = ep.graph_module
-    changed = _drop_export_asserts(gm)
+    changed = unwrap_calls(gm)  # a custom autograd Function: one call of it, its own backward
+    changed |= _drop_export_asserts(gm)
     changed |= causal_attention(gm).changed  # HF's causal mask, materialized under tracing, back to is_causal
     if changed:  # (once: ~17 ms of a ~0.5 s capture for a 2-layer HF model)
         gm.recompile()
@@ -301,112 +307,6 @@ def without_stack_traces() -> contextlib.AbstractContextManager:
     plan search), where they cost a sixth of a capture (a no-op on a torch without the switch, 2.11-2.12).
     Graphs that run keep them: an error inside one names the model's line."""
     return fx_without_stack_traces()
-
-
-@contextlib.contextmanager
-def cache_outputs(shadow: nn.Module, user_chose: bool) -> Iterator[None]:
-    """HuggingFace key/value caches in outputs (``use_cache``), handled the way HF itself does.
-
-    Training: the cache is dropped (HF does the same under gradient checkpointing): the shadow's
-    ``config.use_cache`` is False while it is captured, and the output's ``past_key_values`` is
-    None, with one warning. Eval: HF's cache classes are registered as pytrees (with HF's own
-    helper) so the cache comes back as an output, gathered like any other.
-    """
-    config = getattr(shadow, "config", None)
-    if user_chose or not getattr(config, "use_cache", False):
-        yield
-        return
-    if not shadow.training:
-        with hf_caches_registered(shadow):
-            yield
-        return
-    if not getattr(_warned, "cache", False):
-        _warned.cache = True
-        if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-            log.warning("autopar: %s returns a key/value cache (use_cache=True); it is not built in training "
-                        "(past_key_values is None), as HF does under gradient checkpointing. Pass use_cache= "
-                        "explicitly to choose.", type(shadow).__name__)
-    # Sub-stacks may hold their own config copies (T5's decoder does).
-    configs = {id(c): c for m in shadow.modules() if getattr(c := getattr(m, "config", None), "use_cache", False)}
-    for c in configs.values():
-        c.use_cache = False
-    try:
-        yield
-    finally:
-        for c in configs.values():
-            c.use_cache = True
-
-
-def register_hf_caches(model: nn.Module) -> None:
-    """Registers HF's key/value cache classes as pytrees (HF's own helper, as its exporter does) for as long as
-    a parallel model lives (``autopar.patches``): a cache passed in (``generate`` passes
-    ``past_key_values=DynamicCache()``) is then tensors autopar can capture and split, not an opaque input
-    that fails the export. Nothing for other models."""
-    name = _hf_caches_name(model)
-    if name is not None:
-        patches.install(name, lambda: _register_hf_caches(model))
-
-
-@contextlib.contextmanager
-def hf_caches_registered(model: nn.Module) -> Iterator[None]:
-    """``register_hf_caches`` for the length of a capture only (the trace's, the plan search's), unless a
-    parallel model keeps them registered."""
-    name = _hf_caches_name(model)
-    if name is None or patches.installed(name):
-        yield
-        return
-    undo = _register_hf_caches(model)
-    try:
-        yield
-    finally:
-        undo()
-
-
-def _hf_caches_name(model: nn.Module) -> str | None:
-    transformers = sys.modules.get("transformers")
-    if transformers is None or not isinstance(model, getattr(transformers, "PreTrainedModel", ())):
-        return None
-    return f"HF cache classes as pytrees ({type(model).__module__})"
-
-
-def _register_hf_caches(model: nn.Module) -> Callable[[], None]:
-    try:
-        from transformers.exporters.exporter_dynamo import register_cache_pytrees_for_model
-    except ImportError:  # older transformers: the export then fails with a clear CaptureError
-        return lambda: None
-    before = pytree_node_types()
-    register_cache_pytrees_for_model(model)
-    added = pytree_node_types() - before  # (classes registered before stay)
-
-    def undo() -> None:
-        if not deregister_pytree_nodes(added):
-            log.debug("autopar: HF's cache classes stay registered as pytrees (torch's C++ pytree holds them)")
-
-    return undo
-
-
-def is_cache_type(t: type | None) -> bool:
-    """An HF key/value cache class (DynamicCache, StaticCache, ...)."""
-    return t is not None and t.__module__.startswith("transformers.") and "Cache" in t.__name__
-
-
-def state_outputs(out_spec: pytree.TreeSpec) -> frozenset[int]:
-    """The output leaves (flat positions) inside an HF key/value cache object: state the caller passes
-    back in, which autopar keeps split between calls (``autopar.runtime.kept``)."""
-    kept: set[int] = set()
-
-    def walk(spec: pytree.TreeSpec, start: int, inside: bool) -> None:
-        inside = inside or is_cache_type(spec.type)
-        if spec.is_leaf():
-            if inside:
-                kept.add(start)
-            return
-        for child in spec.children():
-            walk(child, start, inside)
-            start += child.num_leaves
-
-    walk(out_spec, 0, False)
-    return frozenset(kept)
 
 
 def input_names(args: tuple, kwargs: dict, spec: pytree.TreeSpec | None = None) -> list[int | str]:
@@ -514,18 +414,42 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
                   dynamic: Mapping[int, dict[int, Any]] | None = None,
                   arrived: Mapping[int, Sharding] | None = None) -> Captured:
     """Captures the graph batch shard ``index`` runs: split leaves cut to ``sizes[index]`` rows along their
-    batch dim (``segments``: per-rank batches, the rows each member of the shard fed)."""
-    local = []
-    for i, x in enumerate(leaves):
-        if i in split:
-            shape = list(x.shape)
-            shape[split[i]] = sizes[index]
-            x = torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
-        local.append(x)
-    args, kwargs = pytree.tree_unflatten(local, spec)
-    batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
-    return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device,
-                   dynamic=dynamic, arrived=arrived)
+    batch dim (``segments``: per-rank batches, the rows each member of the shard fed).
+
+    Where the batch analysis finds ops it cannot follow the rows through (it gathers them, or runs them on
+    each rank's rows) in a graph of static sizes, the call is captured again with twice the rows and each op's
+    sizes compared (``passes.analysis.row_extents``): what holds rows is then known of every value."""
+
+    def rows_of(n: int) -> Captured:
+        local = []
+        for i, x in enumerate(leaves):
+            if i in split:
+                shape = list(x.shape)
+                shape[split[i]] = n
+                x = torch.empty(shape, dtype=x.dtype, device="meta").requires_grad_(x.requires_grad)
+            local.append(x)
+        args, kwargs = pytree.tree_unflatten(local, spec)
+        batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
+        return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device,
+                       dynamic=dynamic, arrived=arrived)
+
+    captured = rows_of(sizes[index] if split else 0)
+    if not split or not sizes[index] or RowExtents(captured.gm).known:
+        return captured
+    facts = analyze_batch(captured.gm)
+    if not facts.gathers and not facts.local_starts:
+        return captured
+    try:
+        twice = rows_of(2 * sizes[index])
+    except CaptureError as e:
+        twice, why = None, f"a capture with twice the rows failed ({e})"
+    else:
+        why = "" if compare_rows(captured.gm, twice.gm) else "its graph changes with the number of rows"
+    if why and facts.local_starts:  # (without it, nothing says where such a region's results hold the rows)
+        raise CaptureError(f"{type(shadow).__name__} runs ops on each rank's rows that autopar cannot split ("
+                           f"{'; '.join(facts.notes()[-1:])}), and {why}, so autopar cannot tell where their "
+                           "results hold the rows")
+    return dataclasses.replace(captured, twice=twice.gm if twice is not None else None)
 
 
 # Per-block attributes that name the block's position, not its behaviour.

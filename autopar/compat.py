@@ -7,48 +7,26 @@ torch release is this file's work. Differences are detected by feature, never by
 
 A leaf: it imports only torch (``passes/`` may import it).
 
-What lives here, and why each is private:
-- ``pytree``: torch's pytree (``torch.utils._pytree``), the one torch.export and DTensor use.
-- ``TorchDispatchMode``, ``FakeTensorMode``, ``OpOverload``: the dispatch-mode base class, the fake
-  tensor mode and the type of ``torch.ops.aten.x.y`` objects (private modules).
-- ``size_hint``: a SymInt's example value without a guard (2.13 ``optimization_hint``; 2.11-2.12 ``hint_int``).
-- ``all_gather_into`` / ``reduce_scatter_into``: the single-tensor collectives (2.13 renamed them
-  ``all_gather_single`` / ``reduce_scatter_single`` and deprecated ``*_into_tensor`` / ``*_tensor``).
-- ``tensor_hooks`` / ``reattach_tensor_hooks``: a leaf's registered hooks, and attaching them to a swapped value.
-- ``queue_backward_callback``: runs a function when the current backward pass ends (the autograd
-  engine's ``queue_callback``; what DDP and FSDP use).
-- ``make_wrapper_subclass``, ``disabled_torch_function_impl``, ``DisableTorchFunctionSubclass``: what a
-  tensor subclass needs (the documented recipe, private spellings).
-- ``local_tensor`` / ``set_local_tensor`` / ``dtensor_spec`` / ``set_dtensor_spec`` / ``DTensorSpec`` /
-  ``TensorMeta`` / ``StridedShard`` / ``select_split``: DTensor's state (its local piece and spec,
-  read and written without DTensor's per-call checks) and its strided placement.
-- ``flatten_mesh``: a DeviceMesh's dims flattened into one.
-- ``parameter_slots`` / ``buffer_slots``: nn.Module's own tables, to swap a parameter or buffer object.
-- ``DTENSOR_HANDLES_FUSED_PIECES``: whether DTensor computes right on fused pieces' layout (2.13: yes; 2.11: no).
-- ``dtensor_op_handlers`` / ``dtensor_default``: DTensor's table of custom op handlers (autopar's distributed
-  norms, gradient accumulation), and an op run without the handler installed for it.
-- ``op_schema``: an op overload's schema (arguments, which it writes).
-- ``register_fx_builtin``: names fx's generated code may use (specs printed as constructor calls);
-  ``fx_without_stack_traces``: fx's switch for graphs that are only analysed (torch >= 2.13).
-- ``storage_key``, ``version_of``: a storage's identity and a tensor's in-place version counter.
-- ``resolve_process_group``: a functional collective's group name -> its ProcessGroup.
-- ``functional_all_reduce`` / ``functional_all_gather`` / ``functional_reduce_scatter``,
-  ``FUNCTIONAL_COLLECTIVES``: torch's functional collectives (``torch.ops._c10d_functional``), the ones a
-  compiled graph holds as nodes.
-- ``assert_all``: a check a compiled graph runs on a tensor's values (``torch._assert_async``).
-- ``compile_errors``: what torch.compile raises when a graph does not compile (``torch._dynamo.exc``).
-- ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` / ``dispatch_modes_entered`` /
-  ``tracing_modes_active``: a user's TorchDispatchModes (a FLOP counter): whether one is on, and off their
-  stack for torch.compile's entry, then on again around the compiled code (``torch.utils._python_dispatch``);
-  whether one of them fakes or traces tensors.
-- ``inductor_backend`` / ``inductor_overlap_options``: Inductor with a hook on each graph it compiles
-  (``torch._inductor.compile_fx``), and its compute/communication overlap options where this torch has them.
-- ``inductor_bucketing_options`` / ``collective_launches``: Inductor's FX passes that merge a graph's
-  independent all-gathers (and reduce-scatters) into one collective each, where this torch has them; and the
-  collectives a compiled graph's generated code launches (read from ``CompiledFxGraph.source_code``).
-- ``fake_store``: the store of torch's fake process group (a simulated world on one device).
-- ``import_compiler``: imports torch._dynamo (before forking ranks; the first collective would).
-- ``schedule_action_types``: the actions torch's pipeline schedules order, and their kinds (tests read them).
+What lives here (each function's docstring says why it is private):
+- ``pytree``, ``TorchDispatchMode``, ``FakeTensorMode``, ``OpOverload``, ``size_hint`` (a SymInt's example value).
+- Collectives: ``all_gather_into`` / ``reduce_scatter_into`` (renamed in 2.13), ``resolve_process_group``,
+  ``functional_all_reduce`` / ``_all_gather`` / ``_reduce_scatter`` and ``FUNCTIONAL_COLLECTIVES`` (a
+  compiled graph's nodes), ``fake_store`` (torch's fake process group: a simulated world).
+- Autograd and tensors: ``tensor_hooks`` / ``reattach_tensor_hooks``, ``queue_backward_callback`` (what DDP
+  and FSDP use), ``make_wrapper_subclass`` / ``disabled_torch_function_impl`` /
+  ``DisableTorchFunctionSubclass``, ``storage_key``, ``version_of``, ``assert_all``.
+- DTensor: ``local_tensor`` / ``set_local_tensor`` / ``dtensor_spec`` / ``set_dtensor_spec`` / ``DTensorSpec`` /
+  ``TensorMeta`` / ``StridedShard`` / ``select_split`` (its state, without its per-call checks),
+  ``flatten_mesh``, ``DTENSOR_HANDLES_FUSED_PIECES`` (2.13: yes; 2.11: no), ``dtensor_op_handlers`` /
+  ``dtensor_default`` (its table of custom op handlers).
+- Modules, ops, fx: ``parameter_slots`` / ``buffer_slots``, ``op_schema``, ``register_fx_builtin``,
+  ``fx_without_stack_traces``.
+- torch.compile: ``compile_errors``, ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` /
+  ``dispatch_modes_entered`` / ``tracing_modes_active`` (a user's TorchDispatchModes around compiled code),
+  ``inductor_backend`` / ``inductor_overlap_options`` / ``inductor_bucketing_options`` /
+  ``collective_launches``, ``import_compiler``; ``schedule_action_types``: pipeline schedules' actions.
+- ``export_tracer`` / ``untraced`` / ``trace_opaque_call`` / ``opaque_call_of``: a custom autograd Function
+  exported as one call of itself (as ``torch._export.wrappers`` keeps a decorated one).
 """
 
 from __future__ import annotations
@@ -82,7 +60,7 @@ __all__ = [
     "pytree_node_types", "queue_backward_callback", "reattach_tensor_hooks", "reduce_scatter_into",
     "register_fx_builtin", "resolve_process_group", "schedule_action_types", "select_split", "set_dtensor_spec",
     "set_local_tensor", "size_hint", "storage_key", "StridedShard", "tensor_hooks", "TensorMeta", "TorchDispatchMode",
-    "version_of"
+    "version_of", "export_tracer", "untraced", "trace_opaque_call", "opaque_call_of"
 ]
 
 # --- symbolic shapes ---------------------------------------------------------------------------------
@@ -559,3 +537,65 @@ def schedule_action_types() -> tuple[type, type]:
     """``(ScheduleAction, ComputationType)``: one step of a pipeline schedule's order and its kinds."""
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
     return _Action, _ComputationType
+
+
+# --- opaque calls in an export -------------------------------------------------------------------------
+
+def export_tracer() -> Any:
+    """The tracer of a ``torch.export`` in progress (its pre-dispatch proxy mode's), else None."""
+    from torch._ops import _get_dispatch_mode_pre_dispatch
+
+    mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY) if torch.compiler.is_exporting() \
+        else None
+    return getattr(mode, "tracer", None)
+
+
+@contextlib.contextmanager
+def untraced() -> Iterator[None]:
+    """Runs the block on an export's fake tensors, its ops unrecorded: the pre-dispatch key excluded, the proxy
+    modes off, and export's torch-function mode off its stack (it would record the block's ``no_grad`` as a
+    switch of the whole graph), as ``torch._export.wrappers`` runs a Function it keeps."""
+    from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode, disable_proxy_modes_tracing
+
+    key, c = torch._C.DispatchKey.PreDispatch, torch._C
+    modes = [c._pop_torch_function_stack() for _ in range(c._len_torch_function_stack())][::-1]
+    try:
+        for m in (m for m in modes if not isinstance(m, PreDispatchTorchFunctionMode)):
+            c._push_on_torch_function_stack(m)
+        with c._ForceDispatchKeyGuard(c._dispatch_tls_local_include_set().remove(key),
+                                      c._dispatch_tls_local_exclude_set() | c.DispatchKeySet(key)), \
+                disable_proxy_modes_tracing():
+            yield
+    finally:
+        while c._len_torch_function_stack():
+            c._pop_torch_function_stack()
+        for m in modes:
+            c._push_on_torch_function_stack(m)
+
+
+def trace_opaque_call(tracer: Any, fn: Callable[..., Any], name: str, leaves: tuple[Any, ...], out: Any) -> fx.Node:
+    """Records ``fn(*leaves)`` (tensors, symbolic sizes) as one node of the export ``tracer`` builds, with outputs
+    ``out`` (the caller's, on its fake tensors). export takes only ops as targets: the call goes through
+    torch's ``flat_apply``, ``fn`` a constant of the graph."""
+    from torch._higher_order_ops.flat_apply import _ConstantFunction, flat_apply, to_graphable
+    from torch.fx.experimental.proxy_tensor import track_tensor_tree
+
+    flat, in_spec = to_graphable((leaves, {}))
+    attrs = []
+    for suffix, value in (("fn", pytree.tree_flatten(_ConstantFunction(fn))[1]), ("spec", in_spec)):
+        attr = tracer.get_fresh_qualname(f"_{name}_{suffix}")
+        setattr(tracer.root, attr, value)
+        attrs.append(tracer.create_proxy("get_attr", attr, (), {}))
+    proxy = tracer.create_proxy("call_function", flat_apply, (*attrs, *(tracer.unwrap_proxy(x) for x in flat)), {},
+                                name=name)
+    track_tensor_tree(out, proxy, constant=None, tracer=tracer)
+    return proxy.node
+
+
+def opaque_call_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
+    """A node ``trace_opaque_call`` recorded, as (its callable, its arguments); None for any other node."""
+    from torch._higher_order_ops.flat_apply import flat_apply
+
+    if node.target is not flat_apply or len(node.args) < 2 or node.args[0].op != "get_attr":
+        return None
+    return pytree._retrieve_constant(getattr(gm, node.args[0].target)).func, tuple(node.args[2:])

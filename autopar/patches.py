@@ -10,7 +10,9 @@ Two kinds, each with the way it is undone:
   clipping, and HF's key/value cache classes registered as pytrees. Installed with the first parallel model,
   undone when the last one is detached or collected.
 
-Not here, because it lasts only while a graph's passes run: ``passes.ir.spec_names`` names autopar's spec
+Not here, because they last only while a graph is exported or its passes run: ``Function.apply`` records a
+user's custom autograd Function as one call of itself (``autopar.custom_functions.kept_during_capture``), and
+``passes.ir.spec_names`` names autopar's spec
 types to fx's code generator inside ``passes.runner.run_passes`` and takes the names away after it.
 
 ``inventory()`` lists what is installed now (tests hold it against torch's own tables).

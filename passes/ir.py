@@ -44,6 +44,18 @@ class InputInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class RowsInfo:
+    """``node.meta["autopar"]`` of an op of a captured graph whose batch is split: which dims of its output
+    scale with the batch rows, found by capturing the model again with twice the rows
+    (``passes.analysis.row_extents``). What it says of an op that has lost track of where the rows lie (a sort
+    of them, an index by data) is all the batch analysis knows of such a value."""
+
+    dims: tuple[tuple[int, ...] | None, ...]
+    """Per output tensor (one entry for an op returning one tensor; None for a non-tensor output): the dims
+    whose size changed with the rows, in order."""
+
+
+@dataclass(frozen=True, slots=True)
 class BatchInfo:
     """``GraphInfo.batch``: how the global batch was split when this graph was captured."""
 
@@ -68,6 +80,8 @@ class GraphInfo:
     value per row} (``batch_dims.batch_constants``; ``split_batch`` gives them the whole batch's value)."""
     kept_outputs: frozenset[int] = frozenset()
     """Output positions returned split, not gathered (state passed back in: a key/value cache)."""
+    rows_compared: bool = False
+    """Each op's ``RowsInfo`` was recorded from a capture with twice the rows (``row_extents``)."""
 
 
 def graph_info(gm: fx.GraphModule) -> GraphInfo:
@@ -198,7 +212,8 @@ class VocabLossSpec:
 
 @dataclass(frozen=True, slots=True)
 class GatherRowsSpec:
-    """Where a SPLIT tensor holds its rows (see ``passes.analysis.batch_dims.BatchDim``)."""
+    """Where a SPLIT tensor holds its rows (see ``passes.analysis.batch_dims.BatchDim``; the markers read
+    tensors whose rows come first in ``dim``: ``split_batch`` unflattens any blocks before them)."""
 
     dim: int
     factor: int = 1
@@ -212,8 +227,11 @@ class GatherOutputSpec:
     """With ``batch_split``: the dim holding the rows, ``batch_factor`` entries per row."""
     batch_factor: int = 1
     batch_state: str = "split"
-    """"split" (this rank's rows), "whole" (computed from the whole batch, e.g. a loss inside forward) or
-    "none" (computed without the batch): how its gradient is shared between the batch ranks."""
+    """"split" (this rank's rows), "whole" (computed from the whole batch, e.g. a loss inside forward), "none"
+    (computed without the batch), "local" (computed from this rank's rows only, holding none of them: the
+    batch ranks' values are averaged, as DDP averages its ranks' losses) or "per-rank" (this rank's own value,
+    where no average means anything: integers, rows in a layout autopar did not follow): how it is made full
+    and how its gradient is shared between the batch ranks."""
     keep_split: bool = False
     """Returned as this rank's piece of a sharded tensor (a DTensor) instead of gathered: state the caller
     passes back in (a key/value cache), which the next call then reads in place."""
@@ -328,3 +346,8 @@ def spec_names() -> Iterator[None]:
 def input_info(node: fx.Node) -> InputInfo | None:
     info = node.meta.get("autopar")
     return info if isinstance(info, InputInfo) else None
+
+
+def rows_info(node: fx.Node) -> RowsInfo | None:
+    info = node.meta.get("autopar")
+    return info if isinstance(info, RowsInfo) else None

@@ -29,11 +29,14 @@ Before -> After (FC_Net block, tensor=(2, 2, 1))::
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import fx
 
 from autopar.decisions import Plan
-from passes.analysis.graph_facts import MatmulMatch, param_name, tensor_meta
+from passes.analysis.batch_facts import BatchDim, State
+from passes.analysis.graph_facts import InPlaceWrites, MatmulMatch, param_name, tensor_meta
 from passes.analysis.layout_rules import LayoutResult, output_node
 from passes.analysis.layouts import kept_split
 from passes.analysis.make_plan import layouts_for
@@ -54,6 +57,7 @@ from passes.ir import (
     sum_grad,
 )
 from passes.runner import PassResult
+from passes.split_batch import flatten_rows, unflatten_rows
 
 
 def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
@@ -66,14 +70,16 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
     for node, (target, args, kwargs) in res.local_args.items():
         node.target, node.args, node.kwargs = target, args, kwargs
 
-    converted: dict[tuple[fx.Node, Sharding], fx.Node] = {}
+    converted: dict[tuple, fx.Node] = {}
+    writes = InPlaceWrites(graph)
     for (consumer, producer), dst in res.conversions.items():
         if consumer is output:
             continue
-        key = (producer, dst)
+        late = writes.between(producer, consumer)  # (read what the model's in-place writes left in it)
+        key = (producer, dst, consumer) if late else (producer, dst)
         if key not in converted:
-            spec = ConvertSpec(res.sharding(producer), dst, key in res.partial_gathers)
-            with graph.inserting_after(producer):
+            spec = ConvertSpec(res.sharding(producer), dst, (producer, dst) in res.partial_gathers)
+            with graph.inserting_before(consumer) if late else graph.inserting_after(producer):
                 conv = graph.call_function(convert_layout, (producer, spec))
             conv.meta.update(val=producer.meta.get("val"), nn_module_stack=consumer.meta.get("nn_module_stack", {}))
             converted[key] = conv
@@ -139,23 +145,45 @@ def shard_linears(gm: fx.GraphModule, plan: Plan) -> PassResult:
         if producer not in gathered:
             with graph.inserting_before(output):
                 keep = original in kept and (not sharding.is_replicated or res.batch is not None)
-                spec = _output_spec(res, original, sharding, keep)
-                gathered[producer] = graph.call_function(gather_output, (producer, spec))
-            gathered[producer].meta["val"] = producer.meta.get("val")
+                rows = _output_rows(res, original)
+                x, first = unflatten_rows(graph, producer, rows) if rows is not None else (producer, None)
+                if first is not rows and not sharding.is_replicated and sharding.dim > rows.dim:
+                    sharding = replace(sharding, dim=sharding.dim + 1)  # (after the unflattened dim)
+                spec = _output_spec(res, original, sharding, keep, first)
+                full = graph.call_function(gather_output, (x, spec))
+                full.meta["val"] = x.meta.get("val")
+                gathered[producer] = flatten_rows(graph, full, rows) if rows is not None else full
         output.replace_input_with(producer, gathered[producer])
 
     changed = bool(res.orientations or converted or gathered or res.embeddings or res.local_args)
     return PassResult(gm, changed, tuple(notes))
 
 
-def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding, keep: bool = False) -> GatherOutputSpec:
-    """How a model output is laid out on this rank: its feature sharding, and where it holds the batch."""
+def _output_rows(res: LayoutResult, node: fx.Node) -> BatchDim | None:
+    """Where a model output holds this rank's rows: where the batch analysis followed them, or for a value
+    computed past where it could not (LOCAL), its one dim that holds rows, taken to hold them outermost."""
+    if res.batch is None:
+        return None
+    bd = res.batch.batch_dim(node)
+    if bd is None and res.batch.state(node) is State.LOCAL:
+        bd = res.batch.local_rows.get(node)
+    return bd
+
+
+def _output_spec(res: LayoutResult, node: fx.Node, sharding: Sharding, keep: bool = False,
+                 rows: BatchDim | None = None) -> GatherOutputSpec:
+    """How a model output is laid out on this rank: its feature sharding, and where it holds the batch
+    (``rows``: ``_output_rows``, with the rows first in their dim)."""
     if res.batch is None:
         return GatherOutputSpec(sharding, False, batch_state="none", keep_split=keep)
-    bd = res.batch.batch_dim(node)
-    if bd is not None:
-        return GatherOutputSpec(sharding, True, bd.dim, bd.static_factor(), "split", keep_split=keep)
-    return GatherOutputSpec(sharding, False, batch_state=res.batch.state(node).value)
+    if rows is not None:
+        return GatherOutputSpec(sharding, True, rows.dim, rows.static_factor(), "split", keep_split=keep)
+    state = res.batch.state(node)
+    if state is State.LOCAL:
+        val = tensor_meta(node)
+        averaged = val is not None and (val.is_floating_point() or val.is_complex()) and node not in res.batch.local_rows
+        return GatherOutputSpec(sharding, False, batch_state="local" if averaged else "per-rank")
+    return GatherOutputSpec(sharding, False, batch_state=state.value)
 
 
 def _random(node: fx.Node) -> bool:

@@ -30,8 +30,8 @@ from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.batch_dims import analyze_batch
 from passes.analysis.batch_facts import BatchDim, BatchFacts, Reduction
-from passes.analysis.batch_rules import CLASS_LOSSES
-from passes.analysis.graph_facts import module_of, tensor_meta
+from passes.analysis.batch_rules import ATTENTION, CLASS_LOSSES
+from passes.analysis.graph_facts import InPlaceWrites, module_of, tensor_meta
 from passes.ir import BatchReduceSpec, GatherRowsSpec, batch_reduce, gather_rows, graph_info, scatter_rows
 from passes.runner import PassResult
 
@@ -43,20 +43,23 @@ def split_batch(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     if batch is None or (len(batch.local_sizes) <= 1 and len(batch.segments) <= 1):
         return PassResult(gm, False)
     facts = analyze_batch(gm)
-    if not facts.reductions and not facts.gathers:
-        return PassResult(gm, False)
     _refuse_attention_across_rows(facts)
+    if not facts.reductions and not facts.gathers:
+        return PassResult(gm, False, facts.notes())
     _scale_batch_constants(gm, graph_info(gm).batch_constants, batch.global_size)
     for node, reduction in list(facts.reductions.items()):
         _rewrite_reduction(gm.graph, node, reduction)
-    gathered: dict[tuple[fx.Node, GatherRowsSpec], fx.Node] = {}
+    gathered: dict[tuple, fx.Node] = {}
+    writes = InPlaceWrites(gm.graph)
     for consumer, producers in facts.gathers.items():
         for producer, bd in producers.items():
-            spec = GatherRowsSpec(bd.dim, bd.static_factor())
-            key = (producer, spec)
+            late = writes.between(producer, consumer)  # (read what the model's in-place writes left in it)
+            key = (producer, bd, consumer) if late else (producer, bd)
             if key not in gathered:
-                with gm.graph.inserting_after(producer):
-                    gathered[key] = _call(gm.graph, gather_rows, (producer, spec), producer)
+                with gm.graph.inserting_before(consumer) if late else gm.graph.inserting_after(producer):
+                    x, first = unflatten_rows(gm.graph, producer, bd)
+                    whole = _call(gm.graph, gather_rows, (x, GatherRowsSpec(first.dim, first.static_factor())), x)
+                    gathered[key] = flatten_rows(gm.graph, whole, bd)
             consumer.replace_input_with(producer, gathered[key])
     for node, bd in facts.scatters.items():
         _scatter_outputs(gm.graph, node, bd, facts)
@@ -81,15 +84,12 @@ def _scale_batch_constants(gm: fx.GraphModule, constants: dict[str, dict[int, An
         node.args, node.kwargs = pytree.tree_unflatten(leaves, spec)
 
 
-_ATTENTION = frozenset({aten.scaled_dot_product_attention.default})
-
-
 def _refuse_attention_across_rows(facts: BatchFacts) -> None:
     """Attention across the rows autopar splits means they are no batch: tokens of packed sequences (dim 0
     is tokens), or sequence-first inputs. Gathering would run every attention on the whole input on every
     rank; say so instead."""
-    for consumer in facts.gathers:
-        if consumer.target in _ATTENTION:
+    for consumer in [*facts.gathers, *facts.across_rows]:
+        if consumer.target in ATTENTION:
             raise PlanError(
                 f"op {consumer.target.__name__} in module '{module_of(consumer) or '<root>'}' attends across the dim "
                 "data and depth parallelism split as the batch: the inputs' dim 0 is not a batch (packed sequences "
@@ -107,20 +107,45 @@ def _call(graph: fx.Graph, target: Any, args: tuple, like: fx.Node, val: Any = N
 
 def _scatter_outputs(graph: fx.Graph, node: fx.Node, bd: BatchDim, facts: BatchFacts) -> None:
     """Users of a gathered op's output read this rank's rows of it (per getitem for tuple outputs)."""
-    spec = GatherRowsSpec(bd.dim, bd.static_factor())
     dims = facts.dims.get(node)
     if isinstance(dims, tuple):
         for user in list(node.users):
             if user.target is operator.getitem and dims[user.args[1]] is not None:
-                _scatter_one(graph, user, spec)
+                _scatter_one(graph, user, bd)
         return
-    _scatter_one(graph, node, spec)
+    _scatter_one(graph, node, bd)
 
 
-def _scatter_one(graph: fx.Graph, node: fx.Node, spec: GatherRowsSpec) -> None:
+def _scatter_one(graph: fx.Graph, node: fx.Node, bd: BatchDim) -> None:
+    users = list(node.users)
     with graph.inserting_after(node):
-        scattered = _call(graph, scatter_rows, (node, spec), node)
-    node.replace_all_uses_with(scattered, delete_user_cb=lambda user: user is not scattered)
+        x, first = unflatten_rows(graph, node, bd)
+        mine = _call(graph, scatter_rows, (x, GatherRowsSpec(first.dim, first.static_factor())), x)
+        scattered = flatten_rows(graph, mine, bd)
+    for user in users:
+        user.replace_input_with(node, scattered)
+
+
+def unflatten_rows(graph: fx.Graph, x: fx.Node, bd: BatchDim) -> tuple[fx.Node, BatchDim]:
+    """``x`` with its rows first in their dim, and where they lie there: where blocks come before them
+    (``bd.outer``, a sequence-first ``(T*B, C)``) the dim is unflattened into (blocks, the rest). Call inside
+    ``inserting_after``/``before``."""
+    if bd.outer == 1:
+        return x, bd
+    t = tensor_meta(x)
+    shape = [*t.shape[:bd.dim], bd.outer, t.shape[bd.dim] // bd.outer, *t.shape[bd.dim + 1:]]
+    node = _call(graph, aten.unflatten.int, (x, bd.dim, [bd.outer, -1]), x, _meta(shape, t.dtype))
+    return node, BatchDim(bd.dim + 1, bd.factor)
+
+
+def flatten_rows(graph: fx.Graph, x: fx.Node, bd: BatchDim) -> fx.Node:
+    """Undoes ``unflatten_rows`` (of a tensor laid out as ``bd`` says)."""
+    if bd.outer == 1:
+        return x
+    t = tensor_meta(x)
+    shape = [*t.shape[:bd.dim], t.shape[bd.dim] * t.shape[bd.dim + 1], *t.shape[bd.dim + 2:]]
+    return _call(graph, aten.flatten.using_ints, (x, bd.dim, bd.dim + 1), x, _meta(shape, t.dtype))
+
 
 
 def _rewrite_reduction(graph: fx.Graph, node: fx.Node, r: Reduction) -> None:

@@ -18,12 +18,13 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.capture import Captured, capture_shard, state_outputs
+from autopar.capture import Captured, capture_shard
 from autopar import config as settings
 from autopar.compat import default_store, pytree
 from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
+from autopar.hf_caches import state_outputs
 from autopar.memory import half_dtype
 from autopar.runtime.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
 from autopar.runtime import graphed
@@ -121,14 +122,14 @@ class Compiler:
                             "loss outside the model, or use a grid whose tensor and pipeline degrees are 1.")
         doubled = tuple(2 * s if i == index else s for i, s in enumerate(sizes))
         try:
-            other = self.capture(leaves, spec, split, doubled, index)
+            other = captured.twice or self.capture(leaves, spec, split, doubled, index).gm
         except CaptureError as e:
             raise PlanError(f"{name} uses numbers after a reduction over the batch inside "
                             "forward; autopar captures it with twice this rank's rows to tell which of them are the "
                             f"batch size, and that capture failed ({e}). Compute the loss outside the model, or use "
                             "data=1 and depth=1.") from e
         record_graph_info(captured.gm, batch_constants=batch_constants(
-            captured.gm, other.gm, facts, sizes[index], doubled[index]))
+            captured.gm, other, facts, sizes[index], doubled[index]))
 
     def executable(self, captured: Captured, plan: Plan, split: dict[int, int], sizes: tuple[int, ...],
                    local_outputs: bool, per_rank: tuple[tuple[int, ...], int] | None) -> Executable:
@@ -138,7 +139,7 @@ class Compiler:
         agreement = self._agreement(per_rank is not None)
         gm, records = run_passes(captured.gm, plan, PIPELINE_PASSES if pipelined else PASSES)
         for note in (n for r in records if r.name == "split_batch" for n in r.notes):
-            self.warn_once(f"{note} (correct, but that op is not data-parallel).")
+            self.warn_once(note)
         output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
         rows = BatchRows(sizes)
         bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,

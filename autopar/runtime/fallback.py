@@ -1,7 +1,7 @@
 """The paths with no captured graph: the user's forward run whole on this rank.
 
-``ParallelRuntime`` takes them when a model cannot be captured (data parallelism over all ranks, as
-DDP: ``run_data_parallel``), for an evaluation call that cannot be captured (the whole batch on every
+``ParallelRuntime`` takes them when a model cannot be captured (data parallelism over the data ranks, as
+DDP, or the whole batch on every rank where data=1: ``run_data_parallel``), for an evaluation call that cannot be captured (the whole batch on every
 rank: ``forward_local``), and for evaluation under data parallelism only (this rank's inputs, no
 collective). ``forward_whole`` runs the user's forward on whole parameters: this rank's while they
 are replicated, else gathered for the call.
@@ -22,9 +22,9 @@ from autopar.capture import batch_leaves, input_names
 from autopar.config import ParallelConfig
 from autopar.errors import CaptureError, InputError
 from autopar.memory import half_dtype
+from autopar.runtime import collectives as C
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.mesh import Mesh
-from autopar.runtime.ops import gather_rows_world
 from autopar.runtime.parameters import ParamStore
 from autopar.runtime.param_layout import local_view
 
@@ -50,16 +50,26 @@ def say_eval_fallback(reason: str, gathers: bool, warned: set[Any], rank: int) -
     warned.add((reason, cost))
 
 
-def data_parallel_sync(error: CaptureError, params: dict[str, nn.Parameter], rank: int, world: int,
-                       enabled: Callable[[], bool]) -> GradSync | None:
-    """The model cannot be captured: every rank runs it whole on its share of the batch (DDP). Warns, and
-    returns the gradient sync over all ranks (None when there is nothing to sum)."""
-    if rank == 0:
-        log.warning("autopar: %s; falling back to data parallelism over all %d ranks (no tensor "
-                    "parallelism for this model).", fallback_reason(error), world)
+def data_parallel_sync(error: CaptureError, params: dict[str, nn.Parameter], mesh: Mesh,
+                       enabled: Callable[[], bool], per_rank: bool = False) -> GradSync | None:
+    """The model cannot be captured: every rank runs it whole, on its data rank's share of the batch (DDP over
+    the ``data`` ranks; the other axes' ranks hold copies), or with ``per_rank`` batches on its own batch (DDP
+    over every rank, as the script that feeds them is written for). Warns, and returns the gradient sync
+    (None when there is nothing to sum)."""
+    ranks = mesh.config.world_size if per_rank else mesh.size("data")
+    if mesh.rank == 0:
+        if per_rank:
+            how = f"each rank runs it whole on its own batch, as under DDP over all {ranks} ranks"
+        elif ranks > 1:
+            how = (f"falling back to data parallelism over the data={ranks} ranks, as DDP (the other "
+                   f"{mesh.config.world_size // ranks} ranks of each hold copies)")
+        else:
+            how = f"every rank runs it whole on the whole batch (serial's numbers; {mesh.config.world_size} copies)"
+        log.warning("autopar: %s; %s: no tensor or pipeline parallelism for this model.", fallback_reason(error), how)
     unique = {id(p): p for p in params.values() if p.requires_grad}
-    if world > 1 and unique:
-        return GradSync(list(unique.values()), None, world, enabled=enabled)
+    if ranks > 1 and unique:
+        return GradSync(list(unique.values()), None if per_rank else mesh.group("data"), ranks, enabled=enabled,
+                        branches=True)
     return None
 
 
@@ -74,18 +84,23 @@ def forward_local(whole: Whole, precision: str, device: torch.device, args: tupl
     return pytree.tree_map(lambda t: t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t, out)
 
 
-def run_data_parallel(whole: Whole, model: nn.Module, mesh: Mesh, world: int, batch_dims: Any,
-                      args: tuple, kwargs: dict) -> Any:
-    """This rank's share of the batch through ``whole``; the outputs' rows gathered from every rank.
-    ``batch_dims``: the inputs' declared batch dims (``InputConfig.batch_dims``)."""
+def run_data_parallel(whole: Whole, model: nn.Module, mesh: Mesh, batch_dims: Any, args: tuple,
+                      kwargs: dict) -> Any:
+    """The data rank's share of the batch through ``whole`` (with data=1, the whole batch: serial's numbers);
+    outputs with one row per sample gathered from the data ranks, others (a loss inside forward) averaged
+    over them with their gradients, as DDP averages its ranks' gradients. ``batch_dims``: the inputs'
+    declared batch dims (``InputConfig.batch_dims``)."""
+    data, index = mesh.size("data"), mesh.index("data")
+    if data == 1:
+        return whole(args, kwargs)
     leaves, spec = pytree.tree_flatten((args, kwargs))
     split, batch = batch_leaves(leaves, input_names(args, kwargs), batch_dims)
-    if not split or batch < world:  # fewer rows than ranks: every rank runs them all (equal gradients)
-        return whole(args, kwargs)
-    flat = ParallelConfig(data=world)
-    sizes = flat.batch_sizes(batch)
-    start = sum(sizes[:mesh.rank])
-    local = [x.narrow(split[i], start, sizes[mesh.rank]) if i in split else x for i, x in enumerate(leaves)]
+    if not split or batch < data:  # fewer rows than data ranks: each computes them all, the gradient once
+        return pytree.tree_map(lambda t: _Averaged.apply(t, None, data) if _grad_float(t) else t,
+                               whole(args, kwargs))
+    sizes = ParallelConfig(data=data).batch_sizes(batch)
+    start = sum(sizes[:index])
+    local = [x.narrow(split[i], start, sizes[index]) if i in split else x for i, x in enumerate(leaves)]
     local_args, local_kwargs = pytree.tree_unflatten(local, spec)
     try:
         out = whole(local_args, local_kwargs)
@@ -97,23 +112,55 @@ def run_data_parallel(whole: Whole, model: nn.Module, mesh: Mesh, world: int, ba
             f"{str(e).splitlines()[0]}). autopar split these inputs as the batch: {which}. If one of them holds "
             "no batch (its dim 0 only equals the batch size), declare it with auto_parallelize(batch_dims="
             "{input: None}); if the model needs whole batches, feed each rank its own (batch='per-rank').") from e
-    rows = sizes[mesh.rank]
+    rows = sizes[index]
 
     def gathered(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
         if t.dim() and t.shape[0] == rows:
-            return gather_rows_world(t, sizes)
-        if t.requires_grad:  # a loss computed inside forward from this rank's rows only
-            raise InputError(
-                f"{type(model).__name__} could not be captured, so autopar runs it whole on each rank's "
-                f"share of the global batch; it returned a tensor of shape {tuple(t.shape)} that is not one row per "
-                "sample (a loss inside forward?), and autopar cannot tell how to combine the ranks' values. "
-                "Compute the loss outside the model, or feed each rank its own batch (batch='per-rank') as "
-                "under DDP.")
+            return _GatheredRows.apply(t, mesh, sizes)
+        if t.is_floating_point() or t.is_complex():  # a loss inside forward: the data ranks' mean (DDP's)
+            return _Averaged.apply(t, mesh, data)
         return t
 
     return pytree.tree_map(gathered, out)
+
+
+def _grad_float(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.requires_grad and (t.is_floating_point() or t.is_complex())
+
+
+class _Averaged(torch.autograd.Function):
+    """The data ranks' mean of a value each computed from its own rows (with ``mesh`` None: the same value on
+    every data rank); backward gives each its share, the gradient over ``data`` (the gradient sync sums the
+    data ranks' parameter gradients: DDP's average)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh | None, data: int) -> torch.Tensor:
+        ctx.data = data
+        if mesh is None:
+            return x.view_as(x)
+        return C.all_reduce(x.detach().clone(), mesh.group("data"), data) / data
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return dy / ctx.data, None, None
+
+
+class _GatheredRows(torch.autograd.Function):
+    """Every data rank's rows (dim 0) of its share of the batch, in order; backward keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...]) -> torch.Tensor:
+        ctx.start, ctx.rows = sum(sizes[:mesh.index("data")]), x.shape[0]
+        pad = max(sizes) - x.shape[0]
+        padded = torch.cat([x, x.new_zeros((pad, *x.shape[1:]))]) if pad else x
+        stacked = C.all_gather(padded.unsqueeze(0), mesh.group("data"), len(sizes))
+        return torch.cat([stacked[i, :s] for i, s in enumerate(sizes)])
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return dy.narrow(0, ctx.start, ctx.rows), None, None
 
 
 class OwnForward:

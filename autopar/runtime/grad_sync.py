@@ -60,7 +60,7 @@ INFLIGHT = SCATTER_BUCKETS_HELD - 1
 
 class _Bucket:
     def __init__(self, params: list[nn.Parameter], dtype: torch.dtype | None,
-                 layouts: list[Layout] | None = None) -> None:
+                 layouts: list[Layout] | None = None, flags: bool = False) -> None:
         self.params, self.dtype = params, dtype
         """The reduction's dtype; None: the parameters' own at each backward (``model.to(dtype)`` changes it)."""
         self.layouts = layouts
@@ -71,7 +71,11 @@ class _Bucket:
             self.sizes.append(local_of(p).numel() if layouts is None else layouts[i].width)
             n += self.sizes[-1]
         self.numel = n
-        """Elements of the buffer; of one data rank's row when reduce-scattered."""
+        """Elements of the gradients in the buffer; of one data rank's row when reduce-scattered."""
+        self.flags = flags
+        self.width = n + len(params) * flags
+        """Elements of the buffer (of a row): the gradients, then with ``flags`` one per parameter, 1 where this
+        rank got its gradient this backward (summed: whether any rank did)."""
         self.reset()
 
     def reset(self) -> None:
@@ -92,7 +96,7 @@ class _Bucket:
         """The buffer (allocated per backward: no memory held between steps); ``rows`` x ``numel``."""
         if self.buffer is None:
             dtype = self.dtype or functools.reduce(torch.promote_types, [p.dtype for p in self.params])
-            self.buffer = torch.empty(rows * self.numel, dtype=dtype, device=local_of(self.params[0]).device)
+            self.buffer = torch.empty(rows * self.width, dtype=dtype, device=local_of(self.params[0]).device)
         return self.buffer
 
     def slot(self, i: int) -> torch.Tensor:
@@ -108,8 +112,12 @@ class GradSync:
     def __init__(self, params: Sequence[nn.Parameter], group: dist.ProcessGroup | None, size: int,
                  reduce_dtype: torch.dtype | None = None, bucket_bytes: int = BUCKET_BYTES,
                  enabled: Callable[[], bool] = lambda: True, shards: DataShards | None = None,
-                 rest: tuple[dist.ProcessGroup, int] | None = None) -> None:
+                 rest: tuple[dist.ProcessGroup, int] | None = None, branches: bool = False) -> None:
+        """``branches``: the ranks may run different code (the uncaptured model's forward), so a parameter may
+        get a gradient on some ranks only: each bucket also sums a flag per parameter saying which did, and a
+        rank that got none takes the sum (without it the ranks' parameters would part)."""
         self.group, self.size, self.reduce_dtype, self.enabled = group, size, reduce_dtype, enabled
+        self.branches = branches
         self.params = tuple(params)
         """The parameters whose gradients it sums."""
         self.shards = shards
@@ -155,7 +163,7 @@ class GradSync:
             self.where[id(p)] = (k, i)
         scattered = id(params[0]) in self.layouts
         self.buckets.append(_Bucket(params, self.reduce_dtype,
-                                    [self.layouts[id(p)] for p in params] if scattered else None))
+                                    [self.layouts[id(p)] for p in params] if scattered else None, self.branches))
 
     def _before(self, p: nn.Parameter) -> Callable[[torch.Tensor], torch.Tensor]:
         """The first tensor hook of ``p`` (registered before any of the script's): keeps a copy of an earlier
@@ -235,7 +243,7 @@ class GradSync:
                     self._view_bucket(p, slot.view_as(whole))
                 del whole, new
             else:
-                rows = bucket.alloc(self.size).view(self.size, bucket.numel)
+                rows = bucket.alloc(self.size).view(self.size, bucket.width)
                 self.shards.pack(new, bucket.layouts[i], rows, bucket.offsets[i])
                 p.grad = None  # (in the bucket now: the whole gradient's memory goes; finish puts the chunk)
                 del whole, new
@@ -266,11 +274,13 @@ class GradSync:
 
     def _launch(self, bucket: _Bucket) -> None:
         if bucket.layouts is not None:
-            rows = bucket.alloc(self.size).view(self.size, bucket.numel)
+            rows = bucket.alloc(self.size).view(self.size, bucket.width)
             for i, got in enumerate(bucket.got):
                 if not got:  # no gradient this backward: zeros keep every rank's buckets alike
                     rows[:, bucket.offsets[i]:bucket.offsets[i] + bucket.sizes[i]].zero_()
-            bucket.mine = rows.new_empty(bucket.numel)
+            if bucket.flags:
+                rows[:, bucket.numel:].copy_(torch.tensor(bucket.got, dtype=rows.dtype))  # (every rank's row)
+            bucket.mine = rows.new_empty(bucket.width)
             bucket.work = C.reduce_scatter_async(bucket.mine, bucket.buffer, self.group, self.size)
             bucket.launched = True
             self._inflight.append(bucket)
@@ -283,6 +293,8 @@ class GradSync:
             if not got:  # no gradient this backward: zeros keep every rank's buckets alike
                 bucket.slot(i).zero_()
         bucket.slot(0)  # allocates the buffer if no gradient came
+        if bucket.flags:
+            bucket.buffer[bucket.numel:].copy_(torch.tensor(bucket.got, dtype=bucket.buffer.dtype))
         bucket.work = C.all_reduce_async(bucket.buffer, self.group, self.size)
         bucket.launched = True
 
@@ -300,11 +312,19 @@ class GradSync:
                 bucket.work.wait()
             if bucket.layouts is not None and self.rest is not None:
                 C.all_reduce(bucket.mine, *self.rest)
+            # a parameter this rank's backward did not reach (a branch it did not take) that another's did: its
+            # gradient is the sum too, or the ranks' parameters would part (read only where one is missing)
+            elsewhere = [False] * len(bucket.params) if all(bucket.got) or not bucket.flags else \
+                [x > 0 for x in (bucket.mine if bucket.layouts is not None else bucket.buffer)[bucket.numel:].tolist()]
             for i, p in enumerate(bucket.params):
                 if bucket.layouts is not None:
-                    if bucket.got[i]:
+                    if bucket.got[i] or elsewhere[i]:
                         self._put_chunk(p, bucket, i)
                     continue
+                if not bucket.got[i] and elsewhere[i] and p.grad is None:
+                    with torch.no_grad():
+                        p.grad = torch.zeros_like(p)
+                    bucket.got[i] = True
                 if not bucket.got[i] or p.grad is None:  # no gradient, or torch.autograd.grad
                     continue
                 grad = local_of(p.grad)  # a DTensor parameter's gradient is one too: its local part

@@ -26,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.experimental import implicit_replication
 
 from autopar.compat import local_tensor, pytree
-from autopar.capture import is_cache_type
+from autopar.hf_caches import is_cache_type
 from autopar.decisions import Layout
 from autopar.runtime.mesh import Mesh
 from passes.ir import Sharding

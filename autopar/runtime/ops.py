@@ -173,26 +173,6 @@ class _ScatterBatch(torch.autograd.Function):
         return _gather_rows_along(dy, ctx.mesh, ctx.sizes, ctx.dim, 1), None, None, None
 
 
-class _GatherRowsWorld(torch.autograd.Function):
-    """Rows of every rank's batch share, over the whole world (the data-parallel fallback)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-        ctx.sizes = sizes
-        stacked = C.all_gather(_pad_rows(x, max(sizes)).unsqueeze(0), None, len(sizes))
-        return torch.cat([stacked[i, :s] for i, s in enumerate(sizes)])
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        rank = torch.distributed.get_rank()
-        start = sum(ctx.sizes[:rank])
-        return dy[start:start + ctx.sizes[rank]], None
-
-
-def gather_rows_world(x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
-    return _GatherRowsWorld.apply(x, sizes)
-
-
 def scatter_batch(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim: int = 0) -> torch.Tensor:
     return _ScatterBatch.apply(x, mesh, sizes, dim)
 
@@ -405,9 +385,11 @@ class ConvertOp:
             if not torch.compiler.is_compiling():  # (compiled: the partitioner decides what backward keeps)
                 setattr(whole, REGATHER, TokensOf(x, Regather(self.mesh, self.spec.src)))
             return whole
-        if not self.spec.src.is_replicated:
+        # (an axis of one rank: nothing to move, and a Function returning its input as it is would make the
+        # result a view that an in-place op of the model may not write)
+        if not self.spec.src.is_replicated and self.mesh.size(self.spec.src.axis) > 1:
             x = apply(_Gather, x, self.mesh, self.spec.src)
-        if not self.spec.dst.is_replicated:
+        if not self.spec.dst.is_replicated and self.mesh.size(self.spec.dst.axis) > 1:
             x = apply(_Slice, x, self.mesh, self.spec.dst)
         return x
 
@@ -441,14 +423,32 @@ class GatherOutputOp:
             # a cache the next call reads split: this rank's piece, made a DTensor after the graph ran
             # (autopar.runtime.kept.KeptOutputs)
             return x
-        if not self.spec.sharding.is_replicated and gather_features:
+        if not self.spec.sharding.is_replicated and gather_features and self.mesh.size(self.spec.sharding.axis) > 1:
             x = apply(_Gather, x, self.mesh, self.spec.sharding)
         if self.spec.batch_split:
             dim = self.spec.batch_dim
             return apply(_GatherRows, x, self.mesh, sizes, dim, self.rows.entries(x, dim, self.mesh))
-        if self.mesh.size("batch") > 1 and x.requires_grad:
+        n = self.mesh.size("batch")
+        if n > 1 and self.spec.batch_state == "per-rank":  # DDP's: each rank's own, its gradient averaged
+            return apply(_ScaleGrad, x, 1.0 / n) if x.requires_grad else x
+        if n > 1 and self.spec.batch_state == "local":  # the batch ranks' values averaged, as DDP's loss is
+            x = apply(_BatchSum, x, self.mesh) / n
+        if n > 1 and x.requires_grad:
             return apply(_OnOneBatchRank, x, self.mesh)
         return x
+
+
+class _ScaleGrad(torch.autograd.Function):
+    """Identity; backward scales the gradient (a per-rank output's, by 1 / the batch ranks: DDP's average)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return dy * ctx.scale, None
 
 
 def _rows_bounds(sizes: tuple[int, ...], factor: int, index: int) -> tuple[int, int]:
@@ -462,7 +462,8 @@ def _gather_rows_along(x: torch.Tensor, mesh: Mesh, sizes: tuple[int, ...], dim:
         return x
     moved = x.movedim(dim, 0)
     stacked = C.all_gather(_pad_rows(moved, max(sizes) * factor).unsqueeze(0), mesh.group("batch"), n)
-    return torch.cat([stacked[i, :s * factor] for i, s in enumerate(sizes)]).movedim(0, dim)
+    # (concatenated along ``dim`` itself: a fresh tensor, which the model's in-place ops may write)
+    return torch.cat([stacked[i, :s * factor].movedim(0, dim) for i, s in enumerate(sizes)], dim)
 
 
 class _GatherRows(torch.autograd.Function):

@@ -18,12 +18,12 @@ from torch import fx, nn
 from torch.distributed.tensor import DTensor
 
 from autopar import patches
-from autopar.capture import (batch_leaves, input_names, meta_shadow, microbatch_leaves, register_hf_caches,
-                             split_batch_leaves, symbolic_dims)
+from autopar.capture import batch_leaves, input_names, meta_shadow, microbatch_leaves, split_batch_leaves, symbolic_dims
 from autopar.compat import pytree, queue_backward_callback
 from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, InputError, ParameterError
+from autopar.hf_caches import register_hf_caches
 from autopar.machines import local_rates
 from autopar.memory import device_budget, half_dtype
 from autopar.planner import PlanOptions, decide_plan, pooled_rows
@@ -293,7 +293,7 @@ class ParallelRuntime:
             except CaptureError as e:
                 if self.plan is not None or self.config.pipeline > 1:
                     raise
-                self._fall_back(e)
+                self._fall_back(e, per_rank=True)
                 return self._run_per_rank(args, kwargs, leaves, spec, every)
         out = self._execute(exe, self._graph_inputs(exe, local))
         flat, out_spec = pytree.tree_flatten(out)
@@ -404,10 +404,11 @@ class ParallelRuntime:
     def _say_eval_fallback(self, reason: str) -> None:
         say_eval_fallback(reason, bool(self.store.dtensors and self.plan), self._warned, self.mesh.rank)
 
-    def _fall_back(self, error: CaptureError) -> None:
-        """The model cannot be captured: every rank runs it whole on its share of the batch (DDP)."""
+    def _fall_back(self, error: CaptureError, per_rank: bool = False) -> None:
+        """The model cannot be captured: every rank runs it whole, on its data rank's share of the batch (DDP
+        over the data ranks), or with ``per_rank`` batches on its own (DDP over every rank)."""
         self.fallback = True
-        sync = data_parallel_sync(error, self.params, self.mesh.rank, self.config.world_size, self.sync_enabled)
+        sync = data_parallel_sync(error, self.params, self.mesh, self.sync_enabled, per_rank)
         if sync is not None:
             self._add_sync(sync, "world")
 
@@ -417,8 +418,7 @@ class ParallelRuntime:
         patches.of_model(self._model()).add(f"gradient hooks ({axis})", sync.remove)
 
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
-        return run_data_parallel(self._forward_whole, self._model(), self.mesh, self.config.world_size,
-                                 self.inputs.batch_dims, args, kwargs)
+        return run_data_parallel(self._forward_whole, self._model(), self.mesh, self.inputs.batch_dims, args, kwargs)
 
     def _forward_whole(self, args: tuple, kwargs: dict) -> Any:
         """The user's forward on a whole copy of the model (``fallback.forward_whole``)."""
@@ -555,7 +555,7 @@ class ParallelRuntime:
             log.info("%s", plan.summary())
             if self.config.row * self.config.col > 1:
                 for note in plan.notes:  # one line per region that is not tensor-parallel
-                    log.warning("autopar: %s", note)
+                    self._warn_once(note)  # (the batch notes again at the graph's passes: said once)
 
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.store.full_state_dict(state)

@@ -32,7 +32,7 @@ _SOFTMAX_LIKE = frozenset({aten.softmax.int, aten._softmax.default, aten.log_sof
                            aten.logcumsumexp.default, aten.cummax.default, aten.cummin.default,
                            aten.sort.default, aten.sort.stable, aten.argsort.default, aten.argsort.stable,
                            aten.topk.default, aten.kthvalue.default, aten.flip.default, aten.roll.default})
-_SUM_MEAN = {aten.sum.default: "sum", aten.mean.default: "mean", aten.sum.dim_IntList: "sum",
+SUM_MEAN = {aten.sum.default: "sum", aten.mean.default: "mean", aten.sum.dim_IntList: "sum",
              aten.mean.dim: "mean"}
 #: Losses whose reduction over the batch is a sum of per-element terms (mean: divided by their number).
 ELEMENTWISE_LOSSES = frozenset({aten.mse_loss.default, aten.l1_loss.default, aten.smooth_l1_loss.default,
@@ -48,6 +48,8 @@ _ROWS_AT_ZERO = frozenset({aten.convolution.default, aten.conv1d.default, aten.c
                            aten.adaptive_avg_pool1d.default, aten.max_pool2d_with_indices.default,
                            aten.group_norm.default, aten.native_group_norm.default,
                            aten.upsample_nearest2d.vec, aten.upsample_bilinear2d.vec, aten.pixel_shuffle.default})
+#: Attention over the dim the batch analysis holds as rows: those are no batch (``split_batch`` refuses it).
+ATTENTION = frozenset({aten.scaled_dot_product_attention.default})
 _LAYER_NORMS = frozenset({aten.layer_norm.default, aten.native_layer_norm.default, aten.rms_norm.default})
 _BATCH_NORMS = frozenset({aten.batch_norm.default, aten._native_batch_norm_legit.default,
                           aten._native_batch_norm_legit_no_training.default, aten.native_batch_norm.default})
@@ -58,11 +60,11 @@ _LAYOUT_PRESERVING = frozenset({
     aten.zeros_like.default, aten.ones_like.default, aten.empty_like.default, aten.full_like.default,
     aten.rand_like.default, aten.randn_like.default, aten.masked_fill.Scalar, aten.masked_fill.Tensor,
     aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.fill.Scalar,
-    aten._assert_tensor_metadata.default,
+    aten._assert_tensor_metadata.default, aten.copy_.default, aten.copy.default,
 })
 
 
-def _is_pointwise(node: fx.Node) -> bool:
+def is_pointwise(node: fx.Node) -> bool:
     t = node.target
     return isinstance(t, OpOverload) and (t in _LAYOUT_PRESERVING or torch.Tag.pointwise in t.tags)
 
@@ -143,7 +145,7 @@ class Rules:
             return self.loss(node)
         if t in _SOFTMAX_LIKE:
             return self.along_dim(node)
-        if _is_pointwise(node):
+        if is_pointwise(node):
             return self.pointwise(node)
         if _has_arg(node, "reduction") and int(_arg(node, "reduction", 1)) != 0:
             raise Gather()
@@ -154,20 +156,20 @@ class Rules:
     def pointwise(self, node: fx.Node) -> Any:
         vals = node.meta.get("val")
         if isinstance(vals, (list, tuple)):  # native_dropout: (output, mask), both laid out like the input
-            outs = [self._aligned(node, v) if isinstance(v, torch.Tensor) else None for v in vals]
+            outs = [self.aligned(node, v) if isinstance(v, torch.Tensor) else None for v in vals]
             return tuple(outs)
-        return self._aligned(node, vals)
+        return self.aligned(node, vals)
 
-    def _aligned(self, node: fx.Node, val: torch.Tensor) -> BatchDim:
+    def aligned(self, node: fx.Node, val: torch.Tensor) -> BatchDim:
         target = None
         for i in tensor_inputs(node):
             bd, t = self.bd(i), tensor_meta(i)
             if bd is None or t is None:
                 continue
             d = bd.dim + val.dim() - t.dim()
-            if d < 0 or val.shape[d] != t.shape[bd.dim]:
+            if d < 0 or not same(val.shape[d], t.shape[bd.dim]):
                 raise Gather()
-            cand = BatchDim(d, bd.factor)
+            cand = bd.at(d)
             if target is not None and cand != target:
                 raise Gather()
             target = cand
@@ -187,9 +189,9 @@ class Rules:
         x = node.args[0]
         bd, xt, val = self.bd(x), tensor_meta(x), tensor_meta(node)
         d = bd.dim + val.dim() - xt.dim()
-        if val.shape[d] != xt.shape[bd.dim]:
+        if not same(val.shape[d], xt.shape[bd.dim]):
             raise Gather()
-        return BatchDim(d, bd.factor)
+        return bd.at(d)
 
     def transpose(self, node: fx.Node) -> BatchDim:
         x = node.args[0]
@@ -207,7 +209,7 @@ class Rules:
             a, b = node.args[1] % nd, node.args[2] % nd
             perm = list(range(nd))
             perm[a], perm[b] = perm[b], perm[a]
-        return BatchDim(perm.index(bd.dim), bd.factor)
+        return bd.at(perm.index(bd.dim))
 
     def complex_view(self, node: fx.Node) -> BatchDim:
         """``view_as_complex`` drops the trailing (re, im) dim, ``view_as_real`` adds one: rows stay put."""
@@ -222,7 +224,7 @@ class Rules:
         dim = _arg(node, "dim", 0) % xt.dim()
         if dim == bd.dim:
             start, end, step = _arg(node, "start"), _arg(node, "end"), _arg(node, "step", 1)
-            if (start or 0) != 0 or (end is not None and end < xt.shape[dim]) or step != 1:
+            if (start or 0) != 0 or (end is not None and not known(end >= xt.shape[dim])) or step != 1:
                 raise Gather()
         return bd
 
@@ -232,7 +234,7 @@ class Rules:
         dim = node.args[1] % xt.dim()
         if dim == bd.dim:
             raise Gather()
-        return BatchDim(bd.dim - (dim < bd.dim), bd.factor)
+        return bd.at(bd.dim - (dim < bd.dim))
 
     def index(self, node: fx.Node) -> BatchDim:
         """Advanced indexing ``x[i0, i1, ...]``: rows stay rows when the batch dim is not indexed, when it is
@@ -258,20 +260,21 @@ class Rules:
             if xbd.dim in used:
                 idx = indices[xbd.dim]
                 ri = self.facts.row_index.get(idx)
-                if ri is None or xbd.factor != 1:
+                if ri is None or xbd.factor != 1 or xbd.outer != 1:
                     raise Gather()
                 cands.append(BatchDim(start + ri + nb - tensor_meta(idx).dim(), 1))
             else:
-                cands.append(BatchDim(kept(xbd.dim), xbd.factor))
+                cands.append(xbd.at(kept(xbd.dim)))
         for d in used:
             ibd = self.bd(indices[d])
             if ibd is not None:
-                cands.append(BatchDim(start + ibd.dim + nb - tensor_meta(indices[d]).dim(), ibd.factor))
+                cands.append(ibd.at(start + ibd.dim + nb - tensor_meta(indices[d]).dim()))
         for cand in cands:
             if target is not None and cand != target:
                 raise Gather()
             target = cand
-        if target is None or target.dim >= val.dim() or not known(val.shape[target.dim] == self.rows * target.factor):
+        if target is None or target.dim >= val.dim() or \
+                not known(val.shape[target.dim] == target.outer * self.rows * target.factor):
             raise Gather()
         return target
 
@@ -281,7 +284,7 @@ class Rules:
         xbd, ibd, xt = self.bd(x), self.bd(index), tensor_meta(x)
         if ibd is None or dim % xt.dim() == ibd.dim or xbd not in (None, ibd):
             raise Gather()
-        if xbd is None and xt.shape[ibd.dim] != 1 and not _uniform_rows(x, ibd.dim):
+        if xbd is None and not same(xt.shape[ibd.dim], 1) and not _uniform_rows(x, ibd.dim):
             raise Gather()  # x would have to hold the rows too
         return ibd
 
@@ -293,7 +296,7 @@ class Rules:
             raise Gather()
         vals = node.meta.get("val")
         if node.target is aten.unbind.int:
-            return tuple(BatchDim(bd.dim - (dim < bd.dim), bd.factor) for _ in vals)
+            return tuple(bd.at(bd.dim - (dim < bd.dim)) for _ in vals)
         return tuple(bd for _ in vals)
 
     def cat(self, node: fx.Node) -> BatchDim:
@@ -306,7 +309,7 @@ class Rules:
             if bd is None:
                 continue
             if node.target is aten.stack.default:
-                bd = BatchDim(bd.dim + (dim <= bd.dim), bd.factor)
+                bd = bd.at(bd.dim + (dim <= bd.dim))
             elif bd.dim == dim:
                 raise Gather()
             if target is not None and bd != target:
@@ -330,7 +333,7 @@ class Rules:
     def addmm(self, node: fx.Node) -> BatchDim:
         bias, a, b = node.args[:3]
         rows = self.bd(a)
-        if rows is None or rows.dim != 0 or self.bd(b) is not None or self.bd(bias) not in (None, rows):
+        if rows is None or rows.dim != 0 or rows.outer != 1 or self.bd(b) is not None or self.bd(bias) not in (None, rows):
             raise Gather()
         return rows
 
@@ -349,12 +352,12 @@ class Rules:
             if bd.dim == contracted:
                 raise Gather()
             if which == "a" and bd.dim == t.dim() - 2:
-                cand = BatchDim(nd - 2, bd.factor)
+                cand = bd.at(nd - 2)
             elif which == "b" and bd.dim == t.dim() - 1:
-                cand = BatchDim(nd - 1, bd.factor)
+                cand = bd.at(nd - 1)
             else:
-                cand = BatchDim(bd.dim + nd - t.dim(), bd.factor)
-                if val.shape[cand.dim] != t.shape[bd.dim]:
+                cand = bd.at(bd.dim + nd - t.dim())
+                if not same(val.shape[cand.dim], t.shape[bd.dim]):
                     raise Gather()
             if target is not None and cand != target:
                 raise Gather()
@@ -372,7 +375,7 @@ class Rules:
             d = bd.dim + nd - t.dim()
             if d >= nd - 2 or d < 0:
                 raise Gather()
-            cand = BatchDim(d, bd.factor)
+            cand = bd.at(d)
             if target is not None and cand != target:
                 raise Gather()
             target = cand
@@ -380,7 +383,7 @@ class Rules:
 
     def rows_at_zero(self, node: fx.Node) -> Any:
         bd = self.bd(node.args[0])
-        if bd is None or bd.dim != 0 or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
+        if bd is None or bd.dim != 0 or bd.outer != 1 or any(self.bd(i) is not None for i in tensor_inputs(node)[1:]):
             raise Gather()
         vals = node.meta.get("val")
         return tuple(bd for _ in vals) if isinstance(vals, (list, tuple)) else bd
@@ -404,7 +407,7 @@ class Rules:
     def reduce(self, node: fx.Node) -> Any:
         x = node.args[0]
         bd, xt = self.bd(x), tensor_meta(x)
-        kind = _SUM_MEAN[node.target]
+        kind = SUM_MEAN[node.target]
         if node.target in (aten.sum.default, aten.mean.default):
             dims, keepdim = tuple(range(xt.dim())), False
         else:
@@ -414,8 +417,8 @@ class Rules:
         if bd.dim in dims:
             if _arg(node, "dtype") is not None and not tensor_meta(node).is_floating_point():
                 raise Gather()
-            raise Reduce(Reduction(kind, bd, dims, keepdim))
-        return BatchDim(bd.dim if keepdim else bd.dim - sum(d < bd.dim for d in dims), bd.factor)
+            raise Reduce(Reduction(kind, bd.flat(), dims, keepdim))
+        return bd.at(bd.dim if keepdim else bd.dim - sum(d < bd.dim for d in dims))
 
     def along_dim(self, node: fx.Node) -> Any:
         """Ops with a ``dim`` argument (softmax, cumsum, sort, max over a dim, ...): fine along any other dim."""
@@ -435,14 +438,16 @@ class Rules:
                 outs.append(None)
                 continue
             d = bd.dim if v.dim() == xt.dim() else bd.dim - sum(d < bd.dim for d in dims)
-            if v.dim() <= d or v.shape[d] != xt.shape[bd.dim]:
+            if v.dim() <= d or not same(v.shape[d], xt.shape[bd.dim]):
                 raise Gather()
-            outs.append(BatchDim(d, bd.factor))
+            outs.append(bd.at(d))
         return tuple(outs) if isinstance(vals, (list, tuple)) else outs[0]
 
     def loss(self, node: fx.Node) -> Any:
         x, target = node.args[0], node.args[1]
         bx, bt = self.bd(x), self.bd(target)
+        if int(_arg(node, "reduction", 1)) != 0:  # (a sum over the entries: their order does not matter)
+            bx, bt = bx and bx.flat(), bt and bt.flat()
         others = [i for i in tensor_inputs(node) if i not in (x, target)]
         if bx is None or bx.dim != 0 or any(self.bd(i) is not None for i in others):
             raise Gather()
@@ -455,7 +460,7 @@ class Rules:
             vals = node.meta.get("val")
             return tuple(bx if isinstance(v, torch.Tensor) and v.dim() else None for v in vals) \
                 if isinstance(vals, (list, tuple)) else bx
-        if node.target in ELEMENTWISE_LOSSES and (bt is None or tensor_meta(target).shape != tensor_meta(x).shape):
+        if node.target in ELEMENTWISE_LOSSES and (bt is None or not same_shape(tensor_meta(target), tensor_meta(x))):
             raise Gather()  # broadcast targets: count the elements the serial mean divides by differently
         kind = "loss_mean" if int(_arg(node, "reduction", 1)) == 1 else "loss_sum"
         raise Reduce(Reduction(kind, bx))
@@ -480,8 +485,11 @@ class Rules:
         vals = node.meta.get("val")
         if len(split) != 1 or not isinstance(vals, torch.Tensor):
             raise Gather()
+        if any(self.facts.state(i).value == "whole" for i in tensor_inputs(node)):
+            raise Gather()  # a value of the whole batch (offsets, positions) may address the rows
         bd, t = self.bd(split[0]), tensor_meta(split[0])
-        if t is None or vals.dim() != t.dim() or vals.shape[bd.dim] != t.shape[bd.dim] or bd.dim != 0:
+        if t is None or vals.dim() != t.dim() or not same(vals.shape[bd.dim], t.shape[bd.dim]) or bd.dim != 0 \
+                or bd.outer != 1:
             raise Gather()
         return bd
 
@@ -515,33 +523,32 @@ _HANDLERS: dict[Any, Callable[[Rules, fx.Node], Any]] = {
     **{t: Rules.rows_at_zero for t in _ROWS_AT_ZERO},
     **{t: Rules.layer_norm for t in _LAYER_NORMS},
     **{t: Rules.batch_norm for t in _BATCH_NORMS},
-    **{t: Rules.reduce for t in _SUM_MEAN},
+    **{t: Rules.reduce for t in SUM_MEAN},
 }
 
 
 def map_batch_through_view(src: tuple[int, ...], dst: tuple[int, ...], bd: BatchDim, rows: Any) -> BatchDim | None:
     """Where the rows of dim ``bd.dim`` of shape ``src`` lie in the view ``dst``, or None when the view
-    does not keep them the outermost part of one dim (it splits them, or merges an outer dim into them).
+    splits a row's entries over two dims.
 
-    In the contiguous layout a row spans ``bd.factor * inner`` elements (``inner``: the dims after the
-    batch dim). The rows lie in dst dim ``d`` when the dims before ``d`` hold exactly the dims before
-    the batch dim, dim ``d`` spans exactly the batch dim's elements, and a row is a whole number of
-    dim-``d`` steps.
+    In the contiguous layout the rows lie in blocks: element ``a * (rows * S) + r * S + s`` belongs to row
+    ``r``, where a row spans ``S = bd.factor * inner`` elements of a block (``inner``: the dims after the
+    batch dim) and ``a`` runs over the dims before it and ``bd.outer``. The rows lie in dst dim ``d`` (stride
+    ``D``, size ``n``) when a row's span is a whole number of its steps (``S % D == 0``: ``S // D`` entries per
+    row) and the dim spans whole blocks (``n * D`` a multiple of ``rows * S``: that many blocks before the
+    rows, ``outer``). The outermost such dim is taken (with one row, several can be).
     """
     if not known(rows > 0):
         return None
-    outer = _prod(src[:bd.dim])
-    extent = src[bd.dim] * _prod(src[bd.dim + 1:])
-    step = bd.factor * _prod(src[bd.dim + 1:])
-    acc = 1
+    span = bd.factor * _prod(src[bd.dim + 1:])
+    block = rows * span
     for d, size in enumerate(dst):
-        if known(acc == outer):
-            stride = _prod(dst[d + 1:])
-            if known(size % rows == 0) and known(step % stride == 0) and known(size * stride == extent):
-                return BatchDim(d, _exact(size // rows))
-        acc *= size
-        if known(acc > outer):
-            break
+        stride = _prod(dst[d + 1:])
+        if not known(span % stride == 0) or not known((size * stride) % block == 0):
+            continue
+        outer = exact((size * stride) // block)
+        if isinstance(outer, int):
+            return BatchDim(d, exact(span // stride), outer)
     return None
 
 
@@ -553,12 +560,22 @@ def _prod(sizes: Any) -> Any:
     return out
 
 
-def _exact(size: Any) -> Any:
+def exact(size: Any) -> Any:
     """A size as an int where it is one, else the SymInt (``int()`` would fix its symbols)."""
     if isinstance(size, torch.SymInt):
         known = size.node.maybe_as_int()
         return size if known is None else int(known)
     return int(size)
+
+
+def same(a: Any, b: Any) -> bool:
+    """Whether two sizes are equal for every value of their symbols (no guard is added, even on a size
+    the data decides: ``split`` by a ``.tolist()``)."""
+    return known(a == b)
+
+
+def same_shape(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    return a is not None and b is not None and a.dim() == b.dim() and all(same(x, y) for x, y in zip(a.shape, b.shape))
 
 
 def known(cond: Any) -> bool:

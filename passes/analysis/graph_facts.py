@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import operator
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from autopar.compat import pytree, size_hint
+from autopar.compat import op_schema, pytree, size_hint
 from passes.ir import InputKind, input_info
 
 aten = torch.ops.aten
@@ -252,3 +253,81 @@ def graph_copy(gm: fx.GraphModule) -> fx.GraphModule:
     copy_ = fx.GraphModule(gm, graph)
     copy_.meta.update(gm.meta)
     return copy_
+
+
+#: Norms that update running statistics in place when training with them (not in their schemas).
+_RUNNING_STATS = frozenset({torch.ops.aten.batch_norm.default, torch.ops.aten.native_batch_norm.default,
+                            torch.ops.aten._native_batch_norm_legit.default, torch.ops.aten.instance_norm.default})
+
+
+def writes_state(node: fx.Node) -> bool:
+    """Whether running ``node`` changes state that outlives the call, so running it again (a recomputed
+    block) would change it twice: an op that writes in place into a graph input (a buffer such as BatchNorm's
+    ``num_batches_tracked``, a parameter, an input) or a view of one, or a norm that updates its running
+    statistics."""
+    t = node.target
+    if t in _RUNNING_STATS:
+        schema_args = op_schema(t).arguments
+        values = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
+                  for i, a in enumerate(schema_args)}
+        updates = values.get("training", values.get("use_input_stats", False))
+        return bool(updates) and isinstance(values.get("running_mean"), fx.Node)
+    schema = op_schema(t) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return False
+    for i, a in enumerate(schema.arguments):
+        if a.alias_info is None or not a.alias_info.is_write:
+            continue
+        x = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+        while isinstance(x, fx.Node) and x.op == "call_function" and x.args and isinstance(x.args[0], fx.Node) \
+                and _is_view(x.target):
+            x = x.args[0]
+        if isinstance(x, fx.Node) and x.op == "placeholder":
+            return True
+    return False
+
+
+def _is_view(target: Any) -> bool:
+    schema = op_schema(target)
+    return schema is not None and bool(schema.returns) and schema.returns[0].alias_info is not None and \
+        not schema.returns[0].alias_info.is_write
+
+
+def storage_root(node: Any) -> Any:
+    """The node whose storage ``node`` shares: through views, ``getitem`` of a split and in-place ops (each
+    returns its first argument's storage)."""
+    while isinstance(node, fx.Node) and node.op == "call_function":
+        if node.target is operator.getitem:
+            node = node.args[0]
+            continue
+        schema = op_schema(node.target)
+        if schema is None or not schema.returns or schema.returns[0].alias_info is None or not node.args \
+                or not isinstance(node.args[0], fx.Node):
+            break
+        node = node.args[0]
+    return node
+
+
+class InPlaceWrites:
+    """Where a graph's in-place ops write: a reader of a value written after it was made (DeepSeek's MLA fills
+    ``new_empty`` with two ``copy_``) must read it after the writes, not where it was made."""
+
+    def __init__(self, graph: fx.Graph) -> None:
+        self.position = {n: i for i, n in enumerate(graph.nodes)}
+        self.at: dict[fx.Node, list[int]] = {}
+        for n in graph.nodes:
+            schema = op_schema(n.target) if n.op == "call_function" else None
+            if schema is None or not schema.is_mutable:
+                continue
+            for i, a in enumerate(schema.arguments):
+                if a.alias_info is not None and a.alias_info.is_write:
+                    v = n.args[i] if i < len(n.args) else n.kwargs.get(a.name)
+                    if isinstance(v, fx.Node):
+                        self.at.setdefault(storage_root(v), []).append(self.position[n])
+
+    def between(self, producer: fx.Node, consumer: fx.Node) -> bool:
+        """Whether an in-place op writes ``producer``'s storage after it and before ``consumer``."""
+        start, end = self.position.get(producer), self.position.get(consumer)
+        if start is None or end is None:
+            return False
+        return any(start < p < end for p in self.at.get(storage_root(producer), ()))

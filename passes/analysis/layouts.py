@@ -231,7 +231,7 @@ def kept_split(gm: fx.GraphModule, res: LayoutResult) -> set[fx.Node]:
         if not s.is_replicated and len(s.parts) != 1:
             continue
         rows = res.batch.batch_dim(n) if res.batch is not None else None
-        if res.batch is not None and (rows is None or rows.factor != 1 or not even):
+        if res.batch is not None and (rows is None or rows.factor != 1 or rows.outer != 1 or not even):
             continue  # (the batch is split: kept only with its rows split evenly)
         if rows is not None or not s.is_replicated:
             kept.add(n)

@@ -131,56 +131,6 @@ def test_vocab_parallel_cross_entropy_peaks_below_the_full_logits_path(distribut
     assert fast + logits_bytes <= full, (fast / 2**20, full / 2**20)
 
 
-class _Routed(nn.Module):
-    """Data-dependent control flow, as in MoE routing: torch.export cannot capture it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b, self.out = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.a(x)
-        if h.sum() > 0:
-            h = self.b(h)
-        return self.out(h.relu())
-
-
-def _routed_losses(parallel: bool) -> tuple[list[float], list[str]]:
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("autopar").addHandler(handler)
-    torch.manual_seed(0)
-    if parallel:
-        import autopar
-
-        with autopar.auto_parallelize(tensor=(2, 1, 1)):
-            model = _Routed()
-    else:
-        model = _Routed()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for step in range(3):
-        g = torch.Generator().manual_seed(step)
-        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
-        loss = F.cross_entropy(model(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, records
-
-
-def test_uncapturable_model_falls_back_to_data_parallel_with_a_warning(distributed):
-    serial, _ = _routed_losses(False)
-    results = distributed(_routed_losses, 2, True)
-    for losses, _ in results:
-        assert losses == pytest.approx(serial, rel=1e-6)
-    warnings = [m for m in results[0][1] if "falling back to data parallelism" in m]
-    assert len(warnings) == 1 and "_Routed" in warnings[0]
-    assert not any("falling back" in m for m in results[1][1])  # logged once, on rank 0
-
-
 def _unshardable_worker() -> list[str]:
     import transformers
 

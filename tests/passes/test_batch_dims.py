@@ -12,7 +12,7 @@ from autopar.capture import batch_leaves, capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from passes.analysis.batch_dims import BatchDim, State, analyze_batch, map_batch_through_view
 from passes.analysis.make_plan import make_plan
-from passes.ir import batch_reduce, gather_rows, scatter_rows
+from passes.ir import batch_reduce, gather_rows, graph_info, scatter_rows
 from passes.split_batch import split_batch
 
 
@@ -21,7 +21,9 @@ from passes.split_batch import split_batch
     ((24, 8), (4, 6, 8), BatchDim(0, 6), 4, BatchDim(0, 1)),      # and back
     ((1, 6, 8), (6, 8), BatchDim(0), 1, BatchDim(0, 6)),          # one row: merged into the next dim
     ((6, 4, 8), (6, 32), BatchDim(1), 4, BatchDim(1, 8)),         # (T, B, C) -> (T, B*C): rows outermost in dim 1
-    ((6, 4, 8), (24, 8), BatchDim(1), 4, None),                   # (T, B, C) -> (T*B, C): rows interleaved
+    ((6, 4, 8), (24, 8), BatchDim(1), 4, BatchDim(0, 1, 6)),      # (T, B, C) -> (T*B, C): T blocks of the rows
+    ((24, 8), (6, 4, 8), BatchDim(0, 1, 6), 4, BatchDim(1)),      # and back (nn.MultiheadAttention's layout)
+    ((6, 32), (24, 8), BatchDim(1, 8), 4, BatchDim(0, 1, 6)),
     ((4, 2), (2, 4), BatchDim(0), 4, None),                       # the rows split over two dims
     ((4, 6, 8), (4, 6, 2, 4), BatchDim(0), 4, BatchDim(0, 1)),    # heads split off the features
 ])
@@ -77,3 +79,78 @@ def test_split_batch_rewrites_the_reduction_and_brackets_the_gathered_op():
 def test_one_batch_shard_changes_nothing():
     gm = _captured(_Mixed(), torch.randn(4, 3, 8), torch.randint(0, 5, (4, 3)), torch.ones(4, 3), shards=1)
     assert not split_batch(gm, make_plan(gm, ParallelConfig(1))).changed
+
+
+class _Dispatched(nn.Module):
+    """A mixture of experts' dispatch: tokens sorted by their expert, each through its expert's weight, put
+    back in order, added to the residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate, self.out = nn.Linear(8, 4), nn.Linear(8, 5)
+        self.experts = nn.Parameter(torch.randn(4, 8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.reshape(-1, 8)                                    # (B*T, 8)
+        expert = self.gate(h).argmax(-1)
+        order = expert.argsort()
+        y = torch.bmm(h[order].unsqueeze(1), self.experts[expert[order]]).squeeze(1)
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        return self.out(x + y[back].reshape(x.shape))
+
+
+def test_rows_reordered_by_data_run_on_each_ranks_rows_until_they_meet_its_rows_again():
+    gm = _captured(_Dispatched(), torch.randn(4, 3, 8))
+    assert graph_info(gm).rows_compared  # (captured again with twice the rows: what holds rows is known)
+    facts = analyze_batch(gm)
+    assert [n.target for n in facts.local_starts] == [torch.ops.aten.argsort.default] or \
+        [n.target for n in facts.local_starts] == [torch.ops.aten.sort.default]
+    assert not facts.gathers and not facts.reductions  # nothing gathered into the region, nothing cut back
+    add = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.add.Tensor)
+    assert facts.state(add) is State.SPLIT and facts.batch_dim(add) == BatchDim(0)  # met its rows again
+    out = split_batch(gm).gm
+    assert not any(n.target in (gather_rows, scatter_rows) for n in out.graph.nodes)
+    assert any("sort in '<root>'" in note and "as DDP does" in note for note in facts.notes()), facts.notes()
+
+
+class _Counted(nn.Module):
+    """Rows per expert counted with ``.tolist()`` and the sorted rows split by those counts (JetMoE)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.out = nn.Linear(4, 4), nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)                                         # (B, 4)
+        top = (h == h.max(-1, keepdim=True).values).long()
+        counts = top.sum(0).tolist()
+        order = top.argmax(-1).argsort()
+        parts = [p * (i + 1) for i, p in enumerate(h[order].split(counts))]
+        back = torch.empty_like(order)
+        back[order] = torch.arange(order.numel())
+        return self.out(x + torch.cat(parts)[back])
+
+
+def test_counts_that_split_this_ranks_rows_are_this_ranks_counts():
+    gm = _captured(_Counted(), torch.randn(8, 4))
+    facts = analyze_batch(gm)
+    counted = next(n for n in gm.graph.nodes if n.target is torch.ops.aten.sum.dim_IntList)
+    assert counted not in facts.reductions and facts.state(counted) is State.LOCAL  # not the whole batch's
+
+
+class _CopiedInto(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(8, 16), nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        h[..., :8].copy_(x)
+        return self.down(h)
+
+
+def test_an_in_place_copy_into_split_rows_stays_on_them():
+    """Gathered, the copy would write into a gathered copy of the rows and be lost."""
+    facts = analyze_batch(_captured(_CopiedInto(), torch.randn(6, 8)))
+    assert not facts.gathers and not facts.local_starts
