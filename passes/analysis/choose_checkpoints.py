@@ -16,7 +16,8 @@ On a pipeline rank ``n_k`` micro-batches are in flight at once (``SegmentCost.co
 ``P_k + n_k s_k + t_k``, recomputed ``P_k + s_k + t_k + n_k a_k``: one micro-batch at a time
 recomputes its activations, the others keep only their inputs.
 
-The cost is the forward FLOPs of the recomputed segments. Minimizing it under ``peak <= budget`` is
+The cost is the forward FLOPs of the recomputed segments, plus each one's operator count (its dispatch, and
+what keeps a block of no FLOPs, a norm, from being recomputed where nothing needs it). Minimizing it under ``peak <= budget`` is
 exact by dynamic programming over the chain with the kept prefix ``P`` as the state: the constraint
 at k depends only on ``P_k`` and the choice at k, so for each ``P`` only the cheapest way to reach it
 matters, and a state that keeps more bytes at a higher cost is dropped (a Pareto front). For a chain
@@ -82,7 +83,7 @@ def choose_checkpoints(segments: Sequence[SegmentCost], budget: int) -> Checkpoi
             if kept + _running(s, False) <= budget:
                 grown.append((kept + s.copies * s.saved_bytes, cost, chosen))
             if s.checkpointable and kept + _running(s, True) <= budget:
-                grown.append((kept + s.copies * s.input_bytes, cost + s.flops, (*chosen, s.name)))
+                grown.append((kept + s.copies * s.input_bytes, cost + s.flops + max(s.ops, 1), (*chosen, s.name)))
         grown.sort(key=lambda x: (x[0], x[1]))
         front = []
         for state in grown:

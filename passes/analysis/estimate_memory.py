@@ -49,7 +49,8 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.compat import pytree
 from autopar.decisions import Plan
-from passes.analysis.graph_facts import MatmulMatch, attention_flops, module_of, param_name, rows_of, tensor_meta
+from passes.analysis.graph_facts import (MatmulMatch, attention_flops, module_of, param_name, rows_of, tensor_meta,
+                                         writes_state)
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
 from passes.analysis.optimizer_shards import kept_numel
@@ -317,6 +318,8 @@ class _Recorder(fx.Interpreter):
         mask = params.get("attn_mask")
         if isinstance(mask, torch.Tensor) and mask.requires_grad:
             return super().run_node(n)  # the math path runs for this on CPU too
+        if args[2].shape[-1] != args[0].shape[-1]:  # (DeepSeek's MLA: values narrower than queries and keys)
+            return super().run_node(n)  # the fused kernels take one head size; eager runs the math path
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             source = self._read.get(_storage_key(mask))
             mask = mask.to(args[0].dtype)  # the kernel turns a boolean mask into an additive one, and keeps it
@@ -414,9 +417,12 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     collective = dict.fromkeys(order, Fraction(0))
     half = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
+    stateful: set[str] = set()  # segments that must not run twice (``graph_facts.writes_state``)
     for node, seg in seg_of.items():
         if node.op == "call_function" and node.target is not operator.getitem:
             ops[seg] += 1
+            if writes_state(node):
+                stateful.add(seg)
         if node in rec.largest:
             peak[seg] = max(peak[seg], 2 * rec.largest[node] * shard_fraction(res.sharding(node), sizes))
         for arg in node.all_input_nodes:
@@ -449,7 +455,8 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         if (a := attention_flops(node)):  # over the heads this rank holds
             attention[seg] += a * shard_fraction(res.sharding(node), sizes)
 
-    segments = tuple(SegmentCost(name, not name.startswith("<"), int(saved[name]), int(inputs[name]),
+    segments = tuple(SegmentCost(name, not name.startswith("<") and name not in stateful, int(saved[name]),
+                                 int(inputs[name]),
                                  int(peak[name]), int(flops[name] + attention[name]), ops=ops[name],
                                  attention_flops=int(attention[name]), collective_bytes=int(collective[name]))
                      for name in order)

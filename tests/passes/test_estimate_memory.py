@@ -153,3 +153,19 @@ def test_compiled_backward_counts_one_pieces_whole_gradients_under_shard_optimiz
     gm, plan = _captured(ParallelConfig(data=4), dim=512, n_layers=8)
     profile = em.estimate_memory(gm, plan)
     assert em.compiled_recompute(profile).grad_bytes == profile.grad_bytes == whole
+
+
+def test_blocks_that_update_running_statistics_are_never_recomputed():
+    """BatchNorm's running statistics and ``num_batches_tracked`` update in place: recomputed, they would
+    update twice (and backward saw ``num_batches_tracked`` change under it)."""
+    from tests.unlike_models import ResNet
+
+    torch.manual_seed(0)
+    model, config = ResNet(), ParallelConfig(2)
+    leaves, spec = pytree.tree_flatten(((torch.randn(8, 3, 8, 8),), {}))
+    split, batch = split_batch_leaves(leaves, config.num_batch_shards)
+    cap = capture_shard(meta_shadow(model), leaves, spec, split, config.batch_sizes(batch), 0,
+                        requires_grad={n: True for n, _ in model.named_parameters()})
+    profile = em.estimate_memory(cap.gm, make_plan(cap.gm, config))
+    blocks = [s for s in profile.segments if s.name.startswith("blocks.")]
+    assert [s.name for s in blocks] == ["blocks.0", "blocks.1"] and not any(s.checkpointable for s in blocks)

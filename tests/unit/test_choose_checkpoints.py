@@ -94,3 +94,13 @@ def test_micro_batches_in_flight_keep_their_activations_and_one_recomputes_at_a_
     two = [block, dataclasses.replace(block, name="block2")]
     assert activation_peak(two, {"block", "block2"}) == 4 * 10 + 100 + 5 + 4 * 10
     assert choose_checkpoints(two, 4 * 10 + 4 * 100 + 5).recompute == ("block",)  # the first recomputed, not the last
+
+
+def test_a_block_of_no_flops_is_not_recomputed_where_nothing_needs_it():
+    """Recomputing a norm costs no FLOPs but an op's dispatch each way: with room to spare, nothing is."""
+    segments = [SegmentCost("embed", False, 10, 0, 10, 0),
+                *(SegmentCost(f"layers.{i}.norm", True, 50, 10, 20, 0, ops=3) for i in range(3)),
+                SegmentCost("head", False, 10, 10, 10, 0)]
+    assert choose_checkpoints(segments, 10_000).recompute == ()
+    tight = choose_checkpoints(segments, activation_peak(segments, {"layers.0.norm"}))
+    assert len(tight.recompute) == 1 and tight.recompute_flops == 0  # (and where memory needs it, it is)
