@@ -402,7 +402,7 @@ class Plan:
         c = self.config
         sharded = [m for m in self.matmuls if m.orientation is not Orientation.REPLICATED]
         lines = [f"autopar plan: {c} on {c.world_size} ranks; "
-                 f"{len(sharded)}/{len(self.matmuls)} matmuls sharded"]
+                 f"{len(sharded)}/{len(self.matmuls)} matmuls on 2-D weights sharded"]
         for m in self.matmuls:
             what = m.orientation.value if not m.reason else f"replicated ({m.reason})"
             if len(m.parts) > 1:

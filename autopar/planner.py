@@ -269,7 +269,7 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
 
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
         report = dataclasses.replace(
-            summarize(report.layers, colls, report.num_parameters, plan, flops_scale=microbatches),
+            summarize(report.layers, colls, report.num_parameters, plan, flops_scale=microbatches, whole=report.whole),
             rank_flops=pipeline_flops(chain, plan, me, microbatches),
             rank_saved_bytes=step_sum("saved_bytes"), rank_ops=step_sum("ops"),
             rank_attention_flops=ATTENTION_STEP_FACTOR * step_sum("attention_flops"),
@@ -332,7 +332,7 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     if per_rank and not split and config.num_batch_shards > 1:
         # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
         report = dataclasses.replace(summarize(report.layers, report.collectives, report.num_parameters, plan,
-                                               flops_scale=config.num_batch_shards),
+                                               flops_scale=config.num_batch_shards, whole=report.whole),
                                      largest_param_bytes=report.largest_param_bytes)
     chain, loss = (), ()
     if microbatches:

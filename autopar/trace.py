@@ -51,7 +51,7 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
              ""]
     header = f"{'module':<22} {'op':<7} {'in shape':<16} {'out shape':<16} {'params':>9} {'FLOPs':>9}  {'sharding':<12} {'comm/step':>11}"
     lines += [header, "-" * len(header)]
-    for r in report.layers:
+    for r in (*report.layers, *report.whole):
         lines.append(f"{r.module or '<root>':<22} {r.op:<7} {list(r.in_shape)!s:<16} {list(r.out_shape)!s:<16} "
                      f"{_fmt_count(r.num_parameters):>9} {_fmt_count(r.flops):>9}  {r.sharding:<12} "
                      f"{_fmt_bytes(float(r.comm_bytes)):>11}")
@@ -81,7 +81,7 @@ def format_report(plan: Plan, report: StepReport, *, batch_size: int, rank: int)
 def coverage_gaps(report: StepReport) -> list[tuple[str, int]]:
     """(reason, FLOPs) of the matmul FLOPs that stay replicated, largest first."""
     gaps: dict[str, int] = {}
-    for r in report.layers:
+    for r in (*report.layers, *report.whole):
         if r.sharding.startswith("replicated"):
             reason = f"{r.module or '<root>'}: {r.sharding.removeprefix('replicated: ')}"
             gaps[reason] = gaps.get(reason, 0) + r.flops
@@ -104,7 +104,7 @@ def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -
         "not_sharded": [{"why": w, "flops": f} for w, f in coverage_gaps(report)],
         "layers": [{"module": r.module, "op": r.op, "in_shape": list(r.in_shape), "out_shape": list(r.out_shape),
                     "num_parameters": r.num_parameters, "flops": r.flops, "sharding": r.sharding,
-                    "comm_bytes": float(r.comm_bytes)} for r in report.layers],
+                    "comm_bytes": float(r.comm_bytes)} for r in (*report.layers, *report.whole)],
         "other_comm": [{"what": w, "comm_bytes": float(b)} for w, b in report.other_comm],
         "plan": plan.to_dict(),
     }

@@ -48,6 +48,7 @@ from passes.analysis.graph_facts import (
 )
 from passes.analysis.layout_rules import LayoutResult, output_node
 from passes.analysis.layouts import node_flags, propagate_layouts
+from passes.analysis.whole_matmuls import find_whole_matmuls
 from passes.ir import Sharding, graph_info
 
 aten = torch.ops.aten
@@ -373,7 +374,9 @@ class _Planner:
                                             mode, axis, reason))
         why = [(m.weight, m.reason) for m in matmuls.values() if m.reason]
         why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
-        notes = replicated_notes(why) + (uneven_head_notes(res, self.config) if res is not None else ())
+        notes = replicated_notes(why) + whole_notes(self.gm) + \
+            (uneven_head_notes(res, self.config) if res is not None else ()) + \
+            (self.batch.notes() if self.batch is not None and self.config.num_batch_shards > 1 else ())
         return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings), notes,
                     tuple(embeddings))
 
@@ -389,6 +392,24 @@ def uneven_head_notes(res: LayoutResult, config: ParallelConfig) -> tuple[str, .
         groups.setdefault((where, s.axis), {})[f"{heads} heads of {size}"] = None
     return tuple(f"{where}: {', '.join(cuts)} split over {axis}={config.size(axis)} do not divide: gathered there, "
                  f"so the attention runs whole on each {axis} rank" for (where, axis), cuts in groups.items())
+
+
+def whole_notes(gm: fx.GraphModule) -> tuple[str, ...]:
+    """One line per kind of matmul-like op left whole (``whole_matmuls``: 3-D expert weights, convolutions),
+    naming its weights (``#`` for a repeated block's index) and their share of the model's parameters."""
+    found = find_whole_matmuls(gm)
+    if not found:
+        return ()
+    sizes = {param_name(n): tensor_meta(n).numel() for n in gm.graph.nodes if param_name(n) and n.users}
+    total = sum(sizes.values()) or 1
+    out = []
+    for reason in dict.fromkeys(w.reason for w in found):
+        weights = list(dict.fromkeys(w.weight for w in found if w.reason == reason))
+        names = list(dict.fromkeys(_block_key(w) for w in weights))
+        share = sum(sizes.get(w, 0) for w in weights) / total
+        out.append(f"{', '.join(names[:4])}{' and more' if len(names) > 4 else ''}: {reason} ({len(weights)} "
+                   f"weights, {share:.0%} of the parameters)")
+    return tuple(out)
 
 
 def replicated_notes(why: list[tuple[str, str]]) -> tuple[str, ...]:

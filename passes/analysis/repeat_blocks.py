@@ -143,7 +143,8 @@ def template_holds(plan: Plan, report: StepReport, repeat: Repeat, profile: Memo
     """Whether the block before the template, renamed, matches the template in every decision and cost."""
     prev, tmpl = repeat.template - 1, repeat.template
     segments = profile.segments if profile is not None else ()
-    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.collectives, segments):
+    for records in (plan.matmuls, plan.params, plan.embeddings, report.layers, report.whole, report.collectives,
+                    segments):
         if not records:
             continue
         before = [_renamed(r, repeat, prev, tmpl) for r in _block(records, repeat, prev)]
@@ -172,15 +173,15 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
     rows, collectives and parameter count are the whole model's (every total is still the cut model's): for a
     caller that summarizes them again (a pipeline's, per rank: ``autopar.planner``), which saves a summary of
     some 10,000 records per plan at 16,384 GPUs."""
-    rows, colls = report.layers, report.collectives
+    rows, colls, whole = report.layers, report.collectives, report.whole
     num_parameters = report.num_parameters
     for r in repeats:
-        rows, colls = _extend(rows, r), _extend(colls, r)
+        rows, colls, whole = _extend(rows, r), _extend(colls, r), _extend(whole, r)
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
     if not totals:
-        return dataclasses.replace(report, layers=rows, collectives=colls, num_parameters=num_parameters)
-    return dataclasses.replace(summarize(rows, colls, num_parameters, full_plan),
+        return dataclasses.replace(report, layers=rows, collectives=colls, num_parameters=num_parameters, whole=whole)
+    return dataclasses.replace(summarize(rows, colls, num_parameters, full_plan, whole=whole),
                                largest_param_bytes=report.largest_param_bytes)  # a copied block's are the cut's
 
 

@@ -25,6 +25,7 @@ from passes.analysis.estimate_costs import (
 from passes.analysis.graph_facts import MatmulMatch, param_name, rows_of, tensor_meta
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
+from passes.analysis.whole_matmuls import find_whole_matmuls
 from passes.ir import graph_info
 
 
@@ -84,6 +85,9 @@ class StepReport:
     """FLOPs of the attention products (scores and ``p v``) this rank computes in one step, forward and
     backward (``ATTENTION_STEP_FACTOR`` times the forward's; its stages' under a pipeline, every
     micro-batch); not in ``rank_flops`` or the layers' FLOPs."""
+    whole: tuple[LayerRow, ...] = ()
+    """The matmul-like ops on parameters that run whole on every rank (grouped matmuls of 3-D expert weights,
+    convolutions: ``whole_matmuls``), with why; counted in ``flops_per_step``, never in the sharded share."""
     rank_least_kept_bytes: int = 0
     """Activation bytes this rank keeps for backward at the least (without a pipeline): each block that
     saves more than its inputs recomputed. No choice of recomputation needs less (the plan search's
@@ -134,14 +138,22 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
             sharding += f", out tokens over {mp.orientation.in_axis}"
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
                              tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
-    return dataclasses.replace(summarize(rows, colls, num_parameters, plan), largest_param_bytes=largest)
+    whole = []
+    for w in find_whole_matmuls(gm):
+        grads = 1 + int(res.requires_grad.get(w.x, False)) + int(grad_of.get(w.weight, False))
+        whole.append(LayerRow(w.module, w.weight, None, w.op, tuple(tensor_meta(w.x).shape),
+                              tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
+                              int(w.forward_flops * scale) * grads, f"replicated: {w.reason}", Fraction(0)))
+    return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
+                               largest_param_bytes=largest)
 
 
 def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,
-              plan: Plan, flops_scale: int = 1) -> StepReport:
+              plan: Plan, flops_scale: int = 1, whole: Sequence[LayerRow] = ()) -> StepReport:
     """Totals over the per-matmul rows and every collective; each row's bytes are its module's and its
     weight's and bias's collectives (each counted at its first row), the rest listed by where they occur.
-    ``flops_scale``: each row's FLOPs times this (a pipeline's rows are one micro-batch's)."""
+    ``flops_scale``: each row's FLOPs times this (a pipeline's rows are one micro-batch's); ``whole``: the
+    matmul-like ops left whole (``StepReport.whole``), FLOPs scaled alike."""
     # the messages of one (where, kind, group size, phase) summed as integers, in one pass over the collectives
     # (a pipeline rank of the 1T GPT has ~8,000); their bytes are linear in the message, so every total below
     # is exactly the sum over the collectives
@@ -187,9 +199,12 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
             what = label(where, kind, phase)
             other[what] = other.get(what, Fraction(0)) + nbytes
     param_bytes = sum(p.local_numel(plan.config) * 4 for p in plan.params)  # fp32 parameters
-    return StepReport(tuple(rows), tuple(other.items()), num_parameters, sum(r.flops for r in rows),
+    whole = tuple(dataclasses.replace(r, flops=r.flops * flops_scale) for r in whole) if flops_scale != 1 \
+        else tuple(whole)
+    return StepReport(tuple(rows), tuple(other.items()), num_parameters,
+                      sum(r.flops for r in rows) + sum(r.flops for r in whole),
                       sum(r.flops for r in rows if r.is_sharded), param_bytes, sum(by_kind.values(), Fraction(0)),
-                      by_kind, tuple(colls))
+                      by_kind, tuple(colls), whole=whole)
 
 
 def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) -> float:
@@ -206,7 +221,7 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
     if compute is None:
         compute = sum(r.flops / (config.num_batch_shards * matmul_split(config, plan.matmul(r.weight).orientation))
                       for r in report.layers)
-    compute += report.rank_attention_flops
+    compute += report.rank_attention_flops + whole_flops_per_rank(report, plan)
 
     def seconds(c: Collective) -> float:
         rate = hardware.pipeline_bytes_per_second if c.kind == "send" else hardware.tensor_bytes_per_second
@@ -217,6 +232,12 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
     if plan.pipeline is not None:
         busy /= 1 - plan.pipeline.bubble_fraction
     return busy + sum(seconds(c) for c in report.collectives if c.group_size > 1 and c.phase == "step")
+
+
+def whole_flops_per_rank(report: StepReport, plan: Plan) -> float:
+    """What one rank computes of the ops left whole (``StepReport.whole``): its rows' share of them (under a
+    pipeline, as if its stages held them all: an upper bound the search only meets on MoE and CNN models)."""
+    return sum(r.flops for r in report.whole) / plan.config.num_batch_shards
 
 
 def shared_names(plan: Plan) -> set[str]:

@@ -31,7 +31,7 @@ from autopar.config import ParallelConfig
 from autopar.decisions import Plan
 from passes.analysis.estimate_costs import Collective, matmul_split
 from passes.analysis.machine import Machine
-from passes.analysis.report import StepReport
+from passes.analysis.report import StepReport, whole_flops_per_rank
 
 DEGREES = ("data", "pipeline", "row", "col", "depth")
 
@@ -181,7 +181,7 @@ class StepTime:
 def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[float, Any]], plan: Plan,
                  machine: Machine, *, rank_flops: float | None = None, recompute_flops: float = 0.0,
                  optimizer_bytes: int = 0, saved_bytes: int = 0, ops: int = 0, half: bool = False,
-                 matmul_slowdown: float = 1.0, attention_flops: float = 0.0) -> StepTime:
+                 matmul_slowdown: float = 1.0, attention_flops: float = 0.0, whole_flops: float = 0.0) -> StepTime:
     """One rank's training step under ``machine``.
 
     ``layer_flops``: each matmul's FLOPs for the whole step and its orientation (this rank computes its
@@ -195,7 +195,8 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     ``matmul_slowdown``: how much longer than their FLOPs at the matmul rate the rank's matmuls take where
     some read more bytes than the memory rate moves in that time (``matmul_slowdown``).
     ``attention_flops``: the attention products' FLOPs this rank computes, forward and backward (at the
-    matmul rate: fused kernels keep them on the matrix units).
+    matmul rate: fused kernels keep them on the matrix units). ``whole_flops``: this rank's FLOPs of the
+    matmul-like ops left whole (``report.whole_flops_per_rank``: 3-D expert weights, convolutions).
 
     The gradient sync also copies each gradient into its bucket and the sum back (four bytes moved per
     gradient byte, at the memory rate)."""
@@ -203,7 +204,7 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     compute = rank_flops if rank_flops is not None else sum(
         flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
     compute = (compute + recompute_flops) / machine.flops_per_second * matmul_slowdown
-    compute += attention_flops / machine.flops_per_second
+    compute += (attention_flops + whole_flops) / machine.flops_per_second
     compute += ops * machine.op_seconds
     if machine.activation_bytes_per_second:
         compute += saved_bytes / machine.activation_bytes_per_second
@@ -253,7 +254,7 @@ def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: st
                         recompute_flops=memory.recompute_flops if memory is not None else 0.0,
                         optimizer_bytes=report.rank_update_bytes, saved_bytes=report.rank_saved_bytes,
                         ops=report.rank_ops, half=half, matmul_slowdown=matmul_slowdown(calls, machine, half),
-                        attention_flops=report.rank_attention_flops)
+                        attention_flops=report.rank_attention_flops, whole_flops=whole_flops_per_rank(report, plan))
 
 
 def _call_shape(in_shape: Sequence[int], out_shape: Sequence[int], config: ParallelConfig,

@@ -96,7 +96,7 @@ def test_readme_main_command_trains_with_serial_losses():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     run = subprocess.run(cmd, shell=True, capture_output=True, text=True, env=env, timeout=300, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "autopar plan: data=1 tensor=(row=2, col=2, depth=1) on 4 ranks; 10/10 matmuls sharded" in run.stdout
+    assert "autopar plan: data=1 tensor=(row=2, col=2, depth=1) on 4 ranks; 10/10 matmuls on 2-D weights sharded" in run.stdout
     losses = [float(x) for x in re.findall(r"step \d+ loss ([0-9.]+)", run.stdout)]
     assert len(losses) == 5
     serial = subprocess.run([sys.executable, "-m", "autopar.examples.train_fc_net", "--serial"],
