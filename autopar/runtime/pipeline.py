@@ -32,6 +32,7 @@ from autopar.runtime import collectives as C
 from autopar.config import PipelineConfig
 from autopar.errors import PlanError
 from autopar.runtime.mesh import Mesh
+from passes.analysis.graph_facts import written_inputs
 from passes.ir import InputKind, input_info
 
 
@@ -370,6 +371,23 @@ def owner(stage: int, num_ranks: int) -> int:
     return stage % num_ranks
 
 
+def written_buffers(gm: fx.GraphModule, specs: list[StageSpec], num_ranks: int) -> dict[str, int]:
+    """Buffers the stages write in place (``graph_facts.written_inputs``) -> the pipeline rank holding the
+    stage that writes it, in graph order."""
+    out: dict[str, int] = {}
+    for s in specs:
+        stage = gm.get_submodule(str(s.call.target))
+        inputs = [n for n in stage.graph.nodes if n.op == "placeholder"]
+        at = {p: a for p, a in zip(inputs, s.call.args)}
+        for node in stage.graph.nodes:
+            for p in written_inputs(node):
+                arg = at.get(p)
+                info = input_info(arg) if isinstance(arg, fx.Node) and arg.op == "placeholder" else None
+                if info is not None and info.kind is InputKind.BUFFER:
+                    out.setdefault(info.target, owner(s.index, num_ranks))
+    return out
+
+
 class Program:
     """This rank's stages of one compiled executable, for both paths."""
 
@@ -395,6 +413,8 @@ class Program:
                            mesh.device, symbolic=symbolic) for k in range(num - 1)]
         self.final = _FinalLink(mesh.peer(owner(num - 1, self.num_ranks)), group, self.num_ranks, mesh.device,
                                 at_end_of_backward, symbolic=symbolic)
+        self.written = written_buffers(gm, self.specs, self.num_ranks)
+        """Buffers a stage writes in place (BatchNorm's running statistics) -> the pipeline rank holding it."""
         self.schedule: Any = None
         """train_step's torch schedule over this rank's stages, built at its first step."""
         self.micro_loss: Callable[[Any, torch.Tensor], torch.Tensor] | None = None
@@ -409,6 +429,14 @@ class Program:
         self.bound.clear()
         self.bound.update(self.attrs)
         self.bound.update({n: v for n, v in values.items() if n not in self.specs[0].received})
+
+    def sync_buffers(self, buffers: dict[str, torch.Tensor]) -> None:
+        """After a call: each buffer a stage wrote, from the rank holding that stage to every pipeline rank, so
+        that every rank's model (its state dict, a checkpoint, an evaluation) holds what serial's does
+        (collective over the pipeline)."""
+        group = self.mesh.group("pipeline")
+        for name, holder in self.written.items():
+            C.broadcast(buffers[name], self.mesh.peer(holder), group, self.num_ranks)
 
     def readers(self) -> dict[str, tuple[int, ...]]:
         """Every parameter the stages read -> the pipeline coordinates holding it (on every rank)."""

@@ -69,6 +69,7 @@ def pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tenso
     is_first = 0 in program.adapters
     program.schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
     runtime.finish_grads()
+    program.sync_buffers(runtime.buffers)
     last = program.num_stages - 1
     result = torch.zeros(1, device=mesh.device)
     if last in program.adapters:

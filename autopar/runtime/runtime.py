@@ -243,6 +243,7 @@ class ParallelRuntime:
         if exe.program is not None:
             values = dict(zip(placeholders(exe.gm), flat))
             out = exe.program.run_sequential(values)
+            exe.program.sync_buffers(self.buffers)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
         if isinstance(exe.run, (CompiledGraph, CompiledPieces)) and exe.run.cuda_graphs and torch.is_grad_enabled():

@@ -265,26 +265,35 @@ def writes_state(node: fx.Node) -> bool:
     block) would change it twice: an op that writes in place into a graph input (a buffer such as BatchNorm's
     ``num_batches_tracked``, a parameter, an input) or a view of one, or a norm that updates its running
     statistics."""
+    return bool(written_inputs(node))
+
+
+def written_inputs(node: fx.Node) -> list[fx.Node]:
+    """The graph inputs (placeholders) ``node`` writes in place: through views, and a training norm's running
+    statistics (which its schema does not mark)."""
     t = node.target
+    if node.op != "call_function":
+        return []
+    schema = op_schema(t)
     if t in _RUNNING_STATS:
-        schema_args = op_schema(t).arguments
         values = {a.name: (node.args[i] if i < len(node.args) else node.kwargs.get(a.name, a.default_value))
-                  for i, a in enumerate(schema_args)}
-        updates = values.get("training", values.get("use_input_stats", False))
-        return bool(updates) and isinstance(values.get("running_mean"), fx.Node)
-    schema = op_schema(t) if node.op == "call_function" else None
-    if schema is None or not schema.is_mutable:
-        return False
-    for i, a in enumerate(schema.arguments):
-        if a.alias_info is None or not a.alias_info.is_write:
-            continue
-        x = node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                  for i, a in enumerate(schema.arguments)}
+        if not values.get("training", values.get("use_input_stats", False)):
+            return []
+        written = [values.get("running_mean"), values.get("running_var")]
+    elif schema is None or not schema.is_mutable:
+        return []
+    else:
+        written = [node.args[i] if i < len(node.args) else node.kwargs.get(a.name)
+                   for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write]
+    out = []
+    for x in written:
         while isinstance(x, fx.Node) and x.op == "call_function" and x.args and isinstance(x.args[0], fx.Node) \
                 and _is_view(x.target):
             x = x.args[0]
         if isinstance(x, fx.Node) and x.op == "placeholder":
-            return True
-    return False
+            out.append(x)
+    return out
 
 
 def _is_view(target: Any) -> bool:

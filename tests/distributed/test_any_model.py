@@ -140,3 +140,25 @@ def test_a_batchnorm_cnn_checkpointed_in_full_updates_its_running_statistics_onc
     for got in distributed(_checkpointed_worker, 2):
         _check("resnet", got, _serial("resnet"), "data=2 checkpoint=full")
         assert got["state"]["blocks.0.b1.num_batches_tracked"].item() == 3
+
+
+def _pipelined_worker() -> dict[str, Any]:
+    import autopar
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(pipeline=2, microbatches=2):
+        model = U.build("resnet")
+    out = U.train("resnet", model, U.batches("resnet"), autopar.full_state_dict)
+    out["own"] = {k: v.detach().clone() for k, v in model.named_buffers()}
+    return out
+
+
+@pytest.mark.slow
+def test_buffers_a_pipeline_stage_writes_reach_every_rank(distributed):
+    """The running statistics BatchNorm updates inside a pipeline stage are the holder's; after each call every
+    pipeline rank holds them (its state dict, a checkpoint, an evaluation on any rank), as serial's model."""
+    want = _serial("resnet")
+    for got in distributed(_pipelined_worker, 2):
+        _check("resnet", got, want, "pipeline=2")
+        for k, v in got["own"].items():
+            assert torch.equal(v, want["state"][k]), k
