@@ -12,7 +12,7 @@ from torch import fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from autopar.compat import OpOverload, op_schema
-from passes.analysis.batch_facts import BatchDim, BatchFacts, Reduction
+from passes.analysis.batch_facts import BatchDim, BatchFacts, Reduction, State
 from passes.analysis.graph_facts import tensor_inputs, tensor_meta
 from passes.ir import scatter_rows, sum_grad, vocab_cross_entropy
 
@@ -485,7 +485,7 @@ class Rules:
         vals = node.meta.get("val")
         if len(split) != 1 or not isinstance(vals, torch.Tensor):
             raise Gather()
-        if any(self.facts.state(i).value == "whole" for i in tensor_inputs(node)):
+        if any(self.facts.state(i) is State.WHOLE for i in tensor_inputs(node)):
             raise Gather()  # a value of the whole batch (offsets, positions) may address the rows
         bd, t = self.bd(split[0]), tensor_meta(split[0])
         if t is None or vals.dim() != t.dim() or not same(vals.shape[bd.dim], t.shape[bd.dim]) or bd.dim != 0 \

@@ -11,7 +11,7 @@ import torch
 from torch import fx
 
 from autopar.compat import op_schema
-from passes.analysis.batch_facts import BatchDim
+from passes.analysis.batch_facts import BatchDim, State
 from passes.analysis.batch_rules import (ATTENTION, CLASS_LOSSES, ELEMENTWISE_LOSSES, SUM_MEAN, Gather, Rules,
                                          exact, is_pointwise, known, same, same_shape)
 from passes.analysis.graph_facts import tensor_inputs, tensor_meta
@@ -39,7 +39,7 @@ class LocalRows:
         if schema is not None and schema.is_mutable:
             return "it writes in place into this rank's rows, which a gathered copy would not"
         for i in tensor_inputs(node):
-            if self.facts.state(i).value != "split" and self.row_dims(i) not in ((), None):
+            if self.facts.state(i) is not State.SPLIT and self.row_dims(i) not in ((), None):
                 return "it reads a tensor made for this rank's rows"
         t = tensor_meta(first)
         vals = node.meta.get("val")
@@ -79,7 +79,7 @@ class LocalRows:
         dims it attends over: the last two of its query, key, value and mask."""
         for i in tensor_inputs(node):
             t, bd = tensor_meta(i), self.rules.bd(i)
-            dims = (bd.dim,) if bd is not None else self.row_dims(i) if self.facts.state(i).value == "local" else ()
+            dims = (bd.dim,) if bd is not None else self.row_dims(i) if self.facts.state(i) is State.LOCAL else ()
             if t is not None and any(d >= t.dim() - 2 for d in dims or ()):
                 return True
         return False
@@ -89,7 +89,7 @@ class LocalRows:
         over every dim holding its rows; returns the SPLIT rows of an elementwise op that meets this rank's
         rows laid out as its LOCAL inputs are; raises Gather otherwise (the op stays LOCAL)."""
         t = node.target
-        local = [i for i in tensor_inputs(node) if self.facts.state(i).value == "local"]
+        local = [i for i in tensor_inputs(node) if self.facts.state(i) is State.LOCAL]
         if t in SUM_MEAN or t in ELEMENTWISE_LOSSES or t in CLASS_LOSSES:
             saved = {i: self.facts.dims.get(i) for i in local}
             try:
