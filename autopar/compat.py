@@ -19,8 +19,7 @@ What lives here (each function's docstring says why it is private):
   ``TensorMeta`` / ``StridedShard`` / ``select_split`` (its state, without its per-call checks),
   ``flatten_mesh``, ``DTENSOR_HANDLES_FUSED_PIECES`` (2.13: yes; 2.11: no), ``dtensor_op_handlers`` /
   ``dtensor_default`` (its table of custom op handlers).
-- Modules, ops, fx: ``parameter_slots`` / ``buffer_slots``, ``op_schema``, ``register_fx_builtin``,
-  ``fx_without_stack_traces``.
+- ``parameter_slots`` / ``buffer_slots``, ``op_schema``, ``register_fx_builtin``, ``fx_without_stack_traces``.
 - torch.compile: ``compile_errors``, ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` /
   ``dispatch_modes_entered`` / ``tracing_modes_active`` (a user's TorchDispatchModes around compiled code),
   ``inductor_backend`` / ``inductor_overlap_options`` / ``inductor_bucketing_options`` /
