@@ -189,6 +189,16 @@ class ParamPlan:
         """The dims of this parameter the tensor axes split, and into how many pieces each."""
         return {dim: math.prod(sizes) for dim, sizes in self.split_axes(config).items()}
 
+    def fused_dims(self, config: ParallelConfig) -> frozenset[int]:
+        """The split dims that hold fused pieces (``parts``), each split over its axis: a strided shard."""
+        if len(self.parts) < 2:
+            return frozenset()
+        if self.kind is ParamKind.SPLIT:
+            return frozenset({self.split_dim}) if config.size(self.split_axis) > 1 else frozenset()
+        if self.kind in (ParamKind.WEIGHT_3D, ParamKind.BIAS) and config.size(self.orientation.out_axis) > 1:
+            return frozenset({1 if self.kind is ParamKind.WEIGHT_3D and self.weight_in_out else 0})
+        return frozenset()
+
     def split_axes(self, config: ParallelConfig) -> dict[int, tuple[int, ...]]:
         """The dims of this parameter the tensor axes split, and the sizes of the axes splitting each."""
         out: dict[int, tuple[int, ...]] = {}

@@ -71,10 +71,13 @@ class DataShards:
         parameter the store's parameter mesh); None when its state stays whole."""
         placements = p.placements if isinstance(p, DTensor) else (Replicate(),) * ndim
         split: dict[int, tuple[int, ...]] = {}
+        fused: set[int] = set()  # (fused pieces, each split: ``ParamPlan.fused_dims``)
         for mesh_dim, q in enumerate(placements):
             if isinstance(q, Shard | StridedShard) and p.device_mesh.size(mesh_dim) > 1:
                 split[q.dim] = (*split.get(q.dim, ()), p.device_mesh.size(mesh_dim))
-        cut = state_split(p.shape, split, self.size)
+                if isinstance(q, StridedShard):
+                    fused.add(q.dim)
+        cut = state_split(p.shape, split, self.size, fused)
         if cut is None:
             return None
         dim, factor = cut

@@ -30,6 +30,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from autopar import patches
 from autopar.compat import dtensor_spec, local_tensor
+from autopar.errors import CheckpointError
 from autopar.runtime.checkpoint import SCALAR_STATE, checkpointable, relayout_state
 from autopar.runtime.mesh import ShardMesh
 from autopar.runtime.absent import Absent
@@ -147,10 +148,13 @@ def _local(value: Any) -> Any:
 
 
 def _data_shards(p: Any) -> tuple[DataShards, Any] | None:
-    """The DataShards splitting ``p``'s optimizer state over data and its store (``shard_optimizer=True``)."""
+    """The DataShards splitting ``p``'s optimizer state over data and its store (``shard_optimizer=True``).
+    None before the plan: the parameters' pieces are decided at the model's first call, so state made or
+    loaded before it (``get_state_dict`` before a resumed script's first call) stays whole until then, and the
+    first step after it cuts this rank's chunk of its piece."""
     store = owner_of(p)
     shards = getattr(store, "data_shards", None)
-    return None if shards is None else (shards, store)
+    return None if shards is None or getattr(store, "plan", None) is None else (shards, store)
 
 
 def _chunk_twin(p: Any, piece: torch.Tensor, layout: Layout) -> nn.Parameter:
@@ -169,6 +173,11 @@ def _chunk_state(key: str, value: Any, piece: torch.Tensor, layout: Layout) -> A
         return value
     if isinstance(value, DTensor) and tuple(value.placements) == layout.placements:
         return local_tensor(value)
+    if isinstance(value, DTensor) and split_over_data(value):  # (cut in another layout: never cut again)
+        raise CheckpointError(f"optimizer state {key!r} of a parameter of shape {tuple(value.shape)} is split over "
+                              f"data as {tuple(value.placements)}, where this grid keeps it as {layout.placements}. "
+                              "Load optimizer state with torch's set_state_dict or autopar."
+                              "load_full_optimizer_state_dict, which lay it out for this grid.")
     local = _local(value)
     if local.shape == piece.shape:  # whole (built before sharding, or loaded): keep the chunk
         return layout.chunk(local).clone()

@@ -271,7 +271,7 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         plan = params[name]
         axis = "+".join(plan.grad_axes)
         nbytes = plan.local_numel(config) * t.element_size()
-        split = gathered_numel(plan.shape, plan.split_axes(config), config.data) \
+        split = gathered_numel(plan.shape, plan.split_axes(config), config.data, plan.fused_dims(config)) \
             if config.shard_optimizer and config.data > 1 else 0
         if split:
             # each data rank keeps the sum of its chunk (GradSync's reduce-scatter), then sums it over depth

@@ -8,22 +8,27 @@ short or empty). A piece with no such dim (a weight split over row on one dim an
 along its first dim that exactly one tensor axis splits evenly, where the piece's rows divide by ``data``:
 each data rank then keeps an even chunk of the rows of that axis's block, the layout DTensor writes as
 ``_StridedShard(dim, split_factor=that axis's size)`` on the data dim (FSDP2's over a tensor-parallel
-shard). A piece with neither keeps its whole state on every data rank.
+shard), unless that dim holds fused pieces (GPT-2's q, k and v, each split: ``fused``), whose blocks no
+strided shard over them describes to DCP. A piece with neither keeps its whole state on every data rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 
-def state_split(shape: Sequence[int], split: Mapping[int, Sequence[int]], size: int) -> tuple[int, int] | None:
+def state_split(shape: Sequence[int], split: Mapping[int, Sequence[int]], size: int,
+                fused: Collection[int] = ()) -> tuple[int, int] | None:
     """(dim, split factor) of the cut of a parameter's state over ``size`` data ranks: ``shape`` the parameter's
-    (global) shape, ``split`` each dim the tensor axes split and those axes' sizes. The split factor is 1 for
-    a dim no axis splits, else the size of the one axis splitting it; None: the state stays whole."""
+    (global) shape, ``split`` each dim the tensor axes split and those axes' sizes, ``fused`` the split dims
+    that hold fused pieces. The split factor is 1 for a dim no axis splits, else the size of the one axis
+    splitting it; None: the state stays whole."""
     for dim, n in enumerate(shape):
         if dim not in split and n > 1:
             return dim, 1
     for dim, n in enumerate(shape):
+        if dim in fused:
+            continue
         axes = split.get(dim, ())
         if len(axes) == 1 and n % axes[0] == 0 and n // axes[0] >= size > 1 and n // axes[0] % size == 0:
             return dim, axes[0]
@@ -55,21 +60,22 @@ def _numel(shape: Sequence[int]) -> int:
     return n
 
 
-def kept_numel(shape: Sequence[int], split: Mapping[int, Sequence[int]], size: int) -> int:
+def kept_numel(shape: Sequence[int], split: Mapping[int, Sequence[int]], size: int, fused: Collection[int] = ()) -> int:
     """Elements of state a data rank keeps per state tensor of the piece (the first, largest chunk)."""
     local = _local_shape(shape, split)
-    cut = state_split(shape, split, size) if size > 1 else None
+    cut = state_split(shape, split, size, fused) if size > 1 else None
     if cut is None:
         return _numel(local)
     lo, hi = chunk_rows(local[cut[0]], size, 0)
     return _numel(local) // local[cut[0]] * (hi - lo)
 
 
-def gathered_numel(shape: Sequence[int], split: Mapping[int, Sequence[int]], size: int) -> int:
+def gathered_numel(shape: Sequence[int], split: Mapping[int, Sequence[int]], size: int,
+                   fused: Collection[int] = ()) -> int:
     """Elements the all-gather of the updated piece brings (every chunk padded to the first's); 0 when its
     state is whole (nothing is gathered)."""
     local = _local_shape(shape, split)
-    cut = state_split(shape, split, size) if size > 1 else None
+    cut = state_split(shape, split, size, fused) if size > 1 else None
     if cut is None:
         return 0
     return _numel(local) // local[cut[0]] * -(-local[cut[0]] // size) * size
