@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.compat import all_gather_into, reduce_scatter_into
+from autopar.compat import all_gather_into, group_timeout, reduce_scatter_into
 from autopar.decisions import collective_bytes
 from autopar.errors import ConfigError
 from autopar.memory import device_budget
@@ -307,8 +307,8 @@ def collective_table(repeats: int = 4, sizes: tuple[int, ...] = TABLE_SIZES, tri
         made = []
         if size < world:
             stride = world // size
-            made = [dist.new_subgroups(size)[0], dist.new_subgroups_by_enumeration(
-                [[r for r in range(world) if r % stride == j] for j in range(stride)])[0]]
+            made = [dist.new_subgroups(size, timeout=group_timeout())[0], dist.new_subgroups_by_enumeration(
+                [[r for r in range(world) if r % stride == j] for j in range(stride)], timeout=group_timeout())[0]]
         consecutive = made[0] if made else None
         for kind in TABLE_KINDS:
             if kind != "send" or size == 2:

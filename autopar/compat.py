@@ -59,19 +59,17 @@ __all__ = [
     "pytree_node_types", "queue_backward_callback", "reattach_tensor_hooks", "reduce_scatter_into",
     "register_fx_builtin", "resolve_process_group", "schedule_action_types", "select_split", "set_dtensor_spec",
     "set_local_tensor", "size_hint", "storage_key", "StridedShard", "tensor_hooks", "TensorMeta", "TorchDispatchMode",
-    "version_of", "export_tracer", "untraced", "trace_opaque_call", "opaque_call_of"
+    "version_of", "export_tracer", "untraced", "trace_opaque_call", "opaque_call_of", "group_timeout"
 ]
 
 # --- symbolic shapes ---------------------------------------------------------------------------------
 
-if hasattr(symbolic_shapes, "optimization_hint"):  # torch >= 2.13
-    def size_hint(v: Any) -> Any:
-        """A SymInt's example value (its size at capture), without adding a guard; other values as they are."""
-        return symbolic_shapes.optimization_hint(v) if isinstance(v, torch.SymInt) else v
-else:  # torch 2.11-2.12
-    def size_hint(v: Any) -> Any:
-        """A SymInt's example value (its size at capture), without adding a guard; other values as they are."""
-        return symbolic_shapes.hint_int(v) if isinstance(v, torch.SymInt) else v
+_hint = getattr(symbolic_shapes, "optimization_hint", None) or symbolic_shapes.hint_int  # (torch >= 2.13; 2.11-2.12)
+
+
+def size_hint(v: Any) -> Any:
+    """A SymInt's example value (its size at capture), without adding a guard; other values as they are."""
+    return _hint(v) if isinstance(v, torch.SymInt) else v
 
 # --- collectives -------------------------------------------------------------------------------------
 
@@ -294,6 +292,14 @@ def dtensor_default(op: Any, args: tuple, kwargs: dict) -> Any:
     finally:
         if mine is not None:
             table[op] = mine
+
+
+def group_timeout(group: Any = None) -> Any:
+    """A process group's timeout (default: the world's, the script's), or None (the fake backend's): no getter."""
+    for device in (pg := group if group is not None else dist.group.WORLD)._device_types:
+        with contextlib.suppress(AttributeError, RuntimeError):
+            return pg._get_backend(device).options._timeout
+    return None
 
 
 def flatten_mesh(mesh: Any, name: str) -> Any:
@@ -542,18 +548,15 @@ def schedule_action_types() -> tuple[type, type]:
 
 def export_tracer() -> Any:
     """The tracer of a ``torch.export`` in progress (its pre-dispatch proxy mode's), else None."""
-    from torch._ops import _get_dispatch_mode_pre_dispatch
-
-    mode = _get_dispatch_mode_pre_dispatch(torch._C._TorchDispatchModeKey.PROXY) if torch.compiler.is_exporting() \
+    from torch._ops import _get_dispatch_mode_pre_dispatch as mode
+    return getattr(mode(torch._C._TorchDispatchModeKey.PROXY), "tracer", None) if torch.compiler.is_exporting() \
         else None
-    return getattr(mode, "tracer", None)
 
 
 @contextlib.contextmanager
 def untraced() -> Iterator[None]:
-    """Runs the block on an export's fake tensors, its ops unrecorded: the pre-dispatch key excluded, the proxy
-    modes off, and export's torch-function mode off its stack (it would record the block's ``no_grad`` as a
-    switch of the whole graph), as ``torch._export.wrappers`` runs a Function it keeps."""
+    """Runs the block on an export's fake tensors, its ops unrecorded (as ``torch._export.wrappers`` runs a Function
+    it keeps): export's torch-function mode off its stack too, or it records the block's ``no_grad`` for all."""
     from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode, disable_proxy_modes_tracing
 
     key, c = torch._C.DispatchKey.PreDispatch, torch._C
@@ -573,9 +576,8 @@ def untraced() -> Iterator[None]:
 
 
 def trace_opaque_call(tracer: Any, fn: Callable[..., Any], name: str, leaves: tuple[Any, ...], out: Any) -> fx.Node:
-    """Records ``fn(*leaves)`` (tensors, symbolic sizes) as one node of the export ``tracer`` builds, with outputs
-    ``out`` (the caller's, on its fake tensors). export takes only ops as targets: the call goes through
-    torch's ``flat_apply``, ``fn`` a constant of the graph."""
+    """Records ``fn(*leaves)`` as one node (with outputs ``out``, on fake tensors) of the graph ``tracer`` builds:
+    through torch's ``flat_apply`` (export takes ops only as targets), ``fn`` a constant of the graph."""
     from torch._higher_order_ops.flat_apply import _ConstantFunction, flat_apply, to_graphable
     from torch.fx.experimental.proxy_tensor import track_tensor_tree
 
@@ -585,8 +587,7 @@ def trace_opaque_call(tracer: Any, fn: Callable[..., Any], name: str, leaves: tu
         attr = tracer.get_fresh_qualname(f"_{name}_{suffix}")
         setattr(tracer.root, attr, value)
         attrs.append(tracer.create_proxy("get_attr", attr, (), {}))
-    proxy = tracer.create_proxy("call_function", flat_apply, (*attrs, *(tracer.unwrap_proxy(x) for x in flat)), {},
-                                name=name)
+    proxy = tracer.create_proxy("call_function", flat_apply, (*attrs, *map(tracer.unwrap_proxy, flat)), {}, name=name)
     track_tensor_tree(out, proxy, constant=None, tracer=tracer)
     return proxy.node
 
@@ -594,7 +595,6 @@ def trace_opaque_call(tracer: Any, fn: Callable[..., Any], name: str, leaves: tu
 def opaque_call_of(gm: fx.GraphModule, node: fx.Node) -> tuple[Callable[..., Any], tuple[Any, ...]] | None:
     """A node ``trace_opaque_call`` recorded, as (its callable, its arguments); None for any other node."""
     from torch._higher_order_ops.flat_apply import flat_apply
-
     if node.target is not flat_apply or len(node.args) < 2 or node.args[0].op != "get_attr":
         return None
     return pytree._retrieve_constant(getattr(gm, node.args[0].target)).func, tuple(node.args[2:])

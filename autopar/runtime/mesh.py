@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from autopar.compat import flatten_mesh
+from autopar.compat import flatten_mesh, group_timeout
 from autopar.config import MESH_AXES, ParallelConfig
 from autopar.errors import CheckpointError, ConfigError, NotInitializedError
 from autopar.runtime.collectives import simulated
@@ -45,9 +45,15 @@ class Mesh:
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._param_meshes: dict[tuple[int, ...], DeviceMesh] = {}
         self.simulated = simulated()
-        self.control = None if self.simulated else dist.new_group(backend="gloo")
+        self.timeout = group_timeout()
+        """The script's ``init_process_group(timeout=)``: every group autopar makes takes it (torch's default
+        would be 30 minutes on each of them, whatever the script asked)."""
+        self.control = None if self.simulated else dist.new_group(backend="gloo", timeout=self.timeout)
         """A gloo group of the whole world for small host-side exchanges (autopar.runtime.agreement); None
         in a simulated world (the fake backend builds no gloo group, and there is no one to agree with)."""
+        if self.timeout is not None:  # (init_device_mesh takes none: set on its groups, torch's public way)
+            for group in {id(g): g for g in self._groups.values()}.values():
+                group.set_timeout(self.timeout)
         self._shard: dist.ProcessGroup | None = None
 
     def param_mesh(self, holders: tuple[int, ...] = ()) -> DeviceMesh:
@@ -76,7 +82,7 @@ class Mesh:
         """
         if stages not in self._stage_groups:
             ranks = [self.config.rank_of({**self.coords, "pipeline": s}) for s in stages]
-            self._stage_groups[stages] = dist.new_group(ranks, use_local_synchronization=True)
+            self._stage_groups[stages] = dist.new_group(ranks, use_local_synchronization=True, timeout=self.timeout)
         return self._stage_groups[stages]
 
     def shard_members(self) -> list[int]:
@@ -102,7 +108,7 @@ class Mesh:
             for r in range(self.config.world_size):
                 c = self.config.coords(r)
                 shards.setdefault((c["data"], c["depth"]), []).append(r)
-            self._shard, _ = dist.new_subgroups_by_enumeration(list(shards.values()))
+            self._shard, _ = dist.new_subgroups_by_enumeration(list(shards.values()), timeout=self.timeout)
         return self._shard
 
     def peer(self, pipeline_index: int) -> int:
