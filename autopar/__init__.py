@@ -21,12 +21,15 @@ _EXPORTS = {
     "detach": "autopar.parallel_model",
     "full_optimizer_state_dict": "autopar.parallel_model",
     "full_state_dict": "autopar.parallel_model",
+    "latest_checkpoint": "autopar.checkpoints",
     "load_full_optimizer_state_dict": "autopar.parallel_model",
     "no_sync": "autopar.parallel_model",
     "parallelize_module": "autopar.context",
     "plan_of": "autopar.parallel_model",
     "reset_comm_stats": "autopar.runtime.collectives",
+    "save_checkpoint": "autopar.checkpoints",
     "train_step": "autopar.train",
+    "wait_for_checkpoint": "autopar.checkpoints",
 }
 
 __all__ = sorted(_EXPORTS)

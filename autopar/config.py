@@ -257,6 +257,9 @@ class InputConfig:
     batch_dims: Mapping[int | str, int | None] | None = None
     """Which inputs hold the batch, and in which dim: {input position or keyword: dim, or None for an input
     that holds no batch}. Inputs not listed: dim 0 when it equals the batch size (the default rule)."""
+    check_inputs: bool = True
+    """Under a global batch, compare every call's input values across the ranks (a sum and a sum of squares,
+    sent with the call's descriptor); False compares only each new input signature's first call."""
 
     def __post_init__(self) -> None:
         if self.batch not in BATCH_MODES:
@@ -265,6 +268,8 @@ class InputConfig:
         if isinstance(self.eval_timeout, bool) or not isinstance(self.eval_timeout, (int, float)) \
                 or not self.eval_timeout > 0:
             raise ConfigError(f"eval_timeout={self.eval_timeout!r} is invalid. Use a number of seconds > 0.")
+        if not isinstance(self.check_inputs, bool):
+            raise ConfigError(f"check_inputs={self.check_inputs!r} is invalid. Use True or False.")
         if self.batch_dims is not None:
             if not isinstance(self.batch_dims, Mapping):
                 raise ConfigError(f"batch_dims={self.batch_dims!r} is invalid. Use a dict: {{input position or "

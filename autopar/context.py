@@ -83,6 +83,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                      example_inputs: tuple | None = None, checkpoint: str | int = "auto",
                      precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
                      eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
+                     check_inputs: bool = True,
                      defer_init: bool = True, plan: str | None = None,
                      compile: bool | str = "auto", shard_optimizer: bool = False,
                      sequence_parallel: bool = False) -> Iterator[ParallelConfig | None]:
@@ -124,6 +125,10 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             with gradients by comparing the ranks' inputs (equal everywhere: "global").
         eval_timeout: seconds a call under ``no_grad`` waits for the other ranks to make the same call
             before raising (a model split over ranks cannot evaluate on rank 0 alone). Default 30.
+        check_inputs: under a global batch, compare every call's input values across the ranks (a sum and a sum
+            of squares per input, sent with the descriptor every call already sends): a rank whose loader drifted
+            raises ``InputError``. Default True; False compares only each new input shape's first call (saves
+            a pass over the inputs; a device's inputs cost one device sync per call).
         batch_dims: which inputs hold the batch, by position or keyword: ``{input: dim}``, or ``{input:
             None}`` for an input that holds none (packed sequences, a table whose dim 0 happens to equal
             the batch size). Default: dim 0 of the first tensor input is the batch, and dim 0 of every
@@ -172,7 +177,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     """
     options = _options(tensor=tensor, data=data, pipeline=pipeline, microbatches=microbatches, schedule=schedule,
                        chunks=chunks, checkpoint=checkpoint, precision=precision, reduce_dtype=reduce_dtype,
-                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, plan=plan, compile=compile,
+                       batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, check_inputs=check_inputs,
+                       plan=plan, compile=compile,
                        shard_optimizer=shard_optimizer, sequence_parallel=sequence_parallel)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
@@ -225,8 +231,8 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
              microbatches: int | None = None, schedule: str | None = None, chunks: int | None = None,
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
-             plan: str | None = None, compile: bool | str = "auto", shard_optimizer: bool = False,
-             sequence_parallel: bool = False) -> _Options:
+             check_inputs: bool = True, plan: str | None = None, compile: bool | str = "auto",
+             shard_optimizer: bool = False, sequence_parallel: bool = False) -> _Options:
     """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
@@ -247,7 +253,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
     return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer, sequence_parallel), pipe,
-                    InputConfig(batch, eval_timeout, batch_dims), CompileConfig(compile),
+                    InputConfig(batch, eval_timeout, batch_dims, check_inputs), CompileConfig(compile),
                     open=plan is None and tensor is None and data is None and pipeline is None)
 
 

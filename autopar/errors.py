@@ -46,6 +46,11 @@ class AgreementError(AutoparError, RuntimeError):
     """The ranks called a parallel model differently (evaluation on one rank only, other inputs)."""
 
 
+class RanksPartedError(AgreementError):
+    """The ranks stopped making the same calls (one raised and went on, stalled, or made a call the others did
+    not): a collective failed, and the message names each rank and what it was doing."""
+
+
 class StateDictError(AutoparError, KeyError):
     """A state dict does not match the model (missing or unexpected keys, wrong shapes)."""
 

@@ -20,6 +20,7 @@ import contextlib
 import datetime
 import hashlib
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -28,9 +29,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from autopar.compat import default_store
 from autopar.config import AGREEMENT_BYTES
 from autopar.errors import AgreementError, InputError
 from autopar.runtime import collectives as C
+from autopar.runtime.faults import Watch, watch
 
 TRAIN, EVAL = 1.0, 2.0
 _FIELDS = AGREEMENT_BYTES // 8
@@ -78,14 +81,13 @@ def describe(kind: float, leaves: list[Any], spec: Any, split: dict[int, int], *
     signature = (float(digest >> 52), float(digest & ((1 << 52) - 1)))
     fp = (math.nan, math.nan)
     if fingerprint:
-        s1 = s2 = 0.0
+        sums = []
         with torch.no_grad():
             for i, x in enumerate(leaves):
                 if isinstance(x, torch.Tensor) and x.numel() and not isinstance(x, DTensor):  # a cache we split
                     v = torch.nan_to_num(x.detach().double(), nan=0.0, posinf=1e300, neginf=-1e300)
-                    s1 += (i + 1) * float(v.sum())
-                    s2 += (i + 1) * float(v.square().sum())
-        fp = (s1, s2)
+                    sums.append(torch.stack([v.sum(), v.square().sum()]).cpu() * (i + 1))  # (one sync per device input)
+        fp = tuple(torch.stack(sums).sum(0).tolist()) if sums else (0.0, 0.0)
     return Descriptor(kind, signature, float(rows), fp, 1.0 if new else 0.0)
 
 
@@ -96,6 +98,8 @@ class Agreement:
         self.group, self.timeout = group, timeout
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self._pending: tuple[Any, list[torch.Tensor], Descriptor] | None = None
+        self.watch: Watch = watch(None if group is None else default_store(), self.rank, self.world)
+        """This process's calls, told to the others when the ranks part (``autopar.runtime.faults``)."""
 
     def exchange(self, mine: Descriptor, *, wait: bool) -> list[Descriptor] | None:
         """Posts this rank's descriptor; with ``wait``, returns every rank's (in rank order). In a simulated
@@ -119,16 +123,19 @@ class Agreement:
         return self._finish(work, out, mine)
 
     def _finish(self, work: Any, out: list[torch.Tensor], mine: Descriptor) -> list[Descriptor]:
+        start = time.monotonic()
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
             what = "evaluation" if mine.kind == EVAL else "training"
-            raise AgreementError(
-                f"rank {self.rank} waited {self.timeout:g} s for the other ranks to call the model ({what}), and "
-                "not all of them did. A model split over ranks needs every rank in every call: run evaluation "
-                "and sampling on every rank (not only under `if rank == 0:` / `if master_process:`), then use "
-                "rank 0's result. If the ranks are only slow to arrive (one rank writing a checkpoint first), "
-                f"raise auto_parallelize(eval_timeout=...) ({e}).") from None
+            lead = (f"rank {self.rank} waited {round(time.monotonic() - start):g} s for the other ranks to call the "
+                    f"model ({what}), and not all of them did. A model split over ranks needs every rank in every "
+                    "call: run evaluation and sampling on every rank (not only under `if rank == 0:` / `if "
+                    "master_process:`), then use rank 0's result. If the ranks are only slow to arrive (one rank "
+                    "writing a checkpoint first), raise auto_parallelize(eval_timeout=...) and the timeout of "
+                    "init_process_group.")
+            raise self.watch.failed(e, "the call's agreement (every rank's description of it)",
+                                    lead if self.watch.raised_in is None else None) from None
         return [Descriptor.of(t.tolist()) for t in out]
 
 
@@ -165,13 +172,16 @@ class CallCheck:
         members: the ranks that pool their rows under per-rank batches (``Mesh.shard_members``).
         pure_data: no collective in forward under per-rank batches (data parallelism only): such calls
             are not checked, as under DDP.
+        values: compare the input values of every call under a global batch (``InputConfig.check_inputs``),
+            not only of each new signature's first.
     """
 
     def __init__(self, group: dist.ProcessGroup, batch: str, timeout: float, members: list[int],
-                 pure_data: bool) -> None:
+                 pure_data: bool, values: bool = True) -> None:
         self.agreement = Agreement(group, timeout)
+        self.watch = self.agreement.watch
         self.mode: str | None = None if batch == "auto" else batch
-        self.members, self.pure_data = members, pure_data
+        self.members, self.pure_data, self.values = members, pure_data, values
         self._seen: set[Any] = set()
         self._following: int | None = None
         """Inside ``following()``: the calls made there so far."""
@@ -189,9 +199,9 @@ class CallCheck:
     def check(self, leaves: list[Any], spec: Any, split: dict[int, int], grad: bool
               ) -> tuple[str, list[Descriptor] | None]:
         """The batch mode, and every rank's descriptor of this call when it waited for them."""
-        previous = self.agreement.pending()
-        if previous is not None:
-            self._validate(previous)
+        self.settle()
+        parted = self.watch.raised_in is not None  # (this rank's last call raised: did the others go on too?)
+        self.watch.begin(grad)
         if self.mode == PER_RANK and self.pure_data:
             return PER_RANK, None
         if self._following is not None:
@@ -202,18 +212,34 @@ class CallCheck:
         new = key not in self._seen
         self._seen.add(key)
         detect = self.mode is None
-        fingerprint = detect or (self.mode == GLOBAL and new)
+        fingerprint = detect or (self.mode == GLOBAL and (new or self.values))
         pooled = self.mode == PER_RANK and len(self.members) > 1
         mine = describe(TRAIN if grad else EVAL, leaves, spec, split, fingerprint=fingerprint, new=new)
-        every = self.agreement.exchange(mine, wait=not grad or fingerprint or pooled)
+        every = self.agreement.exchange(mine, wait=not grad or detect or (fingerprint and new) or pooled or parted)
         if every is None:
             return self.mode, None
+        self.watch.raised_in = None
         if detect:
             same = all(e.signature == every[0].signature and e.rows == every[0].rows
                        and e.fingerprint == every[0].fingerprint for e in every)
             self.mode = GLOBAL if same else PER_RANK
         self._validate(every)
         return self.mode, every
+
+    def settle(self) -> None:
+        """Checks the last call's descriptors if it did not wait for them (a training call): called when its
+        forward returns, so a call the ranks made differently (other inputs, one rank's extra call meeting the
+        others' next) raises before its outputs or gradients are used; its exchange has long arrived by then."""
+        previous = self.agreement.pending()
+        if previous is not None:
+            self._validate(previous)
+        self.watch.returned()
+
+    def raised(self, error: BaseException) -> None:
+        """This rank's call raised ``error``: the others are told (they may be waiting in its collectives), and
+        the next call waits to see every rank make it."""
+        if not isinstance(error, AgreementError):
+            self.watch.raised(error)
 
     def _validate(self, every: list[Descriptor]) -> None:
         check_kinds(every)

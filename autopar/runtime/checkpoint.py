@@ -98,6 +98,27 @@ def checkpointable(t: Any) -> Any:
     return DTensor(Boxes.of(local, boxes), dtensor_spec(t), requires_grad=t.requires_grad)
 
 
+def host_copy(state: Any) -> Any:
+    """A copy of a state dict (nested dicts and lists) in host memory, each DTensor still describing its boxes to
+    DCP (torch's own staging for ``async_save`` copies a DTensor's local tensor as one box: a fused piece's
+    boxes would be written as overlapping ones). Pieces this rank does not hold (``Absent``) stay as they are."""
+    if isinstance(state, dict):
+        return {k: host_copy(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(host_copy(v) for v in state)
+    if isinstance(state, DTensor):
+        local = local_tensor(state)
+        if isinstance(local, Absent):
+            return state
+        copy = (local.plain() if isinstance(local, Boxes) else local).detach().to("cpu", copy=True)
+        if isinstance(local, Boxes):
+            copy = Boxes.of(copy, local.boxes)
+        return DTensor(copy, dtensor_spec(state), requires_grad=False)
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    return state
+
+
 def state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
     """``model.state_dict()``: DTensors whose pieces are several boxes become DCP-checkpointable."""
     for key, value in state_dict.items():

@@ -4,6 +4,9 @@ Bytes are what this rank sends under ring algorithms (``autopar.decisions.collec
 counted from the tensors actually passed, so the count is the same on gloo (which emulates
 reduce-scatter with all-reduce) and NCCL. Groups of one are skipped and count nothing.
 
+A collective that fails (a timeout, a lost peer: some rank never joined) raises ``RanksPartedError``
+naming what each rank was doing (``autopar.runtime.faults``).
+
 Traced by ``torch.compile`` (``autopar.runtime.compiled``), the same calls emit torch's functional
 collectives, which the compiled graph holds as nodes; each compiled graph then counts the collectives
 it holds every time it runs (``record``), so ``comm_stats()`` reads the same in both.
@@ -22,6 +25,7 @@ import torch.distributed as dist
 from autopar.compat import (all_gather_into, functional_all_gather, functional_all_reduce, functional_reduce_scatter,
                             reduce_scatter_into)
 from autopar.decisions import COLLECTIVE_KINDS, collective_bytes
+from autopar.runtime.faults import guarded
 
 
 BUCKET_BYTES = 25 * 2**20
@@ -144,7 +148,8 @@ def all_reduce(t: torch.Tensor, group: dist.ProcessGroup, size: int, op: str = "
         return functional_all_reduce(t.contiguous(), op, group)
     t = t.contiguous()
     _stats.record("all_reduce", size, _nbytes(t))
-    dist.all_reduce(t, op=_OPS[op], group=group)
+    with guarded():
+        dist.all_reduce(t, op=_OPS[op], group=group)
     return t
 
 
@@ -173,7 +178,8 @@ def all_gather(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torch.Te
     t = t.contiguous()
     out = torch.empty((size * t.shape[0], *t.shape[1:]), dtype=t.dtype, device=t.device)
     _stats.record("all_gather", size, _nbytes(out))
-    all_gather_into(out, t, group=group)
+    with guarded():
+        all_gather_into(out, t, group=group)
     return out
 
 
@@ -194,7 +200,8 @@ def reduce_scatter(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torc
     t = t.contiguous()
     out = torch.empty((t.shape[0] // size, *t.shape[1:]), dtype=t.dtype, device=t.device)
     _stats.record("reduce_scatter", size, _nbytes(t))
-    reduce_scatter_into(out, t, group=group)
+    with guarded():
+        reduce_scatter_into(out, t, group=group)
     return out
 
 
@@ -203,7 +210,8 @@ def broadcast(t: torch.Tensor, src: int, group: dist.ProcessGroup | None, size: 
     if size == 1:
         return t
     _stats.record("broadcast", size, _nbytes(t))
-    dist.broadcast(t, src=src, group=group)
+    with guarded():
+        dist.broadcast(t, src=src, group=group)
     return t
 
 
@@ -211,12 +219,14 @@ def send(t: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
     """Sends ``t`` to global rank ``dst`` (pipeline stages: activations forward, gradients back)."""
     t = t.contiguous()
     _stats.record("send", 2, _nbytes(t))
-    dist.send(t, dst=dst, group=group)
+    with guarded():
+        dist.send(t, dst=dst, group=group)
 
 
 def recv(t: torch.Tensor, src: int, group: dist.ProcessGroup) -> torch.Tensor:
     """Receives into ``t`` from global rank ``src`` (the sender counts the bytes)."""
-    dist.recv(t, src=src, group=group)
+    with guarded():
+        dist.recv(t, src=src, group=group)
     return t
 
 
@@ -225,6 +235,13 @@ def all_gather_async(out: list[torch.Tensor], t: torch.Tensor, group: dist.Proce
     if size > 1:
         _stats.record("all_gather", size, _nbytes(t) * size)
     return dist.all_gather(out, t, group=group, async_op=True)
+
+
+def wait(work: Any) -> None:
+    """Waits for an async collective's ``work``; a failure (a rank that never joined) is told as
+    ``autopar.runtime.faults`` tells it."""
+    with guarded():
+        work.wait()
 
 
 def simulated() -> bool:

@@ -286,7 +286,7 @@ class GradSync:
             self._inflight.append(bucket)
             while len(self._inflight) > INFLIGHT:  # the oldest one's whole buffer goes once it is reduced
                 done = self._inflight.pop(0)
-                done.work.wait()
+                C.wait(done.work)
                 done.work, done.buffer = None, None
             return
         for i, got in enumerate(bucket.got):
@@ -309,7 +309,7 @@ class GradSync:
         self._inflight.clear()
         for bucket in self.buckets:
             if bucket.work is not None:
-                bucket.work.wait()
+                C.wait(bucket.work)
             if bucket.layouts is not None and self.rest is not None:
                 C.all_reduce(bucket.mine, *self.rest)
             # a parameter this rank's backward did not reach (a branch it did not take) that another's did: its

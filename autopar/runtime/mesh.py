@@ -1,6 +1,10 @@
-"""The only place that creates process groups: one DeviceMesh over (data, pipeline, depth, row, col)."""
+"""The only place that creates process groups: one DeviceMesh over (data, pipeline, depth, row, col), and the
+gloo groups for host-side exchanges and background saves."""
 
 from __future__ import annotations
+
+import logging
+import os
 
 import torch
 import torch.distributed as dist
@@ -17,6 +21,31 @@ def device_for_backend() -> torch.device:
     if dist.get_backend() == "nccl" or (simulated() and torch.cuda.is_available()):
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+_saves: list[dist.ProcessGroup] = []
+_warned_store: list[bool] = []
+
+
+def save_group() -> dist.ProcessGroup:
+    """A gloo group of the whole world for DCP's background saves (``autopar.checkpoints``), made at the first
+    asynchronous save, which every rank makes: their collectives never interleave with the training's."""
+    if not _saves:
+        _saves.append(dist.new_group(backend="gloo", timeout=group_timeout()))
+    return _saves[0]
+
+
+def shared_store_trap() -> str | None:
+    """The warning for torchrun's shared store under gloo with restarts (None where it does not apply): the
+    restarted ranks read the previous attempt's addresses and cannot connect (pytorch/pytorch#135712)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" or dist.get_backend() != "gloo":
+        return None
+    if int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0) < 1 or _warned_store:
+        return None
+    _warned_store.append(True)
+    return ("torchrun shares its rendezvous store with the ranks, and with gloo a restarted attempt cannot connect "
+            "(it reads the previous attempt's addresses: pytorch/pytorch#135712). Launch with "
+            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun ... so that a restart resumes (docs/guide/operators.md).")
 
 
 class Mesh:
@@ -55,6 +84,9 @@ class Mesh:
             for group in {id(g): g for g in self._groups.values()}.values():
                 group.set_timeout(self.timeout)
         self._shard: dist.ProcessGroup | None = None
+        trap = None if self.simulated else shared_store_trap()
+        if trap is not None and self.rank == 0:
+            logging.getLogger("autopar").warning("autopar: %s", trap)
 
     def param_mesh(self, holders: tuple[int, ...] = ()) -> DeviceMesh:
         """The DeviceMesh a parameter's DTensor lives on (one object per holder set, made once).

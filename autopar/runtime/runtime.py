@@ -72,7 +72,8 @@ class ParallelRuntime:
         self.compile = compile
         self.pure_data = config.num_tensor == 1 and config.pipeline == 1
         """No collective in forward for a batch of this rank's own (data parallelism only)."""
-        self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data)
+        self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data,
+                               inputs.check_inputs)
         self.no_sync_depth = 0
         """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
         self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
@@ -180,6 +181,20 @@ class ParallelRuntime:
         declared = self.inputs.batch_dims
         found = batch_leaves(leaves, names, declared)
         mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, found[0], grad)
+        try:
+            result = self._run_as(mode, every, args, kwargs, leaves, spec, arrived, names, found, grad, local_outputs)
+        except BaseException as e:
+            self.calls.raised(e)  # (the others may wait in this call's collectives: told, see autopar.runtime.faults)
+            raise
+        if not example:
+            self.calls.settle()
+        return result
+
+    def _run_as(self, mode: str, every: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
+                arrived: dict, names: Any, found: Any, grad: bool,
+                local_outputs: bool) -> tuple[Any, list[Any], tuple[int, ...]]:
+        """``run`` after the call's check: in ``mode``, with the inputs ``leaves`` (``arrived``: the split caches)."""
+        declared = self.inputs.batch_dims
         if mode == PER_RANK:
             if local_outputs:
                 raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
