@@ -66,7 +66,8 @@ def _worker(args: argparse.Namespace) -> None:
     autopar.wait_for_checkpoint()
     times: dict[str, list[float]] = {k: [] for k in kinds}
     for n in range(1, args.steps + 1):
-        for name, (check, save) in kinds.items():
+        order = list(kinds.items())
+        for name, (check, save) in order[n % 4:] + order[:n % 4]:  # (rotated: no kind always follows a save)
             times[name].append(step(check, save, n))
             if save == "async":
                 autopar.wait_for_checkpoint()  # (outside the timed step: the write overlaps the next step's work)
