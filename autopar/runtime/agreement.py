@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from autopar.compat import default_store
+from autopar.compat import default_store, pytree
 from autopar.config import AGREEMENT_BYTES
 from autopar.errors import AgreementError, InputError
 from autopar.runtime import collectives as C
@@ -200,7 +200,7 @@ class CallCheck:
               ) -> tuple[str, list[Descriptor] | None]:
         """The batch mode, and every rank's descriptor of this call when it waited for them."""
         self.settle()
-        parted = self.watch.raised_in is not None  # (this rank's last call raised: did the others go on too?)
+        parted = self.watch.unfinished()  # (this rank's last call raised: did the others go on too?)
         self.watch.begin(grad)
         if self.mode == PER_RANK and self.pure_data:
             return PER_RANK, None
@@ -226,14 +226,18 @@ class CallCheck:
         self._validate(every)
         return self.mode, every
 
-    def settle(self) -> None:
+    def settle(self, outputs: Any = None) -> None:
         """Checks the last call's descriptors if it did not wait for them (a training call): called when its
         forward returns, so a call the ranks made differently (other inputs, one rank's extra call meeting the
-        others' next) raises before its outputs or gradients are used; its exchange has long arrived by then."""
+        others' next) raises before its outputs or gradients are used; its exchange has long arrived by then.
+        ``outputs``: the call's, whose backward is followed (``Watch.follow_backward``)."""
         previous = self.agreement.pending()
         if previous is not None:
             self._validate(previous)
         self.watch.returned()
+        if outputs is not None and torch.is_grad_enabled():
+            self.watch.follow_backward([t for t in pytree.tree_leaves(outputs)
+                                        if isinstance(t, torch.Tensor) and t.requires_grad])
 
     def raised(self, error: BaseException) -> None:
         """This rank's call raised ``error``: the others are told (they may be waiting in its collectives), and

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from autopar.compat import queue_backward_callback
 from autopar.errors import AutoparError, RanksPartedError
 
 GRACE = 5.0
@@ -67,6 +68,8 @@ class Watch:
         self.call, self.kind, self.phase = 0, "training", "forward"
         self.raised_in: int | None = None
         """The call that raised on this rank (the next call checks the others went on too)."""
+        self.in_backward: int | None = None
+        """The call whose backward started on this rank and has not finished (raised, if the next call comes)."""
 
     def begin(self, training: bool) -> None:
         """A call of a parallel model starts (every rank counts the same calls)."""
@@ -76,6 +79,32 @@ class Watch:
     def returned(self) -> None:
         """The call's forward returned: collectives from here on are its backward's (or the next call's)."""
         self.phase = "backward"
+
+    def follow_backward(self, outputs: list[Any]) -> None:
+        """Marks this call's backward started when a gradient reaches any of its ``outputs``, and finished when the
+        autograd engine ends it (a backward that raises never finishes: the next call then holds back)."""
+        call = self.call
+
+        def finished() -> None:
+            if self.in_backward == call:
+                self.in_backward = None
+
+        def started(grad: Any) -> Any:
+            if self.in_backward != call:
+                self.in_backward = call
+                queue_backward_callback(finished)
+            return grad
+
+        for t in outputs:
+            t.register_hook(started)
+
+    def unfinished(self) -> bool:
+        """Whether this rank's last call raised or left its backward unfinished (told to the others, once)."""
+        if self.in_backward is not None and self.raised_in is None:
+            self.raised_in = self.in_backward
+            self._post("left its backward unfinished (it raised)")
+        self.in_backward = None
+        return self.raised_in is not None
 
     def raised(self, error: BaseException) -> None:
         """This rank's call raised ``error`` (not a failed collective): posted for the ranks it leaves waiting."""
@@ -129,7 +158,7 @@ def _message(rank: int, call: int, kind: str, mine: str, backend: str, posts: di
              lead: str | None) -> str:
     lines = [lead or "the ranks stopped making the same calls of the parallel model.",
              f"Rank {rank} {mine} (its {kind} call {call}; the collective failed: {backend})."]
-    raised = sorted(r for r, p in posts.items() if p.what.startswith("raised"))
+    raised = sorted(r for r, p in posts.items() if p.what.startswith(("raised", "left")))
     for r in raised:
         p = posts[r]
         lines.append(f"Rank {r}'s {p.kind} call {p.call} {p.what} and the script went on without it (a skip-bad-batch "

@@ -187,7 +187,7 @@ class ParallelRuntime:
             self.calls.raised(e)  # (the others may wait in this call's collectives: told, see autopar.runtime.faults)
             raise
         if not example:
-            self.calls.settle()
+            self.calls.settle(result[0])
         return result
 
     def _run_as(self, mode: str, every: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,

@@ -67,7 +67,8 @@ def _misuse_worker(case: str, seconds: float) -> dict[str, Any]:
     """Four ranks at tensor (2,1,1) x data 2, the script's timeout ``seconds``; from step 2 one rank misbehaves:
     "raise": rank 2's call raises (an OOM partway through its forward, say) and its loop skips the batch;
     "extra": rank 0 makes one more training call while the others wait in the script's barrier;
-    "stall": rank 3 stalls 4 timeouts long before its call."""
+    "stall": rank 3 stalls 4 timeouts long before its call; "raise in backward": a gradient hook of rank 2's
+    raises in backward and its loop skips the batch."""
     import autopar
     from autopar.errors import AutoparError
     from autopar.runtime import collectives as C
@@ -91,6 +92,12 @@ def _misuse_worker(case: str, seconds: float) -> dict[str, Any]:
                     C.all_reduce = failing
                 if case == "stall" and rank == 3:
                     time.sleep(4 * seconds)
+                if case == "raise in backward" and rank == 2:  # the script's own gradient hook raises
+                    hooked = next(iter(model.parameters()))
+                    handle = hooked.register_hook(lambda g: (_ for _ in ()).throw(
+                        torch.OutOfMemoryError("injected: out of memory in backward")))
+            if step == 3 and case == "raise in backward" and rank == 2:
+                handle.remove()
             try:
                 F.cross_entropy(model(x), y).backward()
             except torch.OutOfMemoryError:  # the script's "skip a bad batch" loop
@@ -109,7 +116,7 @@ def _misuse_worker(case: str, seconds: float) -> dict[str, Any]:
         return {"error": "torch", "message": str(e)[:200], "seconds": time.monotonic() - start}
 
 
-@pytest.mark.parametrize("case", ["raise", "extra", "stall"])
+@pytest.mark.parametrize("case", ["raise", "raise in backward", "extra", "stall"])
 def test_ranks_that_part_get_an_error_naming_each_rank(case, distributed):
     """A rank that raised and went on, made an extra call, or stalled: every rank inside the model's calls gets
     ``RanksPartedError`` naming the ranks and what they did, within the script's 3 s timeout plus the 5 s the
@@ -123,6 +130,11 @@ def test_ranks_that_part_get_an_error_naming_each_rank(case, distributed):
             assert "Rank 2's training call 3 raised OutOfMemoryError" in out[r]["message"], out[r]
             assert out[r]["seconds"] < budget, out[r]
         assert "after its call 3 had raised" in out[2]["message"], out[2]
+    elif case == "raise in backward":  # the others wait in backward's collectives; rank 2 at its next call
+        assert all(o["error"] == "RanksPartedError" for o in out), out
+        for r in (0, 1, 3):
+            assert "Rank 2's training call 3 left its backward unfinished" in out[r]["message"], out[r]
+            assert out[r]["seconds"] < budget, out[r]
     elif case == "extra":  # rank 0 inside its call; the others in the script's barrier get torch's error
         assert out[0]["error"] == "RanksPartedError" and out[0]["seconds"] < budget, out[0]
         assert "Rank(s) 1, 2, 3 sent no account" in out[0]["message"], out[0]
