@@ -258,7 +258,7 @@ class InputConfig:
     """Which inputs hold the batch, and in which dim: {input position or keyword: dim, or None for an input
     that holds no batch}. Inputs not listed: dim 0 when it equals the batch size (the default rule)."""
     check_inputs: bool = True
-    """Under a global batch, compare every call's input values across the ranks (a sum and a sum of squares,
+    """Under a global batch, compare every call's input values across the ranks (a sum and a sum weighted by place,
     sent with the call's descriptor); False compares only each new input signature's first call."""
 
     def __post_init__(self) -> None:

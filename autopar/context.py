@@ -126,7 +126,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
         eval_timeout: seconds a call under ``no_grad`` waits for the other ranks to make the same call
             before raising (a model split over ranks cannot evaluate on rank 0 alone). Default 30.
         check_inputs: under a global batch, compare every call's input values across the ranks (a sum and a sum
-            of squares per input, sent with the descriptor every call already sends): a rank whose loader drifted
+            weighted by place per input, sent with the descriptor every call already sends): a rank whose loader drifted
             raises ``InputError``. Default True; False compares only each new input shape's first call (saves
             a pass over the inputs; a device's inputs cost one device sync per call).
         batch_dims: which inputs hold the batch, by position or keyword: ``{input: dim}``, or ``{input:

@@ -33,7 +33,7 @@ from autopar.compat import default_store, pytree
 from autopar.config import AGREEMENT_BYTES
 from autopar.errors import AgreementError, InputError
 from autopar.runtime import collectives as C
-from autopar.runtime.faults import Watch, watch
+from autopar.runtime.faults import Watch, is_comm_failure, watch
 
 TRAIN, EVAL = 1.0, 2.0
 _FIELDS = AGREEMENT_BYTES // 8
@@ -50,7 +50,8 @@ class Descriptor:
     rows: float
     """This rank's batch rows (dim 0 of the batch inputs; 0 without any)."""
     fingerprint: tuple[float, float] = (math.nan, math.nan)
-    """Sums over the input values, when they are to be compared (NaN: not computed)."""
+    """Sums over the input values (plain, and weighted by each element's place), when they are to be compared
+    (NaN: not computed)."""
     new: float = 0.0
     """1 when this rank has not seen this signature before."""
 
@@ -85,8 +86,10 @@ def describe(kind: float, leaves: list[Any], spec: Any, split: dict[int, int], *
         with torch.no_grad():
             for i, x in enumerate(leaves):
                 if isinstance(x, torch.Tensor) and x.numel() and not isinstance(x, DTensor):  # a cache we split
-                    v = torch.nan_to_num(x.detach().double(), nan=0.0, posinf=1e300, neginf=-1e300)
-                    sums.append(torch.stack([v.sum(), v.square().sum()]).cpu() * (i + 1))  # (one sync per device input)
+                    v = torch.nan_to_num(x.detach().double(), nan=0.0, posinf=1e300, neginf=-1e300).flatten()
+                    place = torch.arange(v.numel(), dtype=torch.float64, device=v.device).remainder_(65521).add_(1)
+                    # a sum, and one weighted by place: rows in another order (a batch shuffled otherwise) differ
+                    sums.append(torch.stack([v.sum(), (v * place).sum()]).cpu() * (i + 1))  # (a sync per device input)
         fp = tuple(torch.stack(sums).sum(0).tolist()) if sums else (0.0, 0.0)
     return Descriptor(kind, signature, float(rows), fp, 1.0 if new else 0.0)
 
@@ -239,11 +242,15 @@ class CallCheck:
             self.watch.follow_backward([t for t in pytree.tree_leaves(outputs)
                                         if isinstance(t, torch.Tensor) and t.requires_grad])
 
-    def raised(self, error: BaseException) -> None:
+    def raised(self, error: BaseException) -> BaseException | None:
         """This rank's call raised ``error``: the others are told (they may be waiting in its collectives), and
-        the next call waits to see every rank make it."""
+        the next call waits to see every rank make it. Returns the error to raise instead for a collective that
+        failed where ``collectives`` could not tell it (inside a compiled graph), else None."""
+        if is_comm_failure(error):
+            return self.watch.failed(error)
         if not isinstance(error, AgreementError):
             self.watch.raised(error)
+        return None
 
     def _validate(self, every: list[Descriptor]) -> None:
         check_kinds(every)

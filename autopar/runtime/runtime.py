@@ -183,8 +183,10 @@ class ParallelRuntime:
         mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, found[0], grad)
         try:
             result = self._run_as(mode, every, args, kwargs, leaves, spec, arrived, names, found, grad, local_outputs)
-        except BaseException as e:
-            self.calls.raised(e)  # (the others may wait in this call's collectives: told, see autopar.runtime.faults)
+        except BaseException as e:  # (the others may wait in this call's collectives: told, autopar.runtime.faults)
+            told = self.calls.raised(e)
+            if told is not None:
+                raise told from e
             raise
         if not example:
             self.calls.settle(result[0])
@@ -508,6 +510,9 @@ class ParallelRuntime:
         m, shards = self.num_microbatches, self.config.num_batch_shards
         split, global_batch, sizes = microbatch_leaves(leaves, self.config, m, input_names(args, kwargs),
                                                        self.inputs.batch_dims)
+        if self.calls.check(leaves, spec, split, torch.is_grad_enabled())[0] == PER_RANK:
+            raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
+                             "batch per rank (batch='per-rank').")
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))

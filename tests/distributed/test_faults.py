@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import re
 import tempfile
 import time
 from typing import Any
@@ -146,23 +147,28 @@ def test_ranks_that_part_get_an_error_naming_each_rank(case, distributed):
         assert out[3]["error"] == "RanksPartedError", out[3]
 
 
-def _drift_worker(check_inputs: bool) -> dict[str, Any]:
-    """Global batches; rank 2's loader drifts from step 2 on (same shapes, other samples)."""
+def _drift_worker(check_inputs: bool, grid: dict | None = None) -> dict[str, Any]:
+    """Global batches; rank 2's loader drifts from step 2 on (same shapes, other samples). A pipeline's steps
+    are ``autopar.train_step``'s."""
     import autopar
     from autopar.errors import InputError
 
+    grid = grid or {"tensor": (2, 1, 1), "data": 2}
     torch.manual_seed(0)
-    with autopar.auto_parallelize(tensor=(2, 1, 1), data=2, check_inputs=check_inputs):
+    with autopar.auto_parallelize(**grid, check_inputs=check_inputs):
         model = FC_Net(**SMALL)
     losses = []
-    for step, (x, y) in enumerate(batches()[:4]):
+    for step, (x, y) in enumerate(batches(batch=16, last=16)[:4]):
         if dist.get_rank() == 2 and step >= 2:
             x = x.flip(0)
         try:
-            loss = F.cross_entropy(model(x), y)
+            if grid.get("pipeline", 1) > 1:
+                loss = autopar.train_step(model, x, y, F.cross_entropy)
+            else:
+                loss = F.cross_entropy(model(x), y)
+                loss.backward()
         except InputError as e:
             return {"step": step, "error": str(e), "losses": losses}
-        loss.backward()
         losses.append(loss.item())
     return {"step": None, "losses": losses}
 
@@ -170,9 +176,56 @@ def _drift_worker(check_inputs: bool) -> dict[str, Any]:
 def test_inputs_that_drift_across_ranks_raise_at_that_step(distributed):
     """Every call's input values are compared under a global batch (they were only at each new shape's first
     call: a loader that drifted trained silently on a mix). The error comes when the forward returns, before
-    backward, on every rank. ``check_inputs=False`` is the documented opt-out (the old behaviour). Mutation
-    (values compared on new signatures only): no error at step 2."""
+    backward, on every rank; under a pipeline ``train_step`` checks its calls alike, when its schedule has run
+    (its gradients are then not used). ``check_inputs=False`` is the documented opt-out (the old behaviour).
+    Mutations: values compared on new signatures only, or train_step's calls not checked: no error at step 2."""
     checked = distributed(_drift_worker, 4, True, timeout=120)
     assert all(o["step"] == 2 and "rank(s) 2 passed other inputs than rank 0" in o["error"] for o in checked), checked
     unchecked = distributed(_drift_worker, 4, False, timeout=120)
     assert all(o["step"] is None for o in unchecked), unchecked
+    piped = distributed(_drift_worker, 4, True, {"pipeline": 2, "data": 2}, timeout=120)
+    assert all(o["step"] == 2 and "rank(s) 2 passed other inputs" in o["error"] for o in piped), piped
+
+
+def _stalled_grid_worker(grid: dict, seconds: float) -> dict[str, Any]:
+    """Rank 3 stalls 4 timeouts long before the third step of ``autopar.train_step`` (a pipeline's schedule) or
+    of a compiled model."""
+    import autopar
+    from autopar.errors import AutoparError
+
+    _own_process_group(seconds)
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(**grid):
+        model = FC_Net(**SMALL)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = time.monotonic()
+    try:
+        for step, (x, y) in enumerate(batches(batch=16, last=16)):
+            if step == 2:
+                start = time.monotonic()
+                if dist.get_rank() == 3:
+                    time.sleep(4 * seconds)
+            if grid.get("pipeline", 1) > 1:
+                autopar.train_step(model, x, y, F.cross_entropy)
+            else:
+                F.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        return {"error": None}
+    except AutoparError as e:
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("grid", [{"pipeline": 2, "data": 2}, {"tensor": (2, 1, 1), "data": 2, "compile": True}],
+                         ids=["pipeline", "compiled"])
+def test_a_stalled_rank_is_named_under_a_pipeline_and_compiled(grid, distributed):
+    """torch's pipeline schedule sends and receives on its own, and a compiled graph's collectives are its nodes:
+    their failures are named too (at the schedule's step, the gradient sync and at the model's call).
+    Mutation (collectives not ``guarded``): gloo's error."""
+    out = distributed(_stalled_grid_worker, 4, grid, 3.0, timeout=300)
+    assert all(o["error"] == "RanksPartedError" for o in out), out
+    # Under the pipeline rank 3's stage neighbour waits in torch's receive (gloo's has no timeout) until rank 3
+    # returns; the others name both as silent.
+    for r in (0, 1) if "pipeline" in grid else (0, 1, 2):
+        assert out[r]["seconds"] < 12.0, out[r]
+        assert re.search(r"Rank\(s\) [0-9, ]*3 sent no account", out[r]["message"]), out[r]
