@@ -17,6 +17,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
     python -m benchmarks --size small --models gpt2     # GPT-2 124M (heavy on CPU: meant for GPUs)
     python -m benchmarks --readme                        # also rewrites docs/benchmarks.md's results section
     python -m benchmarks --inference                     # generate() latency (benchmarks/inference.py)
+    python -m benchmarks --faults                        # the input check and checkpoints' cost (benchmarks/faults.py)
     python -m benchmarks --simulate 4                    # rank 0 of 4-rank grids on this one device
     python -m benchmarks --simulate 4 --decode           # one rank's static-cache decoding, per token
 """
@@ -157,6 +158,11 @@ def main(argv: list[str] | None = None) -> int:
         from benchmarks import simulate
 
         return simulate.main(argv)
+    if "--faults" in argv:  # the input check and sync/async checkpoints against a plain step: benchmarks/faults.py
+        from benchmarks import faults
+
+        argv.remove("--faults")
+        return faults.main(argv)
     if "--inference" in argv:  # generate() latency: benchmarks/inference.py
         from benchmarks import inference
 

@@ -8,7 +8,7 @@ shared machine falls on both alike:
 - a step that saves a DCP checkpoint (``autopar.save_checkpoint``) synchronously, and one that saves it with
   ``async_save=True`` (the step pays the copy to host memory; a thread writes), against a step without.
 
-    python -m benchmarks.faults [--hidden 1024 --layers 4 --steps 12]
+    python -m benchmarks --faults [--hidden 1024 --layers 4 --steps 12]   (or python -m benchmarks.faults)
 """
 
 from __future__ import annotations
@@ -83,7 +83,8 @@ def _worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=4)
@@ -91,15 +92,15 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.worker:
         _worker(args)
-        return
+        return 0
     env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "benchmarks.faults",
-           "--worker", *sys.argv[1:]]
-    sys.exit(subprocess.call(cmd, env=env))
+           "--worker", *argv]
+    return subprocess.call(cmd, env=env)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
