@@ -76,7 +76,6 @@ def pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tenso
         if told is not None:
             raise told from e
         raise
-    runtime.calls.settle()
     runtime.finish_grads()
     program.sync_buffers(runtime.buffers)
     last = program.num_stages - 1
