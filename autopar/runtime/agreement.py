@@ -33,7 +33,7 @@ from autopar.compat import default_store, pytree
 from autopar.config import AGREEMENT_BYTES
 from autopar.errors import AgreementError, InputError
 from autopar.runtime import collectives as C
-from autopar.runtime.faults import Watch, is_comm_failure, watch
+from autopar.runtime.faults import Watch, is_comm_failure, ranks_text, watch
 
 TRAIN, EVAL = 1.0, 2.0
 _FIELDS = AGREEMENT_BYTES // 8
@@ -151,14 +151,10 @@ def check_kinds(every: list[Descriptor]) -> None:
 def _kinds_message(every: list[Descriptor]) -> str:
     evals = [r for r, d in enumerate(every) if d.kind == EVAL]
     trains = [r for r, d in enumerate(every) if d.kind == TRAIN]
-    return (f"the ranks called the model differently: rank(s) {_ranks(evals)} for evaluation (no_grad) while rank(s) "
-            f"{_ranks(trains)} called it for training. A model split over ranks needs every rank in every call: "
-            "run evaluation and sampling on every rank (not only under `if rank == 0:` / `if master_process:`), "
-            "then use rank 0's result.")
-
-
-def _ranks(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
+    return (f"the ranks called the model differently: rank(s) {ranks_text(evals)} for evaluation (no_grad) while "
+            f"rank(s) {ranks_text(trains)} called it for training. A model split over ranks needs every rank in "
+            "every call: run evaluation and sampling on every rank (not only under `if rank == 0:` / `if "
+            "master_process:`), then use rank 0's result.")
 
 
 GLOBAL, PER_RANK = "global", "per-rank"
@@ -242,15 +238,20 @@ class CallCheck:
             self.watch.follow_backward([t for t in pytree.tree_leaves(outputs)
                                         if isinstance(t, torch.Tensor) and t.requires_grad])
 
-    def raised(self, error: BaseException) -> BaseException | None:
-        """This rank's call raised ``error``: the others are told (they may be waiting in its collectives), and
-        the next call waits to see every rank make it. Returns the error to raise instead for a collective that
-        failed where ``collectives`` could not tell it (inside a compiled graph), else None."""
-        if is_comm_failure(error):
-            return self.watch.failed(error)
-        if not isinstance(error, AgreementError):
-            self.watch.raised(error)
-        return None
+    @contextlib.contextmanager
+    def running(self) -> Iterator[None]:
+        """Around a call's execution: an error raised inside is told to the others (they may be waiting in its
+        collectives) and the next call waits to see every rank make it; a collective that failed where
+        ``collectives`` could not tell it (inside a compiled graph, torch's pipeline schedule) becomes
+        ``RanksPartedError``."""
+        try:
+            yield
+        except BaseException as e:
+            if is_comm_failure(e):
+                raise self.watch.failed(e) from e
+            if not isinstance(e, AgreementError):
+                self.watch.raised(e)
+            raise
 
     def _validate(self, every: list[Descriptor]) -> None:
         check_kinds(every)
@@ -261,15 +262,15 @@ class CallCheck:
                              or e.fingerprint == first.fingerprint)]
             if other:
                 raise InputError(
-                    f"rank(s) {_ranks(other)} passed other inputs than rank 0 (other shapes or values), but the model "
-                    "takes one global batch, the same on every rank (batch='global', or decided at the first call, "
-                    "where the ranks' inputs were equal). If each rank feeds its own batch (DistributedSampler, "
+                    f"rank(s) {ranks_text(other)} passed other inputs than rank 0 (other shapes or values), but the "
+                    "model takes one global batch, the same on every rank (batch='global', or decided at the first "
+                    "call, where the ranks' inputs were equal). If each rank feeds its own batch (DistributedSampler, "
                     "seed_offset = rank, as under DDP), pass auto_parallelize(batch='per-rank').")
         elif self.mode == PER_RANK and len(self.members) > 1:
             signatures = {every[r].signature for r in self.members}
             if len(signatures) > 1:
                 raise InputError(
-                    f"ranks {_ranks(self.members)} pool their per-rank batches (they split the model between them), "
-                    "so their inputs must have the same shapes apart from the batch rows (dim 0); they differ "
+                    f"ranks {ranks_text(self.members)} pool their per-rank batches (they split the model between "
+                    "them), so their inputs must have the same shapes apart from the batch rows (dim 0); they differ "
                     "(e.g. another sequence length). Pad every rank's batch to one length, or use a grid whose "
                     "tensor and pipeline degrees are 1.")

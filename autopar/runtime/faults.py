@@ -168,10 +168,10 @@ def _message(rank: int, call: int, kind: str, mine: str, backend: str, posts: di
         if r not in raised:
             waited.setdefault((p.call, p.what), []).append(r)
     for (c, what), ranks in sorted(waited.items()):
-        lines.append(f"Rank(s) {_ranks(ranks)} {what} (call {c}).")
+        lines.append(f"Rank(s) {ranks_text(ranks)} {what} (call {c}).")
     silent = [r for r in range(world) if r != rank and r not in posts]
     if silent:
-        lines.append(f"Rank(s) {_ranks(silent)} sent no account within {GRACE:g} s: they did not make this call "
+        lines.append(f"Rank(s) {ranks_text(silent)} sent no account within {GRACE:g} s: they did not make this call "
                      "(stalled, died, or ran other code: a barrier, a checkpoint, a call made on some ranks only).")
     lines.append("Every rank must make every call of a model split over ranks, forward and backward: run evaluation "
                  "on every rank; to skip a bad batch, decide it on every rank together (all_reduce a flag before "
@@ -180,7 +180,8 @@ def _message(rank: int, call: int, kind: str, mine: str, backend: str, posts: di
     return " ".join(lines)
 
 
-def _ranks(ranks: list[int]) -> str:
+def ranks_text(ranks: list[int]) -> str:
+    """Ranks as a message names them: the first eight, then an ellipsis."""
     return ", ".join(map(str, ranks[:8])) + (", ..." if len(ranks) > 8 else "")
 
 
@@ -206,18 +207,11 @@ def is_comm_failure(error: BaseException) -> bool:
 
 
 @contextlib.contextmanager
-def guarded(where: str | None = None) -> Iterator[None]:
-    """Turns a failed collective inside into ``RanksPartedError`` (where a watch exists; ``where``: what this
-    rank waited in, None for a collective of its call)."""
+def guarded() -> Iterator[None]:
+    """Turns a collective that fails inside into ``RanksPartedError`` (where a watch exists)."""
     try:
         yield
     except RuntimeError as e:
         if _watch is None or not is_comm_failure(e):
             raise
-        raise _watch.failed(e, where) from e
-
-
-def wait(work: Any, where: str | None = None) -> None:
-    """``work.wait()``, a failure told as ``guarded`` tells it."""
-    with guarded(where):
-        work.wait()
+        raise _watch.failed(e) from e

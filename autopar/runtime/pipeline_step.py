@@ -10,7 +10,6 @@ import torch.nn.functional as F
 
 from autopar.compat import pytree
 from autopar.runtime import collectives as C
-from autopar.runtime.faults import guarded
 from autopar.runtime.losses import logits_and_spec, splits_last_only, vocab_parallel_sum
 from autopar.runtime.ops import gather_features
 from autopar.runtime.pipeline import build_schedule
@@ -68,14 +67,8 @@ def pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tenso
     losses: list[torch.Tensor] = []
     batch = tuple(values[n] for n in program.specs[0].received)
     is_first = 0 in program.adapters
-    try:
-        with guarded():  # (torch's schedule sends and receives itself: a rank that never came is named too)
-            program.schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
-    except BaseException as e:
-        told = runtime.calls.raised(e)
-        if told is not None:
-            raise told from e
-        raise
+    with runtime.calls.running():  # (torch's schedule sends and receives itself: a rank that never came is named)
+        program.schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
     runtime.finish_grads()
     program.sync_buffers(runtime.buffers)
     last = program.num_stages - 1

@@ -181,13 +181,8 @@ class ParallelRuntime:
         declared = self.inputs.batch_dims
         found = batch_leaves(leaves, names, declared)
         mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, found[0], grad)
-        try:
+        with self.calls.running():  # (the others may wait in this call's collectives: autopar.runtime.faults)
             result = self._run_as(mode, every, args, kwargs, leaves, spec, arrived, names, found, grad, local_outputs)
-        except BaseException as e:  # (the others may wait in this call's collectives: told, autopar.runtime.faults)
-            told = self.calls.raised(e)
-            if told is not None:
-                raise told from e
-            raise
         if not example:
             self.calls.settle(result[0])
         return result
