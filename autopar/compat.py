@@ -23,7 +23,8 @@ What lives here (each function's docstring says why it is private):
 - torch.compile: ``compile_errors``, ``dispatch_mode_active`` / ``dispatch_modes_set_aside`` /
   ``dispatch_modes_entered`` / ``tracing_modes_active`` (a user's TorchDispatchModes around compiled code),
   ``inductor_backend`` / ``inductor_overlap_options`` / ``inductor_bucketing_options`` /
-  ``collective_launches``, ``import_compiler``; ``schedule_action_types``: pipeline schedules' actions.
+  ``collective_launches``, ``import_compiler``; ``schedule_action_types``: pipeline schedules' actions;
+  ``timed_pipeline_waits``: their sends and receives wait at most the group's timeout (gloo's do not).
 - ``export_tracer`` / ``untraced`` / ``trace_opaque_call`` / ``opaque_call_of``: a custom autograd Function
   exported as one call of itself (as ``torch._export.wrappers`` keeps a decorated one).
 """
@@ -542,6 +543,31 @@ def schedule_action_types() -> tuple[type, type]:
     """``(ScheduleAction, ComputationType)``: one step of a pipeline schedule's order and its kinds."""
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
     return _Action, _ComputationType
+
+
+@contextlib.contextmanager
+def timed_pipeline_waits(group: Any) -> Iterator[None]:
+    """While inside, torch's pipeline schedules wait for their sends and receives on ``group`` at most its
+    timeout, where its backend is gloo: gloo's ``Work.wait()`` without an argument never times out (a stalled
+    neighbour's stage held the others for as long as it stalled), and torch's schedules call it so
+    (``schedules._wait_batch_p2p``, a private function swapped here for the call and put back). NCCL's
+    watchdog ends such waits itself, and its ``wait(timeout)`` would block the host: left alone."""
+    timeout = group_timeout(group)
+    if timeout is None or dist.get_backend(group) != "gloo":
+        yield
+        return
+    from torch.distributed.pipelining import schedules
+    plain = schedules._wait_batch_p2p
+
+    def wait(work: list[Any]) -> None:
+        for w in work:
+            w.wait(timeout)
+
+    schedules._wait_batch_p2p = wait
+    try:
+        yield
+    finally:
+        schedules._wait_batch_p2p = plain
 
 
 # --- opaque calls in an export -------------------------------------------------------------------------

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from autopar.compat import pytree
+from autopar.compat import pytree, timed_pipeline_waits
 from autopar.runtime import collectives as C
 from autopar.runtime.losses import logits_and_spec, splits_last_only, vocab_parallel_sum
 from autopar.runtime.ops import gather_features
@@ -67,8 +67,10 @@ def pipelined_step(runtime: Any, args: tuple, kwargs: dict, targets: torch.Tenso
     losses: list[torch.Tensor] = []
     batch = tuple(values[n] for n in program.specs[0].received)
     is_first = 0 in program.adapters
-    with runtime.calls.running():  # (torch's schedule sends and receives itself: a rank that never came is named)
+    # (torch's schedule sends and receives itself: a rank that never came is named, within the group's timeout)
+    with runtime.calls.running(), timed_pipeline_waits(mesh.group("pipeline")):
         program.schedule.step(*(batch if is_first else ()), target=targets.to(mesh.device), losses=losses)
+    runtime.calls.settle()
     runtime.finish_grads()
     program.sync_buffers(runtime.buffers)
     last = program.num_stages - 1

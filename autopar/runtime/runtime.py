@@ -505,6 +505,9 @@ class ParallelRuntime:
         m, shards = self.num_microbatches, self.config.num_batch_shards
         split, global_batch, sizes = microbatch_leaves(leaves, self.config, m, input_names(args, kwargs),
                                                        self.inputs.batch_dims)
+        if self.calls.check(leaves, spec, split, torch.is_grad_enabled())[0] == PER_RANK:
+            raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
+                             "batch per rank (batch='per-rank').")
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))

@@ -70,7 +70,7 @@ class Collective:
 
 
 AGREEMENT = "<agreement>"
-"""``Collective.where`` of the per-call agreement (not issued by train_step under a pipeline)."""
+"""``Collective.where`` of the per-call agreement (under a pipeline: once per train_step, not per micro-batch)."""
 
 
 def axis_size(config: ParallelConfig, axis: str) -> int:

@@ -15,7 +15,9 @@ Once per step, after the last micro-batch:
 - the gradient sync (data x depth) of every parameter the rank's stages read;
 - a weight read by stages on several ranks (tied embeddings): its gradient all-reduced over them;
 - the returned loss: all-reduced over the batch shards on the last stage's rank, then broadcast
-  from it over the pipeline.
+  from it over the pipeline;
+- the check that every rank makes the call (autopar.runtime.agreement): one all-gather of ``AGREEMENT_BYTES``
+  per rank over the world.
 
 Stage k runs on pipeline rank k mod P (PipelinePlan). Activations are counted at their captured
 dtype: under bf16/fp16 autocast the real sends can be smaller.
@@ -27,7 +29,8 @@ from collections.abc import Sequence
 
 from autopar.decisions import Plan
 from passes.analysis.choose_stages import ChainSegment
-from passes.analysis.estimate_costs import Collective, axis_size
+from autopar.config import AGREEMENT_BYTES
+from passes.analysis.estimate_costs import AGREEMENT, Collective, axis_size
 
 
 def pipeline_collectives(chain: Sequence[ChainSegment], plan: Plan, step: Sequence[Collective],
@@ -69,6 +72,9 @@ def pipeline_collectives(chain: Sequence[ChainSegment], plan: Plan, step: Sequen
     if last in mine and config.num_batch_shards > 1:
         out.append(Collective("all_reduce", "batch", axis_size(config, "batch"), 4, "step", "<loss>"))
     out.append(Collective("broadcast", "pipeline", ranks, 4, "step", "<loss>"))
+    # train_step's check that every rank makes the same call, once a step (autopar.runtime.agreement)
+    out.append(Collective("all_gather", "world", config.world_size, AGREEMENT_BYTES * config.world_size, "forward",
+                          AGREEMENT))
     return tuple(c for c in out if c.group_size > 1)
 
 

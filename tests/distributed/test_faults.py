@@ -176,13 +176,15 @@ def _drift_worker(check_inputs: bool, grid: dict | None = None) -> dict[str, Any
 def test_inputs_that_drift_across_ranks_raise_at_that_step(distributed):
     """Every call's input values are compared under a global batch (they were only at each new shape's first
     call: a loader that drifted trained silently on a mix). The error comes when the forward returns, before
-    backward, on every rank. ``check_inputs=False`` is the documented opt-out (the old behaviour).
-    Mutation: values compared on new signatures only: no error at step 2."""
+    backward, on every rank; under a pipeline ``train_step`` checks its calls alike, when its schedule has run
+    (its gradients are then not used). ``check_inputs=False`` is the documented opt-out (the old behaviour).
+    Mutations: values compared on new signatures only, or train_step's calls not checked: no error at step 2."""
     checked = distributed(_drift_worker, 4, True, timeout=120)
     assert all(o["step"] == 2 and "rank(s) 2 passed other inputs than rank 0" in o["error"] for o in checked), checked
     unchecked = distributed(_drift_worker, 4, False, timeout=120)
     assert all(o["step"] is None for o in unchecked), unchecked
-    # Under a pipeline train_step runs no call check yet: its agreement's bytes are not in the trace's prediction.
+    piped = distributed(_drift_worker, 4, True, {"pipeline": 2, "data": 2}, timeout=120)
+    assert all(o["step"] == 2 and "rank(s) 2 passed other inputs" in o["error"] for o in piped), piped
 
 
 def _stalled_grid_worker(grid: dict, seconds: float) -> dict[str, Any]:
@@ -222,8 +224,8 @@ def test_a_stalled_rank_is_named_under_a_pipeline_and_compiled(grid, distributed
     Mutation (collectives not ``guarded``): gloo's error."""
     out = distributed(_stalled_grid_worker, 4, grid, 3.0, timeout=300)
     assert all(o["error"] == "RanksPartedError" for o in out), out
-    # Under the pipeline rank 3's stage neighbour waits in torch's receive (gloo's has no timeout) until rank 3
-    # returns; the others name both as silent.
-    for r in (0, 1) if "pipeline" in grid else (0, 1, 2):
+    # Under the pipeline rank 3's stage neighbour waits in torch's receive, at most the group's timeout (gloo's
+    # waits without one: mutation, ``timed_pipeline_waits`` a no-op: it waited the whole stall, 12 s).
+    for r in (0, 1, 2):
         assert out[r]["seconds"] < 12.0, out[r]
         assert re.search(r"Rank\(s\) [0-9, ]*3 sent no account", out[r]["message"]), out[r]
