@@ -7,7 +7,8 @@ Two kinds, each with the way it is undone:
   hooks on its parameters. ``autopar.detach(model)`` undoes them (last installed first) and gives the plain
   module back; a model that is garbage-collected takes them with it.
 - **The process's** (``install``): torch.optim's global step hooks, DTensor's handlers for norms and
-  clipping, and HF's key/value cache classes registered as pytrees. Installed with the first parallel model,
+  clipping, HF's key/value cache classes registered as pytrees, and torch.distributed's synchronous
+  collectives wrapped so that one failing for a rank that parted names every rank (``runtime.faults``). Installed with the first parallel model,
   undone when the last one is detached or collected.
 
 Not here, because they last only while a graph is exported or its passes run: ``Function.apply`` records a

@@ -55,6 +55,7 @@ from autopar.compat import (FUNCTIONAL_COLLECTIVES, collective_launches, compile
                             inductor_overlap_options, resolve_process_group, size_hint, tracing_modes_active)
 from autopar.runtime import collectives as C
 from autopar.runtime.compile_agreement import ONCE, CompileAgreement, Issued, digest, store_key
+from autopar.runtime.faults import guarded
 from autopar.runtime.param_layout import local_of, replace_local
 
 log = logging.getLogger(__name__)
@@ -111,7 +112,8 @@ def _counted(launches: list[tuple[dict[str, int], dict[str, int]]], issued: list
 
         def counted(inputs: list[Any]) -> Any:
             C.record_tally(tally)
-            return run(inputs)
+            with guarded():  # (the backward's too: a rank that never came is named, not only gloo's timeout)
+                return run(inputs)
         counted._boxed_call = True  # (Inductor's calling convention: one list of inputs)
         return counted
     return around

@@ -11,14 +11,19 @@ waiting 6000ms for recv", "Connection closed by peer"), which name neither the r
   and went on, and which sent nothing (stalled, dead, or running other code: a barrier, a checkpoint, a call
   made on some ranks only).
 
+- torch.distributed's collectives, called by the script between the model's calls (its own ``dist.barrier()``,
+  a checkpoint's gathers), raise the same account when they fail (``name_parted_ranks_in_script_collectives``,
+  installed by ``autopar.patches`` while a parallel model lives).
+
 Nothing is written to the store while the ranks agree: a step costs one counter increment.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,9 +117,11 @@ class Watch:
         text = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"[:200]
         self._post(f"raised {text}")
 
-    def failed(self, error: BaseException, where: str | None = None, lead: str | None = None) -> RanksPartedError:
+    def failed(self, error: BaseException, where: str | None = None, lead: str | None = None,
+               outside: bool = False) -> RanksPartedError:
         """The error to raise for a collective that failed with ``error`` while this rank waited in ``where`` (by
-        default a collective of its call's forward or backward); ``lead`` replaces the message's first sentence."""
+        default a collective of its call's forward or backward; ``outside``: between calls, after the last one);
+        ``lead`` replaces the message's first sentence."""
         backend = str(error).splitlines()[0][:200] if str(error) else type(error).__name__
         mine = f"waited in {where or f'a collective of the {self.phase}'}"
         if self.raised_in is not None:
@@ -122,7 +129,8 @@ class Watch:
         else:
             self._post(mine)
         posts = self._read()
-        return RanksPartedError(_message(self.rank, self.call, self.kind, mine, backend, posts, self.world, lead))
+        call = f"{'after ' if outside else ''}its {self.kind} call {self.call}"
+        return RanksPartedError(_message(self.rank, call, mine, backend, posts, self.world, lead))
 
     def _post(self, what: str) -> None:
         if self.store is None:
@@ -154,10 +162,10 @@ def _key(rank: int) -> str:
     return f"autopar/parted/{rank}"
 
 
-def _message(rank: int, call: int, kind: str, mine: str, backend: str, posts: dict[int, Post], world: int,
+def _message(rank: int, call: str, mine: str, backend: str, posts: dict[int, Post], world: int,
              lead: str | None) -> str:
     lines = [lead or "the ranks stopped making the same calls of the parallel model.",
-             f"Rank {rank} {mine} (its {kind} call {call}; the collective failed: {backend})."]
+             f"Rank {rank} {mine} ({call}; the collective failed: {backend})."]
     raised = sorted(r for r, p in posts.items() if p.what.startswith(("raised", "left")))
     for r in raised:
         p = posts[r]
@@ -168,7 +176,7 @@ def _message(rank: int, call: int, kind: str, mine: str, backend: str, posts: di
         if r not in raised:
             waited.setdefault((p.call, p.what), []).append(r)
     for (c, what), ranks in sorted(waited.items()):
-        lines.append(f"Rank(s) {ranks_text(ranks)} {what} (call {c}).")
+        lines.append(f"Rank(s) {ranks_text(ranks)} {what} ({'after ' if OUTSIDE in what else ''}call {c}).")
     silent = [r for r in range(world) if r != rank and r not in posts]
     if silent:
         lines.append(f"Rank(s) {ranks_text(silent)} sent no account within {GRACE:g} s: they did not make this call "
@@ -206,12 +214,61 @@ def is_comm_failure(error: BaseException) -> bool:
     return any(w in text for w in _WORDS)
 
 
+_inside = 0
+"""Depth of autopar's own collectives (``guarded``): torch's collectives called there are not the script's."""
+
+
 @contextlib.contextmanager
 def guarded() -> Iterator[None]:
     """Turns a collective that fails inside into ``RanksPartedError`` (where a watch exists)."""
+    global _inside
+    _inside += 1
     try:
         yield
     except RuntimeError as e:
         if _watch is None or not is_comm_failure(e):
             raise
         raise _watch.failed(e) from e
+    finally:
+        _inside -= 1
+
+
+OUTSIDE = "outside the model's calls"
+SCRIPT_COLLECTIVES = ("barrier", "monitored_barrier", "all_reduce", "broadcast", "reduce", "all_gather",
+                      "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor", "all_to_all",
+                      "all_to_all_single", "gather", "scatter", "all_gather_object", "broadcast_object_list",
+                      "gather_object", "scatter_object_list")
+"""torch.distributed's collectives a script (or a library it calls: DCP) waits in between the model's calls."""
+
+
+def name_parted_ranks_in_script_collectives() -> Callable[[], None]:
+    """Makes torch.distributed's collectives, called by the script outside the model's calls (a ``dist.barrier()``
+    after the step, a metric's ``all_reduce``, a checkpoint's gathers), raise ``RanksPartedError`` when they fail
+    for a rank that parted: the account of every rank, as inside the model's calls (else those ranks got only the
+    backend's timeout, while the rank that made an extra call named them). Only a synchronous call's failure is
+    translated (an ``async_op`` call's ``wait()`` is torch's), and ``RanksPartedError`` is a ``RuntimeError``, as
+    torch's was. Returns how to undo it (``autopar.patches.install`` holds it)."""
+    plain = {name: getattr(dist, name) for name in SCRIPT_COLLECTIVES if hasattr(dist, name)}
+
+    def named(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def collective(*args: Any, **kwargs: Any) -> Any:
+            if _inside or _watch is None:
+                return call(*args, **kwargs)
+            try:
+                return call(*args, **kwargs)
+            except RuntimeError as e:
+                if not is_comm_failure(e):
+                    raise
+                raise _watch.failed(e, f"dist.{name} (the script's or a library's), {OUTSIDE}",
+                                    outside=True) from e
+        collective.names_parted_ranks = True  # (tests find autopar's wrappers by it)
+        return collective
+
+    for name, call in plain.items():
+        setattr(dist, name, named(name, call))
+
+    def undo() -> None:
+        for name, call in plain.items():
+            setattr(dist, name, call)
+    return undo

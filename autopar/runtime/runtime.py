@@ -29,7 +29,7 @@ from autopar.memory import device_budget, half_dtype
 from autopar.planner import PlanOptions, decide_plan, pooled_rows
 from autopar.runtime.data_shards import DataShards
 from autopar.runtime import collectives as C
-from autopar.runtime import executables, norms, optim, pointwise
+from autopar.runtime import executables, faults, norms, optim, pointwise
 from autopar.runtime.agreement import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.binding import placeholders
 from autopar.runtime.casts import Casts
@@ -83,6 +83,9 @@ class ParallelRuntime:
         if getattr(model, "can_generate", lambda: False)() and "attribute generate" not in installed:
             # its cache comes back split (kept.py); a runtime this one replaces wrapped it already
             installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))
+        if mesh.control is not None:  # the script's own collectives name the ranks that parted, as the model's calls do
+            patches.install("torch.distributed collectives naming parted ranks",
+                            faults.name_parted_ranks_in_script_collectives)
         self.store = ParamStore(model, config, mesh, pending, dtensors)
         self.params = self.store.params
         if config.shard_optimizer and config.data > 1:

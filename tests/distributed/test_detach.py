@@ -8,6 +8,7 @@ import gc
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
@@ -29,6 +30,8 @@ def globals_now() -> dict:
             "fx names of autopar's specs": sorted(fx_builtin_names() & {t.__name__ for t in SPEC_TYPES}),
             "HF caches as pytrees": sorted(c.__qualname__ for c in pytree_node_types()
                                            if c.__module__.startswith("transformers") and "Cache" in c.__name__),
+            "torch.distributed collectives wrapped": sorted(n for n in dir(dist) if getattr(getattr(dist, n),
+                                                                                  "names_parted_ranks", False)),
             "patches": patches.inventory()}
 
 
