@@ -22,10 +22,14 @@ def test_backend_failures_are_told_and_mistakes_are_not():
 
 def test_the_message_names_who_raised_who_waited_and_who_was_silent():
     posts = {1: faults.Post(1, 3, "training", "raised OutOfMemoryError: injected", 1e18),
-             2: faults.Post(2, 3, "training", "waited in a collective of the forward", 1e18)}
-    text = faults._message(0, 3, "training", "waited in a collective of the forward", "Timed out", posts, 4, None)
+             2: faults.Post(2, 3, "training", "waited in a collective of the forward", 1e18),
+             4: faults.Post(4, 2, "training", f"waited in dist.barrier (the script's), {faults.OUTSIDE}", 1e18)}
+    text = faults._message(0, "its training call 3", "waited in a collective of the forward", "Timed out", posts, 5,
+                           None)
+    assert "Rank 0 waited in a collective of the forward (its training call 3; the collective failed: Timed out)" in text
     assert "Rank 1's training call 3 raised OutOfMemoryError: injected and the script went on" in text
     assert "Rank(s) 2 waited in a collective of the forward (call 3)" in text
+    assert "Rank(s) 4 waited in dist.barrier (the script's), outside the model's calls (after call 2)" in text
     assert "Rank(s) 3 sent no account" in text
     post = faults.Post(2, 7, "evaluation", "waited in a | b", 12.5)
     assert faults.Post.parse(2, post.line()) == post and faults.Post.parse(2, "garbage") is None
