@@ -227,7 +227,7 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
         batch: how the batch was split, recorded on the graph; None when nothing is split.
         split: the input leaves that hold the batch: leaf index -> its batch dim.
         dynamic: input dims captured as symbolic sizes: leaf index -> {dim: Dim} (``symbolic_dims``).
-        arrived: input leaves that arrive as this rank's piece (``autopar.runtime.kept``): index -> layout.
+        arrived: input leaves that arrive as this rank's piece (``autopar.runtime.execution.kept_state``): index -> layout.
     """
     leaves, in_spec = pytree.tree_flatten((args, kwargs))
     copy_, fake_leaves = _fake_copy(shadow, leaves, device)

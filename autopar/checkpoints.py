@@ -27,8 +27,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 
 from autopar.errors import CheckpointError, ConfigError
-from autopar.runtime.checkpoint import host_copy
-from autopar.runtime.mesh import save_group
+from autopar.runtime.interop.state_dicts import host_copy
+from autopar.runtime.comm.mesh import save_group
 
 log = logging.getLogger("autopar")
 

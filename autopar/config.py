@@ -39,7 +39,7 @@ class ParallelConfig:
     shard_optimizer: bool = False
     """The data ranks split the optimizer state and the gradients (ZeRO stages 1-2): each keeps the reduced
     gradient of 1/data of every parameter, steps it and then all-gathers it (``auto_parallelize(shard_optimizer=True)``,
-    ``autopar.runtime.data_shards``)."""
+    ``autopar.runtime.params.data_shards``)."""
     sequence_parallel: bool = False
     """Sequence parallelism (Korthikanti et al. 2022): where a matmul would all-reduce a whole output over
     row (or col), it reduce-scatters it along the tokens instead, so the norms, residual adds and dropout
@@ -172,7 +172,7 @@ class MemoryConfig:
     the compute dtype."""
     shard_optimizer: bool = False
     """Each data rank keeps the optimizer state and the reduced gradient of 1/data of every parameter, steps that
-    part and all-gathers the updated parameters (ZeRO stages 1-2, ``autopar.runtime.data_shards``)."""
+    part and all-gathers the updated parameters (ZeRO stages 1-2, ``autopar.runtime.params.data_shards``)."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group (``ParallelConfig``)."""
 
@@ -202,11 +202,11 @@ class CompileConfig:
     """Whether the per-rank program runs compiled: ``auto_parallelize(compile=...)``.
 
     True: each bound per-rank graph of static sizes (each pipeline stage) runs under ``torch.compile`` with
-    Inductor (``autopar.runtime.compiled``); False: eagerly, op by op; "auto" (default), on CUDA devices,
+    Inductor (``autopar.runtime.compiled.graph``); False: eagerly, op by op; "auto" (default), on CUDA devices,
     where launching kernels one by one costs more than the compute of a rank's share (measured: one rank's
     step at 4-way tensor parallelism took longer than the whole serial step on an H200): the graphs of
     training calls (gradients enabled), and the evaluation calls replayed as CUDA graphs (a static cache's
-    decode steps, ``autopar.runtime.graphed``: the same sizes at every step, as HF's ``generate`` compiles
+    decode steps, ``autopar.runtime.compiled.cuda_graphs``: the same sizes at every step, as HF's ``generate`` compiles
     a static cache's decode on CUDA); eager on CPU, where compiling takes longer than it saves in a short
     run, and for other evaluation calls, whose many shapes would each compile. "reduce-overhead" (torch.compile's
     name for it): as True, and on CUDA each training graph (forward and backward, not a pipeline stage) is also
@@ -236,10 +236,10 @@ class CompileConfig:
 BATCH_MODES: tuple[str, ...] = ("auto", "global", "per-rank")
 
 AGREEMENT_BYTES = 7 * 8
-"""One rank's description of a call (autopar.runtime.agreement): all-gathered over the world per call."""
+"""One rank's description of a call (autopar.runtime.execution.call_check): all-gathered over the world per call."""
 
 COMPILE_AGREEMENT_TIMEOUT = 1800.0
-"""Seconds a rank waits for the others to finish compiling a graph (autopar.runtime.compile_agreement):
+"""Seconds a rank waits for the others to finish compiling a graph (autopar.runtime.compiled.agreement):
 compiling takes minutes, and ranks that load a graph from Inductor's cache finish far sooner."""
 
 

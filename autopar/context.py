@@ -28,13 +28,13 @@ from autopar.errors import AgreementError, ConfigError, ContextError, NotInitial
 from autopar.grid_choice import choose_at_first_call, choose_grid_now, too_big_for_data_parallel
 from autopar.memory import release_freed_memory
 from autopar.parallel_model import no_sync
-from autopar.runtime import collectives as C
-from autopar.runtime.deferred import Deferred
-from autopar.runtime.mapped import FileMaps, file_fingerprint
-from autopar.runtime.mesh import Mesh
-from autopar.runtime.param_layout import splits_parameters
-from autopar.runtime.pending import Pending, make_pending, materialize_whole
-from autopar.runtime.runtime import ParallelRuntime, runtimes
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.construction.record import Deferred
+from autopar.runtime.construction.memory_mapped import FileMaps, file_fingerprint
+from autopar.runtime.comm.mesh import Mesh
+from autopar.runtime.params.layout import splits_parameters
+from autopar.runtime.construction.pending import Pending, make_pending, materialize_whole
+from autopar.runtime.parallel_runtime import ParallelRuntime, runtimes
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +134,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             the batch size). Default: dim 0 of the first tensor input is the batch, and dim 0 of every
             tensor input of that size.
         defer_init: record the block's construction on meta and build parameters at the first call, each
-            rank only its pieces, with serial's values bit for bit (autopar/runtime/deferred.py). Default
+            rank only its pieces, with serial's values bit for bit (autopar/runtime/construction/record.py). Default
             True; False builds every parameter whole on every rank inside the block (for a model whose
             construction reads tensor data into Python, which DeferredInitError names).
         plan: "auto": the degrees not given (``tensor``, ``data``, ``pipeline``, ``microbatches``, the schedule) are
@@ -148,7 +148,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             dict, or enter ``no_sync()`` as usual. Default None: the degrees as given (none given: see
             ``data``).
         compile: True: each rank's program (forward and backward, each pipeline stage) runs under
-            ``torch.compile`` with Inductor, its collectives as graph nodes (autopar/runtime/compiled.py);
+            ``torch.compile`` with Inductor, its collectives as graph nodes (autopar/runtime/compiled/graph.py);
             a graph that does not compile runs eagerly with one warning line. False: eagerly, op by op.
             "auto" (default): compiled on CUDA devices, eager on CPU. Same results either way.
             "reduce-overhead": compiled, and on CUDA each training step's graphs are replayed as CUDA graphs
@@ -157,7 +157,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
         shard_optimizer: True: each data rank keeps the optimizer state of 1/data of every parameter (ZeRO
             stages 1-2, Megatron's distributed optimizer) and, after backward, that part of its gradient (a
             reduce-scatter: ``p.grad`` is a DTensor split over data), steps it and all-gathers the updated
-            parameters (autopar/runtime/data_shards.py): DDP's bytes. For torch.optim's elementwise
+            parameters (autopar/runtime/params/data_shards.py): DDP's bytes. For torch.optim's elementwise
             optimizers (Adam, AdamW, SGD, ...); another keeps its whole state with one warning line.
         sequence_parallel: True: where a matmul would all-reduce a whole output over the row (or col) ranks
             (Megatron's row-parallel layer: attention's and the MLP's output projections), it reduce-scatters
@@ -290,7 +290,7 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
                 choose: dict[str, int] | None = None, compile: CompileConfig | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end).
 
-    ``deferred``: the block's recorded construction (autopar/runtime/deferred.py). Grids that split
+    ``deferred``: the block's recorded construction (autopar/runtime/construction/record.py). Grids that split
     parameters build them at the first call (each rank its pieces); data parallelism alone builds them
     here, whole, as serial's construction would have.
     """
@@ -375,7 +375,7 @@ def _fingerprint(t: torch.Tensor, maps: FileMaps, chunk: int = 1 << 16) -> torch
     """(0, 0, sum, sum of squares) of ``t`` in float64, a chunk at a time: no full-size temporaries (small
     chunks: glibc kept 8 MiB ones resident, +600 MiB per rank over GPT-2's 774 MiB). A tensor that is
     a memory-mapped checkpoint's unwritten pages: where it lies in the file and a sample of its values,
-    read without touching the rest (autopar/runtime/mapped.py)."""
+    read without touching the rest (autopar/runtime/construction/memory_mapped.py)."""
     where = maps.region(t)
     if where is not None:
         return file_fingerprint(t, where).to(t.device)

@@ -247,7 +247,7 @@ class MemoryPlan:
     headroom_bytes: int = 0
     """Kept free under a budget: one largest tensor, for transients the prediction does not see."""
     construction_bytes: int = 0
-    """Peak while the model is built (autopar.runtime.deferred): the parameters plus the largest one whole."""
+    """Peak while the model is built (autopar.runtime.construction.record): the parameters plus the largest one whole."""
     compiled: bool = False
     """Counted as a compiled step holds it (``compile=``: ``estimate_memory.compiled_recompute``)."""
 

@@ -1,5 +1,5 @@
 """Which grid a model runs on when the user did not give it all: data parallelism for a model whose training
-state fits half a device, else the plan search's best grid (``autopar.search.choose_grid``), chosen by rank 0
+state fits half a device, else the plan search's best grid (``autopar.planning.search.choose_grid``), chosen by rank 0
 and broadcast, at the end of the block (example inputs) or at the model's first call."""
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from autopar.compat import pytree
 from autopar.config import CompileConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import ContextError
 from autopar.memory import device_budget
-from autopar.runtime import collectives as C
-from autopar.runtime.agreement import PER_RANK
-from autopar.runtime.mesh import Mesh, device_for_backend
-from autopar.runtime.runtime import ParallelRuntime, runtimes
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.execution.call_check import PER_RANK
+from autopar.runtime.comm.mesh import Mesh, device_for_backend
+from autopar.runtime.parallel_runtime import ParallelRuntime, runtimes
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def too_big_for_data_parallel(roots: list[nn.Module], memory: MemoryConfig, at_f
 
 def choose_grid_now(roots: list[nn.Module], example_inputs: tuple, given: dict[str, int], memory: MemoryConfig,
                     pipe: PipelineConfig, compile: CompileConfig) -> tuple[ParallelConfig, PipelineConfig]:
-    """plan="auto": the best grid for the block's model (``autopar.search.choose_grid``), rank 0's choice on
+    """plan="auto": the best grid for the block's model (``autopar.planning.search.choose_grid``), rank 0's choice on
     every rank; the degrees the user gave stay."""
     if len(roots) > 1:
         raise ContextError(f"plan='auto' with example_inputs chooses one grid for one model; the block built "
@@ -81,9 +81,9 @@ def choose_grid_now(roots: list[nn.Module], example_inputs: tuple, given: dict[s
 def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: int | None, given: dict[str, int],
                    memory: MemoryConfig, pipe: PipelineConfig, group: Any,
                    compile: CompileConfig) -> tuple[ParallelConfig, PipelineConfig]:
-    """Rank 0's search (``autopar.search.choose_grid``) for one global batch (``rows``: its rows, where the call
+    """Rank 0's search (``autopar.planning.search.choose_grid``) for one global batch (``rows``: its rows, where the call
     holds one rank's), broadcast: every rank runs the same grid, or raises rank 0's error."""
-    from autopar.search import choose_grid
+    from autopar.planning.search import choose_grid
     from passes.analysis.search_plans import why_slower
 
     world = dist.get_world_size()

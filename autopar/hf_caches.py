@@ -1,6 +1,6 @@
 """HuggingFace key/value caches in captured calls: dropped in training (as HF does under gradient
 checkpointing), registered as pytrees otherwise (HF's own helper, as its exporter does), so that a cache
-passed in or returned is tensors autopar captures and keeps split (``autopar.runtime.kept``)."""
+passed in or returned is tensors autopar captures and keeps split (``autopar.runtime.execution.kept_state``)."""
 
 from __future__ import annotations
 
@@ -109,7 +109,7 @@ def is_cache_type(t: type | None) -> bool:
 
 def state_outputs(out_spec: pytree.TreeSpec) -> frozenset[int]:
     """The output leaves (flat positions) inside an HF key/value cache object: state the caller passes
-    back in, which autopar keeps split between calls (``autopar.runtime.kept``)."""
+    back in, which autopar keeps split between calls (``autopar.runtime.execution.kept_state``)."""
     kept: set[int] = set()
 
     def walk(spec: pytree.TreeSpec, start: int, inside: bool) -> None:

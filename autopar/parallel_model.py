@@ -15,8 +15,8 @@ from autopar import patches
 from autopar.compat import buffer_slots, compiled_original, local_tensor, parameter_slots
 from autopar.decisions import Plan
 from autopar.errors import ContextError
-from autopar.runtime.checkpoint import full_optimizer_state, load_full_optimizer_state
-from autopar.runtime.runtime import ParallelRuntime, runtimes
+from autopar.runtime.interop.state_dicts import full_optimizer_state, load_full_optimizer_state
+from autopar.runtime.parallel_runtime import ParallelRuntime, runtimes
 
 
 @contextmanager

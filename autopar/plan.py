@@ -5,7 +5,7 @@
         [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--chunks V] [--json FILE]
 
 Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
-(``autopar.planner.plan_model``: capture on meta, the plan, its exact collectives, the memory plan with the
+(``autopar.planning.planner.plan_model``: capture on meta, the plan, its exact collectives, the memory plan with the
 blocks to recompute under the device's memory, the pipeline's stages), and scored by the predicted step
 time on the described machine. The table lists the best ``--top`` plans and why each is slower than the
 best; plans that do not fit memory come last, with the memory they need. ``MODEL.py`` follows the trace
@@ -25,8 +25,8 @@ import torch
 from autopar.config import CompileConfig, PipelineConfig
 from autopar.errors import AutoparError, ConfigError
 from autopar.model_file import load_model_file, meta_inputs
-from autopar.machines import BUILT_IN, compile_arg, device_type_of, load_machine
-from autopar.search import KEEP, SCREENED, gib, score, search
+from autopar.planning.machines import BUILT_IN, compile_arg, device_type_of, load_machine
+from autopar.planning.search import KEEP, SCREENED, gib, score, search
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import DEGREES, Candidate, Scored, why_slower
 
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", metavar="FILE", help='also write {"plans": [...], "evaluated": {...}}')
     args = parser.parse_args(argv)
     if args.calibrate:
-        from autopar.calibrate import calibrate, write
+        from autopar.planning.calibrate import calibrate, write
 
         try:
             machine = calibrate(args.gpus or 2)

@@ -21,9 +21,9 @@ from autopar.compat import pytree
 from autopar.config import CompileConfig, ParallelConfig
 from autopar.decisions import Plan
 from autopar.errors import AutoparError
-from autopar.machines import BUILT_IN, compile_arg, device_type_of, load_machine
+from autopar.planning.machines import BUILT_IN, compile_arg, device_type_of, load_machine
 from autopar.model_file import load_model_file, meta_inputs
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.report import StepReport
 

@@ -27,9 +27,9 @@ import torch
 import torch.nn as nn
 
 from autopar.parallel_model import runtime_of
-from autopar.runtime import collectives as C
-from autopar.runtime.losses import cross_entropy_options, logits_and_spec, splits_last_only, vocab_parallel_sum
-from autopar.runtime.pipeline_step import pipelined_step
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.ops.vocabulary import cross_entropy_options, logits_and_spec, splits_last_only, vocab_parallel_sum
+from autopar.runtime.pipeline.train_step import pipelined_step
 
 
 def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: Any) -> torch.Tensor:

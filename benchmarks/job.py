@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from autopar.calibrate import cpu_cores
+from autopar.planning.calibrate import cpu_cores
 from autopar.memory import device_budget
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import plan_seconds
@@ -53,7 +53,7 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
                ) -> dict[str, float | None]:
     """What ``python -m autopar.trace`` predicts for this rank: bytes sent per step, and the step time
     under this machine's calibrated rates."""
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
 
     grid = parse_grid(system.split(":", 1)[1], ctx.world)
     with torch.device("meta"):
@@ -70,7 +70,7 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
 def _preload(bm: BenchModel, device: torch.device) -> None:
     """Imports and the first collective's setup, before any memory baseline: no system pays for them."""
     for name in ("torch.distributed.fsdp", "torch.distributed.pipelining", "torch.distributed.tensor.parallel",
-                 "autopar.planner"):
+                 "autopar.planning.planner"):
         importlib.import_module(name)
     with torch.device("meta"):
         bm.build()  # imports the model's modules (transformers)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from autopar.compat import op_schema, resolve_process_group
-from autopar.calibrate import (activation_rate, arrival_skew_seconds, collective_table, lockstep_seconds, matmul_rate,
+from autopar.planning.calibrate import (activation_rate, arrival_skew_seconds, collective_table, lockstep_seconds, matmul_rate,
                                op_overhead, optimizer_rate, warm_up)
 from autopar.decisions import collective_bytes
 from autopar.memory import PeakMemory
@@ -138,7 +138,7 @@ def slowest_median(times: list[float], device: torch.device) -> float:
 
 def calibrate(device: torch.device, repeats: int = 10) -> dict[str, Any]:
     """This machine's rates as each rank sees them while every rank runs at once (shared cores
-    included; ``autopar.calibrate``, every rate the slowest rank's): a GEMM's FLOP rate, an all-reduce's
+    included; ``autopar.planning.calibrate``, every rate the slowest rank's): a GEMM's FLOP rate, an all-reduce's
     fixed cost and bandwidth over all ranks (the bytes of ``collective_bytes``), an AdamW step's memory
     rate, the elementwise work's rate per saved activation byte, an operator's overhead and the tables of collectives per group: the plan search's ``Machine`` for predicting step times
     here."""

@@ -50,8 +50,8 @@ def _build(case: str):  # noqa: ANN202  (a model and its meta inputs)
 
 
 def run_case(case: str, exhaustive: bool) -> dict:
-    from autopar.machines import load_machine
-    from autopar.search import search
+    from autopar.planning.machines import load_machine
+    from autopar.planning.search import search
 
     spec = CASES[case]
     machine = load_machine(spec["hardware"])

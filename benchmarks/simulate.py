@@ -5,7 +5,7 @@ so its step is that rank's own compute plus autopar's overhead: what this device
 W ranks, before any communication. The model is ``autopar.examples.gpu_check``'s HF Llama, trained as a
 script does (AdamW, HF's ``labels=`` loss, the script's bf16 autocast). Rows: the serial model (whole
 model, whole batch), the serial model under ``torch.compile``, and each grid's rank 0 with autopar's eager
-per-rank program and with ``compile=True`` (``autopar.runtime.compiled``), each in a child process (a
+per-rank program and with ``compile=True`` (``autopar.runtime.compiled.graph``), each in a child process (a
 process has one default process group). Columns:
 
 - step ms (median of ``--repeats`` after two warm-up steps), device ms (CUDA: the kernels' summed time in
@@ -19,7 +19,7 @@ process has one default process group). Columns:
   That is what a W-way tensor rank computes at best with no communication: its matmuls' share, and the
   norms, residual stream and rotary every tensor rank repeats (issue 34's goal: <= 1.2x of it);
 - the planner's predicted compute for that rank (matmuls, elementwise work, per-op overhead and the
-  optimizer update, ``passes.analysis.search_plans.plan_seconds`` on ``autopar.machines.local_machine``).
+  optimizer update, ``passes.analysis.search_plans.plan_seconds`` on ``autopar.planning.machines.local_machine``).
 
     python -m benchmarks --simulate 4                        # CUDA if there is one, else the CPU
     python -m benchmarks --simulate 4 --size tiny --grids t4x1x1 t2x2x1 --repeats 3 --device cpu
@@ -90,8 +90,8 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
 def predicted_ms(size: str, grid_text: str, world: int, shape: tuple[int, int] | None = None) -> float | None:
     """The planner's compute (+ optimizer update) for the grid's slowest rank, in ms; None if it fails."""
-    from autopar.machines import local_machine
-    from autopar.search import score
+    from autopar.planning.machines import local_machine
+    from autopar.planning.search import score
     from passes.analysis.search_plans import Candidate
 
     grid = parse_grid(grid_text, world) if grid_text != SERIAL else parse_grid("d1", 1)

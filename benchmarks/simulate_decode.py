@@ -9,7 +9,7 @@ batch 1, a 16-token prompt, 48 new tokens. Rows, each in a child process:
 - the whole model: eager, and as HF compiles it (``generate`` with a static cache on CUDA compiles the
   forward with ``torch.compile(mode="reduce-overhead")``: Inductor and CUDA graphs);
 - each grid's rank 0 with ``compile=False`` (op by op), ``compile="auto"`` (the default: the decode step
-  compiled by Inductor for its sizes and replayed as a CUDA graph, ``autopar.runtime.graphed``) and
+  compiled by Inductor for its sizes and replayed as a CUDA graph, ``autopar.runtime.compiled.cuda_graphs``) and
   ``compile=True`` (the same, and the prompt's call compiled too).
 
 The fake process group computes nothing across ranks (a gathered logit row holds only this rank's share),

@@ -256,7 +256,7 @@ def param_bytes(modules: list[nn.Module]) -> int:
     """Bytes of the parameters this rank holds (its shards; a tied weight once)."""
     from torch.distributed.tensor import DTensor
 
-    from autopar.runtime.param_layout import held_numel
+    from autopar.runtime.params.layout import held_numel
 
     seen: dict[int, int] = {}
     for m in modules:

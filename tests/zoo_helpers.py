@@ -65,7 +65,7 @@ def parallel(name: str, data: list, tensor: tuple[int, int, int], data_degree: i
     ``pipeline``: auto_parallelize's pipeline keywords (pipeline=, microbatches=, schedule=, chunks=)."""
     import autopar
     from autopar.parallel_model import runtime_of
-    from autopar.runtime.param_layout import held_numel
+    from autopar.runtime.params.layout import held_numel
 
     torch.manual_seed(seed)
     with autopar.auto_parallelize(tensor=tensor, data=data_degree, checkpoint=checkpoint, **(pipeline or {})):

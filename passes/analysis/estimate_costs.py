@@ -1,7 +1,7 @@
 """Predicts, for one rank, every collective a training step issues and the matmul FLOPs.
 
-The runtime counts the bytes it really sends (autopar.runtime.collectives); tests hold the two equal. The
-accounting per op mirrors the implementations in autopar.runtime.ops one to one:
+The runtime counts the bytes it really sends (autopar.runtime.comm.collectives); tests hold the two equal. The
+accounting per op mirrors the implementations in autopar.runtime.ops.matmul one to one:
 
 - sharded matmul (3D): forward all-gather of the weight block over depth, all-reduce of the output
   over the axis splitting the input features; backward all-gather of the block again, all-reduce of
@@ -19,7 +19,7 @@ accounting per op mirrors the implementations in autopar.runtime.ops one to one:
   a gradient whose optimizer state is split is reduce-scattered over data instead
   (each data rank keeps its chunk; a chunk summed over depth too is then all-reduced over depth), and after
   the step every split parameter's updated chunks are all-gathered over data (``optimizer_shards``).
-- per call: the agreement (autopar.runtime.agreement), one all-gather of ``AGREEMENT_BYTES`` per rank over
+- per call: the agreement (autopar.runtime.execution.call_check), one all-gather of ``AGREEMENT_BYTES`` per rank over
   the world.
 """
 
@@ -141,7 +141,7 @@ def conversion_collectives(producer: fx.Node, src: Sharding, dst: Sharding, requ
                            partial: bool | str = False) -> list[Collective]:
     """``partial``: its readers are matmuls whose input gradients are partial sums, reduce-scattered back
     (``ConvertSpec.partial_grad``), and which keep this rank's tokens, gathered again in their backward
-    (``autopar.runtime.tokens.Regather``) when ``partial`` is "regather"."""
+    (``autopar.runtime.ops.sequence_parallel.Regather``) when ``partial`` is "regather"."""
     t = tensor_meta(producer)
     out = []
     if not src.is_replicated:
@@ -250,7 +250,7 @@ def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConf
 
 def vocab_loss_collectives(logits: Any, class_dim: int, axis: str, config: ParallelConfig, where: str, at: str = "",
                            smoothing: bool = False) -> list[Collective]:
-    """Vocabulary-parallel cross-entropy (autopar.runtime.ops.vocab_parallel_losses): the row maxima,
+    """Vocabulary-parallel cross-entropy (autopar.runtime.ops.matmul.vocab_parallel_losses): the row maxima,
     then the sums of exponentials, the targets' logits (and the logits' sums with label smoothing) in one
     buffer; fp32, one value each per row, forward only (the loss is replicated)."""
     rows = logits.numel() // max(logits.shape[class_dim], 1)
@@ -366,7 +366,7 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
 
 def pooled_collectives(gm: fx.GraphModule, facts: BatchFacts, batch: BatchInfo) -> list[Collective]:
     """Per-rank batches pooled by the ranks of one batch shard (``batch.segments``: their rows;
-    autopar.runtime.per_rank): each batch input's rows all-gathered from the members forward, and each
+    autopar.runtime.data_parallel.per_rank): each batch input's rows all-gathered from the members forward, and each
     per-member loss's gradient all-gathered from them backward. No reduction crosses batch shards."""
     n = len(batch.segments)
     out = []

@@ -67,9 +67,9 @@ _BUCKET_BYTES = 25 * 2**20
 """The gradient sync's bucket cap (``search_plans.BUCKET_BYTES``, which imports this module)."""
 SCATTER_BUCKETS_HELD = 3
 """Buckets of whole gradients the gradient sync holds at most under ``shard_optimizer``: the one filling, and
-those whose reduce-scatter still runs (``autopar.runtime.grad_sync.INFLIGHT`` is one less)."""
+those whose reduce-scatter still runs (``autopar.runtime.data_parallel.grad_sync.INFLIGHT`` is one less)."""
 MAX_PIECES = 16
-"""A compiled training graph is cut in at most this many pieces (``autopar.runtime.compiled_pieces``): each
+"""A compiled training graph is cut in at most this many pieces (``autopar.runtime.compiled.pieces``): each
 piece costs a compiled call each way a step, so a large model's pieces hold more than a bucket each."""
 _BLOCK = re.compile(r"^(.*?\.\d+)(?:\.|$)")
 
@@ -117,7 +117,7 @@ class MemoryProfile:
     compiled_grad_bytes: int = 0
     """``grad_bytes`` where the backward is compiled (``compiled_recompute``); 0: the same. Under
     ``shard_optimizer``, besides what the sync holds (``scattered_grad_bytes``), the whole gradients one compiled
-    piece returns at once (``autopar.runtime.compiled_pieces``: a bucket's worth), which live until the sync
+    piece returns at once (``autopar.runtime.compiled.pieces``: a bucket's worth), which live until the sync
     has packed each into its bucket."""
 
     @property
@@ -399,7 +399,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         counted.add(key)
         # A conversion before the saver keeps the tensor in the saver's layout, except a gather for matmuls that
         # keep this rank's tokens and gather them again in backward (sequence parallelism:
-        # ``autopar.runtime.tokens.Regather``).
+        # ``autopar.runtime.ops.sequence_parallel.Regather``).
         if producer is None:  # made inside the op: a copy of an input, or new (SDPA's log-sum-exp)
             source = rec.layout_source.get(key)
             sharding = (_kept_layout(res, saver, source) if source is not None else res.sharding(saver))
@@ -516,7 +516,7 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
             # bucket, so at most a few buckets of them are whole at once (``scattered_grad_bytes``)
             grads = scattered_grad_bytes(state, trainable)
             # compiled, a piece's backward returns its gradients at once, a bucket's worth
-            # (``autopar.runtime.compiled_pieces``), and autograd copies one to lay it out like its parameter
+            # (``autopar.runtime.compiled.pieces``), and autograd copies one to lay it out like its parameter
             largest_local = max((b for name, b in local.items() if name not in frozen), default=0)
             compiled_grads = grads + min(trainable, piece_bytes(trainable) + largest_local)
     largest = max((4 * math.prod(p.shape) for p in plan.params), default=0)
@@ -525,7 +525,7 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
 
 
 def piece_bytes(synced: int, bucket: int = _BUCKET_BYTES) -> int:
-    """The synced gradient bytes a compiled piece holds (``autopar.runtime.compiled_pieces``), of ``synced`` in
+    """The synced gradient bytes a compiled piece holds (``autopar.runtime.compiled.pieces``), of ``synced`` in
     all: a ``bucket``'s worth, or more where that would make more than ``MAX_PIECES`` pieces."""
     return max(bucket, -(-synced // MAX_PIECES))
 

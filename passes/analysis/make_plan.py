@@ -98,7 +98,7 @@ def _divides(m: MatmulMatch, o: Orientation, parts: tuple[int, ...], config: Par
             return f"{o.value}: {what} not divisible by {o.out_axis}={out_split}"
     if m.in_features % in_split:
         return f"{o.value}: in_features {m.in_features} not divisible by {o.in_axis}={in_split}"
-    # Parameters are DTensors (autopar.runtime.parameters): every rank's piece must be a DTensor layout.
+    # Parameters are DTensors (autopar.runtime.params.store): every rank's piece must be a DTensor layout.
     if out_split > 1 and len(parts) > 1 and not DTENSOR_HANDLES_FUSED_PIECES:
         return (f"{o.value}: fused output pieces ({'+'.join(map(str, parts))}) split over {o.out_axis}={out_split} "
                 "need torch >= 2.13's DTensor (this torch computes wrong values on that layout)")

@@ -1,6 +1,6 @@
 """How ``shard_optimizer`` splits a parameter's optimizer state (and gradient) over the data ranks (ZeRO stages 1-2).
 
-The rule the runtime keeps the state by (``autopar.runtime.data_shards``) and the plan predicts with (bytes
+The rule the runtime keeps the state by (``autopar.runtime.params.data_shards``) and the plan predicts with (bytes
 kept by ``estimate_memory.static_memory``, bytes sent by ``estimate_costs.grad_sync_collectives``): the
 state of a parameter's local piece is cut along its first dim that no tensor axis splits and that has more
 than one row, into ``data`` chunks of ``ceil(rows / data)`` rows (``torch.chunk``'s split: the last ones

@@ -1,6 +1,6 @@
 """pipeline_collectives: what one pipeline rank communicates in a ``train_step`` (pipeline > 1).
 
-The runtime (autopar.runtime.pipeline, autopar.train) runs M micro-batches through the rank's stages; this
+The runtime (autopar.runtime.pipeline.stages, autopar.train) runs M micro-batches through the rank's stages; this
 lists the same communication, one Collective per call, so ``comm_stats()`` after a step equals the
 sum of their bytes (tests hold the two equal). Per micro-batch:
 
@@ -16,7 +16,7 @@ Once per step, after the last micro-batch:
 - a weight read by stages on several ranks (tied embeddings): its gradient all-reduced over them;
 - the returned loss: all-reduced over the batch shards on the last stage's rank, then broadcast
   from it over the pipeline;
-- the check that every rank makes the call (autopar.runtime.agreement): one all-gather of ``AGREEMENT_BYTES``
+- the check that every rank makes the call (autopar.runtime.execution.call_check): one all-gather of ``AGREEMENT_BYTES``
   per rank over the world.
 
 Stage k runs on pipeline rank k mod P (PipelinePlan). Activations are counted at their captured
@@ -72,7 +72,7 @@ def pipeline_collectives(chain: Sequence[ChainSegment], plan: Plan, step: Sequen
     if last in mine and config.num_batch_shards > 1:
         out.append(Collective("all_reduce", "batch", axis_size(config, "batch"), 4, "step", "<loss>"))
     out.append(Collective("broadcast", "pipeline", ranks, 4, "step", "<loss>"))
-    # train_step's check that every rank makes the same call, once a step (autopar.runtime.agreement)
+    # train_step's check that every rank makes the same call, once a step (autopar.runtime.execution.call_check)
     out.append(Collective("all_gather", "world", config.world_size, AGREEMENT_BYTES * config.world_size, "forward",
                           AGREEMENT))
     return tuple(c for c in out if c.group_size > 1)

@@ -171,7 +171,7 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
                   ) -> StepReport:
     """The report of the whole model; ``full_plan`` is ``repeat_plan``'s result. Without ``totals`` only its
     rows, collectives and parameter count are the whole model's (every total is still the cut model's): for a
-    caller that summarizes them again (a pipeline's, per rank: ``autopar.planner``), which saves a summary of
+    caller that summarizes them again (a pipeline's, per rank: ``autopar.planning.planner``), which saves a summary of
     some 10,000 records per plan at 16,384 GPUs."""
     rows, colls, whole = report.layers, report.collectives, report.whole
     num_parameters = report.num_parameters

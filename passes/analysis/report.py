@@ -95,7 +95,7 @@ class StepReport:
 
     @property
     def construction_bytes_per_rank(self) -> int:
-        """Peak parameter bytes while the model is built (autopar.runtime.deferred): this rank's pieces and
+        """Peak parameter bytes while the model is built (autopar.runtime.construction.record): this rank's pieces and
         one parameter whole."""
         return self.param_bytes_per_rank + self.largest_param_bytes
 

@@ -1,6 +1,6 @@
 """screen: a grid's step time and least memory in closed form, without planning it.
 
-The plan search (``autopar.search``) screens every grid a world size allows, tens of thousands at
+The plan search (``autopar.planning.search``) screens every grid a world size allows, tens of thousands at
 thousands of GPUs, and plans exactly only the most promising (``passes.analysis.search_plans`` prices a
 plan). The screen reads one plan of the model on one rank (``shape_of``: its matmuls grouped by shape,
 its parameters, activations and links) and prices a grid from it: AxoNN's per-layer collectives on even
@@ -258,7 +258,7 @@ class _Degrees:
             state //= c.data
             grads = scattered_grad_bytes(params // c.data, params) if self.stages == 1 else params
             if self.compiled and self.stages == 1:  # (a compiled piece of backward returns a bucket's worth of
-                grads += min(params, BUCKET_BYTES)  # whole gradients at once: autopar.runtime.compiled_pieces)
+                grads += min(params, BUCKET_BYTES)  # whole gradients at once: autopar.runtime.compiled.pieces)
             full, rest = divmod(params, BUCKET_BYTES)
             sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0

@@ -135,7 +135,7 @@ def _halves(phase: str, axis: str) -> bool:
 
 
 BUCKET_BYTES = 25 * 2**20
-"""The gradient sync's bucket cap (autopar.runtime.grad_sync and, under a pipeline, stage_grads; as DDP's)."""
+"""The gradient sync's bucket cap (autopar.runtime.data_parallel.grad_sync and, under a pipeline, stage_grads; as DDP's)."""
 
 
 def bucketed(collectives: Iterable[Collective], cap: int = BUCKET_BYTES) -> list[Collective]:
@@ -242,7 +242,7 @@ def arrival_skew(calls: int, compute: float, machine: Machine, config: ParallelC
 
 
 def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: str = "fp32") -> StepTime:
-    """``step_seconds`` of a planned grid from its step report (``autopar.planner.plan_model``'s, under
+    """``step_seconds`` of a planned grid from its step report (``autopar.planning.planner.plan_model``'s, under
     ``precision``)."""
     layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
     memory = report.rank_memory or plan.memory

@@ -166,7 +166,7 @@ def test_buffers_a_pipeline_stage_writes_reach_every_rank(distributed):
 
 def _bytes_worker(name: str) -> tuple[float, float]:
     import autopar
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
 
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=(2, 1, 1), data=2):

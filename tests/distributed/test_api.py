@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import autopar
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.params.layout import local_of
 from autopar.parallel_model import runtime_of
 from autopar.errors import ConfigError, ContextError, InputError, NotInitializedError, StateDictError
 from autopar.examples.fc_net import FC_Net

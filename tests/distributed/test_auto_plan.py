@@ -13,7 +13,7 @@ import torch
 import autopar
 from autopar.errors import CheckpointError, PlanError
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
-from autopar.search import choose_grid
+from autopar.planning.search import choose_grid
 
 CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
 
@@ -155,7 +155,7 @@ def interleaved_worker(options: dict) -> dict:
     with ``options`` (the user's schedule) the search keeps that schedule's stages per rank."""
     import torch.nn.functional as F
 
-    import autopar.search as P
+    import autopar.planning.search as P
     from autopar.examples.fc_net import FC_Net, synthetic_mnist
     from tests.helpers import rel_err
 

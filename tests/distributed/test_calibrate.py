@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from autopar.calibrate import collective_table
+from autopar.planning.calibrate import collective_table
 
 
 def _table_while_the_compute_speeds_up() -> dict:
@@ -31,7 +31,7 @@ def test_a_collective_is_never_priced_at_nothing_when_the_compute_drifts(distrib
 
 
 def _skews() -> tuple[float, float]:
-    import autopar.calibrate as calibrate
+    import autopar.planning.calibrate as calibrate
 
     with_cores = calibrate.arrival_skew_seconds(stretch=0.005, calls=2, trials=1)
     calibrate.cpu_cores = lambda: 1  # (this child only) two ranks on one core

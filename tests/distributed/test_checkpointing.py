@@ -10,7 +10,7 @@ import torch.utils.checkpoint
 
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from tests import zoo_helpers as Z
 from tests.helpers import SettleCollectives
 

@@ -30,8 +30,8 @@ from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.errors import CheckpointError, ContextError, StateDictError
 from autopar.examples import zoo
 from autopar.parallel_model import plan_of
-from autopar.runtime.collectives import comm_calls
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.comm.collectives import comm_calls
+from autopar.runtime.params.layout import local_of
 from tests.zoo_helpers import batches as zoo_batches
 
 RESUME_TOL = 1e-6

@@ -210,7 +210,7 @@ def test_compiled_gpt2_at_depth_with_labels_does_not_hang(distributed):
     output's backward (``ops._OnOneBatchRank``) made zeros without the gradient on ranks but batch rank 0, and
     AOTAutograd's partitioner moved the all-reduce after them into those ranks' forward: rank 0's forward held
     one all-reduce fewer, and every rank waited forever. Mutation (the zeros back): the ranks' compile agreement
-    (``autopar.runtime.compile_agreement``) now finds the forwards differ, every rank runs eagerly, and the test
+    (``autopar.runtime.compiled.agreement``) now finds the forwards differ, every rank runs eagerly, and the test
     fails on the compiled runs (0) instead of timing out."""
     for rank, got in enumerate(distributed(_gpt2_depth_loss_in_forward, 4, timeout=300)):
         (eager, eager_grads, _), (comp, comp_grads, runs) = got[False], got[True]
@@ -225,7 +225,7 @@ def _diverging(case: str) -> dict:
     rank 1's Inductor fails; rank 1 does not bucket (its code launches other collectives than rank 0's);
     every rank's backward does not lower."""
     import autopar.compat as inductor
-    import autopar.runtime.compiled as compiled
+    import autopar.runtime.compiled.graph as compiled
 
     real = inductor.inductor_compile_graph
     rank = dist.get_rank()
@@ -257,7 +257,7 @@ def _diverging(case: str) -> dict:
 
 @pytest.mark.parametrize("case", ["fails", "unbucketed", "backward fails"])
 def test_ranks_whose_compiles_differ_all_run_eagerly(case, distributed):
-    """Every rank runs a graph compiled, or every rank runs it eagerly (``autopar.runtime.compile_agreement``):
+    """Every rank runs a graph compiled, or every rank runs it eagerly (``autopar.runtime.compiled.agreement``):
     a rank whose compile fails or differs turns them all eager, with serial's numbers and no hang. Mutations:
     without the agreement, rank 0 runs compiled beside rank 1's eager graph ('fails': the test fails on
     rank 0's verdict; 'unbucketed': rank 0's two bucketed all-gathers meet rank 1's thirteen, and the ranks
@@ -279,7 +279,7 @@ def test_ranks_whose_compiles_differ_all_run_eagerly(case, distributed):
 
 def _counted_first_steps(counted: dict[int, int], options: dict) -> dict:
     import autopar.config as settings
-    from autopar.runtime import compiled_pieces
+    from autopar.runtime.compiled import pieces as compiled_pieces
 
     settings.COMPILE_AGREEMENT_TIMEOUT = 60
     compiled_pieces.PIECE_BYTES = 2**12  # (data 2: the graph in pieces, each agreed on by itself)
@@ -343,14 +343,14 @@ PIECES = [("d4", "fc", {"data": 4}, "call"),
 
 
 def _pieces_compare(cases: list[tuple]) -> dict:
-    from autopar.runtime import compiled_pieces
+    from autopar.runtime.compiled import pieces as compiled_pieces
     compiled_pieces.PIECE_BYTES = 2**12  # (tiny models: pieces of 4 KiB of synced gradients)
     return _compare(cases)
 
 
 def test_a_graph_compiled_in_pieces_matches_eager_and_serial(distributed):
     """Where data-parallel ranks sum gradients during backward, a compiled training graph is cut in pieces
-    holding a bucket's worth of those gradients each (``autopar.runtime.compiled_pieces``): the same numbers
+    holding a bucket's worth of those gradients each (``autopar.runtime.compiled.pieces``): the same numbers
     as eager autopar (and serial, FC_Net) on data, tensor x data, depth x data, checkpointed, shard_optimizer,
     per-rank batches, accumulation under no_sync, sequence parallelism, and tied-head LMs (a weight read by the
     first piece and the last)."""
@@ -374,7 +374,7 @@ def _arrivals(piece_bytes: int) -> dict:
     four data ranks (plain parameters) and on depth x data (DTensors), each with shard_optimizer or without."""
     from torch import nn
 
-    from autopar.runtime import compiled_pieces
+    from autopar.runtime.compiled import pieces as compiled_pieces
     compiled_pieces.PIECE_BYTES = piece_bytes
 
     def nodes(t: torch.Tensor) -> set:

@@ -22,8 +22,8 @@ from autopar.examples import zoo
 from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.errors import AgreementError, ParameterError
-from autopar.runtime.deferred import DeferredInitError
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.construction.record import DeferredInitError
+from autopar.runtime.params.layout import local_of
 
 MODELS = {
     "fc_net": (lambda: FC_Net(num_layers=2, hidden=32, image_size=4), lambda: (torch.randn(4, 1, 4, 4),)),
@@ -58,7 +58,7 @@ def _build(name: str, how: str, grid: tuple, **kwargs) -> tuple[nn.Module, torch
 
 def values_worker(grid: tuple, names: tuple[str, ...], mutate: bool = False) -> dict:
     if mutate:  # the mutation: random ops replay from whatever state the generator is in
-        from autopar.runtime import deferred
+        from autopar.runtime.construction import record as deferred
 
         original = deferred.Deferred.replay
 

@@ -93,7 +93,7 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
         out["final"] = {k: v.clone() for k, v in module.state_dict().items()}
         return out
     if unscaled:  # the mutation: gradients summed over the ranks instead of DDP's average
-        from autopar.runtime import per_rank
+        from autopar.runtime.data_parallel import per_rank
 
         per_rank._Scaled.backward = staticmethod(lambda ctx, dy: (dy, None, None, None))
     tensor, data = grid
@@ -108,7 +108,7 @@ def ddp_worker(grid: tuple | None, spelling: str = "require_backward_grad_sync",
     autopar.reset_comm_stats()
     out = _train(model, spelling, lambda: {k: v.clone() for k, v in runtime_of(model).full_grads().items()},
                  lengths=lengths)
-    out["calls"] = autopar.runtime.collectives.comm_calls()
+    out["calls"] = autopar.runtime.comm.collectives.comm_calls()
     out["final"] = autopar.full_state_dict(model)
     out["graphs"] = sum(len(v) for v in runtime_of(model).executables.values())
     if script_compiles:

@@ -1,5 +1,5 @@
 """Depth grids gather each block's weights in one all-gather and reduce-scatter their gradients in one
-(``autopar.runtime.depth_buckets``): the same losses, gradients and bytes as one collective per weight, in
+(``autopar.runtime.ops.depth_buckets``): the same losses, gradients and bytes as one collective per weight, in
 fewer calls; with recomputed blocks and under autocast too."""
 
 from __future__ import annotations
@@ -10,13 +10,13 @@ import torch.nn.functional as F
 import autopar
 from autopar.examples import zoo
 from autopar.parallel_model import runtime_of
-from autopar.runtime.collectives import comm_calls
+from autopar.runtime.comm.collectives import comm_calls
 from tests.helpers import rel_err
 from tests.zoo_helpers import batches as zoo_batches
 
 
 def _worker(bucketed: bool) -> dict:
-    from autopar.runtime import compiler
+    from autopar.runtime.execution import builder as compiler
 
     if not bucketed:  # one collective per weight, as before the buckets
         compiler.bucket_depth_gathers = lambda gm, mesh: 0
@@ -61,7 +61,7 @@ def test_bucketed_depth_collectives_give_the_per_weight_numbers_in_fewer_calls(d
 
 
 def _pipeline_worker(bucketed: bool) -> dict:
-    from autopar.runtime import compiler
+    from autopar.runtime.execution import builder as compiler
 
     if not bucketed:
         compiler.bucket_depth_gathers = lambda gm, mesh: 0

@@ -162,7 +162,7 @@ def uncapturable_eval_worker() -> dict:
             opt.zero_grad()
             losses.append(loss.item())
     out["losses"] = max(abs(a - b) for a, b in zip(losses[::2], losses[1::2]))
-    out["split"] = all(autopar.runtime.param_layout.local_of(p).numel() < p.numel() for p in model.parameters()
+    out["split"] = all(autopar.runtime.params.layout.local_of(p).numel() < p.numel() for p in model.parameters()
                        if p.dim() == 2)
     out["after"] = max(evaluate(4), evaluate(6))  # under the plan: gathered whole for those calls
     out["warnings"] = [r for r in records if "runs the whole model on every rank" in r]

@@ -72,7 +72,7 @@ def _misuse_worker(case: str, seconds: float) -> dict[str, Any]:
     raises in backward and its loop skips the batch."""
     import autopar
     from autopar.errors import AutoparError
-    from autopar.runtime import collectives as C
+    from autopar.runtime.comm import collectives as C
 
     _own_process_group(seconds)
     torch.manual_seed(0)

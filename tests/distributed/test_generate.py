@@ -55,7 +55,7 @@ def generate_worker(name: str, tensor: tuple, data: int, modes: tuple[str, ...],
     with torch.no_grad():  # an eval forward with HF's default cache (crashed at (2,2,1) in a layout rule)
         got, want = model(ids), serial(ids)
     out["logits"] = float((got.logits - want.logits).abs().max() / want.logits.abs().max())
-    got_cache = [t.full_tensor() if isinstance(t, DTensor) else t  # kept split by heads (autopar.runtime.kept)
+    got_cache = [t.full_tensor() if isinstance(t, DTensor) else t  # kept split by heads (autopar.runtime.execution.kept_state)
                  for layer in got.past_key_values.layers for t in (layer.keys, layer.values)]
     want_cache = [t for layer in want.past_key_values.layers for t in (layer.keys, layer.values)]
     out["cache"] = max(float((a - b).abs().max()) for a, b in zip(got_cache, want_cache, strict=True))
@@ -106,7 +106,7 @@ def test_generate_matches_serial_at_221(distributed, name):
 def bounded_worker() -> dict:
     import logging
 
-    from autopar.runtime import executables
+    from autopar.runtime.execution import graph_cache as executables
 
     records: list[str] = []
     handler = logging.Handler()
@@ -241,7 +241,7 @@ def decode_worker(name: str, tensor: tuple, data: int = 1) -> dict:
     import torch.distributed as dist
     from transformers import DynamicCache
 
-    from autopar.runtime.collectives import comm_calls, reset_comm_stats
+    from autopar.runtime.comm.collectives import comm_calls, reset_comm_stats
 
     serial, model = serial_and_parallel(name, tensor, data)
     ids = torch.randint(1, 100, (2, 8))
@@ -283,7 +283,7 @@ def static_decode(model: torch.nn.Module, serial: torch.nn.Module, ids: torch.Te
     whole: the planner then made every q/k/v projection all-reduce, 16 all-reduces per step)."""
     from transformers import StaticCache
 
-    from autopar.runtime.collectives import comm_calls, reset_comm_stats
+    from autopar.runtime.comm.collectives import comm_calls, reset_comm_stats
 
     got = {}
     for m in (model, serial):
@@ -308,7 +308,7 @@ def _check_decode(results: list[dict], calls: dict) -> None:
 
 
 def checks_worker(name: str, tensor: tuple) -> dict:
-    from autopar.runtime.collectives import comm_calls, reset_comm_stats
+    from autopar.runtime.comm.collectives import comm_calls, reset_comm_stats
 
     serial, model = serial_and_parallel(name, tensor)
     ids = torch.randint(1, 100, (2, 8))
@@ -384,7 +384,7 @@ def test_decode_keeps_the_cache_split_by_rows_with_depth(distributed):
     """Depth splits the batch: the cache stays split by rows between steps (a DTensor sharded over data x
     depth). A decode step gathers the depth-split weights (one all-gather per layer's seven, and the head's),
     the logits' rows and the call check's few bytes; it gathered every layer's cache too (21 all-gathers,
-    48 KB), then each weight alone (17, 46 KB; ``autopar.runtime.depth_buckets``)."""
+    48 KB), then each weight alone (17, 46 KB; ``autopar.runtime.ops.depth_buckets``)."""
     _check_decode(distributed(decode_worker, 2, "llama", (1, 1, 2), timeout=600), {"all_gather": LAYERS + 1 + 2})
 
 

@@ -15,10 +15,10 @@ import autopar
 from autopar.compat import TorchDispatchMode
 from autopar.parallel_model import runtime_of
 from autopar.examples.fc_net import FC_Net, synthetic_mnist
-from autopar.runtime.collectives import comm_calls
-from autopar.runtime.absent import Absent
-from autopar.runtime.grad_sync import GradSync
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.comm.collectives import comm_calls
+from autopar.runtime.params.absent import Absent
+from autopar.runtime.data_parallel.grad_sync import GradSync
+from autopar.runtime.params.layout import local_of
 from tests.helpers import SMALL, rel_err
 
 
@@ -147,9 +147,9 @@ def _full_grads(model: nn.Module) -> dict:
 
 def _tensor_in_place_worker() -> list[dict]:
     """Per grid: ``_in_place_loop``'s gradients and final parameters, and how many pointwise ops ran on the
-    local pieces (``autopar.runtime.pointwise``); on the first grid, the DTensors of partial values too (their
+    local pieces (``autopar.runtime.interop.pointwise``); on the first grid, the DTensors of partial values too (their
     sharding, DTensor's own, takes seconds to work out on torch 2.13)."""
-    from autopar.runtime import pointwise
+    from autopar.runtime.interop import pointwise
 
     calls = []
     real = pointwise.local_tensor

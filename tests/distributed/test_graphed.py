@@ -1,4 +1,4 @@
-"""Decode steps replayed as graphs (``autopar.runtime.graphed``), on the CPU through a stand-in for CUDA
+"""Decode steps replayed as graphs (``autopar.runtime.compiled.cuda_graphs``), on the CPU through a stand-in for CUDA
 graphs with their semantics: the capture runs nothing, a replay reruns the captured call on the captured
 inputs and writes into the captured outputs. The oracle is the serial model: the same tokens through
 ``generate()`` with HF's static cache, the same logits at every step of a decode loop the script writes
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from autopar.parallel_model import runtime_of
-from autopar.runtime import collectives as C
-from autopar.runtime import graphed
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.compiled import cuda_graphs as graphed
 from tests.distributed.test_generate import serial_and_parallel
 
 pytestmark = pytest.mark.slow

@@ -25,10 +25,10 @@ import autopar  # noqa: E402
 from autopar.decisions import ParamKind  # noqa: E402
 from autopar.examples.nanogpt import GPTConfig, NanoGPT  # noqa: E402
 from autopar.lightning import AutoparStrategy  # noqa: E402
-from autopar.runtime.collectives import comm_calls  # noqa: E402
-from autopar.runtime.mapped import mapped_record  # noqa: E402
-from autopar.runtime.parameters import local_of  # noqa: E402
-from autopar.runtime.pending import LazyRead  # noqa: E402
+from autopar.runtime.comm.collectives import comm_calls  # noqa: E402
+from autopar.runtime.construction.memory_mapped import mapped_record  # noqa: E402
+from autopar.runtime.params.store import local_of  # noqa: E402
+from autopar.runtime.construction.pending import LazyRead  # noqa: E402
 
 CONFIG = dict(vocab_size=128, block_size=32, n_layer=2, n_head=4, n_embd=32, bias=False)
 STEPS, ACCUMULATE, ROWS = 3, 2, 8

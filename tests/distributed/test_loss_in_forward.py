@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.config import ParallelConfig
 from autopar.parallel_model import runtime_of
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from autopar.examples import zoo
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from tests.helpers import rel_err
@@ -183,7 +183,7 @@ def _reduction_batches(steps: int = 2) -> list[tuple]:
 
 def reductions_run(grid: tuple | None, local_only: bool = False) -> dict:
     if local_only:  # the mutation: each rank's partial sum taken as the whole batch's
-        from autopar.runtime import ops
+        from autopar.runtime.ops import matmul as ops
 
         ops.BatchReduceOp.__call__ = lambda self, values, counts: (
             values.sum(0) / (counts.sum() if counts is not None else values.shape[0] * (self.spec.count_per_row or 1))
@@ -234,7 +234,7 @@ VOCAB_GRIDS = {"t211": ((2, 1, 1), 2, 1), "t121": ((1, 2, 1), 2, 1), "t221": ((2
 
 
 def vocab_run(grid: tuple | None, mutate: bool = False) -> dict:
-    from autopar.runtime import ops
+    from autopar.runtime.ops import matmul as ops
 
     if mutate:  # the mutation: the sums of exponentials and targets' logits left un-reduced
         ops.ReduceFrom.apply = staticmethod(lambda x, *args: x)

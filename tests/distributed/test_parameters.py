@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 import autopar
 from autopar.examples.fc_net import FC_Net
 from autopar.examples.nanogpt import GPT, GPTConfig
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.params.layout import local_of
 from tests.helpers import SMALL, batches, rel_err
 
 TOL = 1e-5  # float32 sums in another order: ~1e-7 per step; a wrong clip factor moves losses by 1e-3 and more
@@ -106,7 +106,7 @@ def _digests(model: torch.nn.Module) -> dict[tuple, str]:
 
 def clip_worker(cases: list[tuple], mutate: bool = False) -> list[dict]:
     if mutate:  # the mutation: every rank clips by the norm of its own pieces only
-        from autopar.runtime import norms
+        from autopar.runtime.interop import norms
         norms._reduce = lambda local, ord: local
     out = []
     for name, variant, tensor, data, pipeline in cases:

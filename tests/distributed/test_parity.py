@@ -18,9 +18,9 @@ import torch.nn.functional as F
 import autopar
 from autopar.config import ParallelConfig
 from autopar.parallel_model import runtime_of
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.params.layout import local_of
 from autopar.examples.fc_net import FC_Net
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from tests.helpers import SMALL, batches, rel_err, serial_run
 
 TOL = 1e-5

@@ -14,7 +14,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import autopar
-from autopar.runtime.param_layout import held_numel
+from autopar.runtime.params.layout import held_numel
 from autopar.parallel_model import runtime_of
 from autopar.errors import InputError, PlanError
 from autopar.examples import zoo
@@ -207,7 +207,7 @@ def test_pipeline_stages_run_under_autocast_like_data_parallel(precision, distri
 
 def _pipeline_bytes_worker(cases: list[tuple]) -> list[tuple[str, dict, dict]]:
     """Per case: (case, bytes by kind this rank sent in its second train_step, what the trace predicts)."""
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
 
     out = []
     for name, tensor, data, pipe in cases:
@@ -267,7 +267,7 @@ def test_a_pipeline_rank_recomputes_for_its_own_stages_memory(distributed):
     block is recomputed (the runtime used to plan every rank against the whole model's memory)."""
     from autopar.config import ParallelConfig
     from autopar.examples.fc_net import FC_Net
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
 
     with torch.device("meta"):
         model = FC_Net(num_layers=4, hidden=256, image_size=16)

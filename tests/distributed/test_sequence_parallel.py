@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import autopar
 from autopar.examples import zoo
 from autopar.parallel_model import plan_of, runtime_of
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from tests.helpers import SettleCollectives, rel_err, train_with_labels
 
 TOL = 1e-5
@@ -132,7 +132,7 @@ def _pipeline_worker() -> dict:
         autopar.reset_comm_stats()
         loss = autopar.train_step(model, {"input_ids": ids, "use_cache": False}, ids, F.cross_entropy)
         if step == 1:
-            calls = autopar.runtime.collectives.comm_calls()
+            calls = autopar.runtime.comm.collectives.comm_calls()
         opt.step()
         opt.zero_grad()
         got.append(float(loss))

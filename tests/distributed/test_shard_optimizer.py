@@ -17,10 +17,10 @@ import autopar
 from autopar.examples.fc_net import FC_Net
 from autopar.compat import StridedShard
 from autopar.parallel_model import runtime_of
-from autopar.planner import plan_model
-from autopar.runtime.absent import Absent
-from autopar.runtime.collectives import comm_calls
-from autopar.runtime.param_layout import local_of
+from autopar.planning.planner import plan_model
+from autopar.runtime.params.absent import Absent
+from autopar.runtime.comm.collectives import comm_calls
+from autopar.runtime.params.layout import local_of
 from tests.helpers import SMALL, batches, rel_err
 
 GRIDS = {"d4": dict(data=4), "d2t2": dict(data=2, tensor=(2, 1, 1)), "d2p2": dict(data=2, pipeline=2),

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import autopar
 from autopar.parallel_model import plan_of, runtime_of
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from tests.helpers import rel_err, train_with_labels
 
 TOL = 1e-5

@@ -42,7 +42,7 @@ def test_core_models_match_serial_on_every_grid(name, grid, distributed):
 
 def _comm_worker(name: str, tensor: tuple[int, int, int]) -> tuple[float, float]:
     import autopar
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
 
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=tensor):

@@ -89,7 +89,7 @@ def test_calibrate_writes_a_description_the_search_reads(tmp_path, capsys):
     """--calibrate measures this machine (a GEMM, an AdamW step, a chain of elementwise ops, an op's
     overhead; all-reduces over 2 forked gloo ranks fitted as latency + bytes / bandwidth, and the table
     of each collective kind by message size) and writes a file --hardware takes."""
-    from autopar.machines import load_machine
+    from autopar.planning.machines import load_machine
 
     out = tmp_path / "here.json"
     assert plan_main(["--calibrate", str(out), "--gpus", "2"]) == 0

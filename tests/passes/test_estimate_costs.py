@@ -11,7 +11,7 @@ import torch.nn as nn
 
 from autopar.config import AGREEMENT_BYTES, ParallelConfig
 from autopar.decisions import Orientation
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 
 M, K, N, B = 8, 16, 32, 4  # batch rows, in features, out features, bytes per float32
 

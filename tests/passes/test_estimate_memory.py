@@ -116,7 +116,7 @@ def test_compiled_recompute_keeps_each_blocks_collective_outputs(tensor):
     """Under compile=True a recomputed block keeps the outputs of its collectives (torch's partitioner never
     issues one again): each block's all-reduced matmul outputs at row 2, its gathered weight blocks at depth
     2. ``compiled_recompute`` adds them to what a checkpoint keeps, so the planner recomputes more to fit."""
-    from autopar.planner import PlanOptions, choose_memory
+    from autopar.planning.planner import PlanOptions, choose_memory
 
     gm, plan = _captured(ParallelConfig(1, *tensor))
     profile = em.estimate_memory(gm, plan)
@@ -137,7 +137,7 @@ def test_compiled_recompute_keeps_each_blocks_collective_outputs(tensor):
 def test_compiled_backward_counts_one_pieces_whole_gradients_under_shard_optimizer():
     """Under shard_optimizer the eager sync holds the chunks plus at most three buckets of whole gradients (each
     gradient arrives as its layer's backward ran). A compiled backward is cut in pieces of a bucket's worth of
-    gradients (``autopar.runtime.compiled_pieces``), each returning its gradients at once: ``compiled_recompute``
+    gradients (``autopar.runtime.compiled.pieces``), each returning its gradients at once: ``compiled_recompute``
     counts one piece's whole gradients besides, a bucket and one parameter (autograd's copy as it lays one out
     like its parameter). Uncut, every whole gradient lived at once (48 layers of 4 MiB at data 4: 328 MiB of heap
     at the peak measured, 202 in pieces, 170 eagerly). Without the split nothing changes."""

@@ -37,8 +37,8 @@ import dataclasses
 import pytest
 import torch
 
-from autopar.machines import load_machine
-from autopar.search import score, search
+from autopar.planning.machines import load_machine
+from autopar.planning.search import score, search
 from passes.analysis.search_plans import candidates
 
 transformers = pytest.importorskip("transformers")

@@ -1,4 +1,4 @@
-"""Planning repeated blocks from a capture that keeps three of them (autopar.planner's shortcut)."""
+"""Planning repeated blocks from a capture that keeps three of them (autopar.planning.planner's shortcut)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from torch import nn
 from autopar.capture import repeated_blocks
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 
 COPIED = "planned as copies of block"
 

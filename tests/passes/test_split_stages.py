@@ -11,8 +11,8 @@ from autopar.compat import pytree
 from autopar.capture import capture_shard, meta_shadow
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.runtime.binding import retarget_device
-from autopar.planner import plan_model
+from autopar.runtime.execution.binding import retarget_device
+from autopar.planning.planner import plan_model
 from passes.ir import InputKind, input_info
 from passes.split_stages import split_stages
 

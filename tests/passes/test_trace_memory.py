@@ -36,7 +36,7 @@ def test_bf16_halves_what_matmuls_and_attention_keep():
     import torch
 
     from autopar.config import ParallelConfig
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
 
     with torch.device("meta"):
         model = zoo.build_model("llama", layers=4)
@@ -50,7 +50,7 @@ def test_bf16_halves_what_matmuls_and_attention_keep():
 
 def test_a_compiled_run_is_planned_as_it_holds_its_gradients(capsys):
     """``compile="auto"`` compiles training on GPUs, and each compiled piece of backward returns its gradients at
-    once (``autopar.runtime.compiled_pieces``): under shard_optimizer a piece's whole gradients live besides the
+    once (``autopar.runtime.compiled.pieces``): under shard_optimizer a piece's whole gradients live besides the
     chunks (here every gradient: the model's fit one piece). The trace and the plan search count that
     where the run would compile (``--compile true``, or a GPU's ``--hardware``) and say so; on this CPU, "auto"
     is eager. The same path plans for the runtime (PlanOptions.compiled) and the search (its screen too)."""
@@ -59,10 +59,10 @@ def test_a_compiled_run_is_planned_as_it_holds_its_gradients(capsys):
     import torch
 
     from autopar.config import ParallelConfig
-    from autopar.planner import plan_model
+    from autopar.planning.planner import plan_model
     from passes.analysis.screen import screen_pair, shape_of
     from passes.analysis.search_plans import Candidate
-    from autopar.machines import load_machine
+    from autopar.planning.machines import load_machine
 
     def grads(*flags: str) -> tuple[float, bool]:
         assert main([f"{zoo.__file__}:llama", "--data", "4", "--shard-optimizer", *flags]) == 0

@@ -6,8 +6,8 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.examples import zoo
-from autopar.machines import load_machine
-from autopar.planner import plan_model
+from autopar.planning.machines import load_machine
+from autopar.planning.planner import plan_model
 from autopar.trace import main
 from passes.analysis.choose_stages import Hardware
 

@@ -6,7 +6,7 @@ import torch
 
 from autopar.config import ParallelConfig
 from autopar.examples import moe_zoo
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from autopar.trace import coverage_gaps
 from passes.analysis.whole_matmuls import CONVOLUTION, EXPERTS, find_whole_matmuls
 from tests.unlike_models import ResNet

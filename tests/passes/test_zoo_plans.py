@@ -9,7 +9,7 @@ from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
 from autopar.decisions import EmbeddingMode, Orientation, ParamKind
 from autopar.examples import zoo
-from autopar.planner import plan_model
+from autopar.planning.planner import plan_model
 from autopar.trace import coverage_gaps, format_report, main
 
 DECODERS = ("nanogpt", "gpt2", "llama", "mistral", "qwen2", "gemma", "phi3", "opt", "gpt-neo")

@@ -1,4 +1,4 @@
-"""The ranks' verdict on a compile (``autopar.runtime.compile_agreement``), with threads for ranks.
+"""The ranks' verdict on a compile (``autopar.runtime.compiled.agreement``), with threads for ranks.
 
 Each thread stands in for a rank posting its compile of one graph to a shared in-memory c10d store; every
 rank must come back with the same verdict: None (all run it compiled) or the same reason (all run it
@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from autopar.errors import AgreementError
-from autopar.runtime.compile_agreement import ONCE, CompileAgreement, digest
+from autopar.runtime.compiled.agreement import ONCE, CompileAgreement, digest
 
 ROW_A, ROW_B, DEPTH_A, DEPTH_B = (0, 1), (2, 3), (0, 2), (1, 3)
 

@@ -1,4 +1,4 @@
-"""``autopar.runtime.compiled.CompiledGraph`` on its own: a graph that compiles runs compiled; one that
+"""``autopar.runtime.compiled.graph.CompiledGraph`` on its own: a graph that compiles runs compiled; one that
 torch.compile cannot take whole runs eagerly, with one warning line naming why, and eager's values."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from autopar.runtime.compiled import CompiledGraph
+from autopar.runtime.compiled.graph import CompiledGraph
 
 
 def _reads_a_value(x: torch.Tensor) -> torch.Tensor:
@@ -101,8 +101,8 @@ def test_surviving_gradients_are_copied_out_once_before_a_replay():
     loop set the gradients to None. Mutation: a copy_out that copies nothing fails the storage checks."""
     from torch.distributed.tensor import DTensor
 
-    from autopar.runtime.compiled import SurvivingGrads
-    from autopar.runtime.param_layout import local_of
+    from autopar.runtime.compiled.graph import SurvivingGrads
+    from autopar.runtime.params.layout import local_of
 
     plain, none = torch.nn.Parameter(torch.randn(4, 3)), torch.nn.Parameter(torch.randn(2))
     plain.grad = torch.randn(4, 3)

@@ -1,4 +1,4 @@
-"""``autopar.runtime.compiled_pieces`` on its own: where a graph is cut, what each piece holds, and that the
+"""``autopar.runtime.compiled.pieces`` on its own: where a graph is cut, what each piece holds, and that the
 graph in pieces computes what the graph did (outputs and every gradient). The pieces run as they are here
 (a stand-in for ``CompiledGraph``); tests/distributed/test_compiled.py compiles them on data grids."""
 
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
-from autopar.runtime.compiled_pieces import CompiledPieces, cut_into_pieces
+from autopar.runtime.compiled.pieces import CompiledPieces, cut_into_pieces
 from passes.ir import InputInfo, InputKind, input_info
 
 NAMES = ("w0", "w1", "w2", "w3", "head", "scale")

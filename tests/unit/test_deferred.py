@@ -1,4 +1,4 @@
-"""The recording and replay of construction (autopar/runtime/deferred.py) in one process: every way a
+"""The recording and replay of construction (autopar/runtime/construction/record.py) in one process: every way a
 module's init writes its tensors gives serial's values bit for bit, and the generator ends where serial
 construction leaves it."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from autopar.runtime.deferred import Deferred, DeferredInitError
+from autopar.runtime.construction.record import Deferred, DeferredInitError
 
 
 def _replayed(model: nn.Module, deferred: Deferred) -> dict[str, torch.Tensor]:

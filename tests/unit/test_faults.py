@@ -9,7 +9,8 @@ import torch.distributed as dist
 from autopar.checkpoints import checkpoint_path, latest_checkpoint, save_checkpoint
 from autopar.config import InputConfig
 from autopar.errors import ConfigError, InputError
-from autopar.runtime import faults, mesh
+from autopar.runtime.comm import faults
+from autopar.runtime.comm import mesh
 
 
 def test_backend_failures_are_told_and_mistakes_are_not():

@@ -1,4 +1,4 @@
-"""``autopar.runtime.graphed`` without processes: which inputs a graph writes (read in place at a replay, never
+"""``autopar.runtime.compiled.cuda_graphs`` without processes: which inputs a graph writes (read in place at a replay, never
 copied), and the replay protocol on a stand-in capture (copy in, hand outputs back as copies or as the
 caller's own tensors, count the captured collectives)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from autopar.runtime import collectives as C
-from autopar.runtime.graphed import CallGraphs, written_inputs
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.compiled.cuda_graphs import CallGraphs, written_inputs
 
 
 def step(cache: torch.Tensor, counter: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> tuple:

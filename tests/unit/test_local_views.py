@@ -14,7 +14,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch import nn
 
 from autopar.compat import fake_store
-from autopar.runtime.param_layout import local_of, local_view, local_views, make_dtensor
+from autopar.runtime.params.layout import local_of, local_view, local_views, make_dtensor
 
 
 def _params(mesh) -> list[nn.Parameter]:

@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from autopar.runtime.losses import vocab_parallel_sum
-from autopar.runtime.ops import vocab_parallel_losses
+from autopar.runtime.ops.vocabulary import vocab_parallel_sum
+from autopar.runtime.ops.matmul import vocab_parallel_losses
 
 
 class _OneRank:

@@ -1,4 +1,4 @@
-"""Memory-mapped checkpoints (autopar/runtime/mapped.py): a tensor still equal to its file is recognized
+"""Memory-mapped checkpoints (autopar/runtime/construction/memory_mapped.py): a tensor still equal to its file is recognized
 without reading it, a written one is not, and unmapping the pages a cut touched keeps the values."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from autopar.runtime.mapped import FileMaps, archive_path, file_fingerprint, release_pages
+from autopar.runtime.construction.memory_mapped import FileMaps, archive_path, file_fingerprint, release_pages
 
 pytestmark = pytest.mark.skipif(not FileMaps().maps, reason="needs Linux's /proc/self/maps")
 
@@ -76,7 +76,7 @@ def test_a_lazily_loaded_tensor_is_read_only_in_the_piece_cut_from_it(tmp_path):
     pytest.importorskip("lightning")
     from lightning.fabric.utilities.load import _lazy_load
 
-    from autopar.runtime.pending import LazyRead
+    from autopar.runtime.construction.pending import LazyRead
 
     torch.manual_seed(0)
     path = str(tmp_path / "lit_model.pth")

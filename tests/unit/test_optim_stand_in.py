@@ -1,4 +1,4 @@
-"""``autopar.runtime.optim``'s stand-in, kept between steps: an optimizer over a parallel model's sharded
+"""``autopar.runtime.interop.optimizers``'s stand-in, kept between steps: an optimizer over a parallel model's sharded
 parameters steps bit for bit as the plain optimizer over their local pieces, through the changes a script
 makes between steps (a new learning rate, a loaded state, a state value replaced, a parameter that gets its
 first gradient late), each of which the kept stand-in must see. One process: rank 0 of a 2-rank tensor grid
@@ -13,7 +13,7 @@ from torch import nn
 
 import autopar
 from autopar.compat import fake_store
-from autopar.runtime.param_layout import local_of
+from autopar.runtime.params.layout import local_of
 
 
 def _steps(model: nn.Module, opt: torch.optim.Optimizer, pieces: list[nn.Parameter], ref: torch.optim.Optimizer,

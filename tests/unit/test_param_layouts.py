@@ -16,7 +16,7 @@ from torch.distributed.tensor import Shard
 
 from autopar.config import MESH_AXES, ParallelConfig
 from autopar.decisions import Orientation, ParamKind, ParamPlan
-from autopar.runtime.param_layout import DIMS, local_indices, local_piece, placements
+from autopar.runtime.params.layout import DIMS, local_indices, local_piece, placements
 
 
 class _Coordinates:

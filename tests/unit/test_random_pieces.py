@@ -1,4 +1,4 @@
-"""Random ops on the pieces of a split tensor (``autopar.runtime.random_pieces``: ``DropoutOp``, ``RandomPieceOp``), one
+"""Random ops on the pieces of a split tensor (``autopar.runtime.ops.random_pieces``: ``DropoutOp``, ``RandomPieceOp``), one
 rank at a time with a stand-in mesh: a dropout's piece is the whole tensor's mask cut to the piece; another
 random op draws per piece index (different pieces differ; the same piece repeats; the generator moves alike
 whatever the piece)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from autopar.decisions import Layout
-from autopar.runtime.random_pieces import DropoutOp, RandomPieceOp
+from autopar.runtime.ops.random_pieces import DropoutOp, RandomPieceOp
 from passes.ir import Sharding
 
 

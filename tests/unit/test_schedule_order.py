@@ -6,7 +6,7 @@ Single-stage schedules (GPipe, 1F1B) run hand-written loops, so their order is r
 ``_step_microbatches`` on a stage that only records its calls (their ``pipeline_order`` is only a
 picture, and torch 2.13's picture of 1F1B numbers rank 1's micro-batches from 1). A small event
 simulation then runs every rank's actions in order, each when its inputs exist, and checks that:
-- every action is on the rank autopar places its stage on (``autopar.runtime.pipeline.owner``);
+- every action is on the rank autopar places its stage on (``autopar.runtime.pipeline.stages.owner``);
 - each stage runs forward and backward of every micro-batch exactly once;
 - the order never waits for something that comes later (no deadlock);
 - with uniform stages the idle share equals the predicted bubble (p-1)/(v m + p-1).
@@ -20,7 +20,7 @@ import pytest
 
 from autopar.compat import schedule_action_types
 from autopar.config import PipelineConfig
-from autopar.runtime.pipeline import owner, schedule_class
+from autopar.runtime.pipeline.stages import owner, schedule_class
 from passes.analysis.choose_stages import bubble_fraction
 
 _Action, _ComputationType = schedule_action_types()

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from autopar.config import ParallelConfig
-from autopar.machines import BUILT_IN, load_machine
-from autopar.planner import plan_model
+from autopar.planning.machines import BUILT_IN, load_machine
+from autopar.planning.planner import plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
 from passes.analysis.search_plans import (Candidate, Scored, StepTime, candidates, plan_seconds, rank_plans, step_seconds,
@@ -164,7 +164,7 @@ def test_prediction_accuracy():
 
 
 def test_measured_collectives_replace_bandwidth_and_latency_within_a_node():
-    """A calibrated machine's table of collectives (autopar.calibrate.collective_table) prices a collective
+    """A calibrated machine's table of collectives (autopar.planning.calibrate.collective_table) prices a collective
     by its kind, group size and message: interpolated in log-log, extrapolated at the last points' rate;
     with more than one tensor axis, the crossed table. Across nodes, the link's bandwidth still rules."""
     from passes.analysis.estimate_costs import Collective
@@ -255,7 +255,7 @@ def test_per_rank_batches_count_every_ranks_rows():
 def test_a_measured_table_never_says_a_bigger_message_is_cheaper():
     """--calibrate's noisy points are made non-decreasing by least squares (pool adjacent violators):
     mutation: a running maximum would carry one slow outlier to every larger size."""
-    from autopar.calibrate import monotone
+    from autopar.planning.calibrate import monotone
 
     assert monotone([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]
     assert monotone([3.0, 1.0, 2.0]) == pytest.approx([2.0, 2.0, 2.0])
@@ -279,8 +279,8 @@ def test_the_screened_search_finds_the_exhaustive_searchs_best(hardware, world):
     """Planning only the closed-form screen's best few grids (passes.analysis.screen) gives the best plan that
     planning every grid gives, on FC_Net and a tiny Llama (mutation: a screen without the pipelines'
     sends keeps four pipelines on an H100 and drops the tiny Llama's best, data 8)."""
-    from autopar.machines import load_machine
-    from autopar.search import search
+    from autopar.planning.machines import load_machine
+    from autopar.planning.search import search
 
     machine = load_machine(hardware)
     cases = fc_net_and_tiny_llama()
@@ -329,7 +329,7 @@ def test_a_pipeline_is_scored_by_its_slowest_rank():
     """plan_model(rank=SLOWEST) reports the pipeline rank whose stages compute most, not rank 0 (which
     may hold the embedding alone: it computed no matmul, and made every pipeline look fast)."""
     from autopar.examples import zoo
-    from autopar.planner import SLOWEST
+    from autopar.planning.planner import SLOWEST
 
     with torch.device("meta"):
         llama = zoo.build_model("llama", layers=8)
@@ -360,9 +360,9 @@ def test_grids_with_as_many_rows_per_shard_share_a_capture_and_score_as_alone():
     gives each grid a copy recording its own split: every grid of 4 ranks, pipelines and uneven shards
     (a batch of 6 rows) included, scores exactly as when captured on its own. Mutation: sharing the
     capture without its own split (the first grid's BatchInfo) changes the uneven grids' scores."""
-    from autopar import planner
+    from autopar.planning import planner
     from autopar.examples import zoo
-    from autopar.search import score
+    from autopar.planning.search import score
 
     machine = load_machine("h100-80gb")
     with torch.device("meta"):
@@ -428,7 +428,7 @@ def test_the_search_leaves_the_garbage_collector_as_it_found_it():
     leaving them frozen would keep every object alive till the process ends."""
     import gc
 
-    from autopar.search import search
+    from autopar.planning.search import search
 
     with torch.device("meta"):
         model = MLP()
@@ -452,8 +452,8 @@ def test_a_pipeline_fits_when_its_fullest_rank_does():
     memory, as the search did, says it fits; BLOOM's published grid then fitted 80 GB on paper while its
     first rank needed 88 GiB)."""
     from autopar.examples.fc_net import FC_Net
-    from autopar.search import score
-    from autopar.planner import SLOWEST
+    from autopar.planning.search import score
+    from autopar.planning.planner import SLOWEST
 
     with torch.device("meta"):
         model = FC_Net(num_layers=3, hidden=256, image_size=28)
@@ -510,7 +510,7 @@ def test_while_no_planned_grid_fits_the_search_plans_the_next_ones(monkeypatch):
     """The screen prices parameters, not activations, so under tight memory its best grids may all not
     fit where later ones do: the search then plans the screen's next grids, ROUNDS x keep in all
     (mutation: one round reports no fitting grid for FC_Net on 8 ranks with ~18 MiB per device)."""
-    import autopar.search as P
+    import autopar.planning.search as P
     from autopar.examples.fc_net import FC_Net
 
     with torch.device("meta"):
@@ -535,7 +535,7 @@ def test_the_screens_memory_is_a_floor_of_the_planned_memory():
     any recomputation keeps) is never above what planning the grid finds with every block recomputed,
     over every grid of 8 ranks for FC_Net and a tiny Llama (mutation: activations not split over the
     tensor ranks exceed it on tensor grids), and counts activations (more than the static bytes)."""
-    from autopar.search import score
+    from autopar.planning.search import score
     from passes.analysis.screen import screen, shape_of
 
     h100 = load_machine("h100-80gb")
@@ -642,7 +642,7 @@ def test_the_search_splits_the_optimizer_state_over_data_only_where_memory_needs
     """FC_Net's tutorial shape (143M parameters) on 4 data ranks: 16 bytes a parameter fit 3 GiB, not 1.5 GiB;
     with Adam's moments split over data (ZeRO stage 1) it fits, predicted slower (the parameters' all-gather)."""
     from autopar.examples.fc_net import build_model, example_inputs
-    from autopar.search import search
+    from autopar.planning.search import search
 
     with torch.device("meta"):
         model = build_model()

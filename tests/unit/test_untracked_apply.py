@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from autopar.runtime.untracked import apply
+from autopar.runtime.ops.untracked import apply
 
 
 class _Scale(torch.autograd.Function):

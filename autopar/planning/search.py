@@ -1,0 +1,239 @@
+"""The plan search: every grid a world size allows for a model, planned (``autopar.planning.planner``) and ranked by
+the predicted step time on a described machine (``passes.analysis.search_plans``). ``python -m autopar.plan``
+prints it; ``auto_parallelize(plan="auto")`` runs its first grid (``choose_grid``)."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from autopar.compat import pytree
+from autopar.config import ParallelConfig
+from autopar.errors import AutoparError, PlanError
+from autopar.planning.machines import local_machine
+from autopar.model_file import meta_inputs
+from autopar.planning.planner import SLOWEST, plan_model
+from passes.analysis.choose_stages import Hardware
+from passes.analysis.machine import Machine
+from passes.analysis.screen import screen_grids, shape_of
+from passes.analysis.search_plans import Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans
+
+
+def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
+          checkpoint: str = "auto", precision: str = "fp32", captures: dict[Any, Any] | None = None,
+          kwargs: dict | None = None, compiled: bool = False) -> Scored:
+    """One grid's plan and its predicted step on ``machine``: rank 0's without a pipeline (every rank does
+    the same work), else the rank whose stages compute most. ``kwargs``: the call's keyword inputs;
+    ``compiled``: training runs compiled (``plan_model``'s)."""
+    try:
+        plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint, kwargs=kwargs,
+                                  budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
+                                  microbatches=candidate.microbatches, chunks=candidate.chunks, captures=captures,
+                                  hardware=Hardware.of(machine, candidate.config), compiled=compiled)
+    except AutoparError as e:
+        return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
+    # the step is the slowest rank's (plan_seconds reads its report), the memory the fullest rank's: under
+    # a pipeline plan.memory is the rank that needs the most (usually the first: most micro-batches in flight),
+    # and what it recomputes is every rank's choice
+    memory = plan.memory
+    peak = memory.static_bytes + memory.activation_bytes
+    time = plan_seconds(plan, report, machine, precision)
+    fits = memory.fits and peak <= machine.memory_bytes
+    reason = "" if fits else (f"needs {gib(peak)} per device (with every block recomputed) of "
+                              f"{gib(machine.memory_bytes)}")
+    return Scored(candidate, time, peak, fits, memory.recompute, reason)
+
+
+KEEP = 8
+"""Grids the search plans exactly when there are more: the closed-form screen's best (at most)."""
+NEAR = 1.5
+MIN_KEEP = 4
+"""Of those, the ones the screen puts within NEAR times its best, and at least MIN_KEEP."""
+ROUNDS = 4
+"""While no planned grid fits memory, the next KEEP the screen ranks are planned, up to ROUNDS x KEEP."""
+SCREENED = "not planned"
+
+
+@contextlib.contextmanager
+def _collector_skips_what_exists() -> Iterator[None]:
+    """While inside, the cyclic garbage collector's passes skip the objects that existed before (``gc.freeze``,
+    undone after; left alone where the process froze objects itself): a search makes many short-lived
+    objects, and each full pass would traverse every object of the process (~450,000 with torch and
+    transformers imported: ~0.1 s a pass, a tenth of a 100-layer search)."""
+    mine = gc.get_freeze_count() == 0
+    if mine:
+        gc.freeze()
+    try:
+        yield
+    finally:
+        if mine:
+            gc.unfreeze()
+
+
+def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
+           checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
+           kwargs: dict | None = None, compiled: bool = False) -> list[Scored]:
+    """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
+    than ``keep`` grids (None: plan every one), the closed-form screen (``passes.analysis.screen``, from one
+    plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly, each pipeline
+    grid under both schedules (the screen does not price the interleaved schedule's recomputation); the
+    rest follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per
+    pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster). ``compiled``: training runs
+    compiled (``plan_model``'s; the screen's too)."""
+    with _collector_skips_what_exists():
+        return _search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
+                       keep=keep, kwargs=kwargs, compiled=compiled)
+
+
+def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None,
+            checkpoint: str, precision: str, keep: int | None, kwargs: dict | None,
+            compiled: bool = False) -> list[Scored]:
+    batch = _batch_size((inputs, kwargs))
+    fixed = dict(fixed or {})
+    chunks = (fixed.pop("chunks"),) if "chunks" in fixed else (1, 2)
+    grids = candidates(world, batch, fixed=fixed, chunks=chunks)
+    if not grids:
+        fixed_text = ", ".join(f"{k}={v}" for k, v in (fixed or {}).items()) or "nothing"
+        if not factorizations(world, fixed):
+            raise PlanError(f"no grid of {world} ranks has {fixed_text}: the degrees multiply to the world size, so "
+                            f"each must divide {world}. Grids of {world} ranks: {_grids(factorizations(world))}. "
+                            "Fix degrees that divide the world size, or launch a multiple of them.")
+        raise PlanError(f"no grid of {world} ranks fits a global batch of {batch} rows with {fixed_text} fixed: data "
+                        f"x depth must be at most the batch. Grids of {world} ranks: "
+                        f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
+    captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
+
+    def scored_one(c: Candidate) -> Scored:
+        return score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
+                     kwargs=kwargs, compiled=compiled)
+
+    def planned(grids: list[Candidate]) -> list[Scored]:
+        """Each grid's plan; one that does not fit, with its optimizer state split over data when that needs
+        less memory (ZeRO stages 1-2: the bytes of DDP's all-reduce in twice the collectives, and gradients
+        split over data: only where memory needs it),
+        then with its activations split along the tokens (sequence parallelism: the same bytes in twice the
+        collectives)."""
+        out = []
+        for c in grids:
+            s = scored_one(c)
+            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
+                split = scored_one(dataclasses.replace(c, shard_optimizer=True))
+                if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
+                    s = split
+            # (the split applies where one of row and col reduces a whole output: exactly one of them > 1)
+            if not s.fits and s.time is not None and (c.row > 1) != (c.col > 1) and not c.sequence_parallel:
+                seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
+                if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
+                    s = seq
+            out.append(s)
+        return out
+
+    if keep is None or len(grids) <= keep:
+        return rank_plans(planned(grids))
+    # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
+    # grid's, which the screen likely keeps), else on one rank
+    shards = world if batch % world == 0 else 1
+    _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
+                          precision=precision, captures=captures)
+    shape = shape_of(probe, shards)
+    half = precision in ("bf16", "fp16")
+    def screened_one(c: Candidate, own: tuple[float, int], split: tuple[float, int] | None
+                     ) -> tuple[float, int, Candidate]:
+        if own[1] > machine.memory_bytes and split is not None and split[1] < own[1]:
+            return split[0], split[1], dataclasses.replace(c, shard_optimizer=True)  # (the state split over data)
+        return own[0], own[1], c
+
+    screened = sorted((screened_one(c, *pair) for c, pair in zip(grids, screen_grids(shape, grids, machine, half,
+                                                                                       compiled=compiled))),
+                      key=lambda t: (t[1] > machine.memory_bytes, t[0]))
+    near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
+    first = min(keep, max(near, MIN_KEEP))
+    in_screen = {c for *_, c in screened}
+    chosen: dict[Candidate, None] = {}
+
+    def choose(grids: list[Candidate]) -> list[Candidate]:
+        """``grids`` and the other schedules of each (1F1B's and the interleaved one, same micro-batches):
+        the screen does not price the recomputation that the interleaved schedule's extra micro-batches in
+        flight may need, so exact planning chooses between them."""
+        new = []
+        for c in grids:
+            for other in (c, *(dataclasses.replace(c, chunks=v) for v in chunks if v != c.chunks)):
+                if other not in in_screen:  # screened with the optimizer state split over data, or not
+                    other = dataclasses.replace(other, shard_optimizer=not other.shard_optimizer)
+                if other in in_screen and other not in chosen:
+                    chosen[other] = None
+                    new.append(other)
+        return new
+
+    scored = planned(choose([c for *_, c in screened[:first]]))
+    # the screen counts no activations: while none of the planned grids fits, plan the next ones it would
+    # fit, up to ROUNDS times as many
+    done = first
+    while not any(s.fits for s in scored) and done < min(len(screened), ROUNDS * keep):
+        more = [c for _, memory, c in screened[done:done + keep] if memory <= machine.memory_bytes]
+        done += keep
+        scored += planned(choose(more))
+    device = gib(machine.memory_bytes)
+    return rank_plans(scored) + [
+        Scored(c, None, memory, memory <= machine.memory_bytes,
+               reason=_screened(seconds, memory, c, shape, machine, device))
+        for seconds, memory, c in screened[done:] if c not in chosen]
+
+
+def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine, device: str) -> str:
+    """Why a grid the screen left out was not planned: it does not fit (by the screen's memory estimate),
+    it has more stages than segments, or it is predicted slower. ``device``: the machine's memory, as text."""
+    if memory > machine.memory_bytes:
+        return f"{SCREENED}: needs about {gib(memory)} per device of {device} (the screen's estimate)"
+    if seconds == math.inf:
+        return f"{SCREENED}: {config.pipeline} stages for {shape.segments} segments"
+    return f"{SCREENED}: the screen predicts {seconds * 1e3:.3g} ms"
+
+
+def _grids(options: list[dict[str, int]]) -> str:
+    shown = [f"data={o['data']} pipeline={o['pipeline']} tensor={o['row']},{o['col']},{o['depth']}"
+             for o in options[:6]]
+    return "; ".join(shown) + (f"; ... ({len(options)} in all)" if len(options) > 6 else "")
+
+
+def _batch_size(inputs: tuple) -> int:
+    tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() > 0]
+    return int(tensors[0].shape[0]) if tensors else 1
+
+
+def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
+                checkpoint: str = "auto", precision: str = "fp32", kwargs: dict | None = None,
+                batch_size: int | None = None, budget: int | None = None, compiled: bool = False) -> list[Scored]:
+    """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (and keyword
+    inputs ``kwargs``: one global batch; ``batch_size`` replaces its rows) on this machine, ranked; the first
+    is the one to run. ``budget``: bytes per device the plan must fit (``checkpoint=<bytes>``'s) instead of
+    the device's memory; ``compiled``: the runtime compiles training there (its ``compile=`` on this device).
+    Raises PlanError when none fits memory, with the closest."""
+    machine = local_machine(world)
+    if budget is not None:
+        machine = dataclasses.replace(machine, memory_bytes=budget)
+    if kwargs:
+        both = meta_inputs((tuple(inputs), dict(kwargs)), batch_size)
+        inputs, kwargs = both[0], both[1]
+    else:
+        inputs = meta_inputs(tuple(inputs), batch_size)
+    ranked = search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
+                    kwargs=kwargs, compiled=compiled)
+    if not ranked[0].fits:
+        closest = "; ".join(f"{s.candidate.describe()}: {gib(s.memory_bytes)}" for s in ranked[:3])
+        raise PlanError(f"no grid of {world} ranks fits {gib(machine.memory_bytes)} per device for this model "
+                        f"and batch; the closest need {closest}. Use more devices, a smaller batch, or "
+                        "precision='bf16'.")
+    return ranked
+
+
+def gib(n: float) -> str:
+    """Bytes as GiB (MiB below one GiB), for reports."""
+    return f"{n / 2**30:.3g} GiB" if n >= 2**30 else f"{n / 2**20:.3g} MiB"

@@ -1,0 +1,1 @@
+"""Process groups and collectives: the mesh of groups, counted collectives, what happens when ranks part."""

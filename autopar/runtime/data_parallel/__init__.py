@@ -1,0 +1,1 @@
+"""Data parallelism: gradient sync, per-rank batches."""

@@ -1,0 +1,237 @@
+"""Compiles one input signature of a parallel model into an ``Executable`` on this rank.
+
+Two steps, with the plan decided between them by the runtime (``ParallelRuntime._compile``):
+
+- ``Compiler.capture_call``: the model's meta shadow captured for this rank's rows of the batch, with
+  symbolic sizes where asked and possible, and the numbers the model computes from the batch size;
+- ``Compiler.executable``: the passes run under the plan, the marker ops bound to this rank's process
+  groups, the model's tensor constants, and under a pipeline this rank's stages.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopar.capture import Captured, capture_shard
+from autopar import config as settings
+from autopar.compat import default_store, pytree
+from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
+from autopar.decisions import Plan
+from autopar.errors import CaptureError, PlanError
+from autopar.hf_caches import state_outputs
+from autopar.memory import half_dtype
+from autopar.runtime.execution.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
+from autopar.runtime.compiled import cuda_graphs as graphed
+from autopar.runtime.compiled.agreement import CompileAgreement
+from autopar.runtime.compiled import pieces as compiled_pieces
+from autopar.runtime.compiled.graph import CompiledGraph
+from autopar.runtime.compiled.pieces import CompiledPieces, cut_into_pieces
+from autopar.runtime.ops.depth_buckets import bucket_depth_gathers
+from autopar.runtime.execution.graph_cache import Executable
+from autopar.runtime.execution.kept_state import KeptOutputs, OutputTree
+from autopar.runtime.comm.mesh import Mesh
+from autopar.runtime.ops.matmul import BatchRows
+from autopar.runtime.params.store import ParamStore
+from autopar.runtime.pipeline.stages import Program
+from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
+from passes.analysis.graph_facts import sizes_fixed
+from passes.insert_checkpoints import insert_checkpoints
+from passes.ir import InputKind, input_info, record_graph_info
+from passes.runner import run_passes
+from passes.shard_linears import shard_linears
+from passes.split_batch import split_batch
+from passes.split_stages import split_stages
+
+log = logging.getLogger(__name__)
+
+PASSES = (split_batch, shard_linears, insert_checkpoints)
+#: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
+PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
+
+
+class Compiler:
+    """Captures and compiles the graphs of one parallel model on this rank."""
+
+    def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
+                 memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None],
+                 compile: CompileConfig = CompileConfig(False),
+                 synced: Callable[[], Mapping[str, int]] = dict) -> None:
+        """``finish_grads``: what a pipeline's backward ends with (the runtime's); ``warn_once``: one warning line
+        per distinct message, on rank 0; ``compile``: which bound graphs run under torch.compile
+        (``autopar.runtime.compiled.graph``); ``synced``: the parameters whose gradients are summed during backward,
+        with their gradients' bytes (``ParallelRuntime.synced_grad_bytes``): a compiled training graph is cut
+        in pieces by them (``autopar.runtime.compiled.pieces``)."""
+        self._model = weakref.ref(model)
+        self.shadow, self.store, self.mesh, self.config, self.memory = shadow, store, mesh, config, memory
+        self.finish_grads, self.warn_once, self.compile, self.synced = finish_grads, warn_once, compile, synced
+
+    def capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
+                index: int, segments: tuple[int, ...] = (), dynamic: dict[int, dict[int, Any]] | None = None,
+                arrived: dict[int, Any] | None = None) -> Captured:
+        """The shadow captured for batch shard ``index``'s rows (as the model is now: training or not)."""
+        self.shadow.train(self._model().training)
+        requires_grad = {name: p.requires_grad for name, p in self.store.params.items()}
+        captured = capture_shard(self.shadow, leaves, spec, split, sizes, index, requires_grad=requires_grad,
+                                 segments=segments, device=self.mesh.device, dynamic=dynamic, arrived=arrived)
+        if not torch.is_grad_enabled() and self.config.pipeline == 1:  # a cache comes back split (kept.py)
+            record_graph_info(captured.gm, kept_outputs=state_outputs(captured.out_spec))
+        return captured
+
+    def capture_call(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
+                     index: int, segments: tuple[int, ...], dynamic: dict[int, dict[int, Any]] | None,
+                     arrived: dict[int, Any] | None) -> Captured:
+        """This call's capture: with ``dynamic``'s symbolic sizes where that capture works and the graph
+        computes nothing from the batch size, else with these sizes; then the numbers computed from the batch
+        size (``find_batch_constants``)."""
+        captured = None
+        if dynamic:
+            try:
+                captured = self.capture(leaves, spec, split, sizes, index, segments, dynamic, arrived)
+                # the graph computes numbers from the batch, or the batch analysis fixed a length (entries
+                # per row of per-token values): these sizes are captured as they are
+                if split and (whole_constants(captured.gm, analyze_batch(captured.gm)) or sizes_fixed(captured.gm)):
+                    captured = None
+            except CaptureError as e:
+                log.debug("autopar: capture with symbolic sequence sizes failed (%s); capturing these sizes", e)
+        if captured is None:
+            captured = self.capture(leaves, spec, split, sizes, index, segments, arrived=arrived)
+        if split:
+            self.find_batch_constants(captured, leaves, spec, split, sizes, index, segments)
+        return captured
+
+    def find_batch_constants(self, captured: Captured, leaves: list[Any], spec: pytree.TreeSpec,
+                             split: dict[int, int], sizes: tuple[int, ...], index: int,
+                             segments: tuple[int, ...] = ()) -> None:
+        """Numbers computed from the batch size where the model works on the whole batch (``loss.sum() /
+        x.size(0)``): the capture saw this rank's rows; a second capture with twice as many tells which
+        numbers scale with them, and ``passes.split_batch`` gives them the whole batch's value."""
+        facts = analyze_batch(captured.gm)
+        if not whole_constants(captured.gm, facts):
+            return
+        name = type(self._model()).__name__
+        if segments:
+            raise PlanError(f"{name} computes with numbers after a reduction over the batch "
+                            "inside forward (e.g. loss.sum() / x.size(0)); under per-rank batches the ranks that split "
+                            "the model pool their rows, and each one's number would be its own batch's. Compute the "
+                            "loss outside the model, or use a grid whose tensor and pipeline degrees are 1.")
+        doubled = tuple(2 * s if i == index else s for i, s in enumerate(sizes))
+        try:
+            other = captured.twice or self.capture(leaves, spec, split, doubled, index).gm
+        except CaptureError as e:
+            raise PlanError(f"{name} uses numbers after a reduction over the batch inside "
+                            "forward; autopar captures it with twice this rank's rows to tell which of them are the "
+                            f"batch size, and that capture failed ({e}). Compute the loss outside the model, or use "
+                            "data=1 and depth=1.") from e
+        record_graph_info(captured.gm, batch_constants=batch_constants(
+            captured.gm, other, facts, sizes[index], doubled[index]))
+
+    def executable(self, captured: Captured, plan: Plan, split: dict[int, int], sizes: tuple[int, ...],
+                   local_outputs: bool, per_rank: tuple[tuple[int, ...], int] | None) -> Executable:
+        """``captured`` compiled under ``plan`` for this rank. ``per_rank``: (each member's rows, this rank's
+        member index) under per-rank batches."""
+        pipelined = self.config.pipeline > 1
+        agreement = self._agreement(per_rank is not None)
+        gm, records = run_passes(captured.gm, plan, PIPELINE_PASSES if pipelined else PASSES)
+        for note in (n for r in records if r.name == "split_batch" for n in r.notes):
+            self.warn_once(note)
+        output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
+        rows = BatchRows(sizes)
+        bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
+                     local_outputs, per_rank)
+        if not self.compile.enabled(self.mesh.device.type, True):
+            bucket_depth_gathers(gm, self.mesh)  # one all-gather per block's weights each way (eager only)
+        inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
+        constants = {}
+        for name, value in captured.constants.items():
+            real = self._real_constant(name)  # a tensor attribute of the model: its current value
+            value = real if real is not None else value
+            if isinstance(value, torch.Tensor) and value.device.type == "meta":
+                raise CaptureError(f"the model creates tensor constant {name!r} from a meta value during "
+                                   "capture; autopar cannot recover its data. Register it as a buffer.")
+            constants[name] = value.to(self.mesh.device) if isinstance(value, torch.Tensor) else value
+        program = None
+        if pipelined:
+            program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
+                              self.finish_grads, symbolic=captured.accepts is not None,
+                              wrap=None if captured.accepts is not None else
+                              lambda stage, name: self._stage_wrap(stage, name, agreement))
+            if self.store.held is None:
+                self.store.hold(program.readers())
+        # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
+        # a compiled graph of static sizes would compile again for each
+        run = gm if captured.accepts is not None else \
+            self._wrap(gm, "the per-rank graph", agreement=agreement, synced=None if pipelined else self.synced())
+        graphs = None if pipelined else self._graphs(gm, inputs, run, agreement)
+        kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
+        eager = run is gm and graphs is None and program is None
+        return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
+                          captured.accepts, rows, reading_params_at_use(gm) if eager else run, graphs, kept or None,
+                          OutputTree(captured.out_spec) if kept else None,
+                          reads_params=eager or isinstance(run, CompiledPieces))
+
+    def _agreement(self, per_rank: bool) -> CompileAgreement | None:
+        """Where this executable's compiled graphs are agreed on by the ranks that run them (None: not
+        compiled, or a simulated world: no other rank to agree with)."""
+        if self.compile.mode is False or self.mesh.simulated:
+            return None
+        return CompileAgreement(default_store(), self.mesh.rank, self.mesh.graph_peers(per_rank),
+                                settings.COMPILE_AGREEMENT_TIMEOUT)
+
+    def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
+                run: Callable[..., Any], agreement: CompileAgreement | None) -> graphed.CallGraphs | None:
+        """How this graph's repeated evaluation calls replay as CUDA graphs (``autopar.runtime.compiled.cuda_graphs``): what
+        is captured is the graph compiled for their sizes where ``compile`` says so (``CompileConfig``), else
+        the eager graph."""
+        capture = graphed.capture_for(self.mesh.device)
+        if capture is None or self.compile.mode is False:
+            return None
+        written = graphed.written_inputs(gm)
+        copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
+        name = f"the per-rank graph of {type(self._model()).__name__}"
+        warm = run if isinstance(run, CompiledGraph) or not self.compile.enabled(self.mesh.device.type, False, True) \
+            else CompiledGraph(gm, name, self.mesh.device, self.warn_once, agreement=agreement)
+        unused = frozenset(i for i, n in enumerate(placeholders(gm)) if not n.users)
+        names = [f"{kind.name.lower()} {target}" for kind, target in inputs]
+        return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
+                                  names=names, unused=unused)
+
+    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True, agreement: CompileAgreement | None = None,
+              synced: Mapping[str, int] | None = None) -> Callable[..., Any]:
+        """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled.graph``) or as it is; a
+        training graph also replayed as a CUDA graph where ``compile="reduce-overhead"`` asks (``replayed``).
+        A training graph whose ``synced`` gradients (name -> bytes) fill more than one bucket is compiled in
+        pieces, so that they reach their buckets during backward (``autopar.runtime.compiled.pieces``)."""
+        device, training = self.mesh.device.type, torch.is_grad_enabled()
+        if not self.compile.enabled(device, training):
+            return gm
+        name = f"{name} of {type(self._model()).__name__}"
+        cuda_graphs = replayed and self.compile.cuda_graphs(device, training)
+        cut = cut_into_pieces(gm, synced, compiled_pieces.piece_cap(synced)) if training and synced else None
+        if cut is not None:
+            return CompiledPieces(cut, lambda piece, k, n: CompiledGraph(
+                piece, f"piece {k + 1} of {n} of {name}", self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs,
+                agreement=agreement))
+        return CompiledGraph(gm, name, self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs, agreement=agreement)
+
+    def _stage_wrap(self, gm: fx.GraphModule, name: str,
+                    agreement: CompileAgreement | None = None) -> Callable[..., Any]:
+        """A pipeline stage's graph: compiled as ``_wrap`` does, never replayed as a CUDA graph (a schedule
+        runs several micro-batches' forwards before their backwards, and accumulates their gradients)."""
+        if self.compile.cuda_graphs(self.mesh.device.type, torch.is_grad_enabled()):
+            self.warn_once("compile='reduce-overhead': pipeline stages are compiled but not replayed as CUDA graphs "
+                           "(their micro-batches' gradients accumulate across replays); pass compile=True to "
+                           "silence this.")
+        return self._wrap(gm, name, replayed=False, agreement=agreement)
+
+    def _real_constant(self, name: str) -> Any:
+        """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""
+        obj: Any = self._model()
+        for part in name.split("."):
+            obj = getattr(obj, part, None)
+        return obj if isinstance(obj, torch.Tensor) else None

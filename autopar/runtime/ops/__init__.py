@@ -1,0 +1,1 @@
+"""The sharded ops an emitted graph calls, one family per file."""

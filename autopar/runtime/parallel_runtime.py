@@ -1,0 +1,605 @@
+"""Binds emitted graphs to this rank: parameter shards, process groups, gradient sync, state dicts.
+
+One ``ParallelRuntime`` per parallelized model. The plan is made once, at the first capture (all
+ranks plan from the same canonical capture, so the plan is identical everywhere); later input
+signatures (a smaller last batch, eval mode) are captured again and compiled with the same plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.tensor import DTensor
+
+from autopar import patches
+from autopar.capture import batch_leaves, input_names, meta_shadow, microbatch_leaves, split_batch_leaves, symbolic_dims
+from autopar.compat import pytree, queue_backward_callback
+from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
+from autopar.decisions import Plan
+from autopar.errors import CaptureError, InputError, ParameterError
+from autopar.hf_caches import register_hf_caches
+from autopar.planning.machines import local_rates
+from autopar.memory import device_budget, half_dtype
+from autopar.planning.planner import PlanOptions, decide_plan, pooled_rows
+from autopar.runtime.params.data_shards import DataShards
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.execution import graph_cache as executables
+from autopar.runtime.comm import faults
+from autopar.runtime.interop import norms
+from autopar.runtime.interop import optimizers as optim
+from autopar.runtime.interop import pointwise
+from autopar.runtime.execution.call_check import GLOBAL, PER_RANK, CallCheck
+from autopar.runtime.execution.binding import placeholders
+from autopar.runtime.interop.casts import Casts
+from autopar.runtime.interop.state_dicts import state_dict_post_hook
+from autopar.runtime.compiled.graph import CompiledGraph, SurvivingGrads
+from autopar.runtime.compiled.pieces import CompiledPieces
+from autopar.runtime.execution.builder import Compiler
+from autopar.runtime.construction.record import Deferred, Sink
+from autopar.runtime.execution.graph_cache import Executable, Executables, signature
+from autopar.runtime.execution.uncaptured import (OwnForward, data_parallel_sync, fallback_reason, forward_local, forward_whole,
+                                      run_data_parallel, say_eval_fallback)
+from autopar.runtime.data_parallel.grad_sync import GradSync
+from autopar.runtime.execution.kept_state import arrived_inputs, carry_cache, given_cache, read_in_place, whole, wrap_generate
+from autopar.runtime.comm.mesh import Mesh
+from autopar.runtime.ops.matmul import scatter_batch
+from autopar.runtime.params.store import ParamStore
+from autopar.runtime.params.layout import local_of, local_view, local_views
+from autopar.runtime.data_parallel.per_rank import own_output, pool_rows
+from autopar.runtime.pipeline.stage_grads import StageGrads
+from passes.ir import InputKind
+
+log = logging.getLogger(__name__)
+
+runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKeyDictionary()
+"""Every parallel model's runtime: the one its grid runs under now (``auto_parallelize`` registers it)."""
+
+
+def current_runtime(model: nn.Module) -> ParallelRuntime:
+    return runtimes[model]
+
+
+class ParallelRuntime:
+    def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
+                 memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
+                 inputs: InputConfig = InputConfig(), pending: tuple[Deferred, dict[int, Sink]] | None = None,
+                 dtensors: bool | None = None, compile: CompileConfig = CompileConfig()) -> None:
+        """``pending``: the recorded construction of the parameters and buffers built at the first call.
+        ``dtensors``: ParamStore's (True for a provisional grid, replaced by the one chosen at the first call)."""
+        self.config, self.mesh, self.memory, self.pipe, self.inputs = config, mesh, memory, pipe, inputs
+        self.compile = compile
+        self.pure_data = config.num_tensor == 1 and config.pipeline == 1
+        """No collective in forward for a batch of this rank's own (data parallelism only)."""
+        self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data,
+                               inputs.check_inputs)
+        self.no_sync_depth = 0
+        """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
+        self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
+        installed = patches.of_model(model)  # (the model's changes, undone by autopar.detach)
+        self.shadow = meta_shadow(model)  # before the parameters become DTensors
+        register_hf_caches(model)  # before any call flattens its inputs
+        if getattr(model, "can_generate", lambda: False)() and "attribute generate" not in installed:
+            # its cache comes back split (kept.py); a runtime this one replaces wrapped it already
+            installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))
+        if mesh.control is not None:  # the script's own collectives name the ranks that parted, as the model's calls do
+            patches.install("torch.distributed collectives naming parted ranks",
+                            faults.name_parted_ranks_in_script_collectives)
+        self.store = ParamStore(model, config, mesh, pending, dtensors)
+        self.params = self.store.params
+        if config.shard_optimizer and config.data > 1:
+            self.store.data_shards = DataShards(mesh)
+            optim.install()  # each data rank steps its chunk of every parameter
+        if self.store.dtensors:
+            norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
+            pointwise.install()  # in-place elementwise ops (a backward adding into p.grad) on the local pieces
+            optim.install()  # torch.optim's elementwise optimizers step on the local pieces
+            if "state_dict post-hook" not in installed:  # DCP sees every box of fused pieces
+                installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
+        self.buffers = self.store.buffers  # built at the first call with deferred construction
+        self.casts = Casts(model, self.shadow, self.store)
+        self.compiler = Compiler(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
+                                 self._warn_once, compile, self.synced_grad_bytes)
+        """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
+        self.plan: Plan | None = None
+        self.executables = Executables()
+        """Compiled graphs by input signature (autopar/runtime/execution/graph_cache.py)."""
+        self.shapes_met: set[Any] = set()
+        """Keys (symbolic sizes) a training call was captured for with its own sizes: the next is symbolic."""
+        self.shapes_fixed: set[Any] = set()
+        """Keys whose symbolic capture failed or had its sizes fixed: captured with their own sizes."""
+        self.uncaptured: dict[Any, str] = {}
+        """Signatures of evaluation calls that could not be captured (run whole on every rank): why not."""
+        self._syncs: list[GradSync] = []
+        """Gradient sync of the parameters (pipeline = 1): one per process group."""
+        self.stage_grads = StageGrads()
+        """pipeline > 1: the plain leaves the stages read for the parameters, and the step's gradients."""
+        self.surviving_grads = SurvivingGrads(self.store.unique)
+        """compile="reduce-overhead": gradients copied out of CUDA graph memory before the next replay."""
+        self._model = weakref.ref(model)
+        self.fallback = False
+        self.original_forward = OwnForward(model.forward, model)
+        """The model's own forward, not bound to it (the runtime must not keep the model alive)."""
+        self._warned: set[Any] = set()
+        self.choose: Callable[[tuple, dict, bool], ParallelRuntime] | None = None
+        """A provisional runtime's chooser: picks the grid at the first call and returns the runtime that
+        replaces this one (``autopar.context``; None once chosen, or when the grid was given)."""
+
+    def following(self) -> contextlib.AbstractContextManager:
+        """``CallCheck.following`` of the runtime the model runs under now (generate's wrapper asks each call)."""
+        model = self._model()
+        return current_runtime(model).calls.following() if model is not None else contextlib.nullcontext()
+
+    def decided(self, args: tuple, kwargs: dict, train_step: bool = False) -> ParallelRuntime:
+        """The runtime this call runs under: this one, or, at the first call of a model whose grid is chosen
+        then (``plan="auto"`` without example inputs), the one for the chosen grid."""
+        if self.choose is None:
+            return self
+        choose, self.choose = self.choose, None
+        return choose(args, kwargs, train_step)
+
+    def retire(self) -> None:
+        """Hands the model over to the runtime of the chosen grid: the load hooks go (the successor's store
+        registers its own); the parameters, the wrapped ``generate`` and the state-dict hook stay."""
+        self.store.close()
+
+    # ---- calling ----------------------------------------------------------------------------------
+
+    def sync_enabled(self) -> bool:
+        """Whether this backward sums gradients over data (x depth): not inside ``no_sync()``, nor while the
+        script sets DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's accumulation)."""
+        return self.no_sync_depth == 0 and getattr(self._model(), "require_backward_grad_sync", True) is not False
+
+    def synced_grad_bytes(self) -> dict[str, int]:
+        """The parameters whose gradients this rank's gradient syncs sum during backward, by name: the bytes of
+        each one's gradient on a rank as the plan counts them (the same on every rank, a piece split unevenly
+        counted at its largest)."""
+        held = {id(p) for sync in self._syncs for p in sync.params}
+        sizes = {pp.name: pp.local_numel(self.config) for pp in self.plan.params} if self.plan is not None else {}
+        return {name: sizes[name] * p.element_size() for name, p in self.params.items()
+                if id(p) in held and name in sizes}
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return carry_cache(args, kwargs, self.run(args, kwargs)[0])  # the cache passed in is updated, as serial
+
+    def run(self, args: tuple, kwargs: dict, *, local_outputs: bool = False,
+            example: bool = False) -> tuple[Any, list[Any], tuple[int, ...]]:
+        """Runs the model; returns (outputs, the GatherOutputSpec of each output leaf, batch sizes).
+
+        With ``local_outputs`` the outputs stay as this rank computed them (its batch rows, its
+        piece of a split dim) and the specs say how they are laid out; train_step uses this.
+        ``example``: auto_parallelize's example_inputs, the same on every rank: a global batch that
+        decides nothing about how the script feeds the model later.
+        """
+        if self.choose is not None:  # (local outputs: train_step's call, the one that may run a pipeline)
+            return self.decided(args, kwargs, local_outputs).run(args, kwargs, local_outputs=local_outputs,
+                                                                 example=example)
+        grad = torch.is_grad_enabled()
+        if not grad and self.pure_data:  # like DDP's module in evaluation: this rank's inputs, no collective
+            return self._forward_local(args, kwargs), None, ()
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        leaves, arrived = arrived_inputs(leaves, self.mesh)  # a cache an earlier call returned split
+        names = input_names(args, kwargs, spec)
+        declared = self.inputs.batch_dims
+        found = batch_leaves(leaves, names, declared)
+        mode, every = (GLOBAL, None) if example else self.calls.check(leaves, spec, found[0], grad)
+        with self.calls.running():  # (the others may wait in this call's collectives: autopar.runtime.comm.faults)
+            result = self._run_as(mode, every, args, kwargs, leaves, spec, arrived, names, found, grad, local_outputs)
+        if not example:
+            self.calls.settle(result[0])
+        return result
+
+    def _run_as(self, mode: str, every: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
+                arrived: dict, names: Any, found: Any, grad: bool,
+                local_outputs: bool) -> tuple[Any, list[Any], tuple[int, ...]]:
+        """``run`` after the call's check: in ``mode``, with the inputs ``leaves`` (``arrived``: the split caches)."""
+        declared = self.inputs.batch_dims
+        if mode == PER_RANK:
+            if local_outputs:
+                raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
+                                 "batch per rank (batch='per-rank'): call the model and compute the loss as the DDP "
+                                 "script does.")
+            return self._run_per_rank(args, kwargs, leaves, spec, every), None, ()
+        if self.fallback:
+            return self._run_data_parallel(args, kwargs), None, ()
+        shards = self.config.num_batch_shards
+        if not grad and self.config.pipeline == 1 and 0 < found[1] < shards:
+            shards = 1  # an evaluation batch with fewer rows than data x depth: every batch rank runs it whole
+        split, global_batch = split_batch_leaves(leaves, shards, names, declared, found)
+        sizes = self.config.batch_sizes(global_batch) if split else ()
+        if arrived:  # read in place where this call's graph takes them split, else made whole
+            leaves, arrived = read_in_place(leaves, arrived, split, sizes,
+                                            not grad and not local_outputs and self.config.pipeline == 1)
+        # sequence dims (and an unsplit batch) symbolic, one graph for every length and batch size (a key holds
+        # the graphs captured for it; the first that accepts these sizes runs, else one more is captured).
+        # Training captures its first shape as it is and goes symbolic when a second shape meets the key (as
+        # torch.compile's automatic dynamic shapes): a script with one shape pays no symbolic capture.
+        # Where data x depth split the batch, each rank's rows are symbolic when every shard has two or more
+        # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
+        rows_symbolic = not split or min(sizes) > 1
+        dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split))
+        training = self._model().training
+
+        def these_sizes() -> Any:
+            return spec, training, global_batch, tuple(signature(x) for x in leaves), local_outputs
+
+        batch = ("split", len(sizes)) if rows_symbolic and any(d in dynamic.get(i, {}) for i, d in split.items()) \
+            else global_batch
+        key = (spec, training, batch, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(leaves)),
+               local_outputs) if dynamic else these_sizes()
+        exe = self._cached(key, these_sizes if dynamic else None, leaves, split, sizes)
+        if exe is None and key in self.uncaptured:  # an evaluation call that could not be captured before
+            self._say_eval_fallback(self.uncaptured[key])  # (once more if a plan changed its cost)
+            return self._forward_local(*whole((args, kwargs))), None, ()
+        if exe is None:
+            sharding = {i: a.sharding for i, a in arrived.items() if a.sharding is not None}
+            try:
+                exe = self._compiled(key, these_sizes() if dynamic else key, dynamic, lambda symbolic: self._compile(
+                    leaves, spec, split, sizes, local_outputs, dynamic=symbolic, arrived=sharding))
+            except CaptureError as e:
+                if self.config.pipeline > 1 or (self.plan is not None and grad):
+                    raise
+                if not grad:  # this call only: training calls are still captured and get the plan
+                    self._eval_fall_back(e, key)
+                    return self._forward_local(*whole((args, kwargs))), None, ()
+                self._fall_back(e)
+                return self._run_data_parallel(args, kwargs), None, ()
+        local = [local_of(x) if i in arrived else scatter_batch(x, self.mesh, sizes, split[i]) if i in split else x
+                 for i, x in enumerate(leaves)]
+        exe.rows.sizes = sizes
+        return (self._execute(exe, self._graph_inputs(exe, local), given_cache(args, kwargs)), exe.output_specs,
+                sizes)
+
+    def _execute(self, exe: Executable, flat: list[Any], given: Any = None) -> Any:
+        """Runs ``exe`` on its placeholders' values; returns the outputs in the model's structure (``given``:
+        the cache object the call passed, which receives the cache the graph returns)."""
+        dtype = half_dtype(self.memory.precision)
+        if exe.program is not None:
+            values = dict(zip(placeholders(exe.gm), flat))
+            out = exe.program.run_sequential(values)
+            exe.program.sync_buffers(self.buffers)
+            return pytree.tree_unflatten(list(out), exe.out_spec)
+        graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
+        if isinstance(exe.run, (CompiledGraph, CompiledPieces)) and exe.run.cuda_graphs and torch.is_grad_enabled():
+            self.surviving_grads.copy_out()  # (before the replay overwrites the last one's gradients)
+        with torch.autocast(self.mesh.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
+            out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
+        if exe.kept is not None:
+            out = exe.kept(list(out), exe.rows.sizes)
+        if dtype is not None:
+            # Outputs come back in float32, as the serial model's do (the loss then runs in fp32).
+            out = [t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in out]
+            if self.memory.precision == "fp16" and torch.is_grad_enabled():
+                self._agree_on_overflow_after_backward(out)
+        if exe.tree is not None:
+            return exe.tree(list(out), given)
+        return pytree.tree_unflatten(list(out), exe.out_spec)
+
+    def _run_per_rank(self, args: tuple, kwargs: dict, leaves: list[Any], spec: pytree.TreeSpec,
+                      every: list[Any] | None) -> Any:
+        """This rank's own batch (DDP semantics, ``autopar.runtime.data_parallel.per_rank``): its rows' outputs, pooled with
+        the rows of the ranks holding the same batch shard."""
+        members = self.mesh.shard_members()
+        member = members.index(self.mesh.rank)
+        split = batch_leaves(leaves, input_names(args, kwargs), self.inputs.batch_dims)[0]
+        if len(members) > 1:
+            rows = tuple(int(every[r].rows) for r in members)
+            split, sizes, _ = pooled_rows(split, rows, self.config)  # (the planner's rule)
+            local = [pool_rows(x, self.mesh, rows, member, split[i]) if i in split else x
+                     for i, x in enumerate(leaves)]
+        else:  # alone with its rows: nothing is split, the graph runs on them as they are
+            first = min(split) if split else None
+            own = int(leaves[first].shape[split[first]]) if split else 0
+            rows, local, split, sizes = (own,), list(leaves), {}, ()
+        if self.fallback:
+            return pytree.tree_map(lambda t: own_output(t, None, self.mesh, rows, member),
+                                   self._forward_whole(args, kwargs))
+        # lengths symbolic as for a global batch (training: from the second shape on); each member's rows stay
+        # numbers (the members' losses are cut by them)
+        dynamic = symbolic_dims(self._model(), local) if self.config.pipeline == 1 else {}
+        static = ("per-rank", spec, self._model().training, rows, tuple(signature(x) for x in local))
+        key = ("per-rank", spec, self._model().training, rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
+               ) if dynamic else static
+        exe = self._cached(key, (lambda: static) if static is not key else None, local, {}, ())
+        if exe is None:
+            try:
+                exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
+                    local, spec, split, sizes, per_rank=(rows, member), dynamic=symbolic))
+            except CaptureError as e:
+                if self.plan is not None or self.config.pipeline > 1:
+                    raise
+                self._fall_back(e, per_rank=True)
+                return self._run_per_rank(args, kwargs, leaves, spec, every)
+        out = self._execute(exe, self._graph_inputs(exe, local))
+        flat, out_spec = pytree.tree_flatten(out)
+        specs = exe.output_specs if len(exe.output_specs) == len(flat) else [None] * len(flat)
+        return pytree.tree_unflatten([own_output(t, s, self.mesh, rows, member) for t, s in zip(flat, specs)], out_spec)
+
+    def _forward_local(self, args: tuple, kwargs: dict) -> Any:
+        """The user's forward on this rank's inputs and whole parameters (``fallback.forward_local``)."""
+        return forward_local(self._forward_whole, self.memory.precision, self.mesh.device, args, kwargs)
+
+    def _agree_on_overflow_after_backward(self, outputs: list[Any]) -> None:
+        """fp16: when any rank's gradients overflow, every rank's do, so torch.amp.GradScaler skips the
+        step (and lowers its scale) on all ranks alike. One small all-reduce at the end of backward."""
+        first = next((t for t in outputs if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is None:
+            return
+
+        def at_end() -> None:
+            self._agree_on_overflow()
+
+        def queue(grad: torch.Tensor) -> torch.Tensor:
+            queue_backward_callback(at_end)
+            return grad
+
+        first.register_hook(queue)
+
+    def _agree_on_overflow(self) -> None:
+        """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value); raises where a
+        rank holds no gradient element to poison."""
+        for sync in self._syncs:  # queued before the syncs' own end callbacks: the sums first
+            sync.finish()
+        held = [local_of(p.grad) for p in self.store.unique() if p.grad is not None]
+        grads = [g for g in held if g.numel()]  # (a gradient split over data: a chunk, maybe empty on some ranks)
+        # one value summed over the ranks: how many overflowed, plus world + 1 for each holding gradients
+        # without an element (chunks of ceil(rows / data) rows leave the last data ranks none of a small one)
+        world = self.config.world_size
+        flag = int(any(not torch.isfinite(g).all() for g in grads)) + int(bool(held) and not grads) * (world + 1)
+        total = int(C.all_reduce(torch.tensor([flag], dtype=torch.int64, device=self.mesh.device), None, world).item())
+        if total % (world + 1) == 0:
+            return
+        if total >= world + 1:
+            raise ParameterError(
+                f"fp16: gradients overflowed, and {total // (world + 1)} rank(s) hold no element of any gradient "
+                "(shard_optimizer splits each one over the data ranks in chunks of ceil(rows / data) rows, and "
+                "every trainable parameter of this model has too few rows to give those ranks one), so "
+                "torch.amp.GradScaler could not skip this step there. Use fewer data ranks, "
+                "shard_optimizer=False, or precision='bf16' (no loss scaling).")
+        with torch.no_grad():
+            for g in grads:
+                g.view(-1)[0] = float("inf")
+
+    # ---- fallback: no graph ---------------------------------------------------------------------
+
+    def _find(self, key: Any, leaves: list[Any], split: dict[int, int], sizes: tuple[int, ...],
+              dtypes: tuple[torch.dtype, ...]) -> Executable | None:
+        """The compiled graph for ``key`` that takes these inputs (a graph with symbolic sizes is checked
+        against this rank's rows of the batch), among those captured for the model's ``dtypes`` now."""
+        rows = sizes[self.mesh.index("batch")] if split else 0
+
+        def narrow(x: torch.Tensor, dim: int) -> torch.Tensor:  # (sizes only: a DTensor's narrow would gather)
+            x = torch.empty(x.shape, dtype=x.dtype, device="meta") if isinstance(x, DTensor) else x
+            return x.narrow(dim, 0, rows)
+
+        return self.executables.find((dtypes, key), lambda: [narrow(x, split[i]) if i in split else x
+                                                                         for i, x in enumerate(leaves)])
+
+    def _cached(self, key: Any, static: Callable[[], Any] | None, leaves: list[Any], split: dict[int, int],
+                sizes: tuple[int, ...]) -> Executable | None:
+        """The cache policy's lookup, for every kind of call: the graph for ``key`` (symbolic sizes) that takes
+        these inputs, else the one captured for these sizes (``static()``, made only then; None: ``key`` is
+        these sizes), else None (``_compiled`` makes one)."""
+        dtypes = self.casts.check()  # (once a call: it passes over every parameter)
+        exe = self._find(key, leaves, split, sizes, dtypes)
+        return exe if exe is not None or static is None else self._find(static(), leaves, split, sizes, dtypes)
+
+    def _compiled(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
+                  compile: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
+        """The cache policy, one for every kind of call (a global batch, per-rank batches, a pipeline's
+        micro-batch), after ``_find`` found no graph for ``key`` (symbolic sizes) nor ``static`` (these sizes):
+        ``compile`` one, with ``dynamic``'s symbolic sizes in evaluation and from a key's second shape in
+        training (as torch.compile's automatic dynamic shapes: a script with one shape pays no symbolic
+        capture), as these sizes where symbolic capture failed before; kept under the key it accepts."""
+        symbolic = dynamic if (not torch.is_grad_enabled() or key in self.shapes_met) and key not in self.shapes_fixed \
+            else {}
+        self.shapes_met.add(key)
+        exe = compile(symbolic)
+        if symbolic and exe.accepts is None:  # symbolic sizes failed or were fixed: not tried again
+            self.shapes_fixed.add(key)
+        self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
+        return exe
+
+    def _keep(self, key: Any, exe: Executable) -> None:
+        """Caches a compiled graph; one warning the first time a signature has to go (each new input shape
+        then costs a capture)."""
+        if self.executables.keep((self.casts.dtypes, key), exe):
+            if "evict" not in self._warned and self.mesh.rank == 0:
+                log.warning("autopar: %s was called with more than %d input signatures; the least recently used "
+                            "compiled graphs are dropped and captured again when met. Pad inputs to a few lengths "
+                            "to avoid the captures.", type(self._model()).__name__, executables.MAX_EXECUTABLES)
+            self._warned.add("evict")
+
+    def _eval_fall_back(self, error: CaptureError, key: Any) -> None:
+        """An evaluation call before any plan that cannot be captured: it (and later calls with the same
+        signature) runs the whole model on every rank; the next training call is captured as usual."""
+        self.uncaptured[key] = reason = fallback_reason(error)
+        self._say_eval_fallback(reason)
+
+    def _say_eval_fallback(self, reason: str) -> None:
+        say_eval_fallback(reason, bool(self.store.dtensors and self.plan), self._warned, self.mesh.rank)
+
+    def _fall_back(self, error: CaptureError, per_rank: bool = False) -> None:
+        """The model cannot be captured: every rank runs it whole, on its data rank's share of the batch (DDP
+        over the data ranks), or with ``per_rank`` batches on its own (DDP over every rank)."""
+        self.fallback = True
+        sync = data_parallel_sync(error, self.params, self.mesh, self.sync_enabled, per_rank)
+        if sync is not None:
+            self._add_sync(sync, "world")
+
+    def _add_sync(self, sync: GradSync, axis: str) -> None:
+        """Keeps a gradient sync; its hooks on the parameters are the model's patches (``autopar.patches``)."""
+        self._syncs.append(sync)
+        patches.of_model(self._model()).add(f"gradient hooks ({axis})", sync.remove)
+
+    def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
+        return run_data_parallel(self._forward_whole, self._model(), self.mesh, self.inputs.batch_dims, args, kwargs)
+
+    def _forward_whole(self, args: tuple, kwargs: dict) -> Any:
+        """The user's forward on a whole copy of the model (``fallback.forward_whole``)."""
+        return forward_whole(self._model(), self.store, self.plan is not None, self.original_forward, args, kwargs)
+
+    # ---- compiling --------------------------------------------------------------------------------
+
+    def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
+                 sizes: tuple[int, ...], local_outputs: bool = False,
+                 per_rank: tuple[tuple[int, ...], int] | None = None,
+                 dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
+                 ) -> Executable:
+        """This call's graph (``autopar.runtime.execution.builder``), planned at the model's first capture.
+        ``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
+        input dims captured as symbolic sizes (``symbolic_dims``); if that capture fails, or the graph
+        computes numbers from the batch, these sizes are captured as they are."""
+        index = self.mesh.index("batch") if split else 0
+        segments = per_rank[0] if per_rank is not None and split else ()
+        captured = self.compiler.capture_call(leaves, spec, split, sizes, index, segments, dynamic, arrived)
+        if self.plan is None:
+            # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
+            # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
+            plan = None
+            if per_rank is None or self.mesh.rank == 0:
+                canonical = captured if index == 0 else self.compiler.capture(
+                    leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
+                plan = decide_plan(canonical.gm, self.config, self.plan_options())
+                if not plan.memory.fits and self.mesh.rank == 0:
+                    log.warning("autopar: %s", plan.memory.summary().replace("\n", "; "))
+            if per_rank is not None:
+                box = [plan]
+                C.broadcast_objects(box, 0, self.mesh.control)
+                plan = box[0]
+            self._adopt(plan)
+        return self.compiler.executable(captured, self.plan, split, sizes, local_outputs, per_rank)
+
+    def _warn_once(self, message: str) -> None:
+        if message not in self._warned and self.mesh.rank == 0:
+            log.warning("autopar: %s", message)
+        self._warned.add(message)
+
+    def plan_options(self) -> PlanOptions:
+        """What this model's plan depends on beyond the grid: the user's memory and pipeline options, this
+        device's memory shared by the ranks on it, and its rates (the pipeline's stages are cut for them)."""
+        checkpoint = self.memory.checkpoint
+        budget = None if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
+        return PlanOptions(checkpoint, budget, self.memory.precision, self.num_microbatches,
+                           self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
+                           compiled=self.compile.enabled(self.mesh.device.type, training=True),
+                           hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None)
+
+    def finish_grads(self) -> None:
+        """pipeline > 1, after backward (or after the schedule's last micro-batch): the step's gradients into
+        ``p.grad`` (``StageGrads.finish``), then the fp16 overflow agreement. Every rank calls this once per
+        step."""
+        if self.stage_grads.finish(self.plan, self.params, self.mesh, self.config,
+                                   half_dtype(self.memory.reduce_dtype), self.sync_enabled(),
+                                   self.store.data_shards) \
+                and self.memory.precision == "fp16":
+            self._agree_on_overflow()
+
+    # ---- pipeline: what train_step needs ----------------------------------------------------------
+
+    def pipeline_inputs(self, args: tuple, kwargs: dict) -> tuple[Executable, dict[fx.Node, Any], int, tuple[int, ...]]:
+        """Compiles the graph of one micro-batch and binds this step's inputs to its placeholders.
+
+        Returns (executable, values, global batch, batch shard sizes); batch-split values hold this
+        rank's whole shard (torch's schedule cuts it into micro-batches).
+        """
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        m, shards = self.num_microbatches, self.config.num_batch_shards
+        split, global_batch, sizes = microbatch_leaves(leaves, self.config, m, input_names(args, kwargs),
+                                                       self.inputs.batch_dims)
+        if self.calls.check(leaves, spec, split, torch.is_grad_enabled())[0] == PER_RANK:
+            raise InputError("train_step takes one global batch, the same on every rank, but this model is fed a "
+                             "batch per rank (batch='per-rank').")
+        micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
+        micro_sizes = tuple(s // m for s in sizes)
+        key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))
+        exe = self._cached(key, None, micro, {}, ()) or self._compiled(
+            key, key, {}, lambda _: self._compile(micro, spec, split, micro_sizes, True))
+        local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
+                 for i, x in enumerate(leaves)]
+        values = dict(zip(placeholders(exe.gm), self._graph_inputs(exe, local)))
+        return exe, values, global_batch, sizes
+
+    def _graph_inputs(self, exe: Executable, local: list[Any]) -> list[Any]:
+        """The value of each placeholder of ``exe``: parameters, buffers, constants, this rank's inputs."""
+        flat = []
+        read = self.stage_grads.leaf if exe.program is not None else local_view
+        if exe.reads_params and torch.is_grad_enabled():  # (the graph reads each where it is first used; without
+            read = _itself  # gradients it takes the local pieces as well, as a CUDA graph's capture of it does)
+        elif exe.program is None and isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one node reads all
+            views = iter(local_views([self.params[t] for kind, t in exe.inputs if kind is InputKind.PARAMETER]))
+            read = lambda p: next(views)  # noqa: E731
+        for kind, target in exe.inputs:
+            if kind is InputKind.PARAMETER:
+                flat.append(read(self.params[target]))
+            elif kind is InputKind.BUFFER:
+                flat.append(self.buffers[target])
+            elif kind is InputKind.CONSTANT:
+                flat.append(exe.constants[target])
+            else:
+                flat.append(local[int(target)])
+        return flat
+
+    # ---- parameters -------------------------------------------------------------------------------
+
+    def _adopt(self, plan: Plan) -> None:
+        """Makes ``plan`` this model's plan: shards parameters in place and installs gradient sync."""
+        self.store.adopt(plan)
+        synced: dict[str, dict[int, nn.Parameter]] = {}
+        for pp in plan.params:
+            p = self.params[pp.name]
+            axis, size = self.mesh.grad_group(pp.grad_axes)
+            if axis == "batch" and self.config.depth == 1:  # the same ranks
+                axis = "data"
+            if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else finish_grads
+                synced.setdefault(axis, {})[id(p)] = p
+        shards = self.store.data_shards
+        if shards is not None and "batch" in synced:  # split over data, then summed over depth: on the data group
+            split = {i: p for i, p in synced["batch"].items() if shards.grad_layout(p) is not None}
+            synced["batch"] = {i: p for i, p in synced["batch"].items() if i not in split}
+            if split:
+                self._add_sync(GradSync(list(split.values()), self.mesh.group("data"), self.mesh.size("data"),
+                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled,
+                                        shards=shards, rest=(self.mesh.group("depth"), self.mesh.size("depth"))),
+                               "data, then depth")
+        for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
+            # (shard_optimizer: each data rank keeps the sum of its chunk only, a reduce-scatter)
+            if params:
+                self._add_sync(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
+                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled,
+                                        shards=shards if axis == "data" else None), axis)
+        self.plan = plan
+        if self.mesh.rank == 0:
+            log.info("%s", plan.summary())
+            if self.config.row * self.config.col > 1:
+                for note in plan.notes:  # one line per region that is not tensor-parallel
+                    self._warn_once(note)  # (the batch notes again at the graph's passes: said once)
+
+    def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.store.full_state_dict(state)
+
+    def compiled_graphs(self) -> list[CompiledGraph]:
+        """The graphs this model runs compiled (each executable's, or each pipeline stage's, and those captured
+        as CUDA graphs)."""
+        runs = [r for graphs in self.executables.values() for exe in graphs
+                for r in ((exe.run.pieces if isinstance(exe.run, CompiledPieces) else [exe.run]) if exe.program is None
+                          else [a.run for a in exe.program.adapters.values()])
+                + ([exe.graphs.warm] if exe.graphs is not None and exe.graphs.warm is not exe.run else [])]
+        return [r for r in runs if isinstance(r, CompiledGraph)]
+
+    def graph_replays(self) -> int:
+        """Evaluation calls replayed as CUDA graphs (``autopar.runtime.compiled.cuda_graphs``), over the graphs kept."""
+        return sum(exe.graphs.replays() for graphs in self.executables.values() for exe in graphs
+                   if exe.graphs is not None)
+
+    def full_grads(self) -> dict[str, torch.Tensor | None]:
+        return self.store.full_grads()
+
+
+def _itself(p: Any) -> Any:
+    return p

@@ -1,0 +1,1 @@
+"""Pipeline stages, the pipelined train_step and the stages' gradients."""
