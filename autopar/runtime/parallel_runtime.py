@@ -40,15 +40,16 @@ from autopar.runtime.interop.casts import Casts
 from autopar.runtime.interop.state_dicts import state_dict_post_hook
 from autopar.runtime.compiled.graph import CompiledGraph, SurvivingGrads
 from autopar.runtime.compiled.pieces import CompiledPieces
-from autopar.runtime.execution.builder import Compiler
+from autopar.runtime.execution.builder import Builder
 from autopar.runtime.construction.record import Deferred, Sink
 from autopar.runtime.execution.graph_cache import Executable, Executables, signature
-from autopar.runtime.execution.uncaptured import (OwnForward, data_parallel_sync, fallback_reason, forward_local, forward_whole,
-                                      run_data_parallel, say_eval_fallback)
+from autopar.runtime.execution.uncaptured import (OwnForward, data_parallel_sync, fallback_reason, forward_local,
+                                                  forward_whole, run_data_parallel, say_eval_fallback)
 from autopar.runtime.data_parallel.grad_sync import GradSync
-from autopar.runtime.execution.kept_state import arrived_inputs, carry_cache, given_cache, read_in_place, whole, wrap_generate
+from autopar.runtime.execution.kept_state import (arrived_inputs, carry_cache, given_cache, read_in_place, whole,
+                                                  wrap_generate)
 from autopar.runtime.comm.mesh import Mesh
-from autopar.runtime.ops.matmul import scatter_batch
+from autopar.runtime.ops.rows import scatter_batch
 from autopar.runtime.params.store import ParamStore
 from autopar.runtime.params.layout import local_of, local_view, local_views
 from autopar.runtime.data_parallel.per_rank import own_output, pool_rows
@@ -103,7 +104,7 @@ class ParallelRuntime:
                 installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.casts = Casts(model, self.shadow, self.store)
-        self.compiler = Compiler(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
+        self.builder = Builder(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
                                  self._warn_once, compile, self.synced_grad_bytes)
         """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.plan: Plan | None = None
@@ -239,8 +240,9 @@ class ParallelRuntime:
         if exe is None:
             sharding = {i: a.sharding for i, a in arrived.items() if a.sharding is not None}
             try:
-                exe = self._compiled(key, these_sizes() if dynamic else key, dynamic, lambda symbolic: self._compile(
-                    leaves, spec, split, sizes, local_outputs, dynamic=symbolic, arrived=sharding))
+                exe = self._cached_or_built(key, these_sizes() if dynamic else key, dynamic,
+                                            lambda symbolic: self._build(leaves, spec, split, sizes, local_outputs,
+                                                                         dynamic=symbolic, arrived=sharding))
             except CaptureError as e:
                 if self.config.pipeline > 1 or (self.plan is not None and grad):
                     raise
@@ -308,7 +310,7 @@ class ParallelRuntime:
         exe = self._cached(key, (lambda: static) if static is not key else None, local, {}, ())
         if exe is None:
             try:
-                exe = self._compiled(key, static, dynamic, lambda symbolic: self._compile(
+                exe = self._cached_or_built(key, static, dynamic, lambda symbolic: self._build(
                     local, spec, split, sizes, per_rank=(rows, member), dynamic=symbolic))
             except CaptureError as e:
                 if self.plan is not None or self.config.pipeline > 1:
@@ -389,17 +391,17 @@ class ParallelRuntime:
         exe = self._find(key, leaves, split, sizes, dtypes)
         return exe if exe is not None or static is None else self._find(static(), leaves, split, sizes, dtypes)
 
-    def _compiled(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
-                  compile: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
+    def _cached_or_built(self, key: Any, static: Any, dynamic: dict[int, dict[int, Any]],
+                  build: Callable[[dict[int, dict[int, Any]]], Executable]) -> Executable:
         """The cache policy, one for every kind of call (a global batch, per-rank batches, a pipeline's
         micro-batch), after ``_find`` found no graph for ``key`` (symbolic sizes) nor ``static`` (these sizes):
-        ``compile`` one, with ``dynamic``'s symbolic sizes in evaluation and from a key's second shape in
+        ``build`` one, with ``dynamic``'s symbolic sizes in evaluation and from a key's second shape in
         training (as torch.compile's automatic dynamic shapes: a script with one shape pays no symbolic
         capture), as these sizes where symbolic capture failed before; kept under the key it accepts."""
         symbolic = dynamic if (not torch.is_grad_enabled() or key in self.shapes_met) and key not in self.shapes_fixed \
             else {}
         self.shapes_met.add(key)
-        exe = compile(symbolic)
+        exe = build(symbolic)
         if symbolic and exe.accepts is None:  # symbolic sizes failed or were fixed: not tried again
             self.shapes_fixed.add(key)
         self._keep(key if exe.accepts is not None else static, exe)  # (captured as these sizes: their key)
@@ -446,7 +448,7 @@ class ParallelRuntime:
 
     # ---- compiling --------------------------------------------------------------------------------
 
-    def _compile(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
+    def _build(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
                  sizes: tuple[int, ...], local_outputs: bool = False,
                  per_rank: tuple[tuple[int, ...], int] | None = None,
                  dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
@@ -457,13 +459,13 @@ class ParallelRuntime:
         computes numbers from the batch, these sizes are captured as they are."""
         index = self.mesh.index("batch") if split else 0
         segments = per_rank[0] if per_rank is not None and split else ()
-        captured = self.compiler.capture_call(leaves, spec, split, sizes, index, segments, dynamic, arrived)
+        captured = self.builder.capture_call(leaves, spec, split, sizes, index, segments, dynamic, arrived)
         if self.plan is None:
             # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
             # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
             plan = None
             if per_rank is None or self.mesh.rank == 0:
-                canonical = captured if index == 0 else self.compiler.capture(
+                canonical = captured if index == 0 else self.builder.capture(
                     leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
                 plan = decide_plan(canonical.gm, self.config, self.plan_options())
                 if not plan.memory.fits and self.mesh.rank == 0:
@@ -473,7 +475,7 @@ class ParallelRuntime:
                 C.broadcast_objects(box, 0, self.mesh.control)
                 plan = box[0]
             self._adopt(plan)
-        return self.compiler.executable(captured, self.plan, split, sizes, local_outputs, per_rank)
+        return self.builder.executable(captured, self.plan, split, sizes, local_outputs, per_rank)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned and self.mesh.rank == 0:
@@ -518,8 +520,8 @@ class ParallelRuntime:
         micro = [x[:global_batch // m] if i in split else x for i, x in enumerate(leaves)]
         micro_sizes = tuple(s // m for s in sizes)
         key = ("pipeline", spec, self._model().training, global_batch // m, tuple(signature(x) for x in micro))
-        exe = self._cached(key, None, micro, {}, ()) or self._compiled(
-            key, key, {}, lambda _: self._compile(micro, spec, split, micro_sizes, True))
+        exe = self._cached(key, None, micro, {}, ()) or self._cached_or_built(
+            key, key, {}, lambda _: self._build(micro, spec, split, micro_sizes, True))
         local = [scatter_batch(x, self.mesh, sizes, 0) if i in split and shards > 1 else x
                  for i, x in enumerate(leaves)]
         values = dict(zip(placeholders(exe.gm), self._graph_inputs(exe, local)))

@@ -1,7 +1,7 @@
 """Predicts, for one rank, every collective a training step issues and the matmul FLOPs.
 
 The runtime counts the bytes it really sends (autopar.runtime.comm.collectives); tests hold the two equal. The
-accounting per op mirrors the implementations in autopar.runtime.ops.matmul one to one:
+accounting per op mirrors the implementations in autopar.runtime.ops (matmul, layouts, rows, vocabulary) one to one:
 
 - sharded matmul (3D): forward all-gather of the weight block over depth, all-reduce of the output
   over the axis splitting the input features; backward all-gather of the block again, all-reduce of
@@ -250,7 +250,7 @@ def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConf
 
 def vocab_loss_collectives(logits: Any, class_dim: int, axis: str, config: ParallelConfig, where: str, at: str = "",
                            smoothing: bool = False) -> list[Collective]:
-    """Vocabulary-parallel cross-entropy (autopar.runtime.ops.matmul.vocab_parallel_losses): the row maxima,
+    """Vocabulary-parallel cross-entropy (autopar.runtime.ops.vocabulary.vocab_parallel_losses): the row maxima,
     then the sums of exponentials, the targets' logits (and the logits' sums with label smoothing) in one
     buffer; fp32, one value each per row, forward only (the loss is replicated)."""
     rows = logits.numel() // max(logits.shape[class_dim], 1)

@@ -16,10 +16,10 @@ from tests.zoo_helpers import batches as zoo_batches
 
 
 def _worker(bucketed: bool) -> dict:
-    from autopar.runtime.execution import builder as compiler
+    from autopar.runtime.execution import builder
 
     if not bucketed:  # one collective per weight, as before the buckets
-        compiler.bucket_depth_gathers = lambda gm, mesh: 0
+        builder.bucket_depth_gathers = lambda gm, mesh: 0
     out = {}
     for name, options in (("fp32", {}), ("recompute", {"checkpoint": "full"}), ("bf16", {"precision": "bf16"})):
         torch.manual_seed(0)
@@ -61,10 +61,10 @@ def test_bucketed_depth_collectives_give_the_per_weight_numbers_in_fewer_calls(d
 
 
 def _pipeline_worker(bucketed: bool) -> dict:
-    from autopar.runtime.execution import builder as compiler
+    from autopar.runtime.execution import builder
 
     if not bucketed:
-        compiler.bucket_depth_gathers = lambda gm, mesh: 0
+        builder.bucket_depth_gathers = lambda gm, mesh: 0
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=(1, 1, 2), pipeline=2, microbatches=4):
         model = zoo.build_model("llama", layers=4)

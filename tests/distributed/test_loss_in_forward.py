@@ -183,9 +183,9 @@ def _reduction_batches(steps: int = 2) -> list[tuple]:
 
 def reductions_run(grid: tuple | None, local_only: bool = False) -> dict:
     if local_only:  # the mutation: each rank's partial sum taken as the whole batch's
-        from autopar.runtime.ops import matmul as ops
+        from autopar.runtime.ops import rows
 
-        ops.BatchReduceOp.__call__ = lambda self, values, counts: (
+        rows.BatchReduceOp.__call__ = lambda self, values, counts: (
             values.sum(0) / (counts.sum() if counts is not None else values.shape[0] * (self.spec.count_per_row or 1))
             if self.spec.mean else values.sum(0))
     data = _reduction_batches()
@@ -234,10 +234,10 @@ VOCAB_GRIDS = {"t211": ((2, 1, 1), 2, 1), "t121": ((1, 2, 1), 2, 1), "t221": ((2
 
 
 def vocab_run(grid: tuple | None, mutate: bool = False) -> dict:
-    from autopar.runtime.ops import matmul as ops
+    from autopar.runtime.ops import layouts, vocabulary
 
     if mutate:  # the mutation: the sums of exponentials and targets' logits left un-reduced
-        ops.ReduceFrom.apply = staticmethod(lambda x, *args: x)
+        layouts.ReduceFrom.apply = staticmethod(lambda x, *args: x)
     data = [(x, y.masked_fill(y == 5, -1)) for x, y in _tokens(3, seq=8)]
     data = [(x % 64, y % 64 - (y == -1).long() * 64) for x, y in data]  # vocabulary 64, padding -1 kept
     model = _build(grid, VocabLM)
@@ -245,7 +245,7 @@ def vocab_run(grid: tuple | None, mutate: bool = False) -> dict:
     out["final"] = _final(model, grid)
     if grid is not None:
         exe = next(iter(runtime_of(model).executables.values()))[0]
-        out["vocab_parallel"] = sum(isinstance(getattr(n.target, "__self__", None), ops.VocabCrossEntropyOp)
+        out["vocab_parallel"] = sum(isinstance(getattr(n.target, "__self__", None), vocabulary.VocabCrossEntropyOp)
                                     for n in exe.gm.graph.nodes)
         autopar.reset_comm_stats()
         model(*data[0]).backward()

@@ -9,7 +9,9 @@ from autopar.compat import pytree
 from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
 from autopar.config import ParallelConfig
 from autopar.decisions import Layout, Orientation
-from autopar.runtime.ops.matmul import BatchRows, ConvertOp, GatherOutputOp, MatmulOp
+from autopar.runtime.ops.layouts import ConvertOp
+from autopar.runtime.ops.matmul import MatmulOp
+from autopar.runtime.ops.rows import BatchRows, GatherOutputOp
 from autopar.examples.fc_net import FC_Net
 from passes.analysis.make_plan import make_plan
 from passes.ir import REPLICATED, ConvertSpec, Sharding, convert_layout, gather_output, sharded_matmul

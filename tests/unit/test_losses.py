@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from autopar.runtime.ops.vocabulary import vocab_parallel_sum
-from autopar.runtime.ops.matmul import vocab_parallel_losses
+from autopar.runtime.ops.vocabulary import vocab_parallel_losses
 
 
 class _OneRank:

@@ -3,7 +3,7 @@
 ``auto_parallelize(compile=True)`` hands each bound per-rank graph (a whole executable, or each pipeline
 stage of one) to ``torch.compile`` with Inductor, whole (``fullgraph``: one graph or none):
 
-- The marker ops' autograd Functions (``autopar.runtime.ops.matmul``) are traced, forward and backward, so
+- The marker ops' autograd Functions (``autopar.runtime.ops``) are traced, forward and backward, so
   AOTAutograd builds one joint forward+backward graph and partitions it: Inductor fuses the elementwise
   work around the matmuls (norms, rotary, SwiGLU, autocast casts) in both directions. This is
   torch.compile's own joint graph, not one autopar exports: the runtime around it (per-rank batches,

@@ -1,7 +1,7 @@
 """Binds an emitted graph to this rank: marker ops become implementations over this rank's groups.
 
 ``ParallelRuntime`` compiles a graph per input signature; after the passes ``bind_markers`` replaces
-each marker op (``passes.ir``) with the op of ``autopar.runtime.ops.matmul`` (or ``per_rank``, ``random_pieces``) that carries
+each marker op (``passes.ir``) with the op of ``autopar.runtime.ops`` (or ``per_rank``) that carries
 it out on this rank, and meta devices with this rank's. The small helpers here read the bound graph:
 its placeholders, how each output is laid out, which inputs travel between pipeline stages.
 """
@@ -18,9 +18,10 @@ from torch import fx
 from autopar.errors import PlanError
 from autopar.runtime.comm.mesh import Mesh
 from autopar.runtime.params.layout import local_view
-from autopar.runtime.ops.matmul import (BatchReduceOp, BatchRows, ConvertOp, EmbeddingOp, GatherFeaturesOp,
-                                 GatherOutputOp, GatherRowsOp, MatmulOp, ReduceOp, ScatterRowsOp,
-                                 SumGradOp, VocabCrossEntropyOp)
+from autopar.runtime.ops.layouts import ConvertOp, GatherFeaturesOp, ReduceOp, SumGradOp
+from autopar.runtime.ops.matmul import MatmulOp
+from autopar.runtime.ops.rows import BatchReduceOp, BatchRows, GatherOutputOp, GatherRowsOp, ScatterRowsOp
+from autopar.runtime.ops.vocabulary import EmbeddingOp, VocabCrossEntropyOp
 from autopar.runtime.data_parallel.per_rank import SegmentReduceOp
 from autopar.runtime.ops.random_pieces import DropoutOp, RandomPieceOp
 from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,

@@ -1,10 +1,11 @@
-"""Compiles one input signature of a parallel model into an ``Executable`` on this rank.
+"""Builds the ``Executable`` of one input signature of a parallel model on this rank (a builder, not a compiler:
+"compile" is torch.compile's word, ``autopar.runtime.compiled``).
 
 Two steps, with the plan decided between them by the runtime (``ParallelRuntime._compile``):
 
-- ``Compiler.capture_call``: the model's meta shadow captured for this rank's rows of the batch, with
+- ``Builder.capture_call``: the model's meta shadow captured for this rank's rows of the batch, with
   symbolic sizes where asked and possible, and the numbers the model computes from the batch size;
-- ``Compiler.executable``: the passes run under the plan, the marker ops bound to this rank's process
+- ``Builder.executable``: the passes run under the plan, the marker ops bound to this rank's process
   groups, the model's tensor constants, and under a pipeline this rank's stages.
 """
 
@@ -36,7 +37,7 @@ from autopar.runtime.ops.depth_buckets import bucket_depth_gathers
 from autopar.runtime.execution.graph_cache import Executable
 from autopar.runtime.execution.kept_state import KeptOutputs, OutputTree
 from autopar.runtime.comm.mesh import Mesh
-from autopar.runtime.ops.matmul import BatchRows
+from autopar.runtime.ops.rows import BatchRows
 from autopar.runtime.params.store import ParamStore
 from autopar.runtime.pipeline.stages import Program
 from passes.analysis.batch_dims import analyze_batch, batch_constants, whole_constants
@@ -55,8 +56,8 @@ PASSES = (split_batch, shard_linears, insert_checkpoints)
 PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
 
 
-class Compiler:
-    """Captures and compiles the graphs of one parallel model on this rank."""
+class Builder:
+    """Captures the graphs of one parallel model on this rank and builds their executables."""
 
     def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
                  memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None],

@@ -29,6 +29,7 @@ from autopar.compat import local_tensor, pytree
 from autopar.hf_caches import is_cache_type
 from autopar.decisions import Layout
 from autopar.runtime.comm.mesh import Mesh
+from autopar.runtime.ops.rows import keeps
 from passes.ir import Sharding
 
 
@@ -58,12 +59,6 @@ def kept_output(x: torch.Tensor, mesh: Mesh, sharding: Sharding, batch_dim: int 
 
     placements = [place(axis) for axis in device_mesh.mesh_dim_names]
     return DTensor.from_local(x, device_mesh, placements, run_check=False)  # (even splits: kept_split)
-
-
-def keeps(spec: Any, sizes: tuple[int, ...]) -> bool:
-    """Whether an output of ``GatherOutputSpec`` ``spec`` stays split (a cache the next call reads split) when
-    the batch shards have ``sizes`` rows: its rows are kept only where they split evenly."""
-    return bool(getattr(spec, "keep_split", False)) and (not spec.batch_split or len(set(sizes)) <= 1)
 
 
 class KeptOutputs:

@@ -31,7 +31,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from autopar import patches
 from autopar.compat import dtensor_spec, local_tensor
 from autopar.errors import CheckpointError
-from autopar.runtime.interop.state_dicts import SCALAR_STATE, checkpointable, relayout_state
+from autopar.runtime.interop.state_dicts import SCALAR_STATE, dcp_ready, relayout_state
 from autopar.runtime.comm.mesh import ShardMesh
 from autopar.runtime.params.absent import Absent
 from autopar.runtime.params.data_shards import DataShards, Layout, split_over_data, whole_grad
@@ -190,7 +190,7 @@ def _wrap_chunk(key: str, value: Any, p: Any, layout: Layout, mesh: Any, before:
         return value
     if isinstance(before, DTensor) and local_tensor(before) is value:
         return before
-    return checkpointable(make_dtensor(value, mesh, layout.placements, p.shape))
+    return dcp_ready(make_dtensor(value, mesh, layout.placements, p.shape))
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> tuple[tuple, dict] | None:
@@ -326,7 +326,7 @@ def _wrap(key: str, value: Any, p: DTensor, before: Any) -> Any:
         return value
     if isinstance(before, DTensor) and local_tensor(before) is value:
         return before
-    return checkpointable(make_dtensor(value, p.device_mesh, p.placements, p.shape))
+    return dcp_ready(make_dtensor(value, p.device_mesh, p.placements, p.shape))
 
 
 def install() -> None:

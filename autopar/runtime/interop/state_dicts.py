@@ -3,7 +3,7 @@
 DCP describes a DTensor shard as one box (offset, size) of the global tensor. Most autopar layouts
 are boxes; a fused weight whose pieces (q/k/v, gate/up) are each split over an axis is not: the rank
 holds [q_r; k_r; v_r], three boxes (``StridedShard``). DCP would refuse that DTensor (its global
-plan validation finds the one-box claims overlapping). ``checkpointable`` gives such a DTensor a local
+plan validation finds the one-box claims overlapping). ``dcp_ready`` gives such a DTensor a local
 tensor that shares the same storage and implements DCP's ``_Checkpointable`` protocol with every box
 (``__create_write_items__``, ``__create_chunk_list__``, ``__get_tensor_shard__``), so DCP writes and
 reads each box where it belongs, at any grid. ``model.state_dict()`` (a post-hook) and the optimizer
@@ -84,7 +84,7 @@ def boxes_of(t: DTensor) -> list[tuple[torch.Size, torch.Size, tuple[slice, ...]
     return out
 
 
-def checkpointable(t: Any) -> Any:
+def dcp_ready(t: Any) -> Any:
     """``t``, or when it is a DTensor on autopar's mesh whose piece is several boxes, the same DTensor (same
     storage) with a local tensor that describes every box to DCP."""
     if not isinstance(t, DTensor) or not isinstance(t.device_mesh, ShardMesh):
@@ -120,9 +120,9 @@ def host_copy(state: Any) -> Any:
 
 
 def state_dict_post_hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
-    """``model.state_dict()``: DTensors whose pieces are several boxes become DCP-checkpointable."""
+    """``model.state_dict()``: DTensors whose pieces are several boxes made ready for DCP."""
     for key, value in state_dict.items():
-        state_dict[key] = checkpointable(value)
+        state_dict[key] = dcp_ready(value)
 
 
 # ---- the optimizer's state in the serial format ------------------------------------------------------
@@ -235,4 +235,4 @@ def _local_state(store: Any, name: str, key: str, value: Any, p: torch.Tensor, p
         piece = Absent(local.shape, value.dtype, p.device, local.param_name, local.holders)
     else:
         piece = (value if pp is None else local_piece(value, pp, store.mesh)).to(p.device).clone()
-    return checkpointable(make_dtensor(piece, p.device_mesh, p.placements, p.shape))
+    return dcp_ready(make_dtensor(piece, p.device_mesh, p.placements, p.shape))

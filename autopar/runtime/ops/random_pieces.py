@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from autopar.runtime.comm.mesh import Mesh
-from autopar.runtime.ops.matmul import take_pieces
+from autopar.runtime.comm.pieces import take_pieces
 from passes.ir import Sharding
 
 

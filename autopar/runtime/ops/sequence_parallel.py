@@ -9,16 +9,13 @@ gather them again in backward (``Regather``), as Megatron-LM's sequence parallel
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.comm.mesh import Mesh
 from passes.ir import Sharding
-
-if TYPE_CHECKING:
-    from autopar.runtime.ops.matmul import MatmulOp
 
 
 class ScatterTokens(torch.autograd.Function):
@@ -33,40 +30,6 @@ class ScatterTokens(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         return gather_along(dy, ctx.dim, ctx.mesh, ctx.axis), None, None, None
-
-
-class MatmulOut(torch.autograd.Function):
-    """An OUT_ROW/OUT_COL matmul (weight split over its output features) on an input gathered from the tokens'
-    ranks (``Regather``): it keeps this rank's tokens and gathers them again in backward; the input's gradient
-    stays partial (the gather's backward reduce-scatters it)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, op: MatmulOp,
-                tokens: TokensOf) -> torch.Tensor:
-        ctx.op, ctx.tokens = op, tokens.regather
-        y = torch.matmul(x, w) if op.spec.weight_in_out else torch.nn.functional.linear(x, w)
-        if bias is not None:
-            y = y + bias.to(y.dtype)
-        ctx.save_for_backward(tokens.keep(y.dtype, ctx.needs_input_grad[1]), w)  # (autocast: y's dtype computes)
-        return y
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        op: MatmulOp = ctx.op
-        piece, w = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dx = dw = db = None
-        wc = w.to(dy.dtype)
-        if need_x:
-            dx = torch.matmul(dy, wc.t() if op.spec.weight_in_out else wc)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if need_w:
-            x2 = ctx.tokens.whole(piece).to(dy.dtype).reshape(-1, piece.shape[-1])
-            dw = (x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2).to(w.dtype)
-        ctx.tokens = None
-        if need_b:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None
 
 
 class Regather:

@@ -47,7 +47,7 @@ from autopar.config import ParallelConfig
 from autopar.decisions import ParamKind, ParamPlan
 from autopar.runtime.params.absent import Absent
 from autopar.runtime.comm.mesh import Mesh
-from autopar.runtime.ops.matmul import take_pieces
+from autopar.runtime.comm.pieces import take_pieces
 
 #: Dims of a parameter's mesh (``Mesh.param_mesh``); a weight several pipeline stages hold adds "pipeline".
 DIMS = ("data", "depth", "row", "col")

@@ -25,7 +25,7 @@ from autopar.runtime.params.absent import Absent
 from autopar.runtime.construction.record import Deferred, Sink
 from autopar.runtime.construction.memory_mapped import FileMaps, release_pages
 from autopar.runtime.comm.mesh import Mesh
-from autopar.runtime.ops.matmul import gather_pieces
+from autopar.runtime.comm.pieces import gather_pieces
 from autopar.runtime.params.layout import (DIMS, TIED_DIMS, distribute_parameters, local_of, local_piece,
                                           make_dtensor, own_piece, placements, set_layout, splits_parameters)
 from autopar.runtime.params.data_shards import DataShards, piece_of

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from autopar.compat import pytree, timed_pipeline_waits
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.ops.vocabulary import logits_and_spec, splits_last_only, vocab_parallel_sum
-from autopar.runtime.ops.matmul import gather_features
+from autopar.runtime.ops.layouts import gather_features
 from autopar.runtime.pipeline.stages import build_schedule
 
 
