@@ -29,7 +29,7 @@ from torch import fx
 from autopar.compat import version_of
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.comm.mesh import Mesh
-from autopar.runtime.ops.matmul import MatmulOp
+from autopar.runtime.ops.matmul import MatmulOp, backward_prologue, bias_grad
 from autopar.runtime.ops.sequence_parallel import REGATHER, TokensOf
 from passes.analysis.estimate_memory import block_of
 from passes.analysis.graph_facts import module_of
@@ -137,22 +137,13 @@ class _Matmul3DGathered(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         op: MatmulOp = ctx.op
         (x,) = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.tokens is not None and need_w:  # (x serves only the weight's gradient)
-            x = ctx.tokens.whole(x).to(ctx.dtype)
-        ctx.tokens = None
-        dy = op.whole_grad(dy.to(ctx.dtype))
-        dx = dw = db = None
+        x, dy, (need_x, need_w, need_b) = backward_prologue(ctx, x, dy)
+        dx = dw = None
         if need_x:
-            w = ctx.bucket.weight(ctx.index, ctx.w_dtype).to(ctx.dtype)
-            dx = op.reduce_dx(torch.matmul(dy, w.t() if op.spec.weight_in_out else w))
-        dy2 = dy.reshape(-1, dy.shape[-1])
+            dx = op.reduce_dx(op.input_grad(dy, ctx.bucket.weight(ctx.index, ctx.w_dtype).to(ctx.dtype)))
         if need_w:
-            x2 = x.reshape(-1, x.shape[-1])
-            dw = (x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2).to(ctx.w_dtype)
-        if need_b:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None, None, None
+            dw = op.weight_grad(x, dy).to(ctx.w_dtype)
+        return dx, dw, bias_grad(dy, need_b), None, None, None, None
 
 
 class _GatheredMatmul:

@@ -20,6 +20,23 @@ from autopar.runtime.ops.untracked import apply
 from passes.ir import MatmulSpec
 
 
+def backward_prologue(ctx: Any, x: torch.Tensor, dy: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+    """The start every matmul Function's backward shares (``_Matmul3D``, ``MatmulOut``, the depth buckets'
+    ``_Matmul3DGathered``; ``ctx`` holds ``op``, ``dtype`` and ``tokens``): the input whole again where sequence
+    parallelism kept only this rank's tokens and the weight takes a gradient (the input serves only that), the
+    output's gradient whole in the compute dtype, and which of (input, weight, bias) take gradients."""
+    needs = tuple(ctx.needs_input_grad[:3])
+    if ctx.tokens is not None and needs[1]:
+        x = ctx.tokens.whole(x).to(ctx.dtype)
+    ctx.tokens = None
+    return x, ctx.op.whole_grad(dy.to(ctx.dtype)), needs
+
+
+def bias_grad(dy: torch.Tensor, needed: bool) -> torch.Tensor | None:
+    """The bias's gradient: ``dy`` summed over every dim but the features."""
+    return dy.reshape(-1, dy.shape[-1]).sum(0) if needed else None
+
+
 class _Matmul3D(torch.autograd.Function):
     """``y = x @ W^T + b`` with W's (out, in) block on this (row, col) and 1/depth of its rows stored here.
 
@@ -48,25 +65,16 @@ class _Matmul3D(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         op: MatmulOp = ctx.op
         x, w_shard = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        if ctx.tokens is not None and need_w:  # (x serves only the weight's gradient)
-            x = ctx.tokens.whole(x).to(ctx.dtype)
-        ctx.tokens = None
-        dy = op.whole_grad(dy.to(ctx.dtype))
-        dx = dw = db = None
+        x, dy, (need_x, need_w, need_b) = backward_prologue(ctx, x, dy)
+        dx = dw = None
         if need_x or need_w:
             w = op.gather_weight(w_shard.to(ctx.dtype))
         if need_x:
-            dx = op.reduce_dx(torch.matmul(dy, w.t() if op.spec.weight_in_out else w))
-        dy2 = dy.reshape(-1, dy.shape[-1])
+            dx = op.reduce_dx(op.input_grad(dy, w))
         if need_w:  # the block's rows are split over depth: reduce-scatter them
-            x2 = x.reshape(-1, x.shape[-1])
-            block = x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2
-            block = block.to(op.reduce_dtype or w_shard.dtype)
+            block = op.weight_grad(x, dy).to(op.reduce_dtype or w_shard.dtype)
             dw = C.reduce_scatter(block, op.mesh.group("depth"), op.mesh.size("depth")).to(w_shard.dtype)
-        if need_b:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None
+        return dx, dw, bias_grad(dy, need_b), None, None
 
 
 class MatmulOut(torch.autograd.Function):
@@ -88,19 +96,11 @@ class MatmulOut(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
         op: MatmulOp = ctx.op
         piece, w = ctx.saved_tensors
-        need_x, need_w, need_b = ctx.needs_input_grad[:3]
-        dx = dw = db = None
-        wc = w.to(dy.dtype)
-        if need_x:
-            dx = torch.matmul(dy, wc.t() if op.spec.weight_in_out else wc)
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        if need_w:
-            x2 = ctx.tokens.whole(piece).to(dy.dtype).reshape(-1, piece.shape[-1])
-            dw = (x2.t() @ dy2 if op.spec.weight_in_out else dy2.t() @ x2).to(w.dtype)
-        ctx.tokens = None
-        if need_b:
-            db = dy2.sum(0)
-        return dx, dw, db, None, None
+        ctx.dtype = dy.dtype  # (autocast: y's dtype computes)
+        x, dy, (need_x, need_w, need_b) = backward_prologue(ctx, piece, dy)
+        dx = op.input_grad(dy, w.to(dy.dtype)) if need_x else None  # (partial: the gather's backward sums it)
+        dw = op.weight_grad(x, dy).to(w.dtype) if need_w else None
+        return dx, dw, bias_grad(dy, need_b), None, None
 
 
 class MatmulOp:
@@ -138,6 +138,15 @@ class MatmulOp:
         """The output's gradient for every token (sequence parallelism: gathered from the tokens' ranks)."""
         dim = self.spec.scatter_dim
         return dy if dim < 0 else gather_along(dy, dim, self.mesh, self.spec.orientation.in_axis)
+
+    def input_grad(self, dy: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """The input's gradient from this rank's block ``w`` (before any reduction over the output axis)."""
+        return torch.matmul(dy, w.t() if self.spec.weight_in_out else w)
+
+    def weight_grad(self, x: torch.Tensor, dy: torch.Tensor) -> torch.Tensor:
+        """The whole block's gradient from the input ``x`` and the output's gradient ``dy`` (rows flattened)."""
+        x2, dy2 = x.reshape(-1, x.shape[-1]), dy.reshape(-1, dy.shape[-1])
+        return x2.t() @ dy2 if self.spec.weight_in_out else dy2.t() @ x2
 
     def reduce_dx(self, dx: torch.Tensor) -> torch.Tensor:
         """The input's gradient summed over the output axis, unless the gather before this matmul does it."""
