@@ -38,8 +38,8 @@ from autopar.runtime.execution.call_check import GLOBAL, PER_RANK, CallCheck
 from autopar.runtime.execution.binding import placeholders
 from autopar.runtime.interop.casts import Casts
 from autopar.runtime.interop.state_dicts import state_dict_post_hook
+from autopar.runtime.compiled.form import compiled_of, reads_parameters_in_one_node, replays_cuda_graphs
 from autopar.runtime.compiled.graph import CompiledGraph, SurvivingGrads
-from autopar.runtime.compiled.pieces import CompiledPieces
 from autopar.runtime.execution.builder import Builder
 from autopar.runtime.construction.record import Deferred, Sink
 from autopar.runtime.execution.graph_cache import Executable, Executables, signature
@@ -267,7 +267,7 @@ class ParallelRuntime:
             exe.program.sync_buffers(self.buffers)
             return pytree.tree_unflatten(list(out), exe.out_spec)
         graphs = exe.graphs if exe.graphs is not None and not torch.is_grad_enabled() else None
-        if isinstance(exe.run, (CompiledGraph, CompiledPieces)) and exe.run.cuda_graphs and torch.is_grad_enabled():
+        if replays_cuda_graphs(exe.run) and torch.is_grad_enabled():
             self.surviving_grads.copy_out()  # (before the replay overwrites the last one's gradients)
         with torch.autocast(self.mesh.device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext():
             out = exe.run(*flat) if graphs is None else graphs.run(exe.run, flat)
@@ -386,7 +386,7 @@ class ParallelRuntime:
                 sizes: tuple[int, ...]) -> Executable | None:
         """The cache policy's lookup, for every kind of call: the graph for ``key`` (symbolic sizes) that takes
         these inputs, else the one captured for these sizes (``static()``, made only then; None: ``key`` is
-        these sizes), else None (``_compiled`` makes one)."""
+        these sizes), else None (``_cached_or_built`` makes one)."""
         dtypes = self.casts.check()  # (once a call: it passes over every parameter)
         exe = self._find(key, leaves, split, sizes, dtypes)
         return exe if exe is not None or static is None else self._find(static(), leaves, split, sizes, dtypes)
@@ -533,7 +533,7 @@ class ParallelRuntime:
         read = self.stage_grads.leaf if exe.program is not None else local_view
         if exe.reads_params and torch.is_grad_enabled():  # (the graph reads each where it is first used; without
             read = _itself  # gradients it takes the local pieces as well, as a CUDA graph's capture of it does)
-        elif exe.program is None and isinstance(exe.run, CompiledGraph) and exe.run.failed is None:  # one node reads all
+        elif exe.program is None and reads_parameters_in_one_node(exe.run):
             views = iter(local_views([self.params[t] for kind, t in exe.inputs if kind is InputKind.PARAMETER]))
             read = lambda p: next(views)  # noqa: E731
         for kind, target in exe.inputs:
@@ -588,11 +588,9 @@ class ParallelRuntime:
     def compiled_graphs(self) -> list[CompiledGraph]:
         """The graphs this model runs compiled (each executable's, or each pipeline stage's, and those captured
         as CUDA graphs)."""
-        runs = [r for graphs in self.executables.values() for exe in graphs
-                for r in ((exe.run.pieces if isinstance(exe.run, CompiledPieces) else [exe.run]) if exe.program is None
-                          else [a.run for a in exe.program.adapters.values()])
-                + ([exe.graphs.warm] if exe.graphs is not None and exe.graphs.warm is not exe.run else [])]
-        return [r for r in runs if isinstance(r, CompiledGraph)]
+        return compiled_of(r for graphs in self.executables.values() for exe in graphs
+                           for r in ([exe.run] if exe.program is None else [a.run for a in exe.program.adapters.values()])
+                           + ([exe.graphs.warm] if exe.graphs is not None and exe.graphs.warm is not exe.run else []))
 
     def graph_replays(self) -> int:
         """Evaluation calls replayed as CUDA graphs (``autopar.runtime.compiled.cuda_graphs``), over the graphs kept."""

@@ -1,4 +1,5 @@
-"""passes/ stays pure: it imports only torch, networkx, the stdlib and autopar's leaves."""
+"""passes/ stays pure (only torch, networkx, the stdlib and autopar's leaves); autopar/runtime/'s folders import only
+downward, in no circle, and the README names each."""
 
 import ast
 import re

@@ -1,7 +1,7 @@
 """Builds the ``Executable`` of one input signature of a parallel model on this rank (a builder, not a compiler:
 "compile" is torch.compile's word, ``autopar.runtime.compiled``).
 
-Two steps, with the plan decided between them by the runtime (``ParallelRuntime._compile``):
+Two steps, with the plan decided between them by the runtime (``ParallelRuntime._build``):
 
 - ``Builder.capture_call``: the model's meta shadow captured for this rank's rows of the batch, with
   symbolic sizes where asked and possible, and the numbers the model computes from the batch size;
@@ -30,6 +30,7 @@ from autopar.memory import half_dtype
 from autopar.runtime.execution.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
 from autopar.runtime.compiled import cuda_graphs as graphed
 from autopar.runtime.compiled.agreement import CompileAgreement
+from autopar.runtime.compiled.form import in_pieces, is_compiled
 from autopar.runtime.compiled import pieces as compiled_pieces
 from autopar.runtime.compiled.graph import CompiledGraph
 from autopar.runtime.compiled.pieces import CompiledPieces, cut_into_pieces
@@ -174,7 +175,7 @@ class Builder:
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
                           captured.accepts, rows, reading_params_at_use(gm) if eager else run, graphs, kept or None,
                           OutputTree(captured.out_spec) if kept else None,
-                          reads_params=eager or isinstance(run, CompiledPieces))
+                          reads_params=eager or in_pieces(run))
 
     def _agreement(self, per_rank: bool) -> CompileAgreement | None:
         """Where this executable's compiled graphs are agreed on by the ranks that run them (None: not
@@ -195,7 +196,7 @@ class Builder:
         written = graphed.written_inputs(gm)
         copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
         name = f"the per-rank graph of {type(self._model()).__name__}"
-        warm = run if isinstance(run, CompiledGraph) or not self.compile.enabled(self.mesh.device.type, False, True) \
+        warm = run if is_compiled(run) or not self.compile.enabled(self.mesh.device.type, False, True) \
             else CompiledGraph(gm, name, self.mesh.device, self.warn_once, agreement=agreement)
         unused = frozenset(i for i, n in enumerate(placeholders(gm)) if not n.users)
         names = [f"{kind.name.lower()} {target}" for kind, target in inputs]
