@@ -6,11 +6,10 @@ waiting 6000ms for recv", "Connection closed by peer"), which name neither the r
 
 - each call of a parallel model counts itself (``begin``); a call that raised on this rank posts that to the
   store (``raised``: one write, on the error path only), as it leaves the others waiting in its collectives;
-- a rank whose collective fails inside autopar (``guarded``, ``wait``) posts what it was doing, reads the other
-  ranks' posts for a few seconds, and raises ``RanksPartedError``: which ranks waited in which call, which raised
-  and went on, and which sent nothing (stalled, dead, or running other code: a barrier, a checkpoint, a call
-  made on some ranks only).
-
+- a rank whose collective fails inside autopar (``guarded``) posts what it was doing, reads the other ranks'
+  posts for a few seconds, and raises ``RanksPartedError``: which ranks waited in which call, which raised and
+  went on, and which sent nothing (stalled, dead, or running other code: a barrier, a checkpoint, a call made
+  on some ranks only);
 - torch.distributed's collectives, called by the script between the model's calls (its own ``dist.barrier()``,
   a checkpoint's gathers), raise the same account when they fail (``name_parted_ranks_in_script_collectives``,
   installed by ``autopar.patches`` while a parallel model lives).
@@ -253,8 +252,10 @@ def name_parted_ranks_in_script_collectives() -> Callable[[], None]:
     def named(name: str, call: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(call)
         def collective(*args: Any, **kwargs: Any) -> Any:
+            global _inside
             if _inside or _watch is None:
                 return call(*args, **kwargs)
+            _inside += 1  # (a collective built of others, all_gather_object's all_gather: told once, by its name)
             try:
                 return call(*args, **kwargs)
             except RuntimeError as e:
@@ -262,6 +263,8 @@ def name_parted_ranks_in_script_collectives() -> Callable[[], None]:
                     raise
                 raise _watch.failed(e, f"dist.{name} (the script's or a library's), {OUTSIDE}",
                                     outside=True) from e
+            finally:
+                _inside -= 1
         collective.names_parted_ranks = True  # (tests find autopar's wrappers by it)
         return collective
 
