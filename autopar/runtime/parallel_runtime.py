@@ -24,9 +24,8 @@ from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelCon
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, InputError, ParameterError
 from autopar.hf_caches import register_hf_caches
-from autopar.planning.machines import local_rates
-from autopar.memory import device_budget, half_dtype
-from autopar.planning.planner import PlanOptions, decide_plan, pooled_rows
+from autopar.memory import half_dtype
+from autopar.planning.planner import pooled_rows
 from autopar.runtime.params.data_shards import DataShards
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.execution import graph_cache as executables
@@ -45,7 +44,7 @@ from autopar.runtime.construction.record import Deferred, Sink
 from autopar.runtime.execution.graph_cache import Executable, Executables, signature
 from autopar.runtime.execution.uncaptured import (OwnForward, data_parallel_sync, fallback_reason, forward_local,
                                                   forward_whole, run_data_parallel, say_eval_fallback)
-from autopar.runtime.data_parallel.grad_sync import GradSync
+from autopar.runtime.data_parallel.grad_syncs import GradSyncs
 from autopar.runtime.execution.kept_state import (arrived_inputs, carry_cache, given_cache, read_in_place, whole,
                                                   wrap_generate)
 from autopar.runtime.comm.mesh import Mesh
@@ -104,10 +103,11 @@ class ParallelRuntime:
                 installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
         self.buffers = self.store.buffers  # built at the first call with deferred construction
         self.casts = Casts(model, self.shadow, self.store)
-        self.builder = Builder(model, self.shadow, self.store, mesh, config, memory, self.finish_grads,
-                                 self._warn_once, compile, self.synced_grad_bytes)
         """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
-        self.plan: Plan | None = None
+        self.syncs = GradSyncs(model, self.sync_enabled)
+        """The gradient syncs of the parameters (pipeline = 1): one per process group."""
+        self.builder = Builder(model, self.shadow, self.store, self.syncs, mesh, config, memory, pipe,
+                               self.finish_grads, self._warn_once, compile)
         self.executables = Executables()
         """Compiled graphs by input signature (autopar/runtime/execution/graph_cache.py)."""
         self.shapes_met: set[Any] = set()
@@ -116,8 +116,6 @@ class ParallelRuntime:
         """Keys whose symbolic capture failed or had its sizes fixed: captured with their own sizes."""
         self.uncaptured: dict[Any, str] = {}
         """Signatures of evaluation calls that could not be captured (run whole on every rank): why not."""
-        self._syncs: list[GradSync] = []
-        """Gradient sync of the parameters (pipeline = 1): one per process group."""
         self.stage_grads = StageGrads()
         """pipeline > 1: the plain leaves the stages read for the parameters, and the step's gradients."""
         self.surviving_grads = SurvivingGrads(self.store.unique)
@@ -156,14 +154,10 @@ class ParallelRuntime:
         script sets DDP's ``model.require_backward_grad_sync = False`` (nanoGPT's accumulation)."""
         return self.no_sync_depth == 0 and getattr(self._model(), "require_backward_grad_sync", True) is not False
 
-    def synced_grad_bytes(self) -> dict[str, int]:
-        """The parameters whose gradients this rank's gradient syncs sum during backward, by name: the bytes of
-        each one's gradient on a rank as the plan counts them (the same on every rank, a piece split unevenly
-        counted at its largest)."""
-        held = {id(p) for sync in self._syncs for p in sync.params}
-        sizes = {pp.name: pp.local_numel(self.config) for pp in self.plan.params} if self.plan is not None else {}
-        return {name: sizes[name] * p.element_size() for name, p in self.params.items()
-                if id(p) in held and name in sizes}
+    @property
+    def plan(self) -> Plan | None:
+        """The model's plan, made at its first capture (``Builder.build``); None before."""
+        return self.store.plan
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return carry_cache(args, kwargs, self.run(args, kwargs)[0])  # the cache passed in is updated, as serial
@@ -345,8 +339,7 @@ class ParallelRuntime:
     def _agree_on_overflow(self) -> None:
         """If any rank's gradients overflowed, poisons every rank's (one all-reduce of one value); raises where a
         rank holds no gradient element to poison."""
-        for sync in self._syncs:  # queued before the syncs' own end callbacks: the sums first
-            sync.finish()
+        self.syncs.finish()  # queued before the syncs' own end callbacks: the sums first
         held = [local_of(p.grad) for p in self.store.unique() if p.grad is not None]
         grads = [g for g in held if g.numel()]  # (a gradient split over data: a chunk, maybe empty on some ranks)
         # one value summed over the ranks: how many overflowed, plus world + 1 for each holding gradients
@@ -432,12 +425,7 @@ class ParallelRuntime:
         self.fallback = True
         sync = data_parallel_sync(error, self.params, self.mesh, self.sync_enabled, per_rank)
         if sync is not None:
-            self._add_sync(sync, "world")
-
-    def _add_sync(self, sync: GradSync, axis: str) -> None:
-        """Keeps a gradient sync; its hooks on the parameters are the model's patches (``autopar.patches``)."""
-        self._syncs.append(sync)
-        patches.of_model(self._model()).add(f"gradient hooks ({axis})", sync.remove)
+            self.syncs.add(sync, "world")
 
     def _run_data_parallel(self, args: tuple, kwargs: dict) -> Any:
         return run_data_parallel(self._forward_whole, self._model(), self.mesh, self.inputs.batch_dims, args, kwargs)
@@ -449,48 +437,17 @@ class ParallelRuntime:
     # ---- compiling --------------------------------------------------------------------------------
 
     def _build(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int],
-                 sizes: tuple[int, ...], local_outputs: bool = False,
-                 per_rank: tuple[tuple[int, ...], int] | None = None,
-                 dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
-                 ) -> Executable:
-        """This call's graph (``autopar.runtime.execution.builder``), planned at the model's first capture.
-        ``per_rank``: (each member's rows, this rank's member index) under per-rank batches. ``dynamic``:
-        input dims captured as symbolic sizes (``symbolic_dims``); if that capture fails, or the graph
-        computes numbers from the batch, these sizes are captured as they are."""
-        index = self.mesh.index("batch") if split else 0
-        segments = per_rank[0] if per_rank is not None and split else ()
-        captured = self.builder.capture_call(leaves, spec, split, sizes, index, segments, dynamic, arrived)
-        if self.plan is None:
-            # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
-            # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
-            plan = None
-            if per_rank is None or self.mesh.rank == 0:
-                canonical = captured if index == 0 else self.builder.capture(
-                    leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
-                plan = decide_plan(canonical.gm, self.config, self.plan_options())
-                if not plan.memory.fits and self.mesh.rank == 0:
-                    log.warning("autopar: %s", plan.memory.summary().replace("\n", "; "))
-            if per_rank is not None:
-                box = [plan]
-                C.broadcast_objects(box, 0, self.mesh.control)
-                plan = box[0]
-            self._adopt(plan)
-        return self.builder.executable(captured, self.plan, split, sizes, local_outputs, per_rank)
+               sizes: tuple[int, ...], local_outputs: bool = False,
+               per_rank: tuple[tuple[int, ...], int] | None = None,
+               dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None
+               ) -> Executable:
+        """This call's executable (``Builder.build``: capture, the first plan, bind, wrap)."""
+        return self.builder.build(leaves, spec, split, sizes, local_outputs, per_rank, dynamic, arrived)
 
     def _warn_once(self, message: str) -> None:
         if message not in self._warned and self.mesh.rank == 0:
             log.warning("autopar: %s", message)
         self._warned.add(message)
-
-    def plan_options(self) -> PlanOptions:
-        """What this model's plan depends on beyond the grid: the user's memory and pipeline options, this
-        device's memory shared by the ranks on it, and its rates (the pipeline's stages are cut for them)."""
-        checkpoint = self.memory.checkpoint
-        budget = None if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
-        return PlanOptions(checkpoint, budget, self.memory.precision, self.num_microbatches,
-                           self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
-                           compiled=self.compile.enabled(self.mesh.device.type, training=True),
-                           hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None)
 
     def finish_grads(self) -> None:
         """pipeline > 1, after backward (or after the schedule's last micro-batch): the step's gradients into
@@ -548,39 +505,6 @@ class ParallelRuntime:
         return flat
 
     # ---- parameters -------------------------------------------------------------------------------
-
-    def _adopt(self, plan: Plan) -> None:
-        """Makes ``plan`` this model's plan: shards parameters in place and installs gradient sync."""
-        self.store.adopt(plan)
-        synced: dict[str, dict[int, nn.Parameter]] = {}
-        for pp in plan.params:
-            p = self.params[pp.name]
-            axis, size = self.mesh.grad_group(pp.grad_axes)
-            if axis == "batch" and self.config.depth == 1:  # the same ranks
-                axis = "data"
-            if p.requires_grad and size > 1 and self.config.pipeline == 1:  # else finish_grads
-                synced.setdefault(axis, {})[id(p)] = p
-        shards = self.store.data_shards
-        if shards is not None and "batch" in synced:  # split over data, then summed over depth: on the data group
-            split = {i: p for i, p in synced["batch"].items() if shards.grad_layout(p) is not None}
-            synced["batch"] = {i: p for i, p in synced["batch"].items() if i not in split}
-            if split:
-                self._add_sync(GradSync(list(split.values()), self.mesh.group("data"), self.mesh.size("data"),
-                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled,
-                                        shards=shards, rest=(self.mesh.group("depth"), self.mesh.size("depth"))),
-                               "data, then depth")
-        for axis, params in synced.items():  # one bucketed sync per group, overlapped with backward
-            # (shard_optimizer: each data rank keeps the sum of its chunk only, a reduce-scatter)
-            if params:
-                self._add_sync(GradSync(list(params.values()), self.mesh.group(axis), self.mesh.size(axis),
-                                        half_dtype(self.memory.reduce_dtype), enabled=self.sync_enabled,
-                                        shards=shards if axis == "data" else None), axis)
-        self.plan = plan
-        if self.mesh.rank == 0:
-            log.info("%s", plan.summary())
-            if self.config.row * self.config.col > 1:
-                for note in plan.notes:  # one line per region that is not tensor-parallel
-                    self._warn_once(note)  # (the batch notes again at the graph's passes: said once)
 
     def full_state_dict(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return self.store.full_state_dict(state)

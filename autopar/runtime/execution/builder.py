@@ -1,10 +1,13 @@
 """Builds the ``Executable`` of one input signature of a parallel model on this rank (a builder, not a compiler:
 "compile" is torch.compile's word, ``autopar.runtime.compiled``).
 
-Two steps, with the plan decided between them by the runtime (``ParallelRuntime._build``):
+``Builder.build`` goes the whole way, in three steps:
 
 - ``Builder.capture_call``: the model's meta shadow captured for this rank's rows of the batch, with
   symbolic sizes where asked and possible, and the numbers the model computes from the batch size;
+- at the model's first capture, its plan (``autopar.planning.planner.decide_plan``, the same on every rank),
+  adopted: the parameters cut to this rank's pieces (``ParamStore.adopt``) and their gradient syncs grouped
+  (``GradSyncs.group``);
 - ``Builder.executable``: the passes run under the plan, the marker ops bound to this rank's process
   groups, the model's tensor constants, and under a pipeline this rank's stages.
 """
@@ -22,11 +25,15 @@ from torch import fx, nn
 from autopar.capture import Captured, capture_shard
 from autopar import config as settings
 from autopar.compat import default_store, pytree
-from autopar.config import CompileConfig, MemoryConfig, ParallelConfig
+from autopar.config import CompileConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
 from autopar.hf_caches import state_outputs
-from autopar.memory import half_dtype
+from autopar.memory import device_budget, half_dtype
+from autopar.planning.machines import local_rates
+from autopar.planning.planner import PlanOptions, decide_plan
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.data_parallel.grad_syncs import GradSyncs
 from autopar.runtime.execution.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
 from autopar.runtime.compiled import cuda_graphs as graphed
 from autopar.runtime.compiled.agreement import CompileAgreement
@@ -60,18 +67,68 @@ PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
 class Builder:
     """Captures the graphs of one parallel model on this rank and builds their executables."""
 
-    def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, mesh: Mesh, config: ParallelConfig,
-                 memory: MemoryConfig, finish_grads: Callable[[], None], warn_once: Callable[[str], None],
-                 compile: CompileConfig = CompileConfig(False),
-                 synced: Callable[[], Mapping[str, int]] = dict) -> None:
-        """``finish_grads``: what a pipeline's backward ends with (the runtime's); ``warn_once``: one warning line
-        per distinct message, on rank 0; ``compile``: which bound graphs run under torch.compile
-        (``autopar.runtime.compiled.graph``); ``synced``: the parameters whose gradients are summed during backward,
-        with their gradients' bytes (``ParallelRuntime.synced_grad_bytes``): a compiled training graph is cut
-        in pieces by them (``autopar.runtime.compiled.pieces``)."""
+    def __init__(self, model: nn.Module, shadow: nn.Module, store: ParamStore, syncs: GradSyncs, mesh: Mesh,
+                 config: ParallelConfig, memory: MemoryConfig, pipe: PipelineConfig,
+                 finish_grads: Callable[[], None], warn_once: Callable[[str], None],
+                 compile: CompileConfig = CompileConfig(False)) -> None:
+        """``syncs``: the model's gradient syncs, grouped at its first plan (a compiled training graph is cut in
+        pieces by the bytes they sum, ``autopar.runtime.compiled.pieces``); ``finish_grads``: what a pipeline's
+        backward ends with (the runtime's); ``warn_once``: one warning line per distinct message, on rank 0;
+        ``compile``: which bound graphs run under torch.compile (``autopar.runtime.compiled.graph``)."""
         self._model = weakref.ref(model)
-        self.shadow, self.store, self.mesh, self.config, self.memory = shadow, store, mesh, config, memory
-        self.finish_grads, self.warn_once, self.compile, self.synced = finish_grads, warn_once, compile, synced
+        self.shadow, self.store, self.syncs, self.mesh, self.config = shadow, store, syncs, mesh, config
+        self.memory, self.pipe = memory, pipe
+        self.finish_grads, self.warn_once, self.compile = finish_grads, warn_once, compile
+
+    def build(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
+              local_outputs: bool = False, per_rank: tuple[tuple[int, ...], int] | None = None,
+              dynamic: dict[int, dict[int, Any]] | None = None, arrived: dict[int, Any] | None = None) -> Executable:
+        """This call's executable, planned at the model's first capture. ``per_rank``: (each member's rows, this
+        rank's member index) under per-rank batches. ``dynamic``: input dims captured as symbolic sizes
+        (``symbolic_dims``); if that capture fails, or the graph computes numbers from the batch, these sizes
+        are captured as they are."""
+        index = self.mesh.index("batch") if split else 0
+        segments = per_rank[0] if per_rank is not None and split else ()
+        captured = self.capture_call(leaves, spec, split, sizes, index, segments, dynamic, arrived)
+        if self.store.plan is None:
+            # Every rank plans from the capture of batch shard 0, so the plan is the same everywhere;
+            # with per-rank batches the ranks' shapes may differ: rank 0's plan is everyone's.
+            plan = None
+            if per_rank is None or self.mesh.rank == 0:
+                canonical = captured if index == 0 else self.capture(
+                    leaves, spec, split, sizes, 0, segments, dynamic if captured.accepts is not None else None)
+                plan = decide_plan(canonical.gm, self.config, self.plan_options())
+                if not plan.memory.fits and self.mesh.rank == 0:
+                    log.warning("autopar: %s", plan.memory.summary().replace("\n", "; "))
+            if per_rank is not None:
+                box = [plan]
+                C.broadcast_objects(box, 0, self.mesh.control)
+                plan = box[0]
+            self.adopt(plan)
+        return self.executable(captured, self.store.plan, split, sizes, local_outputs, per_rank)
+
+    def plan_options(self) -> PlanOptions:
+        """What this model's plan depends on beyond the grid: the user's memory and pipeline options, this
+        device's memory shared by the ranks on it, and its rates (the pipeline's stages are cut for them)."""
+        checkpoint = self.memory.checkpoint
+        budget = None if isinstance(checkpoint, int) else device_budget(self.mesh.device, self.config.world_size)
+        microbatches = self.pipe.num_microbatches(self.config.pipeline) if self.config.pipeline > 1 else 1
+        return PlanOptions(checkpoint, budget, self.memory.precision, microbatches,
+                           self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
+                           compiled=self.compile.enabled(self.mesh.device.type, training=True),
+                           hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None)
+
+    def adopt(self, plan: Plan) -> None:
+        """Makes ``plan`` the model's plan: its parameters cut to this rank's pieces in place, and their
+        gradient syncs grouped (``GradSyncs.group``)."""
+        self.store.adopt(plan)
+        self.syncs.group(plan, self.store.params, self.mesh, self.config, half_dtype(self.memory.reduce_dtype),
+                         self.store.data_shards)
+        if self.mesh.rank == 0:
+            log.info("%s", plan.summary())
+            if self.config.row * self.config.col > 1:
+                for note in plan.notes:  # one line per region that is not tensor-parallel
+                    self.warn_once(note)  # (the batch notes again at the graph's passes: said once)
 
     def capture(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
                 index: int, segments: tuple[int, ...] = (), dynamic: dict[int, dict[int, Any]] | None = None,
@@ -168,7 +225,8 @@ class Builder:
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
         run = gm if captured.accepts is not None else \
-            self._wrap(gm, "the per-rank graph", agreement=agreement, synced=None if pipelined else self.synced())
+            self._wrap(gm, "the per-rank graph", agreement=agreement, synced=None if pipelined else
+                       self.syncs.synced_bytes(plan, self.store.params, self.config))
         graphs = None if pipelined else self._graphs(gm, inputs, run, agreement)
         kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
         eager = run is gm and graphs is None and program is None
