@@ -25,7 +25,7 @@ from torch.nn.modules import module as module_hooks
 from autopar import patches
 from autopar.config import CompileConfig, InputConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.errors import AgreementError, ConfigError, ContextError, NotInitializedError
-from autopar.grid_choice import choose_at_first_call, choose_grid_now, too_big_for_data_parallel
+from autopar.grid_choice import at_first_call, choose_grid_now, too_big_for_data_parallel
 from autopar.memory import release_freed_memory
 from autopar.parallel_model import no_sync
 from autopar.runtime.comm import collectives as C
@@ -290,6 +290,8 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
                 choose: dict[str, int] | None = None, compile: CompileConfig | None = None) -> nn.Module:
     """Makes ``model`` parallel in place under ``config`` (what auto_parallelize does at its end).
 
+    ``choose``: ``config`` is provisional, the grid is chosen at the model's first call with these degrees the
+    user gave (``autopar.grid_choice.at_first_call``).
     ``deferred``: the block's recorded construction (autopar/runtime/construction/record.py). Grids that split
     parameters build them at the first call (each rank its pieces); data parallelism alone builds them
     here, whole, as serial's construction would have.
@@ -316,15 +318,15 @@ def parallelize(model: nn.Module, config: ParallelConfig, *, example_inputs: tup
     _agree_on_parameters(model, mesh)
     runtime = ParallelRuntime(model, config, mesh, memory or MemoryConfig(), pipe or PipelineConfig(),
                               inputs or InputConfig(), (deferred, sinks) if sinks else None,
-                              dtensors=True if choose is not None else None, compile=compile or CompileConfig())
-    if choose is not None:  # any grid may shard the parameters the optimizer will hold: DTensors already
-        runtime.choose = functools.partial(choose_at_first_call, weakref.ref(model), choose)
+                              # any grid may shard the parameters the optimizer will hold: DTensors already
+                              dtensors=True if choose is not None else None, compile=compile or CompileConfig(),
+                              open_degrees=choose)
     runtimes[model] = runtime
     original = model.forward
     ref = weakref.ref(model)
 
     def forward(*args: Any, **kwargs: Any) -> Any:
-        return runtimes[ref()](*args, **kwargs)  # the runtime of the grid chosen at the first call, if it was
+        return at_first_call(runtimes[ref()], args, kwargs, train_step=False)(*args, **kwargs)
 
     functools.update_wrapper(forward, original)  # inspect.signature(model.forward) stays the user's
     # A script's own torch.compile(model) (nanoGPT's train.py) would have dynamo trace autopar's runtime on every

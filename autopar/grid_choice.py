@@ -1,12 +1,12 @@
 """Which grid a model runs on when the user did not give it all: data parallelism for a model whose training
 state fits half a device, else the plan search's best grid (``autopar.planning.search.choose_grid``), chosen by rank 0
-and broadcast, at the end of the block (example inputs) or at the model's first call."""
+and broadcast, at the end of the block (example inputs) or at the model's first call: the model's runtime then
+takes the grid (``ParallelRuntime.take_grid``), which until then was data parallel with DTensor parameters."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import weakref
 from typing import Any
 
 import torch
@@ -20,8 +20,8 @@ from autopar.errors import ContextError
 from autopar.memory import device_budget
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.execution.call_check import PER_RANK
-from autopar.runtime.comm.mesh import Mesh, device_for_backend
-from autopar.runtime.parallel_runtime import ParallelRuntime, runtimes
+from autopar.runtime.comm.mesh import device_for_backend
+from autopar.runtime.parallel_runtime import ParallelRuntime
 
 log = logging.getLogger(__name__)
 
@@ -123,33 +123,26 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
     return config, pipe
 
 
-def choose_at_first_call(ref: weakref.ref, given: dict[str, int], args: tuple, kwargs: dict,
-                          train_step: bool) -> ParallelRuntime:
-    """plan="auto" without example inputs: the grid for the model's first call, and the runtime that runs it
-    (the provisional one when the choice is data parallelism alone, else its successor on the same Parameter
-    objects). The ranks' inputs decide the batch mode as any first call does (``CallCheck``)."""
-    model = ref()
-    old = runtimes[model]
+def at_first_call(runtime: ParallelRuntime, args: tuple, kwargs: dict, train_step: bool) -> ParallelRuntime:
+    """``runtime``, with its grid chosen if this is the first call of a model whose grid is chosen then
+    (``plan="auto"`` without example inputs): the model's forward and ``train_step`` ask before they run it."""
+    if runtime.open_degrees is not None:
+        runtime.take_grid(*choose_at_first_call(runtime, runtime.open_degrees, args, kwargs, train_step))
+    return runtime
+
+
+def choose_at_first_call(runtime: ParallelRuntime, given: dict[str, int], args: tuple, kwargs: dict,
+                         train_step: bool) -> tuple[ParallelConfig, PipelineConfig]:
+    """plan="auto" without example inputs: the grid for the model's first call (``runtime``'s provisional grid
+    when the choice is data parallelism alone). The ranks' inputs decide the batch mode as any first call does
+    (``CallCheck``)."""
     leaves, spec = pytree.tree_flatten((args, kwargs))
-    found = batch_leaves(leaves, input_names(args, kwargs), old.inputs.batch_dims)
-    mode, every = old.calls.check(leaves, spec, found[0], torch.is_grad_enabled())
+    found = batch_leaves(leaves, input_names(args, kwargs), runtime.inputs.batch_dims)
+    mode, every = runtime.calls.check(leaves, spec, found[0], torch.is_grad_enabled())
     rows = None
     if mode == PER_RANK:  # the batch the search plans is every rank's rows
         rows = sum(int(e.rows) for e in every) if every else found[1] * dist.get_world_size()
     if mode == PER_RANK or not train_step:  # a plain call runs a pipeline's stages one after another
         given = {**given, "pipeline": 1}
-    config, pipe = agreed_choice(old.shadow, type(model).__name__, args, kwargs, rows, given, old.memory, old.pipe,
-                                  old.mesh.control, old.compile)
-    if config == old.config:
-        return old
-    old.retire()
-    # the successor copies the model for capture: without the wrappers installed on it (they stay)
-    installed = {k: vars(model).pop(k) for k in ("forward", "generate", "no_sync") if k in vars(model)}
-    try:
-        new = ParallelRuntime(model, config, Mesh(config), old.memory, pipe, old.inputs, old.store.pending,
-                              dtensors=True, compile=old.compile)
-    finally:
-        vars(model).update(installed)
-    new.original_forward, new.calls.mode, new.no_sync_depth = old.original_forward, old.calls.mode, old.no_sync_depth
-    runtimes[model] = new
-    return new
+    return agreed_choice(runtime.shadow, type(runtime.shadow).__name__, args, kwargs, rows, given, runtime.memory,
+                         runtime.pipe, runtime.mesh.control, runtime.compile)

@@ -27,7 +27,7 @@ def no_sync(model: nn.Module) -> Iterator[None]:
     runtime_of(model).no_sync_depth += 1
     try:
         yield
-    finally:  # the runtime now: a first call inside the block may have chosen the grid (plan="auto")
+    finally:
         runtime_of(model).no_sync_depth -= 1
 
 
@@ -104,7 +104,7 @@ def detach(model: nn.Module) -> nn.Module:
             module_name, _, slot = name.rpartition(".")
             value = full.get(name, runtime.buffers.get(name, b))
             buffer_slots(inner.get_submodule(module_name))[slot] = _whole(value, b)
-    runtime.retire()
+    runtime.store.close()  # its load hooks and the optimizer hooks' way to the parameters go
     patches.release(inner)
     runtimes.pop(inner, None)
     return inner

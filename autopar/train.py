@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
+from autopar.grid_choice import at_first_call
 from autopar.parallel_model import runtime_of
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.ops.vocabulary import cross_entropy_options, logits_and_spec, splits_last_only, vocab_parallel_sum
@@ -43,7 +44,7 @@ def train_step(model: nn.Module, inputs: Any, targets: torch.Tensor, loss_fn: An
     """
     args, kwargs = _split_inputs(inputs)
     ce = cross_entropy_options(loss_fn)
-    runtime = runtime_of(model).decided(args, kwargs, train_step=True)
+    runtime = at_first_call(runtime_of(model), args, kwargs, train_step=True)
     if runtime.config.pipeline > 1:
         return pipelined_step(runtime, args, kwargs, targets, loss_fn, ce)
     if ce is not None:

@@ -61,35 +61,47 @@ runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKe
 """Every parallel model's runtime: the one its grid runs under now (``auto_parallelize`` registers it)."""
 
 
-def current_runtime(model: nn.Module) -> ParallelRuntime:
-    return runtimes[model]
-
-
 class ParallelRuntime:
     def __init__(self, model: nn.Module, config: ParallelConfig, mesh: Mesh,
                  memory: MemoryConfig = MemoryConfig(), pipe: PipelineConfig = PipelineConfig(),
                  inputs: InputConfig = InputConfig(), pending: tuple[Deferred, dict[int, Sink]] | None = None,
-                 dtensors: bool | None = None, compile: CompileConfig = CompileConfig()) -> None:
+                 dtensors: bool | None = None, compile: CompileConfig = CompileConfig(),
+                 open_degrees: dict[str, int] | None = None) -> None:
         """``pending``: the recorded construction of the parameters and buffers built at the first call.
-        ``dtensors``: ParamStore's (True for a provisional grid, replaced by the one chosen at the first call)."""
-        self.config, self.mesh, self.memory, self.pipe, self.inputs = config, mesh, memory, pipe, inputs
-        self.compile = compile
-        self.pure_data = config.num_tensor == 1 and config.pipeline == 1
-        """No collective in forward for a batch of this rank's own (data parallelism only)."""
-        self.calls = CallCheck(mesh.control, inputs.batch, inputs.eval_timeout, mesh.shard_members(), self.pure_data,
-                               inputs.check_inputs)
+        ``dtensors``: ParamStore's (True for a provisional grid, replaced by the one chosen at the first call).
+        ``open_degrees``: ``config`` is provisional, the grid is chosen at the model's first call (``plan="auto"``
+        without example inputs, ``autopar.grid_choice``) with these degrees the user gave."""
+        self.memory, self.inputs, self.compile = memory, inputs, compile
+        self.open_degrees = open_degrees
+        """The degrees the user gave while the grid waits for the first call to choose it (``take_grid``); None
+        once chosen, or when the grid was given."""
         self.no_sync_depth = 0
         """>0 inside ``no_sync()``: backward keeps gradients local (accumulation), as DDP's no_sync does."""
-        self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         installed = patches.of_model(model)  # (the model's changes, undone by autopar.detach)
         self.shadow = meta_shadow(model)  # before the parameters become DTensors
         register_hf_caches(model)  # before any call flattens its inputs
         if getattr(model, "can_generate", lambda: False)() and "attribute generate" not in installed:
-            # its cache comes back split (kept.py); a runtime this one replaces wrapped it already
-            installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))
+            installed.set_attribute("generate", wrap_generate(model, model.generate, self.following))  # (kept_state)
         if mesh.control is not None:  # the script's own collectives name the ranks that parted, as the model's calls do
             patches.install("torch.distributed collectives naming parted ranks",
                             faults.name_parted_ranks_in_script_collectives)
+        self._model = weakref.ref(model)
+        self.original_forward = OwnForward(model.forward, model)
+        """The model's own forward, not bound to it (the runtime must not keep the model alive)."""
+        self._warned: set[Any] = set()
+        self._on_grid(config, mesh, pipe, pending, dtensors)
+
+    def _on_grid(self, config: ParallelConfig, mesh: Mesh, pipe: PipelineConfig,
+                 pending: tuple[Deferred, dict[int, Sink]] | None, dtensors: bool | None) -> None:
+        """Everything of this runtime that its grid decides: the process groups, the call check, the parameter
+        store (the same Parameter objects, laid out for ``config``), the builder and the graphs' cache."""
+        model = self._model()
+        self.config, self.mesh, self.pipe = config, mesh, pipe
+        self.pure_data = config.num_tensor == 1 and config.pipeline == 1
+        """No collective in forward for a batch of this rank's own (data parallelism only)."""
+        self.calls = CallCheck(mesh.control, self.inputs.batch, self.inputs.eval_timeout, mesh.shard_members(),
+                               self.pure_data, self.inputs.check_inputs)
+        self.num_microbatches = pipe.num_microbatches(config.pipeline) if config.pipeline > 1 else 1
         self.store = ParamStore(model, config, mesh, pending, dtensors)
         self.params = self.store.params
         if config.shard_optimizer and config.data > 1:
@@ -99,15 +111,19 @@ class ParallelRuntime:
             norms.install()  # clip_grad_norm_ and other norms over the sharded parameters: serial's values
             pointwise.install()  # in-place elementwise ops (a backward adding into p.grad) on the local pieces
             optim.install()  # torch.optim's elementwise optimizers step on the local pieces
+            installed = patches.of_model(model)
             if "state_dict post-hook" not in installed:  # DCP sees every box of fused pieces
                 installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
         self.buffers = self.store.buffers  # built at the first call with deferred construction
-        self.casts = Casts(model, self.shadow, self.store)
-        """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
+        if hasattr(self, "casts"):  # (the shadow was cast with the model: it stays, as the casts seen)
+            self.casts.store = self.store
+        else:
+            self.casts = Casts(model, self.shadow, self.store)
+            """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.syncs = GradSyncs(model, self.sync_enabled)
         """The gradient syncs of the parameters (pipeline = 1): one per process group."""
-        self.builder = Builder(model, self.shadow, self.store, self.syncs, mesh, config, memory, pipe,
-                               self.finish_grads, self._warn_once, compile)
+        self.builder = Builder(model, self.shadow, self.store, self.syncs, mesh, config, self.memory, pipe,
+                               self.finish_grads, self._warn_once, self.compile)
         self.executables = Executables()
         """Compiled graphs by input signature (autopar/runtime/execution/graph_cache.py)."""
         self.shapes_met: set[Any] = set()
@@ -120,32 +136,23 @@ class ParallelRuntime:
         """pipeline > 1: the plain leaves the stages read for the parameters, and the step's gradients."""
         self.surviving_grads = SurvivingGrads(self.store.unique)
         """compile="reduce-overhead": gradients copied out of CUDA graph memory before the next replay."""
-        self._model = weakref.ref(model)
         self.fallback = False
-        self.original_forward = OwnForward(model.forward, model)
-        """The model's own forward, not bound to it (the runtime must not keep the model alive)."""
-        self._warned: set[Any] = set()
-        self.choose: Callable[[tuple, dict, bool], ParallelRuntime] | None = None
-        """A provisional runtime's chooser: picks the grid at the first call and returns the runtime that
-        replaces this one (``autopar.context``; None once chosen, or when the grid was given)."""
+
+    def take_grid(self, config: ParallelConfig, pipe: PipelineConfig) -> None:
+        """The grid chosen at the model's first call replaces the provisional one (``autopar.grid_choice``): the
+        same Parameter objects (the optimizer's) are laid out anew, the batch mode the first call decided
+        stays. Nothing was captured yet: the provisional grid never plans."""
+        self.open_degrees = None
+        if config == self.config:
+            return
+        mode = self.calls.mode
+        self.store.close()  # its load hooks go: the new store registers its own
+        self._on_grid(config, Mesh(config), pipe, self.store.pending, True)
+        self.calls.mode = mode
 
     def following(self) -> contextlib.AbstractContextManager:
-        """``CallCheck.following`` of the runtime the model runs under now (generate's wrapper asks each call)."""
-        model = self._model()
-        return current_runtime(model).calls.following() if model is not None else contextlib.nullcontext()
-
-    def decided(self, args: tuple, kwargs: dict, train_step: bool = False) -> ParallelRuntime:
-        """The runtime this call runs under: this one, or, at the first call of a model whose grid is chosen
-        then (``plan="auto"`` without example inputs), the one for the chosen grid."""
-        if self.choose is None:
-            return self
-        choose, self.choose = self.choose, None
-        return choose(args, kwargs, train_step)
-
-    def retire(self) -> None:
-        """Hands the model over to the runtime of the chosen grid: the load hooks go (the successor's store
-        registers its own); the parameters, the wrapped ``generate`` and the state-dict hook stay."""
-        self.store.close()
+        """``CallCheck.following`` (generate's wrapper asks each call)."""
+        return self.calls.following()
 
     # ---- calling ----------------------------------------------------------------------------------
 
@@ -171,9 +178,6 @@ class ParallelRuntime:
         ``example``: auto_parallelize's example_inputs, the same on every rank: a global batch that
         decides nothing about how the script feeds the model later.
         """
-        if self.choose is not None:  # (local outputs: train_step's call, the one that may run a pipeline)
-            return self.decided(args, kwargs, local_outputs).run(args, kwargs, local_outputs=local_outputs,
-                                                                 example=example)
         grad = torch.is_grad_enabled()
         if not grad and self.pure_data:  # like DDP's module in evaluation: this rank's inputs, no collective
             return self._forward_local(args, kwargs), None, ()

@@ -93,8 +93,8 @@ class ParamStore:
 
     def close(self) -> None:
         """Detaches this store from the model: its load hooks go, and optimizer hooks no longer find its
-        parameters (a successor, for the grid chosen at the first call, takes the same Parameter objects and
-        registers them again)."""
+        parameters (the store of the grid chosen at the first call, ``ParallelRuntime.take_grid``, takes the same
+        Parameter objects and registers them again; ``autopar.detach``)."""
         for handle in self.hooks:
             handle.remove()
         self.hooks = []
