@@ -1,6 +1,6 @@
 """What the user asked for: the grid (ParallelConfig), memory, inputs and pipeline. Leaf module.
 
-Frozen and identical on every rank; what the compiler decided from it is ``autopar.decisions.Plan``.
+Frozen and identical on every rank; what the plan made of it is ``autopar.decisions.Plan``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""What the compiler decided (Plan) for a ParallelConfig, and the bytes collectives send. Leaf module
+"""What the planner decided (Plan) for a ParallelConfig, and the bytes collectives send. Leaf module
 besides ``autopar.config``.
 
 Frozen and identical on every rank. The Plan is keyed by stable names (parameter FQNs, module FQNs),
@@ -367,7 +367,7 @@ class PipelinePlan:
 
 @dataclass(frozen=True, slots=True)
 class Plan:
-    """Every decision the compiler made for one model under one ParallelConfig."""
+    """Every decision the planner made for one model under one ParallelConfig."""
 
     config: ParallelConfig
     matmuls: tuple[MatmulPlan, ...]

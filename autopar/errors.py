@@ -27,7 +27,7 @@ class CaptureError(AutoparError, RuntimeError):
 
 
 class PlanError(AutoparError, RuntimeError):
-    """The compiler cannot plan or apply a sharding for this graph."""
+    """autopar cannot plan or apply a sharding for this graph."""
 
 
 class InputError(AutoparError, ValueError):

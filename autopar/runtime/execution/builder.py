@@ -16,15 +16,14 @@ from __future__ import annotations
 
 import logging
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import fx, nn
+from torch import nn
 
 from autopar.capture import Captured, capture_shard
-from autopar import config as settings
-from autopar.compat import default_store, pytree
+from autopar.compat import pytree
 from autopar.config import CompileConfig, MemoryConfig, ParallelConfig, PipelineConfig
 from autopar.decisions import Plan
 from autopar.errors import CaptureError, PlanError
@@ -34,13 +33,9 @@ from autopar.planning.machines import local_rates
 from autopar.planning.planner import PlanOptions, decide_plan
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.data_parallel.grad_syncs import GradSyncs
-from autopar.runtime.execution.binding import bind_markers, gather_spec, placeholders, reading_params_at_use, travels
-from autopar.runtime.compiled import cuda_graphs as graphed
-from autopar.runtime.compiled.agreement import CompileAgreement
-from autopar.runtime.compiled.form import in_pieces, is_compiled
-from autopar.runtime.compiled import pieces as compiled_pieces
-from autopar.runtime.compiled.graph import CompiledGraph
-from autopar.runtime.compiled.pieces import CompiledPieces, cut_into_pieces
+from autopar.runtime.execution.binding import bind_markers, gather_spec, reading_params_at_use, travels
+from autopar.runtime.compiled.form import in_pieces
+from autopar.runtime.compiled.policy import CompilePolicy
 from autopar.runtime.ops.depth_buckets import bucket_depth_gathers
 from autopar.runtime.execution.graph_cache import Executable
 from autopar.runtime.execution.kept_state import KeptOutputs, OutputTree
@@ -78,7 +73,9 @@ class Builder:
         self._model = weakref.ref(model)
         self.shadow, self.store, self.syncs, self.mesh, self.config = shadow, store, syncs, mesh, config
         self.memory, self.pipe = memory, pipe
-        self.finish_grads, self.warn_once, self.compile = finish_grads, warn_once, compile
+        self.finish_grads, self.warn_once = finish_grads, warn_once
+        self.compiling = CompilePolicy(compile, mesh, warn_once, type(model).__name__)
+        """Every question about ``compile=`` (the only reader of it here)."""
 
     def build(self, leaves: list[Any], spec: pytree.TreeSpec, split: dict[int, int], sizes: tuple[int, ...],
               local_outputs: bool = False, per_rank: tuple[tuple[int, ...], int] | None = None,
@@ -115,7 +112,7 @@ class Builder:
         microbatches = self.pipe.num_microbatches(self.config.pipeline) if self.config.pipeline > 1 else 1
         return PlanOptions(checkpoint, budget, self.memory.precision, microbatches,
                            self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
-                           compiled=self.compile.enabled(self.mesh.device.type, training=True),
+                           compiled=self.compiling.training,
                            hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None)
 
     def adopt(self, plan: Plan) -> None:
@@ -195,7 +192,7 @@ class Builder:
         """``captured`` compiled under ``plan`` for this rank. ``per_rank``: (each member's rows, this rank's
         member index) under per-rank batches."""
         pipelined = self.config.pipeline > 1
-        agreement = self._agreement(per_rank is not None)
+        agreement = self.compiling.agreement(per_rank is not None)
         gm, records = run_passes(captured.gm, plan, PIPELINE_PASSES if pipelined else PASSES)
         for note in (n for r in records if r.name == "split_batch" for n in r.notes):
             self.warn_once(note)
@@ -203,7 +200,7 @@ class Builder:
         rows = BatchRows(sizes)
         bind_markers(gm, self.mesh, rows, half_dtype(self.memory.reduce_dtype), self.config.pipeline,
                      local_outputs, per_rank)
-        if not self.compile.enabled(self.mesh.device.type, True):
+        if not self.compiling.training:
             bucket_depth_gathers(gm, self.mesh)  # one all-gather per block's weights each way (eager only)
         inputs = tuple((input_info(n).kind, input_info(n).target) for n in gm.graph.nodes if n.op == "placeholder")
         constants = {}
@@ -219,75 +216,21 @@ class Builder:
             program = Program(gm, lambda n: travels(n, split), self.mesh, half_dtype(self.memory.precision),
                               self.finish_grads, symbolic=captured.accepts is not None,
                               wrap=None if captured.accepts is not None else
-                              lambda stage, name: self._stage_wrap(stage, name, agreement))
+                              lambda stage, name: self.compiling.stage(stage, name, agreement))
             if self.store.held is None:
                 self.store.hold(program.readers())
         # a graph captured with symbolic sizes serves many (a decode step per length): it runs eagerly, since
         # a compiled graph of static sizes would compile again for each
         run = gm if captured.accepts is not None else \
-            self._wrap(gm, "the per-rank graph", agreement=agreement, synced=None if pipelined else
+            self.compiling.graph(gm, "the per-rank graph", agreement=agreement, synced=None if pipelined else
                        self.syncs.synced_bytes(plan, self.store.params, self.config))
-        graphs = None if pipelined else self._graphs(gm, inputs, run, agreement)
+        graphs = None if pipelined else self.compiling.call_graphs(gm, inputs, run, agreement)
         kept = KeptOutputs(output_specs, self.mesh) if not (pipelined or local_outputs or per_rank) else None
         eager = run is gm and graphs is None and program is None
         return Executable(gm, inputs, captured.out_spec, constants, records, output_specs, program, split,
                           captured.accepts, rows, reading_params_at_use(gm) if eager else run, graphs, kept or None,
                           OutputTree(captured.out_spec) if kept else None,
                           reads_params=eager or in_pieces(run))
-
-    def _agreement(self, per_rank: bool) -> CompileAgreement | None:
-        """Where this executable's compiled graphs are agreed on by the ranks that run them (None: not
-        compiled, or a simulated world: no other rank to agree with)."""
-        if self.compile.mode is False or self.mesh.simulated:
-            return None
-        return CompileAgreement(default_store(), self.mesh.rank, self.mesh.graph_peers(per_rank),
-                                settings.COMPILE_AGREEMENT_TIMEOUT)
-
-    def _graphs(self, gm: fx.GraphModule, inputs: tuple[tuple[InputKind, str], ...],
-                run: Callable[..., Any], agreement: CompileAgreement | None) -> graphed.CallGraphs | None:
-        """How this graph's repeated evaluation calls replay as CUDA graphs (``autopar.runtime.compiled.cuda_graphs``): what
-        is captured is the graph compiled for their sizes where ``compile`` says so (``CompileConfig``), else
-        the eager graph."""
-        capture = graphed.capture_for(self.mesh.device)
-        if capture is None or self.compile.mode is False:
-            return None
-        written = graphed.written_inputs(gm)
-        copied = [kind is InputKind.USER and i not in written for i, (kind, _) in enumerate(inputs)]
-        name = f"the per-rank graph of {type(self._model()).__name__}"
-        warm = run if is_compiled(run) or not self.compile.enabled(self.mesh.device.type, False, True) \
-            else CompiledGraph(gm, name, self.mesh.device, self.warn_once, agreement=agreement)
-        unused = frozenset(i for i, n in enumerate(placeholders(gm)) if not n.users)
-        names = [f"{kind.name.lower()} {target}" for kind, target in inputs]
-        return graphed.CallGraphs(copied, capture, self.warn_once, name, warm, self.mesh.device.type,
-                                  names=names, unused=unused)
-
-    def _wrap(self, gm: fx.GraphModule, name: str, replayed: bool = True, agreement: CompileAgreement | None = None,
-              synced: Mapping[str, int] | None = None) -> Callable[..., Any]:
-        """How a bound graph of static sizes runs: compiled (``autopar.runtime.compiled.graph``) or as it is; a
-        training graph also replayed as a CUDA graph where ``compile="reduce-overhead"`` asks (``replayed``).
-        A training graph whose ``synced`` gradients (name -> bytes) fill more than one bucket is compiled in
-        pieces, so that they reach their buckets during backward (``autopar.runtime.compiled.pieces``)."""
-        device, training = self.mesh.device.type, torch.is_grad_enabled()
-        if not self.compile.enabled(device, training):
-            return gm
-        name = f"{name} of {type(self._model()).__name__}"
-        cuda_graphs = replayed and self.compile.cuda_graphs(device, training)
-        cut = cut_into_pieces(gm, synced, compiled_pieces.piece_cap(synced)) if training and synced else None
-        if cut is not None:
-            return CompiledPieces(cut, lambda piece, k, n: CompiledGraph(
-                piece, f"piece {k + 1} of {n} of {name}", self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs,
-                agreement=agreement))
-        return CompiledGraph(gm, name, self.mesh.device, self.warn_once, cuda_graphs=cuda_graphs, agreement=agreement)
-
-    def _stage_wrap(self, gm: fx.GraphModule, name: str,
-                    agreement: CompileAgreement | None = None) -> Callable[..., Any]:
-        """A pipeline stage's graph: compiled as ``_wrap`` does, never replayed as a CUDA graph (a schedule
-        runs several micro-batches' forwards before their backwards, and accumulates their gradients)."""
-        if self.compile.cuda_graphs(self.mesh.device.type, torch.is_grad_enabled()):
-            self.warn_once("compile='reduce-overhead': pipeline stages are compiled but not replayed as CUDA graphs "
-                           "(their micro-batches' gradients accumulate across replays); pass compile=True to "
-                           "silence this.")
-        return self._wrap(gm, name, replayed=False, agreement=agreement)
 
     def _real_constant(self, name: str) -> Any:
         """A plain tensor attribute (not a buffer) of the real model, e.g. HF's ``embed_scale``."""
