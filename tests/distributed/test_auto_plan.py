@@ -12,6 +12,7 @@ import torch
 
 import autopar
 from autopar.errors import CheckpointError, PlanError
+from autopar.parallel_model import runtime_of
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.planning.search import choose_grid
 
@@ -61,6 +62,7 @@ def first_call_worker(fixed: dict, per_rank: bool) -> dict:
     torch.manual_seed(1)  # other initial values: the loaded state dict must win
     with autopar.auto_parallelize(plan="auto", **fixed) as yielded:
         model = NanoGPT(GPTConfig(**CONFIG))
+    provisional = runtime_of(model)
     optimizers = {m: torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (model, serial)}  # (model's first
     model.load_state_dict(serial.state_dict())  # call reads the loaded tensors: before serial's step writes them)
     losses = []
@@ -94,6 +96,7 @@ def first_call_worker(fixed: dict, per_rank: bool) -> dict:
     best = choose_grid(shadow, batches[0], world, fixed={**fixed_degrees(fixed), "pipeline": 1})[0].candidate
     dtensor = isinstance(model.lm_head.weight, torch.distributed.tensor.DTensor)
     return {"chosen": (c.data, c.pipeline, c.row, c.col, c.depth), "yielded": yielded, "dtensor": dtensor,
+            "one runtime": runtime_of(model) is provisional and provisional.open_degrees is None,
             "best": (best.data, best.pipeline, best.row, best.col, best.depth), "loss": max(losses), "param": error}
 
 
@@ -129,6 +132,8 @@ def test_plan_auto_without_example_inputs_chooses_at_the_first_call(distributed,
     for got in distributed(first_call_worker, 4, fixed, per_rank, timeout=600):
         assert got["yielded"] is None and got["chosen"] == got["best"], got
         assert got["dtensor"], got  # parameters any grid can shard in place, the optimizer's objects
+        # the model's runtime took the grid (no second runtime: the old successor swap fails this)
+        assert got["one runtime"], got
         if "tensor" in fixed:
             assert got["chosen"][2:] == fixed["tensor"], got
         assert got["loss"] < 1e-5 and got["param"] < 1e-5, got
