@@ -433,20 +433,23 @@ class Plan:
 
 # ---- communication accounting (bytes a rank sends under ring algorithms) ------------------------------
 
-COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send")
+COLLECTIVE_KINDS: tuple[str, ...] = ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "send", "all_to_all")
 
 
 def collective_bytes(kind: str, group_size: int, message_bytes: int) -> Fraction:
     """Bytes one rank sends for one collective, as an exact fraction.
 
     ``message_bytes`` is the output size for all-gather, the input size for reduce-scatter and the
-    tensor size otherwise. A group of one sends nothing.
+    tensor size otherwise; for all-to-all it is what this rank sends to the other ranks (the rows it keeps
+    are not sent), taken as it is. A group of one sends nothing.
     """
     p = group_size
     if p <= 1:
         return Fraction(0)
     if kind == "all_reduce":
         return Fraction(2 * (p - 1) * message_bytes, p)
+    if kind == "all_to_all":
+        return Fraction(message_bytes)
     if kind in ("all_gather", "reduce_scatter", "broadcast"):
         return Fraction((p - 1) * message_bytes, p)
     if kind == "send":

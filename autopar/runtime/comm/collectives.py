@@ -15,6 +15,7 @@ it holds every time it runs (``record``), so ``comm_stats()`` reads the same in 
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Sequence
 from fractions import Fraction
 from typing import Any
@@ -202,6 +203,22 @@ def reduce_scatter(t: torch.Tensor, group: dist.ProcessGroup, size: int) -> torc
     _stats.record("reduce_scatter", size, _nbytes(t))
     with guarded():
         reduce_scatter_into(out, t, group=group)
+    return out
+
+
+def all_to_all(t: torch.Tensor, send: Sequence[int], receive: Sequence[int], group: dist.ProcessGroup | None,
+               size: int, rank: int) -> torch.Tensor:
+    """Sends ``send[p]`` consecutive rows of ``t`` (dim 0) to the group's ``p``-th rank and returns the rows
+    received, ``receive[p]`` from each, in group order (``rank``: this rank's index in the group; the rows it
+    keeps are not counted as sent)."""
+    t = t.contiguous()
+    out = torch.empty((sum(receive), *t.shape[1:]), dtype=t.dtype, device=t.device)
+    if size == 1:
+        return out.copy_(t)
+    row = t.element_size() * math.prod(t.shape[1:])
+    _stats.record("all_to_all", size, row * (sum(send) - send[rank]))
+    with guarded():
+        dist.all_to_all_single(out, t, list(receive), list(send), group=group)
     return out
 
 
