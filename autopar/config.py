@@ -45,6 +45,10 @@ class ParallelConfig:
     row (or col), it reduce-scatters it along the tokens instead, so the norms, residual adds and dropout
     after it hold 1/row of the tokens; the next matmul all-gathers them and reduce-scatters their gradient
     (``auto_parallelize(sequence_parallel=True)``, ``passes.analysis.layouts.sequence_split``)."""
+    expert_parallel: bool = False
+    """Routed experts split over the data ranks (expert parallelism): each holds ``experts / data`` whole experts,
+    and a layer's rows go to their experts' ranks by all-to-all and come back (``auto_parallelize(
+    expert_parallel=True)``, ``passes.split_experts``, ``autopar.runtime.ops.experts``)."""
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
@@ -57,11 +61,17 @@ class ParallelConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is invalid. Use True (activations "
                               "between matmuls split along the tokens over the tensor group) or False.")
+        if not isinstance(self.expert_parallel, bool):
+            raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
+                              "over the data ranks) or False.")
+        if self.expert_parallel and self.shard_optimizer:
+            raise ConfigError("expert_parallel=True with shard_optimizer=True: both split over the data ranks, and "
+                              "autopar does not yet shard the optimizer state of experts split over data. Use one.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
                   world_size: int | None = None, pipeline: int = 1, shard_optimizer: bool = False,
-                  sequence_parallel: bool = False) -> ParallelConfig:
+                  sequence_parallel: bool = False, expert_parallel: bool = False) -> ParallelConfig:
         """Validates the user's ``tensor=(row, col, depth)``, ``pipeline`` and ``data`` against the world size.
 
         ``data=None`` means "every rank not used by tensor or pipeline parallelism" (pure data
@@ -84,7 +94,7 @@ class ParallelConfig:
                                   f"multiple of {used} processes or change tensor=/pipeline=.")
             else:
                 data = world_size // used
-        config = cls(data, row, col, depth, pipeline, shard_optimizer, sequence_parallel)
+        config = cls(data, row, col, depth, pipeline, shard_optimizer, sequence_parallel, expert_parallel)
         if world_size is not None and config.world_size != world_size:
             raise ConfigError(
                 f"world size {world_size} does not match data*pipeline*row*col*depth = "

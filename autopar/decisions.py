@@ -366,6 +366,19 @@ class PipelinePlan:
 
 
 @dataclass(frozen=True, slots=True)
+class ExpertPlan:
+    """A routed-experts layer (``passes.analysis.experts``) and how its experts are laid out."""
+
+    module: str
+    weights: tuple[str, ...]
+    experts: int
+    axis: str = ""
+    """The mesh axis splitting the experts (each rank ``experts / size`` whole ones); '' for whole on every rank."""
+    reason: str = ""
+    """Why the experts stay whole ('' where they are split)."""
+
+
+@dataclass(frozen=True, slots=True)
 class Plan:
     """Every decision the planner made for one model under one ParallelConfig."""
 
@@ -376,6 +389,7 @@ class Plan:
     embeddings: tuple[EmbeddingPlan, ...] = ()
     memory: MemoryPlan | None = None
     pipeline: PipelinePlan | None = None
+    experts: tuple[ExpertPlan, ...] = ()
     _by_weight: dict[str, MatmulPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_param: dict[str, ParamPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_table: dict[str, EmbeddingPlan] = field(default_factory=dict, compare=False, repr=False)
@@ -425,6 +439,10 @@ class Plan:
             if e.axis and e.mode is EmbeddingMode.VOCAB:
                 what += _uneven(e.num_embeddings, c.size(e.axis), e.axis)
             lines.append(f"  {e.weight:<40} {'lookup':<7} {e.num_embeddings:>6} x {e.embedding_dim:<6} {what}")
+        for e in self.experts:
+            if e.axis:
+                lines.append(f"  {e.module:<40} experts {e.experts} split over {e.axis}: {e.experts // c.size(e.axis)} "
+                             "whole experts per rank, rows exchanged by all-to-all")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.memory is not None:
             lines.extend(f"  {line}" for line in self.memory.summary().splitlines())

@@ -157,6 +157,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="each data rank keeps 1/data of the optimizer state and of the gradients (a "
                              "reduce-scatter) and all-gathers the updated parameters, as "
                              "auto_parallelize(shard_optimizer=True) runs it (ZeRO stages 1-2)")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="split the routed experts over the data ranks (rows exchanged by all-to-all), as "
+                             "auto_parallelize(expert_parallel=True) runs it")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between matmuls along the tokens over the tensor group, as "
                              "auto_parallelize(sequence_parallel=True) runs it")
@@ -170,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1),
-                                shard_optimizer=args.shard_optimizer, sequence_parallel=args.sequence_parallel)
+                                shard_optimizer=args.shard_optimizer, sequence_parallel=args.sequence_parallel,
+                                expert_parallel=args.expert_parallel)
         module = load_model_file(args.model)
         with torch.device("meta"):
             model = module.build_model()

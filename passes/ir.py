@@ -237,6 +237,16 @@ class GatherOutputSpec:
     passes back in (a key/value cache), which the next call then reads in place."""
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertSpec:
+    """A routed-experts layer whose experts are split over ``axis``: ``experts`` in all, consecutive blocks of
+    ``experts / size`` on each rank (``passes.split_experts``)."""
+
+    axis: str
+    experts: int
+    module: str = ""
+
+
 class UnboundOpError(RuntimeError):
     pass
 
@@ -310,13 +320,26 @@ def split_random(op, args, kwargs, spec: Sharding):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def expert_dispatch(rows, offsets, inputs, spec: ExpertSpec):
+    """Rows sorted by expert (``offsets``: their running count per expert) -> (the rows of this rank's experts,
+    from every rank of ``spec.axis``, by local expert; their offsets; the same rows of each of ``inputs``; the
+    routes ``expert_combine`` takes). Backward sends the rows' gradients back."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def expert_combine(x, routes, spec: ExpertSpec):
+    """The results of the rows ``expert_dispatch`` moved (``routes``), back on the ranks they came from, in
+    their order. Backward sends the gradients to the experts' ranks."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def gather_output(x, spec: GatherOutputSpec):
     """Makes a model output full on every rank: features gathered, then batch rows gathered."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
 SPEC_TYPES = (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
-              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec)
+              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec, ExpertSpec)
 """The types whose values marker ops take as arguments."""
 
 _spec_names_depth = 0

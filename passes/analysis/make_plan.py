@@ -33,7 +33,7 @@ from torch import fx
 
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
-from autopar.decisions import (EmbeddingMode, EmbeddingPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan,
+from autopar.decisions import (EmbeddingMode, EmbeddingPlan, ExpertPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan,
                                 uneven_split)
 from autopar.errors import PlanError
 from passes.analysis.batch_dims import analyze_batch
@@ -48,6 +48,7 @@ from passes.analysis.graph_facts import (
 )
 from passes.analysis.layout_rules import LayoutResult, output_node
 from passes.analysis.layouts import node_flags, propagate_layouts
+from passes.analysis.experts import find_expert_layers
 from passes.analysis.whole_matmuls import find_whole_matmuls
 from passes.ir import Sharding, graph_info
 
@@ -374,11 +375,28 @@ class _Planner:
                                             mode, axis, reason))
         why = [(m.weight, m.reason) for m in matmuls.values() if m.reason]
         why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
-        notes = replicated_notes(why) + whole_notes(self.gm) + \
+        experts = self.expert_plans()
+        split = {w for e in experts if e.axis for w in e.weights}
+        notes = replicated_notes(why) + whole_notes(self.gm, split) + \
             (uneven_head_notes(res, self.config) if res is not None else ()) + \
             (self.batch.notes() if self.batch is not None and self.config.num_batch_shards > 1 else ())
-        return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings), notes,
-                    tuple(embeddings))
+        notes += tuple(f"{e.module}: its experts stay whole on every rank: {e.reason}" for e in experts if e.reason)
+        return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings, experts), notes,
+                    tuple(embeddings), experts=experts)
+
+    def expert_plans(self) -> tuple[ExpertPlan, ...]:
+        """Under ``expert_parallel``, each routed-experts layer's experts split over the data ranks, where the
+        layer splits (``find_expert_layers``) and its experts divide."""
+        if not self.config.expert_parallel or self.config.data == 1:
+            return ()
+        out = []
+        for layer in find_expert_layers(self.gm):
+            reason = layer.why_whole or (f"its {layer.experts} experts do not divide over data={self.config.data}"
+                                         if layer.experts % self.config.data else "")
+            if not reason and self.config.pipeline > 1:
+                reason = "expert parallelism under a pipeline is not built yet"
+            out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "" if reason else "data", reason))
+        return tuple(out)
 
 
 def uneven_head_notes(res: LayoutResult, config: ParallelConfig) -> tuple[str, ...]:
@@ -394,10 +412,11 @@ def uneven_head_notes(res: LayoutResult, config: ParallelConfig) -> tuple[str, .
                  f"so the attention runs whole on each {axis} rank" for (where, axis), cuts in groups.items())
 
 
-def whole_notes(gm: fx.GraphModule) -> tuple[str, ...]:
+def whole_notes(gm: fx.GraphModule, split: set[str] | frozenset[str] = frozenset()) -> tuple[str, ...]:
     """One line per kind of matmul-like op left whole (``whole_matmuls``: 3-D expert weights, convolutions),
-    naming its weights (``#`` for a repeated block's index) and their share of the model's parameters."""
-    found = find_whole_matmuls(gm)
+    naming its weights (``#`` for a repeated block's index) and their share of the model's parameters;
+    ``split``: expert weights an expert layout splits (not whole)."""
+    found = [w for w in find_whole_matmuls(gm) if w.weight not in split]
     if not found:
         return ()
     sizes = {param_name(n): tensor_meta(n).numel() for n in gm.graph.nodes if param_name(n) and n.users}
@@ -425,10 +444,12 @@ def replicated_notes(why: list[tuple[str, str]]) -> tuple[str, ...]:
 
 
 def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
-                embeddings: list[EmbeddingPlan] | tuple[EmbeddingPlan, ...] = ()) -> tuple[ParamPlan, ...]:
+                embeddings: list[EmbeddingPlan] | tuple[EmbeddingPlan, ...] = (),
+                experts: tuple[ExpertPlan, ...] = ()) -> tuple[ParamPlan, ...]:
     sharded = {m.weight: m for m in matmul_plans.values() if m.orientation.is_sharded}
     biases = {m.bias: m for m in sharded.values() if m.bias is not None}
     tables = {e.weight: e for e in embeddings if e.mode is not EmbeddingMode.REPLICATED}
+    split_experts = {w: e for e in experts if e.axis for w in e.weights}
     out = []
     for node in gm.graph.nodes:
         name = param_name(node)
@@ -449,6 +470,9 @@ def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
             m = biases[name]
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, m.orientation, parts=m.out_parts,
                                  split_axis=m.orientation.out_axis, split_dim=0))
+        elif name in split_experts:  # each rank its experts (dim 0), their gradients complete from every rank's rows
+            out.append(ParamPlan(name, shape, ParamKind.SPLIT, grad_axes=("depth",),
+                                 split_axis=split_experts[name].axis, split_dim=0))
         elif name in tables:
             e = tables[name]
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, split_axis=e.axis,

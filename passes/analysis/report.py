@@ -139,11 +139,15 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
                              tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
     whole = []
+    split = {w: e for e in plan.experts if e.axis for w in e.weights}
     for w in find_whole_matmuls(gm):
         grads = 1 + int(res.requires_grad.get(w.x, False)) + int(grad_of.get(w.weight, False))
+        e = split.get(w.weight)
+        how = f"replicated: {w.reason}" if e is None else \
+            f"experts over {e.axis}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank"
         whole.append(LayerRow(w.module, w.weight, None, w.op, tuple(tensor_meta(w.x).shape),
                               tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
-                              int(w.forward_flops * scale) * grads, f"replicated: {w.reason}", Fraction(0)))
+                              int(w.forward_flops * scale) * grads, how, Fraction(0)))
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
                                largest_param_bytes=largest)
 

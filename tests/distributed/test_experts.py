@@ -72,3 +72,45 @@ def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
     assert all(receives[q][p] == sends[p][q] for p in range(4) for q in range(4))  # what p sends q, q receives
     if routing == "one expert":
         assert [r["rows here"] for r in got] == [0, 0, sum(3 + 4 * p for p in range(4)), 0]
+
+
+def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int) -> dict:
+    import autopar
+    from autopar.runtime.params.layout import local_of
+    from tests import unlike_models as U
+
+    out = {}
+    for name in names:
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(tensor=tensor, data=data, expert_parallel=True):
+            model = U.build(name)
+        result = U.train(name, model, U.batches(name), autopar.full_state_dict)
+        plan = autopar.plan_of(model)
+        experts = {n: p for n, p in model.named_parameters() if n in {w for e in plan.experts for w in e.weights}}
+        result["split"] = [(e.module, e.axis, e.reason) for e in plan.experts]
+        result["expert share"] = sum(local_of(p).numel() for p in experts.values()) / max(
+            sum(p.numel() for p in experts.values()), 1)
+        out[name] = result
+        autopar.detach(model)
+    return out
+
+
+@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss"), (1, 1, 1), 2),
+                                               (("qwen3_moe",), (2, 1, 1), 2)])
+def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, names, tensor, data):
+    from tests import unlike_models as U
+
+    world = tensor[0] * tensor[1] * tensor[2] * data
+    got = distributed(parallel_worker, world, names, tensor, data, timeout=600)
+    for name in names:
+        want = U.serial(name)
+        for r in got:
+            mine = r[name]
+            assert mine["split"] and all(axis == "data" for _, axis, _ in mine["split"]), mine["split"]
+            assert mine["expert share"] == pytest.approx(1 / data)  # each rank holds its experts only
+            for a, b in zip(mine["losses"], want["losses"], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, mine["losses"], want["losses"])
+            for k, w in want["state"].items():
+                err = (mine["state"][k].double() - w.double()).abs().max().item()
+                assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (name, k, err)
+            assert torch.equal(mine["tokens"], want["tokens"]), name

@@ -44,3 +44,33 @@ def test_a_layer_reducing_over_its_rows_is_not_split():
     silu = next(n for n in layer.region if n.target is aten.silu.default)
     silu.target, silu.args = aten._softmax.default, (silu.args[0], 0, False)
     assert "is not row-wise" in find_expert_layers(gm)[0].why_whole
+
+
+def test_the_plan_splits_experts_over_data_where_they_divide_and_says_where_not():
+    from autopar.config import ParallelConfig
+    from autopar.decisions import ParamKind
+    from autopar.planning.planner import plan_model
+
+    torch.manual_seed(0)
+    model = moe_zoo.build_model("mixtral")
+    (ids,) = moe_zoo.example_inputs("mixtral", batch=8, seq=16)
+    plan, report = plan_model(model, (ids,), ParallelConfig(2, expert_parallel=True), kwargs={"use_cache": False})
+    assert [(e.axis, e.experts) for e in plan.experts] == [("data", 4)] * 2
+    up = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+    assert up.kind is ParamKind.SPLIT and up.split_axis == "data" and up.split_dim == 0 and "data" not in up.grad_axes
+    assert up.local_numel(plan.config) * 2 == up.shape[0] * up.shape[1] * up.shape[2]
+    assert "2 whole experts per rank" in plan.summary() and "stay whole" not in " ".join(plan.notes)
+    assert all("experts over data: 2 of 4 per rank" == r.sharding for r in report.whole)
+    plan3, _ = plan_model(model, (ids[:6],), ParallelConfig(3, expert_parallel=True), kwargs={"use_cache": False})
+    assert all(not e.axis for e in plan3.experts)  # 4 experts over 3 data ranks: whole, and a note says why
+    assert any("4 experts do not divide over data=3" in n for n in plan3.notes), plan3.notes
+
+
+def test_expert_parallel_refuses_what_it_does_not_do_yet():
+    from autopar.config import ParallelConfig
+    from autopar.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="shard_optimizer"):
+        ParallelConfig(2, shard_optimizer=True, expert_parallel=True)
+    with pytest.raises(ConfigError, match="expert_parallel"):
+        ParallelConfig(2, expert_parallel="yes")

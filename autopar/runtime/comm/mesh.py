@@ -161,7 +161,10 @@ class Mesh:
         return self.coords[axis]
 
     def grad_group(self, axes: tuple[str, ...]) -> tuple[str, int]:
-        """The group that sums a gradient over ``axes``: only (data,) and (data, depth) occur."""
+        """The group that sums a gradient over ``axes``: (data,), (data, depth), or (depth,) for experts split over
+        data (each expert's gradient is complete over the data ranks' rows already)."""
+        if axes == ("depth",):
+            return "depth", self.size("depth")
         if axes == ("data", "depth"):
             return "batch", self.size("batch")
         if axes == ("data",):

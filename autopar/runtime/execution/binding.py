@@ -18,13 +18,15 @@ from torch import fx
 from autopar.errors import PlanError
 from autopar.runtime.comm.mesh import Mesh
 from autopar.runtime.params.layout import local_view
+from autopar.runtime.ops.experts import ExpertOps
 from autopar.runtime.ops.layouts import ConvertOp, GatherFeaturesOp, ReduceOp, SumGradOp
 from autopar.runtime.ops.matmul import MatmulOp
 from autopar.runtime.ops.rows import BatchReduceOp, BatchRows, GatherOutputOp, GatherRowsOp, ScatterRowsOp
 from autopar.runtime.ops.vocabulary import EmbeddingOp, VocabCrossEntropyOp
 from autopar.runtime.data_parallel.per_rank import SegmentReduceOp
 from autopar.runtime.ops.random_pieces import DropoutOp, RandomPieceOp
-from passes.ir import (InputKind, batch_reduce, convert_layout, gather_output, gather_rows, input_info,
+from passes.ir import (InputKind, batch_reduce, convert_layout, expert_combine, expert_dispatch, gather_output,
+                       gather_rows, input_info,
                        reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, split_dropout, split_random,
                        sum_grad, vocab_cross_entropy)
 
@@ -51,6 +53,8 @@ def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.
         vocab_cross_entropy: lambda spec: VocabCrossEntropyOp(spec, mesh).__call__,
         split_dropout: lambda spec: DropoutOp(spec, mesh).__call__,
         split_random: lambda spec: RandomPieceOp(spec, mesh).__call__,
+        expert_dispatch: lambda spec: ExpertOps(spec, mesh).dispatch,
+        expert_combine: lambda spec: ExpertOps(spec, mesh).combine,
     }
     if per_rank is not None:
         members, member = per_rank

@@ -50,11 +50,12 @@ from passes.ir import InputKind, input_info, record_graph_info
 from passes.runner import run_passes
 from passes.shard_linears import shard_linears
 from passes.split_batch import split_batch
+from passes.split_experts import split_experts
 from passes.split_stages import split_stages
 
 log = logging.getLogger(__name__)
 
-PASSES = (split_batch, shard_linears, insert_checkpoints)
+PASSES = (split_batch, shard_linears, split_experts, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
 PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
 

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from autopar.runtime.comm import collectives as C
+from autopar.runtime.comm.mesh import Mesh
+from passes.ir import ExpertSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,6 +81,20 @@ class ExpertExchange:
     def send_back(self, y: torch.Tensor, routes: Routes) -> torch.Tensor:
         received = torch.empty_like(y).index_copy_(0, routes.order, y)
         return C.all_to_all(received, routes.receive, routes.send, self.group, self.size, self.index)
+
+
+class ExpertOps:
+    """The bound ``expert_dispatch`` / ``expert_combine`` of one layer (``spec``) on this rank."""
+
+    def __init__(self, spec: ExpertSpec, mesh: Mesh) -> None:
+        self.exchange = ExpertExchange(mesh.group(spec.axis), mesh.size(spec.axis), mesh.index(spec.axis),
+                                       spec.experts)
+
+    def dispatch(self, rows: torch.Tensor, offsets: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[Any, ...]:
+        return self.exchange.dispatch(rows, offsets, *inputs)
+
+    def combine(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
+        return self.exchange.combine(x, routes)
 
 
 class _Dispatch(torch.autograd.Function):

@@ -55,12 +55,13 @@ TIED_DIMS = ("data", "pipeline", "depth", "row", "col")
 
 
 def splits_parameters(config: ParallelConfig) -> bool:
-    """Whether parameters become DTensors under ``config`` (tensor or pipeline parallelism, or gradients
-    split over data by ``shard_optimizer``, as FSDP2's are).
+    """Whether parameters become DTensors under ``config`` (tensor or pipeline parallelism, gradients split
+    over data by ``shard_optimizer``, as FSDP2's are, or experts split over data).
 
     Pure data parallelism keeps plain tensors, as DDP does: every rank holds the whole model.
     """
-    return config.num_tensor > 1 or config.pipeline > 1 or (config.shard_optimizer and config.data > 1)
+    return config.num_tensor > 1 or config.pipeline > 1 or ((config.shard_optimizer or config.expert_parallel)
+                                                             and config.data > 1)
 
 
 def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tuple[Placement, ...]:

@@ -1,0 +1,66 @@
+"""split_experts: each routed-experts layer the plan splits (``Plan.experts``) runs its experts where they live.
+
+Before the layer's first grouped matmul, ``expert_dispatch`` sends the rows (and the values with a row per row
+the layer reads, ``ExpertLayer.inputs``) to the ranks of ``axis`` holding their experts, and gives back this
+rank's rows by local expert with offsets of their own; the grouped matmuls then read this rank's experts
+(each parameter's piece is ``experts / size`` of them, ``ParamKind.SPLIT`` on dim 0) with those offsets, and
+the ops between them, row-wise, run on those rows; after the last, ``expert_combine`` sends each result back
+to the rank its row came from, in its place. Every other op of the graph is untouched. Pure.
+"""
+
+from __future__ import annotations
+
+import operator
+
+from torch import fx
+
+from autopar.decisions import Plan
+from autopar.errors import PlanError
+from passes.analysis.experts import find_expert_layers
+from passes.ir import ExpertSpec, expert_combine, expert_dispatch
+from passes.runner import PassResult
+
+
+def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
+    split = {e.module: e for e in plan.experts if e.axis}
+    if not split:
+        return PassResult(gm, False)
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for layer in find_expert_layers(gm):
+        decided = split.get(layer.module)
+        if decided is None:
+            continue
+        if layer.why_whole:
+            raise PlanError(f"{layer.module}: the plan splits its experts, but the graph's layer cannot split: "
+                            f"{layer.why_whole}")
+        first, last = layer.matmuls[0], layer.output
+        late = [n.name for n in layer.inputs if order[n] > order[first]]
+        if late:
+            raise PlanError(f"{layer.module}: {', '.join(late)} (read with the rows) is computed after the first "
+                            "grouped matmul; autopar sends them together before it")
+        spec = ExpertSpec(decided.axis, decided.experts, layer.module)
+        with graph.inserting_before(first):
+            dispatch = graph.call_function(expert_dispatch, (layer.rows, layer.offsets, list(layer.inputs), spec))
+            moved = [graph.call_function(operator.getitem, (dispatch, i)) for i in range(3 + len(layer.inputs))]
+        for node, source in zip(moved, (layer.rows, layer.offsets, *layer.inputs)):
+            if "val" in source.meta:  # (the sizes are data's: the capture's stand for them)
+                node.meta["val"] = source.meta["val"]
+        rows, offsets, inputs, routes = moved[0], moved[1], moved[2:-1], moved[-1]
+        first.replace_input_with(layer.rows, rows)
+        for matmul in layer.matmuls:
+            matmul.replace_input_with(layer.offsets, offsets)
+        for node in layer.region:
+            for source, local in zip(layer.inputs, inputs):
+                node.replace_input_with(source, local)
+        with graph.inserting_after(last):
+            combine = graph.call_function(expert_combine, (last, routes, spec))
+        if "val" in last.meta:
+            combine.meta["val"] = last.meta["val"]
+        last.replace_all_uses_with(combine, delete_user_cb=lambda user: user is not combine and user not in layer.region)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return PassResult(gm, changed)
