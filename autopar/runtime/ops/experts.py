@@ -67,12 +67,12 @@ class ExpertExchange:
         """(this rank's rows of ``x`` by local expert, its offsets, the same rows of each of ``rows``, the
         routes ``combine`` takes back)."""
         routes, local_offsets = self.routes(offsets)
-        moved = [_Dispatch.apply(t, routes, self) for t in (x, *rows)]
+        moved = [_Moved.apply(t, routes, self, True) for t in (x, *rows)]
         return (moved[0], local_offsets, *moved[1:], routes)
 
     def combine(self, y: torch.Tensor, routes: Routes) -> torch.Tensor:
         """The rows ``dispatch`` sent out, their results back in the order they left."""
-        return _Combine.apply(y, routes, self)
+        return _Moved.apply(y, routes, self, False)
 
     def send_out(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         received = C.all_to_all(x, routes.send, routes.receive, self.group, self.size, self.index)
@@ -97,23 +97,15 @@ class ExpertOps:
         return self.exchange.combine(x, routes)
 
 
-class _Dispatch(torch.autograd.Function):
+class _Moved(torch.autograd.Function):
+    """Rows moved by ``routes``: out to the experts' ranks (``outward``) or back; the gradients go the other way."""
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, routes: Routes, exchange: ExpertExchange) -> torch.Tensor:
-        ctx.routes, ctx.exchange = routes, exchange
-        return exchange.send_out(x, routes)
+    def forward(ctx: Any, x: torch.Tensor, routes: Routes, exchange: ExpertExchange, outward: bool) -> torch.Tensor:
+        ctx.routes, ctx.exchange, ctx.outward = routes, exchange, outward
+        return exchange.send_out(x, routes) if outward else exchange.send_back(x, routes)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.exchange.send_back(grad, ctx.routes), None, None
-
-
-class _Combine(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, routes: Routes, exchange: ExpertExchange) -> torch.Tensor:
-        ctx.routes, ctx.exchange = routes, exchange
-        return exchange.send_back(y, routes)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        return ctx.exchange.send_out(grad, ctx.routes), None, None
+        move = ctx.exchange.send_back if ctx.outward else ctx.exchange.send_out
+        return move(grad, ctx.routes), None, None, None
