@@ -114,3 +114,67 @@ def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, n
                 err = (mine["state"][k].double() - w.double()).abs().max().item()
                 assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (name, k, err)
             assert torch.equal(mine["tokens"], want["tokens"]), name
+
+
+def clip_worker(name: str) -> dict:
+    import autopar
+    from tests import unlike_models as U
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(data=2, expert_parallel=True):
+        model = U.build(name)
+    x, y = U.batches(name)[0]
+    U.loss_of(name, model, x, y).backward()
+    return {"norm": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))}
+
+
+def test_clipping_sees_the_split_experts_gradients_whole(distributed):
+    """The script's clip_grad_norm_ over a model whose experts are split over data: serial's total norm (the
+    experts' squares summed over the data ranks once, the replicated ones' counted once)."""
+    from tests import unlike_models as U
+
+    torch.manual_seed(0)
+    serial = U.build("mixtral")
+    x, y = U.batches("mixtral")[0]
+    U.loss_of("mixtral", serial, x, y).backward()
+    want = float(torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05))
+    for r in distributed(clip_worker, 2, "mixtral"):
+        assert abs(r["norm"] - want) <= 1e-5 * want, (r["norm"], want)
+
+
+def dcp_worker(name: str) -> dict:
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    import autopar
+    from tests import unlike_models as U
+
+    box = [tempfile.mkdtemp() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box)
+    x, y = U.batches(name)[0]
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(data=2, expert_parallel=True):
+        split = U.build(name)
+    U.loss_of(name, split, x, y)  # (the first call shards the experts)
+    dcp.save(split.state_dict(), checkpoint_id=box[0])
+    saved = autopar.full_state_dict(split)
+    out = {}
+    for expert_parallel, seed in ((False, 1), (True, 2)):  # another layout (whole experts), and the same one
+        torch.manual_seed(seed)
+        with autopar.auto_parallelize(data=2, expert_parallel=expert_parallel):
+            other = U.build(name)
+        U.loss_of(name, other, x, y)
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=box[0])
+        other.load_state_dict(sd)
+        back = autopar.full_state_dict(other)
+        out[expert_parallel] = all(torch.equal(back[k], v) for k, v in saved.items())
+    torch.manual_seed(0)
+    out["serial shaped"] = all(torch.equal(saved[k], v) for k, v in U.build(name).state_dict().items())
+    return out
+
+
+def test_a_dcp_checkpoint_of_split_experts_loads_with_whole_or_split_experts(distributed):
+    for r in distributed(dcp_worker, 2, "mixtral"):
+        assert r == {False: True, True: True, "serial shaped": True}, r
