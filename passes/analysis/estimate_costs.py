@@ -19,6 +19,8 @@ accounting per op mirrors the implementations in autopar.runtime.ops (matmul, la
   a gradient whose optimizer state is split is reduce-scattered over data instead
   (each data rank keeps its chunk; a chunk summed over depth too is then all-reduced over depth), and after
   the step every split parameter's updated chunks are all-gathered over data (``optimizer_shards``).
+- routed experts split over ranks: all-to-alls of the per-expert counts, the rows out and the results back,
+  and their gradients the other way (``expert_collectives``, balanced routing assumed).
 - per call: the agreement (autopar.runtime.execution.call_check), one all-gather of ``AGREEMENT_BYTES`` per rank over
   the world.
 """
@@ -33,9 +35,10 @@ from typing import Any
 from torch import fx
 
 from autopar.config import AGREEMENT_BYTES, ParallelConfig
-from autopar.decisions import EmbeddingMode, Orientation, ParamPlan, collective_bytes
+from autopar.decisions import EmbeddingMode, ExpertPlan, Orientation, ParamPlan, collective_bytes
 from passes.analysis.batch_facts import BatchDim, BatchFacts
 from passes.analysis.batch_rules import CLASS_LOSSES
+from passes.analysis.experts import find_expert_layers
 from passes.analysis.graph_facts import (
     MatmulMatch,
     module_of,
@@ -283,6 +286,42 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
             out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
         if split:  # the updated chunks, from every data rank
             out.append(Collective("all_gather", "data", config.data, split * t.element_size(), "step", name))
+    return [c for c in out if c.group_size > 1]
+
+
+def exchange_bytes(rows: int, row_bytes: int, size: int) -> int:
+    """Bytes one rank sends moving ``rows`` rows of ``row_bytes`` to their experts' ranks over ``size`` ranks, the
+    routing taken as balanced (each rank's experts get ``1 / size`` of every rank's rows; the rows a rank keeps
+    are not sent)."""
+    return rows * (size - 1) // size * row_bytes
+
+
+def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config: ParallelConfig,
+                       requires_grad: Mapping[fx.Node, bool]) -> list[Collective]:
+    """The all-to-alls of the experts layers split over ranks (``autopar.runtime.ops.experts``): forward the
+    per-expert counts, the rows (and the values travelling with them) out and the results back; backward
+    the results' gradients out and the rows' gradients back (those that need one: ``requires_grad``, the
+    layouts' analysis). Balanced routing assumed:
+    the bytes of an uneven one differ (the plan says so)."""
+    split = {e.module: e for e in experts if e.axis}
+    out: list[Collective] = []
+    for layer in find_expert_layers(gm) if split else ():
+        e = split.get(layer.module)
+        if e is None or layer.why_whole:
+            continue
+        size = config.size(e.axis)
+        rows = int(tensor_meta(layer.rows).shape[0])
+
+        def moved(node: fx.Node, phase: str) -> Collective:
+            t = tensor_meta(node)
+            return Collective("all_to_all", e.axis, size, exchange_bytes(rows, t[:1].numel() * t.element_size(), size),
+                              phase, layer.module, node.name)
+
+        out.append(Collective("all_to_all", e.axis, size, (size - 1) * (e.experts // size) * 8, "forward",
+                              layer.module, layer.offsets.name))  # the counts
+        out += [moved(n, "forward") for n in (layer.rows, *layer.inputs)] + [moved(layer.output, "forward")]
+        out.append(moved(layer.output, "backward"))
+        out += [moved(n, "backward") for n in (layer.rows, *layer.inputs) if requires_grad.get(n, False)]
     return [c for c in out if c.group_size > 1]
 
 

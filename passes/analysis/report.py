@@ -18,6 +18,7 @@ from autopar.decisions import Orientation, Plan, collective_bytes
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
     Collective,
+    expert_collectives,
     list_collectives,
     matmul_flops,
     matmul_split,
@@ -108,7 +109,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
     res, by_node = layouts or layouts_for(gm, plan)
     matches = list(by_node.values())
     params = {p.name: p for p in plan.params}
-    colls = list_collectives(gm, res, matches, params, config)
+    colls = list_collectives(gm, res, matches, params, config) + expert_collectives(gm, plan.experts, config, res.requires_grad)
     batch = graph_info(gm).batch
     scale = Fraction(batch.global_size, batch.local_sizes[batch.index]) if batch is not None else Fraction(1)
 
@@ -193,6 +194,8 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
             return fixed
         if kind == "send":
             return f"pipeline sends ({phase})"
+        if kind == "all_to_all":
+            return f"expert exchange at {where} (all-to-all, balanced routing assumed)"
         if where in shared:
             return "tied weight gradients over the pipeline"
         return "gradient sync of replicated parameters" if phase == "step" else f"layout conversion at {where}"

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.ops.experts import ExpertExchange
+from passes.analysis.estimate_costs import exchange_bytes
 
 EXPERTS, K, N = 8, 6, 5
 
@@ -28,7 +29,10 @@ def exchange_worker(routing: str) -> dict:
     w = torch.randn(EXPERTS, K, N, dtype=torch.float64)
     g = torch.Generator().manual_seed(100 + rank)
     rows = 3 + 4 * rank  # each rank its own number of rows
-    if routing == "one expert":  # every row of every rank to expert 5 (rank 2's): the others receive nothing
+    if routing == "balanced":  # every expert as many rows from every rank: the plan's assumption
+        rows = 2 * EXPERTS
+        ids = torch.arange(EXPERTS).repeat(2)
+    elif routing == "one expert":  # every row of every rank to expert 5 (rank 2's): the others receive nothing
         ids = torch.full((rows,), 5)
     elif routing == "none here":  # no row to rank 0's and rank 3's experts
         ids = torch.randint(2, 6, (rows,), generator=g)
@@ -61,7 +65,7 @@ def exchange_worker(routing: str) -> dict:
             "sent": sent, "routes": (routes.send, routes.receive)}
 
 
-@pytest.mark.parametrize("routing", ["random", "one expert", "none here"])
+@pytest.mark.parametrize("routing", ["random", "one expert", "none here", "balanced"])
 def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
     got = distributed(exchange_worker, 4, routing)
     for r in got:
@@ -72,6 +76,10 @@ def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
     assert all(receives[q][p] == sends[p][q] for p in range(4) for q in range(4))  # what p sends q, q receives
     if routing == "one expert":
         assert [r["rows here"] for r in got] == [0, 0, sum(3 + 4 * p for p in range(4)), 0]
+    if routing == "balanced":  # the bytes sent are the plan's (estimate_costs.expert_collectives' formulas)
+        counts = (4 - 1) * (EXPERTS // 4) * 8
+        want = counts + sum(exchange_bytes(2 * EXPERTS, width * 8, 4) for width in (K, 2, N))
+        assert all(r["sent"] == want for r in got), ([r["sent"] for r in got], want)
 
 
 def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int) -> dict:

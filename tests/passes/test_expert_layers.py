@@ -61,6 +61,9 @@ def test_the_plan_splits_experts_over_data_where_they_divide_and_says_where_not(
     assert up.local_numel(plan.config) * 2 == up.shape[0] * up.shape[1] * up.shape[2]
     assert "2 whole experts per rank" in plan.summary() and "stay whole" not in " ".join(plan.notes)
     assert all("experts over data: 2 of 4 per rank" == r.sharding for r in report.whole)
+    # each layer, balanced: the counts, then half of this rank's 128 rows of 32 floats out, back, and their
+    # gradients the other way (the plan's all-to-all bytes, which the exchange's measured bytes match)
+    assert report.comm_bytes_by_kind["all_to_all"] == 2 * ((2 - 1) * 2 * 8 + 4 * 64 * 32 * 4)
     plan3, _ = plan_model(model, (ids[:6],), ParallelConfig(3, expert_parallel=True), kwargs={"use_cache": False})
     assert all(not e.axis for e in plan3.experts)  # 4 experts over 3 data ranks: whole, and a note says why
     assert any("4 experts do not divide over data=3" in n for n in plan3.notes), plan3.notes
