@@ -90,6 +90,8 @@ class ParallelRuntime:
         """The model's own forward, not bound to it (the runtime must not keep the model alive)."""
         self._warned: set[Any] = set()
         self._on_grid(config, mesh, pipe, pending, dtensors)
+        self.casts = Casts(model, self.shadow, self.store)
+        """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
 
     def _on_grid(self, config: ParallelConfig, mesh: Mesh, pipe: PipelineConfig,
                  pending: tuple[Deferred, dict[int, Sink]] | None, dtensors: bool | None) -> None:
@@ -115,11 +117,6 @@ class ParallelRuntime:
             if "state_dict post-hook" not in installed:  # DCP sees every box of fused pieces
                 installed.add("state_dict post-hook", model.register_state_dict_post_hook(state_dict_post_hook).remove)
         self.buffers = self.store.buffers  # built at the first call with deferred construction
-        if hasattr(self, "casts"):  # (the shadow was cast with the model: it stays, as the casts seen)
-            self.casts.store = self.store
-        else:
-            self.casts = Casts(model, self.shadow, self.store)
-            """The dtypes the graphs are captured for: part of their keys (``model.to(dtype)``, casts.py)."""
         self.syncs = GradSyncs(model, self.sync_enabled)
         """The gradient syncs of the parameters (pipeline = 1): one per process group."""
         self.builder = Builder(model, self.shadow, self.store, self.syncs, mesh, config, self.memory, pipe,
@@ -148,6 +145,7 @@ class ParallelRuntime:
         mode = self.calls.mode
         self.store.close()  # its load hooks go: the new store registers its own
         self._on_grid(config, Mesh(config), pipe, self.store.pending, True)
+        self.casts.store = self.store  # (the shadow was cast with the model: it stays, and the dtypes seen)
         self.calls.mode = mode
 
     def following(self) -> contextlib.AbstractContextManager:
