@@ -118,6 +118,12 @@ def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
         if node in after and node not in region:
             region.add(node)
             todo.extend(_tensor_args(node))
+    counted, todo = set(), [offsets]
+    while todo:  # what is computed from the global running counts (only the grouped matmuls may read them)
+        node = todo.pop()
+        if node not in counted and order[node] <= order[last]:
+            counted.add(node)
+            todo.extend(u for u in node.users if u not in matmuls)
     weights, inputs, why = [], [], ""
     size = _rows_of(rows)
     experts = 0
@@ -135,7 +141,10 @@ def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
         elif tensor_meta(node) is not None and _rows_of(node) != size:
             why = why or f"{node.name} does not keep one row per pick"
         for a in _tensor_args(node):
-            if a in region or a is offsets:
+            if a in region:
+                continue
+            if a in counted:  # (the running counts are the global ones: only the grouped matmuls take this rank's)
+                why = why or f"{node.name} reads the offsets ({a.name})"
                 continue
             meta = tensor_meta(a)
             if meta is None or meta.dim() == 0:

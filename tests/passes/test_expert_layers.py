@@ -77,3 +77,18 @@ def test_expert_parallel_refuses_what_it_does_not_do_yet():
         ParallelConfig(2, shard_optimizer=True, expert_parallel=True)
     with pytest.raises(ConfigError, match="expert_parallel"):
         ParallelConfig(2, expert_parallel="yes")
+
+
+def test_a_layer_reading_its_offsets_between_the_matmuls_is_not_split():
+    """Mutation: an op between the grouped matmuls that reads the offsets (the rank's rows would meet the global
+    counts there): the layer is reported as not splittable rather than split."""
+    gm = _captured("mixtral")
+    layer = find_expert_layers(gm)[0]
+    silu = next(n for n in layer.region if n.target is aten.silu.default)
+    with gm.graph.inserting_after(silu):
+        total = gm.graph.call_function(aten.sum.default, (layer.offsets,))
+        scaled = gm.graph.call_function(aten.mul.Tensor, (silu, total))
+    scaled.meta["val"] = silu.meta["val"]
+    total.meta["val"] = layer.offsets.meta["val"].sum()
+    silu.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
+    assert "reads the offsets" in find_expert_layers(gm)[0].why_whole
