@@ -88,6 +88,24 @@ def expert_weight(node: object) -> str | None:
     return None
 
 
+def _read_elsewhere(matmul: fx.Node, matmuls: list[fx.Node]) -> bool:
+    """Whether the weight ``matmul`` reads is also read by something other than the layer's grouped matmuls
+    (through views and casts): there it would meet this rank's experts only."""
+    node = matmul.args[1]
+    while isinstance(node, fx.Node) and param_name(node) is None:
+        node = node.args[0]
+    todo = [node]
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user in matmuls:
+                continue
+            if user.op != "call_function" or user.target not in _THROUGH:
+                return True
+            todo.append(user)
+    return False
+
+
 def _rows_of(node: fx.Node) -> object:
     meta = tensor_meta(node)
     return meta.shape[0] if meta is not None and meta.dim() >= 1 else None
@@ -135,6 +153,8 @@ def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
                 continue
             weights.append(name)
             experts = int(tensor_meta(node.args[1]).shape[0])
+            if _read_elsewhere(node, matmuls):
+                why = why or f"{name} is also read outside the layer's grouped matmuls"
             continue
         if node.op != "call_function" or node.target not in _ROW_WISE:
             why = why or f"{node.name} ({getattr(node.target, '__name__', node.target)}) is not row-wise"

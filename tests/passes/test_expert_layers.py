@@ -92,3 +92,17 @@ def test_a_layer_reading_its_offsets_between_the_matmuls_is_not_split():
     total.meta["val"] = layer.offsets.meta["val"].sum()
     silu.replace_all_uses_with(scaled, delete_user_cb=lambda user: user is not scaled)
     assert "reads the offsets" in find_expert_layers(gm)[0].why_whole
+
+
+def test_an_expert_weight_read_outside_its_layer_keeps_the_layer_whole():
+    """Mutation: forward also reads an expert weight elsewhere (a penalty on it): split, that read would see this
+    rank's experts only."""
+    from passes.analysis.graph_facts import param_name
+
+    gm = _captured("mixtral")
+    layer = find_expert_layers(gm)[0]
+    weight = next(n for n in gm.graph.nodes if param_name(n) == layer.weights[0])
+    with gm.graph.inserting_after(weight):
+        penalty = gm.graph.call_function(aten.sum.default, (weight,))
+    penalty.meta["val"] = weight.meta["val"].sum()
+    assert "also read outside" in find_expert_layers(gm)[0].why_whole
