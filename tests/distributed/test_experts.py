@@ -186,3 +186,38 @@ def dcp_worker(name: str) -> dict:
 def test_a_dcp_checkpoint_of_split_experts_loads_with_whole_or_split_experts(distributed):
     for r in distributed(dcp_worker, 2, "mixtral"):
         assert r == {False: True, True: True, "serial shaped": True}, r
+
+
+def per_rank_worker(name: str) -> dict:
+    import autopar
+    from tests import unlike_models as U
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(data=world, expert_parallel=True):
+        model = U.build(name)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in U.batches(name):  # DDP-style: each rank its own rows of every batch
+        loss = U.loss_of(name, model, x.chunk(world)[rank], y.chunk(world)[rank])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(t.item() / world)
+    return {"losses": losses, "state": autopar.full_state_dict(model)}
+
+
+def test_experts_split_over_ranks_fed_their_own_rows_train_as_ddp(distributed):
+    """A DDP script's loop (each rank its rows, the loss its rows' mean): DDP's numbers, which for equal chunks and
+    a mean loss are serial's on the whole batch (the experts' gradients are averaged as the others are)."""
+    from tests import unlike_models as U
+
+    want = U.serial("mixtral")
+    for r in distributed(per_rank_worker, 2, "mixtral"):
+        for a, b in zip(r["losses"], want["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["losses"], want["losses"])
+        for k, w in want["state"].items():
+            err = (r["state"][k].double() - w.double()).abs().max().item()
+            assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
