@@ -103,7 +103,7 @@ def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: 
     return out
 
 
-@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss"), (1, 1, 1), 2),
+@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss", "mixtral+aux"), (1, 1, 1), 2),
                                                (("qwen3_moe",), (2, 1, 1), 2)])
 def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, names, tensor, data):
     from tests import unlike_models as U
