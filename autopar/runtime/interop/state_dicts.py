@@ -165,7 +165,7 @@ def full_optimizer_state(store: Any, optimizer: torch.optim.Optimizer) -> dict[s
             entry = {}
             for k, v in keys.items():
                 if isinstance(v, str) and v == "layout":
-                    local = piece_of(mine[k]) if held and k in mine else None
+                    local = piece_of(mine[k], p) if held and k in mine else None
                     entry[k] = local.clone() if pp is None else store.full(local, pp)
                 else:
                     entry[k] = v.clone() if isinstance(v, torch.Tensor) else v

@@ -167,10 +167,11 @@ def split_over_data(value: torch.Tensor) -> bool:
     return isinstance(value, DTensor) and isinstance(value.placements[DATA_DIM], Shard | StridedShard)
 
 
-def piece_of(value: torch.Tensor) -> torch.Tensor:
-    """The local piece of a parameter's state ``value`` (gathered over data when split there, as parameters
-    never are: collective)."""
-    if split_over_data(value):
+def piece_of(value: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The local piece of parameter ``param``'s state (or gradient) ``value``, laid out as the parameter: gathered
+    over data where the state is split there and the parameter is not (``shard_optimizer``; collective). A
+    parameter split over data itself (experts, ``expert_parallel``) keeps its piece."""
+    if split_over_data(value) and not split_over_data(param):
         return whole_piece(value)
     return local_tensor(value) if isinstance(value, DTensor) else value
 

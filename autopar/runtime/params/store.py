@@ -326,7 +326,7 @@ class ParamStore:
         plans = self.by_param()
         for pp in (self.plan.params if self.plan else ()):
             grad = self.params[pp.name].grad
-            out[pp.name] = self.full(None if grad is None else piece_of(grad), pp)
+            out[pp.name] = self.full(None if grad is None else piece_of(grad, self.params[pp.name]), pp)
         for name, p in self.params.items():  # tied weights: the same tensor under another name
             if name not in out and id(p) in plans:
                 out[name] = out[plans[id(p)].name]
