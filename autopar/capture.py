@@ -32,7 +32,7 @@ from autopar.errors import CaptureError, InputError
 from autopar.hf_caches import cache_outputs
 from passes.analysis.batch_dims import analyze_batch
 from passes.analysis.row_extents import RowExtents, compare_rows
-from passes.causal_attention import causal_attention
+from passes.causal_attention import MAX_ELEMENTS, causal_attention
 from passes.ir import BatchInfo, InputInfo, InputKind, Sharding, record_graph_info
 
 log = logging.getLogger(__name__)
@@ -214,7 +214,7 @@ def _flat_export(copy_: nn.Module, fake_leaves: list[Any], in_spec: pytree.TreeS
 def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict[str, bool],
             batch: BatchInfo | None, split: Mapping[int, int] | None = None,
             device: torch.device | str = "cpu", dynamic: Mapping[int, dict[int, Any]] | None = None,
-            arrived: Mapping[int, Sharding] | None = None) -> Captured:
+            arrived: Mapping[int, Sharding] | None = None, mask_elements: int = MAX_ELEMENTS) -> Captured:
     """Exports ``shadow`` on fake copies of the given (already batch-sliced) inputs.
 
     Parameters, buffers and inputs are fake tensors on ``device`` (the device the model runs on): no
@@ -254,7 +254,9 @@ def capture(shadow: nn.Module, args: tuple, kwargs: dict, *, requires_grad: dict
     gm = ep.graph_module
     changed = unwrap_calls(gm)  # a custom autograd Function: one call of it, its own backward
     changed |= _drop_export_asserts(gm)
-    changed |= causal_attention(gm).changed  # HF's causal mask, materialized under tracing, back to is_causal
+    # HF's causal mask, materialized under tracing, back to is_causal (``mask_elements``: the largest mask it
+    # evaluates on CPU to tell)
+    changed |= causal_attention(gm, max_elements=mask_elements).changed
     if changed:  # (once: ~17 ms of a ~0.5 s capture for a 2-layer HF model)
         gm.recompile()
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -420,7 +422,7 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
     each rank's rows) in a graph of static sizes, the call is captured again with twice the rows and each op's
     sizes compared (``passes.analysis.row_extents``): what holds rows is then known of every value."""
 
-    def rows_of(n: int) -> Captured:
+    def rows_of(n: int, mask_elements: int = MAX_ELEMENTS) -> Captured:
         local = []
         for i, x in enumerate(leaves):
             if i in split:
@@ -431,7 +433,7 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
         args, kwargs = pytree.tree_unflatten(local, spec)
         batch = BatchInfo(sum(sizes), sizes, index, segments) if split else None
         return capture(shadow, args, kwargs, requires_grad=requires_grad, batch=batch, split=split, device=device,
-                       dynamic=dynamic, arrived=arrived)
+                       dynamic=dynamic, arrived=arrived, mask_elements=mask_elements)
 
     captured = rows_of(sizes[index] if split else 0)
     if not split or not sizes[index] or RowExtents(captured.gm).known:
@@ -440,7 +442,8 @@ def capture_shard(shadow: nn.Module, leaves: list[Any], spec: pytree.TreeSpec, s
     if not facts.gathers and not facts.local_starts:
         return captured
     try:
-        twice = rows_of(2 * sizes[index])
+        # (its masks are the first capture's at twice the rows: the same ones turn causal, or the graphs differ)
+        twice = rows_of(2 * sizes[index], 2 * MAX_ELEMENTS)
     except CaptureError as e:
         twice, why = None, f"a capture with twice the rows failed ({e})"
     else:

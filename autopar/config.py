@@ -185,6 +185,9 @@ class MemoryConfig:
     part and all-gathers the updated parameters (ZeRO stages 1-2, ``autopar.runtime.params.data_shards``)."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group (``ParallelConfig``)."""
+    expert_parallel: bool = False
+    """Routed experts split over the data ranks (``ParallelConfig``): with ``plan="auto"`` the search tries only
+    grids that split them where they can be (without it, it tries both)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -198,6 +201,12 @@ class MemoryConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is invalid. Use True (activations "
                               "between matmuls split along the tokens over the tensor group) or False.")
+        if not isinstance(self.expert_parallel, bool):
+            raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
+                              "over the data ranks) or False.")
+        if self.expert_parallel and self.shard_optimizer:
+            raise ConfigError("expert_parallel=True with shard_optimizer=True: both split over the data ranks, and "
+                              "autopar does not yet shard the optimizer state of experts split over data. Use one.")
         c = self.checkpoint
         if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
             raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "

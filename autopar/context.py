@@ -169,7 +169,8 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
         expert_parallel: True: a mixture-of-experts model's routed experts split over the data ranks, each
             holding experts/data whole experts; a layer's rows go to their experts' ranks by all-to-all and
             come back (dropless: no capacity factor, serial's numbers). Layers autopar cannot split, or whose
-            experts do not divide, keep them whole (one note each in the plan).
+            experts do not divide, keep them whole (one note each in the plan). With ``plan="auto"`` the search
+            chooses whether to split them on its own; expert_parallel=True holds it to grids that do.
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -253,15 +254,13 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
         pipeline=1 if pipeline is None else pipeline, shard_optimizer=shard_optimizer,
         sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
-    if expert_parallel and plan == "auto":
-        raise ConfigError("expert_parallel=True with plan='auto': the plan search does not choose expert layouts "
-                          "yet. Give the degrees (data=, tensor=) with expert_parallel=True, or leave it out.")
     pipe = PipelineConfig(microbatches, schedule or "1f1b", chunks)
     if schedule is not None or chunks is not None:  # the search keeps the user's schedule's stages per rank
         given["chunks"] = pipe.stages_per_rank
     if config is not None and config.pipeline > 1:
         pipe.num_microbatches(config.pipeline)  # validates microbatches against the schedule
-    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer, sequence_parallel), pipe,
+    return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer, sequence_parallel,
+                                                 expert_parallel), pipe,
                     InputConfig(batch, eval_timeout, batch_dims, check_inputs), CompileConfig(compile),
                     open=plan is None and tensor is None and data is None and pipeline is None and not expert_parallel)
 

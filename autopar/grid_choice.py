@@ -91,9 +91,12 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
     if dist.get_rank() == 0:
         try:
             budget = memory.checkpoint if isinstance(memory.checkpoint, int) else None
+            # (the user's shard_optimizer and expert_parallel both split over data: one excludes the other)
+            experts = True if memory.expert_parallel else False if memory.shard_optimizer else None
             ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
                                  batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget,
-                                 compiled=compile.enabled(device_for_backend().type, training=True))
+                                 compiled=compile.enabled(device_for_backend().type, training=True),
+                                 expert_parallel=experts)
         except Exception as e:  # every rank raises it, none waits for a choice that never comes
             box[0] = e
         else:
@@ -114,7 +117,8 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
     config = ParallelConfig.from_user(tensor=chosen.tensor, data=chosen.data, world_size=world,
                                       pipeline=chosen.pipeline,
                                       shard_optimizer=memory.shard_optimizer or chosen.shard_optimizer,
-                                      sequence_parallel=memory.sequence_parallel or chosen.sequence_parallel)
+                                      sequence_parallel=memory.sequence_parallel or chosen.sequence_parallel,
+                                      expert_parallel=memory.expert_parallel or chosen.expert_parallel)
     if chosen.pipeline > 1:
         pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
         if "chunks" not in given and chosen.chunks > 1:

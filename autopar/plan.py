@@ -1,7 +1,7 @@
 """Ranks the grids a world size allows for a model before any device runs it: ``python -m autopar.plan``.
 
     python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
-        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=.."]
+        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=.. [expert_parallel]"]
         [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--chunks V] [--json FILE]
 
 Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
@@ -32,24 +32,32 @@ from passes.analysis.search_plans import DEGREES, Candidate, Scored, why_slower
 
 
 
+FEATURES = ("shard_optimizer", "sequence_parallel", "expert_parallel")
+"""The words of a plan that are features, not degrees (``Candidate.describe`` prints them bare)."""
+
+
 def parse_evaluate(text: str, world: int) -> Candidate:
-    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1 chunks=1"`` -> a Candidate (missing degrees 1)."""
-    fields: dict[str, int] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0,
+    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1 chunks=1 expert_parallel"`` -> a Candidate (missing degrees
+    1): the words the ranked list prints, features (``FEATURES``) as bare words."""
+    fields: dict[str, Any] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0,
                               "chunks": 1}
     for part in text.split():
         key, _, value = part.partition("=")
         try:
-            if key == "tensor":
+            if key in FEATURES and not value:
+                fields[key] = True
+            elif key == "tensor":
                 fields["row"], fields["col"], fields["depth"] = (int(v) for v in value.split(","))
             elif key in fields:
                 fields[key] = int(value)
             else:
                 raise ValueError(key)
         except ValueError:
-            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M chunks=V'; {part!r} "
-                              "is not one of them") from None
+            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M chunks=V' and the "
+                              f"words {', '.join(FEATURES)}; {part!r} is not one of them") from None
     fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
     candidate = Candidate(**fields)
+    candidate.config  # noqa: B018  (the features' own conditions: expert_parallel excludes shard_optimizer)
     if candidate.pipeline > 1:  # the schedule's own conditions
         PipelineConfig(candidate.microbatches, schedule_of(candidate), candidate.chunks).num_microbatches(
             candidate.pipeline)
@@ -65,7 +73,7 @@ def plan_json(s: Scored) -> dict[str, Any]:
     c = s.candidate
     return {"data": c.data, "pipeline": c.pipeline, "tensor": [c.row, c.col, c.depth],
             "microbatches": c.microbatches, "schedule": schedule_of(c),
-            "chunks": c.chunks,
+            "chunks": c.chunks, **{f: getattr(c, f) for f in FEATURES},
             "checkpoint": list(s.recompute), "predicted_step_seconds": None if s.time is None else s.seconds,
             "memory_bytes_per_device": s.memory_bytes, "fits": s.fits, **({"reason": s.reason} if s.reason else {})}
 
@@ -107,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--top", type=int, default=10, help="plans to list (default 10)")
     parser.add_argument("--evaluate", default=None, metavar="GRID",
                         help='score this grid with the same model: '
-                             '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V]"')
+                             '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V] [shard_optimizer] '
+                             '[sequence_parallel] [expert_parallel]" (the words the ranked list prints)')
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
                         help="auto_parallelize's compile= (default auto: compiled on GPUs): a compiled piece of "

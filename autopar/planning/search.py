@@ -79,26 +79,44 @@ def _collector_skips_what_exists() -> Iterator[None]:
 
 def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
            checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
-           kwargs: dict | None = None, compiled: bool = False) -> list[Scored]:
+           kwargs: dict | None = None, compiled: bool = False, expert_parallel: bool | None = None) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``passes.analysis.screen``, from one
     plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly, each pipeline
     grid under both schedules (the screen does not price the interleaved schedule's recomputation); the
     rest follow, unplanned, with their screened time as the reason. ``fixed["chunks"]``: the stages per
     pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster). ``compiled``: training runs
-    compiled (``plan_model``'s; the screen's too)."""
+    compiled (``plan_model``'s; the screen's too). ``expert_parallel``: of a mixture-of-experts model (one with
+    routed-experts layers an expert layout can split), each grid whose data degree divides the experts is
+    also tried with them split over data (None), only so (True), or never (False)."""
     with _collector_skips_what_exists():
         return _search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
-                       keep=keep, kwargs=kwargs, compiled=compiled)
+                       keep=keep, kwargs=kwargs, compiled=compiled, expert_parallel=expert_parallel)
 
 
 def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None,
             checkpoint: str, precision: str, keep: int | None, kwargs: dict | None,
-            compiled: bool = False) -> list[Scored]:
+            compiled: bool = False, expert_parallel: bool | None = None) -> list[Scored]:
     batch = _batch_size((inputs, kwargs))
     fixed = dict(fixed or {})
     chunks = (fixed.pop("chunks"),) if "chunks" in fixed else (1, 2)
-    grids = candidates(world, batch, fixed=fixed, chunks=chunks)
+    captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
+    # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
+    # grid's, which the screen likely keeps), else on one rank; the screen reads it, and it finds the
+    # routed-experts layers an expert layout can split (a model with 3-D parameters only)
+    shards = world if batch % world == 0 else 1
+    probe: list[Any] = []
+
+    def probed() -> Any:
+        if not probe:
+            probe.append(plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
+                                    precision=precision, captures=captures)[1])
+        return probe[0]
+
+    experts: tuple[int, ...] = ()
+    if expert_parallel is not False and any(p.dim() >= 3 for p in model.parameters()):
+        experts = tuple(e.experts for e in probed().experts)
+    grids = candidates(world, batch, fixed=fixed, chunks=chunks, experts=experts, expert_parallel=expert_parallel)
     if not grids:
         fixed_text = ", ".join(f"{k}={v}" for k, v in (fixed or {}).items()) or "nothing"
         if not factorizations(world, fixed):
@@ -108,8 +126,6 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         raise PlanError(f"no grid of {world} ranks fits a global batch of {batch} rows with {fixed_text} fixed: data "
                         f"x depth must be at most the batch. Grids of {world} ranks: "
                         f"{_grids(factorizations(world, fixed))}. Raise the batch or fix smaller degrees.")
-    captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
-
     def scored_one(c: Candidate) -> Scored:
         return score(model, inputs, c, machine, checkpoint=checkpoint, precision=precision, captures=captures,
                      kwargs=kwargs, compiled=compiled)
@@ -123,12 +139,14 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         out = []
         for c in grids:
             s = scored_one(c)
-            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
+            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer and not c.expert_parallel:
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
                     s = split
-            # (the split applies where one of row and col reduces a whole output: exactly one of them > 1)
-            if not s.fits and s.time is not None and (c.row > 1) != (c.col > 1) and not c.sequence_parallel:
+            # (the split applies where one of row and col reduces a whole output: exactly one of them > 1; not
+            # tried with experts split over data, whose exchange under token-split activations is not built)
+            if (not s.fits and s.time is not None and (c.row > 1) != (c.col > 1) and not c.sequence_parallel
+                    and not c.expert_parallel):
                 seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
                 if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
                     s = seq
@@ -137,12 +155,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
 
     if keep is None or len(grids) <= keep:
         return rank_plans(planned(grids))
-    # one plan of the whole model: data parallel when the batch splits evenly (its capture is that
-    # grid's, which the screen likely keeps), else on one rank
-    shards = world if batch % world == 0 else 1
-    _, probe = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
-                          precision=precision, captures=captures)
-    shape = shape_of(probe, shards)
+    shape = shape_of(probed(), shards)
     half = precision in ("bf16", "fp16")
     def screened_one(c: Candidate, own: tuple[float, int], split: tuple[float, int] | None
                      ) -> tuple[float, int, Candidate]:
@@ -210,11 +223,13 @@ def _batch_size(inputs: tuple) -> int:
 
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
                 checkpoint: str = "auto", precision: str = "fp32", kwargs: dict | None = None,
-                batch_size: int | None = None, budget: int | None = None, compiled: bool = False) -> list[Scored]:
+                batch_size: int | None = None, budget: int | None = None, compiled: bool = False,
+                expert_parallel: bool | None = None) -> list[Scored]:
     """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (and keyword
     inputs ``kwargs``: one global batch; ``batch_size`` replaces its rows) on this machine, ranked; the first
     is the one to run. ``budget``: bytes per device the plan must fit (``checkpoint=<bytes>``'s) instead of
-    the device's memory; ``compiled``: the runtime compiles training there (its ``compile=`` on this device).
+    the device's memory; ``compiled``: the runtime compiles training there (its ``compile=`` on this device);
+    ``expert_parallel``: ``search``'s.
     Raises PlanError when none fits memory, with the closest."""
     machine = local_machine(world)
     if budget is not None:
@@ -225,7 +240,7 @@ def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str,
     else:
         inputs = meta_inputs(tuple(inputs), batch_size)
     ranked = search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
-                    kwargs=kwargs, compiled=compiled)
+                    kwargs=kwargs, compiled=compiled, expert_parallel=expert_parallel)
     if not ranked[0].fits:
         closest = "; ".join(f"{s.candidate.describe()}: {gib(s.memory_bytes)}" for s in ranked[:3])
         raise PlanError(f"no grid of {world} ranks fits {gib(machine.memory_bytes)} per device for this model "

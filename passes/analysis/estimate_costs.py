@@ -325,6 +325,48 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
     return [c for c in out if c.group_size > 1]
 
 
+@dataclass(frozen=True, slots=True)
+class ExpertShape:
+    """One routed-experts layer an expert layout can split (``find_expert_layers``), as the plan search's screen
+    prices it for any data degree (``passes.analysis.screen``)."""
+
+    module: str
+    experts: int
+    weight_bytes: int
+    """Its expert weights' bytes (fp32 parameters)."""
+    rows: int
+    """The picks' rows (tokens x experts per token) of one step over the global batch."""
+    forward: tuple[int, ...]
+    """Bytes per row of each value moved in forward: the rows and values travelling with them out, the
+    results back (``expert_collectives``'s order)."""
+    backward: tuple[int, ...]
+    """Bytes per row of each value moved in backward: the results' gradients out, the rows' back."""
+
+
+def expert_shapes(gm: fx.GraphModule, requires_grad: Mapping[fx.Node, bool], scale: Fraction) -> tuple[ExpertShape, ...]:
+    """Every routed-experts layer of ``gm`` that can split over ranks, with what its exchange moves per row
+    (``expert_collectives``' values); ``scale``: the global batch's rows over the captured ones."""
+    def row_bytes(node: fx.Node) -> int:
+        t = tensor_meta(node)
+        return t[:1].numel() * t.element_size() if t.dim() else 0
+
+    out: list[ExpertShape] = []
+    numel: dict[str, int] = {}
+    for layer in find_expert_layers(gm):
+        if layer.why_whole:
+            continue
+        if not numel:
+            numel = {name: tensor_meta(n).numel() for n in gm.graph.nodes if (name := param_name(n)) is not None}
+        weights = sum(numel[w] * 4 for w in layer.weights)
+        moved = (layer.rows, *layer.inputs)
+        out.append(ExpertShape(layer.module, layer.experts, weights,
+                               int(int(tensor_meta(layer.rows).shape[0]) * scale),
+                               tuple(row_bytes(n) for n in (*moved, layer.output)),
+                               (row_bytes(layer.output),
+                                *(row_bytes(n) for n in moved if requires_grad.get(n, False)))))
+    return tuple(out)
+
+
 def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[MatmulMatch],
                      params: Mapping[str, ParamPlan] | None, config: ParallelConfig) -> list[Collective]:
     """Every collective this rank issues in one forward + backward + gradient sync, in graph order."""

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
-from autopar.decisions import Plan
+from autopar.decisions import ExpertPlan, Plan
 from passes.analysis.make_plan import replicated_notes
 from passes.analysis.choose_stages import ChainSegment
 from passes.analysis.estimate_memory import MemoryProfile, static_memory
@@ -61,6 +61,7 @@ _NAME_FIELDS: dict[str, tuple[str, ...]] = {
     "Collective": ("where",),
     "SegmentCost": ("name",),
     "ChainSegment": ("name",),
+    "ExpertShape": ("module",),
 }
 
 
@@ -158,13 +159,27 @@ def repeat_plan(plan: Plan, repeats: Sequence[Repeat]) -> Plan:
     captured = [(m.weight, m.reason) for m in matmuls if m.reason]
     captured += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
     layouts = tuple(n for n in plan.notes if n not in replicated_notes(captured))  # (per block: they hold for all)
+    experts = plan.experts
     for r in repeats:
         matmuls, params, embeddings = _extend(matmuls, r), _extend(params, r), _extend(embeddings, r)
+        experts = _extend_experts(experts, r)
     why = [(m.weight, m.reason) for m in matmuls if m.reason]
     why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
     copied = tuple(f"{r.prefix}: blocks {r.template + 1}-{r.count - 1} planned as copies of block {r.template} "
                    f"(alike modules; blocks {r.template - 1} and {r.template} planned alike)" for r in repeats)
-    return Plan(plan.config, matmuls, params, replicated_notes(why) + layouts + copied, embeddings)
+    return Plan(plan.config, matmuls, params, replicated_notes(why) + layouts + copied, embeddings, experts=experts)
+
+
+def _extend_experts(plans: Sequence[ExpertPlan], r: Repeat) -> tuple[ExpertPlan, ...]:
+    """``plans`` with the template block's expert layers copied for every dropped block (their weights renamed)."""
+    out: list[ExpertPlan] = []
+    for e in plans:
+        out.append(e)
+        if r.index_of(e.module) == r.template:
+            out += [dataclasses.replace(e, module=r.rename(e.module, r.template, d),
+                                        weights=tuple(r.rename(w, r.template, d) for w in e.weights))
+                    for d in range(r.template + 1, r.count)]
+    return tuple(out)
 
 
 def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat], totals: bool = True
@@ -173,16 +188,17 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
     rows, collectives and parameter count are the whole model's (every total is still the cut model's): for a
     caller that summarizes them again (a pipeline's, per rank: ``autopar.planning.planner``), which saves a summary of
     some 10,000 records per plan at 16,384 GPUs."""
-    rows, colls, whole = report.layers, report.collectives, report.whole
+    rows, colls, whole, experts = report.layers, report.collectives, report.whole, report.experts
     num_parameters = report.num_parameters
     for r in repeats:
-        rows, colls, whole = _extend(rows, r), _extend(colls, r), _extend(whole, r)
+        rows, colls, whole, experts = _extend(rows, r), _extend(colls, r), _extend(whole, r), _extend(experts, r)
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
     if not totals:
-        return dataclasses.replace(report, layers=rows, collectives=colls, num_parameters=num_parameters, whole=whole)
+        return dataclasses.replace(report, layers=rows, collectives=colls, num_parameters=num_parameters, whole=whole,
+                                   experts=experts)
     return dataclasses.replace(summarize(rows, colls, num_parameters, full_plan, whole=whole),
-                               largest_param_bytes=report.largest_param_bytes)  # a copied block's are the cut's
+                               largest_param_bytes=report.largest_param_bytes, experts=experts)  # a copied block's are the cut's
 
 
 def _renamed_segment(s: ChainSegment, r: Repeat, src: int, dst: int) -> ChainSegment:

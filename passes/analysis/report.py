@@ -18,7 +18,9 @@ from autopar.decisions import Orientation, Plan, collective_bytes
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
     Collective,
+    ExpertShape,
     expert_collectives,
+    expert_shapes,
     list_collectives,
     matmul_flops,
     matmul_split,
@@ -89,6 +91,9 @@ class StepReport:
     whole: tuple[LayerRow, ...] = ()
     """The matmul-like ops on parameters that run whole on every rank (grouped matmuls of 3-D expert weights,
     convolutions: ``whole_matmuls``), with why; counted in ``flops_per_step``, never in the sharded share."""
+    experts: tuple[ExpertShape, ...] = ()
+    """The routed-experts layers an expert layout can split, whatever this plan does with them (the plan
+    search's screen prices expert layouts from them)."""
     rank_least_kept_bytes: int = 0
     """Activation bytes this rank keeps for backward at the least (without a pipeline): each block that
     saves more than its inputs recomputed. No choice of recomputation needs less (the plan search's
@@ -149,8 +154,9 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
         whole.append(LayerRow(w.module, w.weight, None, w.op, tuple(tensor_meta(w.x).shape),
                               tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
                               int(w.forward_flops * scale) * grads, how, Fraction(0)))
+    experts = expert_shapes(gm, res.requires_grad, scale) if any(w.op == "grouped_mm" for w in whole) else ()
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
-                               largest_param_bytes=largest)
+                               largest_param_bytes=largest, experts=experts)
 
 
 def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,

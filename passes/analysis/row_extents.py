@@ -37,10 +37,15 @@ def _outputs(node: fx.Node) -> tuple[Any, ...]:
 
 def compare_rows(gm: fx.GraphModule, other: fx.GraphModule) -> bool:
     """Records on each op of ``gm`` the dims of its output(s) whose sizes differ in ``other``, the same model
-    captured with more rows. Returns False (records nothing) when the two graphs are not the same ops."""
+    captured with more rows. Returns False (records nothing) when the two graphs are not the same ops (a
+    ``contiguous`` copy one of them makes and the other does not aside: ``_layout_only``)."""
     mine, theirs = list(gm.graph.nodes), list(other.graph.nodes)
-    if len(mine) != len(theirs) or any(not _same_op(a, b) for a, b in zip(mine, theirs)):
-        return False
+    copies: list[fx.Node] = []
+    if not _same_ops(mine, theirs):  # compared without their contiguous copies, which take their input's rows
+        copies = [n for n in mine if _layout_only(n)]
+        mine, theirs = [n for n in mine if not _layout_only(n)], [n for n in theirs if not _layout_only(n)]
+        if not _same_ops(mine, theirs):
+            return False
     found: list[tuple[fx.Node, RowsInfo]] = []
     for a, b in zip(mine, theirs):
         if a.op != "call_function":
@@ -57,11 +62,28 @@ def compare_rows(gm: fx.GraphModule, other: fx.GraphModule) -> bool:
                 return False
             dims.append(tuple(d for d, (s, t) in enumerate(zip(x.shape, y.shape)) if _differs(s, t)))
         found.append((a, RowsInfo(tuple(dims))))
+    of = dict(found)
+    for copy in copies:  # (in graph order: a copy of a copy finds its input's)
+        source = copy.args[0] if copy.args else None
+        if source in of:
+            of[copy] = of[source]
+            found.append((copy, of[source]))
     for node, info in found:
         if node.meta.get("autopar") is None:
             node.meta["autopar"] = info
     record_graph_info(gm, rows_compared=True)
     return True
+
+
+def _same_ops(mine: list[fx.Node], theirs: list[fx.Node]) -> bool:
+    return len(mine) == len(theirs) and all(_same_op(a, b) for a, b in zip(mine, theirs))
+
+
+def _layout_only(node: fx.Node) -> bool:
+    """A ``contiguous`` copy: where a capture of one row has none (a slice across a dim of size one is
+    contiguous already, so the op traces to nothing: HF's shifted labels), the capture with more rows has it;
+    it changes no value, so a comparison that fails with it is tried without it."""
+    return node.op == "call_function" and node.target is torch.ops.aten.contiguous.default
 
 
 def _differs(s: Any, t: Any) -> bool:

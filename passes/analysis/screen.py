@@ -19,6 +19,7 @@ from typing import Any
 
 from autopar.config import ParallelConfig
 from passes.analysis.choose_stages import choose_stages
+from passes.analysis.estimate_costs import ExpertShape, exchange_bytes
 from passes.analysis.estimate_memory import block_of, scattered_grad_bytes
 from passes.analysis.machine import Machine
 from passes.analysis.report import StepReport
@@ -52,6 +53,13 @@ class ModelShape:
     outside_flops: float = 0.0
     """The FLOPs of the matmuls outside the blocks (a language model's head): a grid with two tensor axes
     splits them over one (the vocabulary over the larger), not both."""
+    whole_flops: float = 0.0
+    """The FLOPs of a step's matmul-like ops left whole (grouped matmuls of routed experts at the rows routed
+    to them, convolutions: ``StepReport.whole``) over the global batch: split over the batch shards only."""
+    whole_weight_bytes: int = 0
+    """The parameters those ops read (fp32): whole on every tensor rank."""
+    experts: tuple[ExpertShape, ...] = ()
+    """The routed-experts layers an expert layout can split over data (``StepReport.experts``)."""
 
 
 def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
@@ -74,11 +82,13 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
             links.append((block, float(r.flops)))
     blocks = sum(1 for b, _ in links if b)
     attention = report.rank_attention_flops * shards / blocks if blocks else 0.0  # (the blocks compute it)
+    weights = {r.weight: r.num_parameters * 4 for r in report.whole}
     return ModelShape(tuple((*k, int(c), f) for k, (c, f) in groups.items()), report.rank_update_bytes,
                       report.rank_saved_bytes * shards, report.rank_ops, report.segments,
                       report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards,
                       tuple((f + (attention if b else 0.0), bool(b)) for b, f in links),
-                      sum(f for b, f in links if not b))
+                      sum(f for b, f in links if not b), float(sum(r.flops for r in report.whole)),
+                      sum(weights.values()), report.experts)
 
 
 def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1) -> float:
@@ -201,7 +211,7 @@ def screen_grids(shape: ModelShape, grids: Sequence[Candidate], machine: Machine
     groups: dict[tuple, _Degrees] = {}
     out = []
     for c in grids:
-        key = (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer, c.sequence_parallel)
+        key = (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer, c.sequence_parallel, c.expert_parallel)
         group = groups.get(key)
         if group is None:
             group = groups[key] = _Degrees(shape, c, machine, half, memo, compiled)
@@ -232,26 +242,53 @@ class _Degrees:
             flops += (self.tensor - 1) * sum(f for _, f in whole)
             memo[key] = flops, sum(b for b, _ in whole)
         self.flops, whole_bytes = memo[key]
-        self.params = params = ((shape.param_bytes + (self.tensor - 1) * whole_bytes)
-                                // (self.tensor * c.depth * self.stages))
+        # the weights of the ops left whole (3-D experts, convolutions) are whole on every tensor rank; an expert
+        # layout splits the routed experts' over data (each data rank its experts, their gradients complete)
+        kept_whole = shape.whole_weight_bytes
+        experts = shape.experts if c.expert_parallel and c.data > 1 and self.stages == 1 else ()
+        split = sum(e.weight_bytes for e in experts)
+        split_experts = split // c.data
+        self.params = params = ((shape.param_bytes - kept_whole + (self.tensor - 1) * whole_bytes)
+                                // (self.tensor * c.depth * self.stages)
+                                + (kept_whole - split) // self.stages + split_experts)
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
-        self.own = self._state(c, params, price, c.shard_optimizer)
-        self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True)
+        self.exchange, self.exchange_calls = self._exchange(c, experts, price)
+        self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
+        self.split = (None if c.shard_optimizer or c.expert_parallel or c.data == 1
+                      else self._state(c, params, price, True))
         self.micro: dict[int, tuple[float, float, float, int]] = {}
         self.axes = _axes(c, price)
 
-    def _state(self, c: Candidate, params: int, price: Prices, shard_optimizer: bool
+    def _exchange(self, c: Candidate, experts: Sequence[ExpertShape], price: Prices) -> tuple[float, int]:
+        """The all-to-alls of the routed experts split over data (``estimate_costs.expert_collectives``, balanced
+        routing): seconds and calls of one step."""
+        seconds, calls = 0.0, 0
+        for e in experts:
+            rows = e.rows // self.shards
+            seconds += price("all_to_all", "data", c.data, (c.data - 1) * (e.experts // c.data) * 8, "forward")
+            seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "forward")
+                           for b in e.forward)
+            seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "backward")
+                           for b in e.backward)
+            calls += 1 + len(e.forward) + len(e.backward)
+        return seconds, calls
+
+    def _state(self, c: Candidate, params: int, price: Prices, shard_optimizer: bool, split_experts: int = 0
                ) -> tuple[float, float, int]:
         """The gradient sync and the optimizer update (seconds) and the memory (bytes), with the optimizer
-        state whole on every data rank or (``shard_optimizer``) split over data."""
+        state whole on every data rank or (``shard_optimizer``) split over data. ``split_experts``: this rank's
+        bytes of experts split over data, whose gradients are complete from every data rank's rows (summed over
+        depth only)."""
         sync = 0.0
         if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
             # (split state: each data rank keeps the sum of its chunk, a reduce-scatter)
             kind = "reduce_scatter" if shard_optimizer else "all_reduce"
-            full, rest = divmod(params, BUCKET_BYTES)
+            full, rest = divmod(params - split_experts, BUCKET_BYTES)
             sync = full * price(kind, "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price(kind, "data", c.data, rest, "step") if rest else 0.0
+        if split_experts and c.depth > 1:
+            sync += price("all_reduce", "depth", c.depth, split_experts, "step")
         state = 2 * params  # Adam's two moments
         grads = params
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
@@ -282,6 +319,9 @@ class _Degrees:
         compute += shape.ops * micro / stages * machine.op_seconds
         # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
         compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
+        # the ops left whole: each rank its rows' share (under a pipeline, as if its stages held them all, as the
+        # plan prices them: ``report.whole_flops_per_rank``)
+        compute += shape.whole_flops / shards / machine.flops_per_second
         if machine.activation_bytes_per_second:
             compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
         # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
@@ -317,6 +357,7 @@ class _Degrees:
             compute, comm = compute * self.memo[key], comm * self.memo[key]
             comm += 2 * micro * c.chunks * self.price("send", "pipeline", 2, message, "forward")
             blocking += 2 * micro * c.chunks
+        comm, blocking = comm + self.exchange, blocking + self.exchange_calls
         comm += arrival_skew(round(blocking), compute, machine, self.config)
         bubble = 0.0
         if stages > 1:

@@ -51,11 +51,14 @@ class Candidate:
     do not fit."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group."""
+    expert_parallel: bool = False
+    """Routed experts split over the data ranks, their rows moved by all-to-alls (``ParallelConfig``'s)."""
 
     @property
     def config(self) -> ParallelConfig:
         return ParallelConfig(self.data, self.row, self.col, self.depth, pipeline=self.pipeline,
-                              shard_optimizer=self.shard_optimizer, sequence_parallel=self.sequence_parallel)
+                              shard_optimizer=self.shard_optimizer, sequence_parallel=self.sequence_parallel,
+                              expert_parallel=self.expert_parallel)
 
     @property
     def tensor(self) -> tuple[int, int, int]:
@@ -66,17 +69,22 @@ class Candidate:
         micro += f" chunks={self.chunks}" if self.chunks > 1 else ""
         micro += " shard_optimizer" if self.shard_optimizer else ""
         micro += " sequence_parallel" if self.sequence_parallel else ""
+        micro += " expert_parallel" if self.expert_parallel else ""
         return (f"data={self.data} pipeline={self.pipeline} tensor={self.row},{self.col},{self.depth}{micro}")
 
 
 def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None = None,
-               max_microbatches: int = 4, chunks: Sequence[int] = (1, 2)) -> list[Candidate]:
+               max_microbatches: int = 4, chunks: Sequence[int] = (1, 2), experts: Sequence[int] = (),
+               expert_parallel: bool | None = None) -> list[Candidate]:
     """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
     as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
     ``max_microbatches``, x every power of two, and micro-batches of one, two, four, ... rows (as Megatron
     runs large models: BLOOM's 12 stages took 128 micro-batches of 2 rows), as many as divide each shard's
     rows and at least one per stage (1F1B's condition), each with every count of stages per rank in
-    ``chunks`` (more than one: interleaved, where the micro-batches divide into torch's rounds)."""
+    ``chunks`` (more than one: interleaved, where the micro-batches divide into torch's rounds).
+    ``experts``: the expert counts of the model's routed-experts layers an expert layout can split; a grid
+    without a pipeline whose data degree (> 1) divides them all also comes with its experts split over data
+    (``expert_parallel``), beside it (``expert_parallel=None``) or instead of it (True); False: never."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
@@ -90,7 +98,11 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         if global_batch < shards:
             continue
         if grid["pipeline"] == 1:
-            out.append(Candidate(**grid))
+            plain = Candidate(**grid)
+            split = (experts and expert_parallel is not False and grid["data"] > 1
+                     and all(e % grid["data"] == 0 for e in experts))
+            out += ([plain] if not split or expert_parallel is None else []) + (
+                [dataclasses.replace(plain, expert_parallel=True)] if split else [])
             continue
         if global_batch % shards:
             continue
@@ -363,10 +375,11 @@ class Scored:
 
 def rank_plans(scored: Iterable[Scored]) -> list[Scored]:
     """Plans that fit memory first, then by predicted step time; ties to fewer tensor-parallel ranks, then
-    fewer pipeline stages (less to go wrong for the same time)."""
+    fewer pipeline stages, then experts whole (less to go wrong for the same time)."""
     def key(s: Scored) -> tuple:
         c = s.candidate
-        return (not s.fits, s.time is None, s.seconds, c.row * c.col * c.depth, c.pipeline, -c.data)
+        return (not s.fits, s.time is None, s.seconds, c.row * c.col * c.depth, c.pipeline, -c.data,
+                c.expert_parallel)
     return sorted(scored, key=key)
 
 
