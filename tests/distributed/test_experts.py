@@ -262,3 +262,36 @@ def test_the_optimizer_state_of_split_experts_comes_back_serial_shaped(distribut
             for key, v in moments.items():
                 err = (v.double() - want[name][key].double()).abs().max().item()
                 assert err <= 1e-6 * max(1.0, want[name][key].abs().max().item()), (name, key, err)
+
+
+def auto_worker(name: str, given: dict) -> dict:
+    import autopar
+
+    torch.manual_seed(0)
+    from tests import unlike_models as U
+
+    with autopar.auto_parallelize(plan="auto", **given):
+        model = U.build(name)
+    result = U.train(name, model, U.batches(name), autopar.full_state_dict)
+    plan = autopar.plan_of(model)
+    result["grid"] = (plan.config.data, plan.config.expert_parallel)
+    result["split"] = [(e.module, e.axis) for e in plan.experts]
+    autopar.detach(model)
+    return result
+
+
+def test_plan_auto_held_to_expert_layouts_splits_the_experts_with_serials_numbers(distributed):
+    """``plan="auto", data=2, expert_parallel=True``: the search, held to grids with experts split over data,
+    picks one, and training keeps serial's numbers (mutation: the search's choice not carried into the grid,
+    ``ParallelConfig.expert_parallel`` false: no layer is split)."""
+    from tests import unlike_models as U
+
+    got = distributed(auto_worker, 2, "mixtral", {"data": 2, "expert_parallel": True}, timeout=600)
+    want = U.serial("mixtral")
+    for r in got:
+        assert r["grid"] == (2, True) and r["split"] and all(axis == "data" for _, axis in r["split"]), r["split"]
+        for a, b in zip(r["losses"], want["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["losses"], want["losses"])
+        for k, w in want["state"].items():
+            err = (r["state"][k].double() - w.double()).abs().max().item()
+            assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)

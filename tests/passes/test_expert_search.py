@@ -140,3 +140,25 @@ def test_the_twice_rows_capture_decides_its_causal_mask_as_the_first(monkeypatch
     monkeypatch.setattr(capture_module, "MAX_ELEMENTS", 4 * 16 * 16)  # a shard of data 2: 4 rows x 16 x 16
     plan, _ = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1), checkpoint="none")
     assert plan.config.data == 2
+
+
+def test_blocks_planned_as_copies_keep_their_experts_split():
+    """A model captured as repeated blocks (the first blocks planned, the rest copies: ``repeat_blocks``) keeps
+    every layer's expert plan and exchange shape (mutation: the copies' dropped, as they were: a 4-layer
+    Mixtral had 2 of its 4 layers split, and the search's screen found no expert layer of a 48-layer Qwen3)."""
+    import transformers
+
+    from passes.analysis.screen import shape_of
+
+    config = transformers.MixtralConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=5,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=64)
+    with torch.device("meta"):
+        model = WithLoss(transformers.MixtralForCausalLM(config))
+    inputs = (torch.empty(8, 16, dtype=torch.long, device="meta"),)
+    plan, report = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1, expert_parallel=True), checkpoint="none")
+    assert any("planned as copies" in n for n in plan.notes), plan.notes
+    assert [e.module for e in plan.experts] == [f"model.model.layers.{i}.mlp.experts" for i in range(5)]
+    assert all(e.axis == "data" for e in plan.experts)
+    _, probe = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1), checkpoint="none")
+    assert len(shape_of(probe, 2).experts) == 5
