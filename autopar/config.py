@@ -64,9 +64,6 @@ class ParallelConfig:
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
                               "over the data ranks) or False.")
-        if self.expert_parallel and self.shard_optimizer:
-            raise ConfigError("expert_parallel=True with shard_optimizer=True: both split over the data ranks, and "
-                              "autopar does not yet shard the optimizer state of experts split over data. Use one.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
@@ -204,9 +201,6 @@ class MemoryConfig:
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
                               "over the data ranks) or False.")
-        if self.expert_parallel and self.shard_optimizer:
-            raise ConfigError("expert_parallel=True with shard_optimizer=True: both split over the data ranks, and "
-                              "autopar does not yet shard the optimizer state of experts split over data. Use one.")
         c = self.checkpoint
         if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
             raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "

@@ -178,6 +178,11 @@ class ParamPlan:
             return numel // size * -(-size // n)
         return numel
 
+    def splits_over_data(self, config: ParallelConfig) -> bool:
+        """Split over the data ranks itself (experts under ``expert_parallel``): each data rank holds and updates
+        its own part, so ``shard_optimizer`` leaves its state and gradient as they are."""
+        return self.kind is ParamKind.SPLIT and self.split_axis == "data" and config.data > 1
+
     def local_shape(self, config: ParallelConfig) -> tuple[int, ...]:
         """The shape of this parameter's piece on a rank (the largest one where a split is uneven)."""
         shape = list(self.shape)

@@ -91,8 +91,7 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
     if dist.get_rank() == 0:
         try:
             budget = memory.checkpoint if isinstance(memory.checkpoint, int) else None
-            # (the user's shard_optimizer and expert_parallel both split over data: one excludes the other)
-            experts = True if memory.expert_parallel else False if memory.shard_optimizer else None
+            experts = True if memory.expert_parallel else None
             ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
                                  batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget,
                                  compiled=compile.enabled(device_for_backend().type, training=True),

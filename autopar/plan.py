@@ -57,7 +57,6 @@ def parse_evaluate(text: str, world: int) -> Candidate:
                               f"words {', '.join(FEATURES)}; {part!r} is not one of them") from None
     fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
     candidate = Candidate(**fields)
-    candidate.config  # noqa: B018  (the features' own conditions: expert_parallel excludes shard_optimizer)
     if candidate.pipeline > 1:  # the schedule's own conditions
         PipelineConfig(candidate.microbatches, schedule_of(candidate), candidate.chunks).num_microbatches(
             candidate.pipeline)

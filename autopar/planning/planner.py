@@ -33,7 +33,7 @@ from autopar.memory import device_budget, half_dtype
 from passes.analysis.choose_checkpoints import pipeline_memory, plan_memory, stage_memory
 from passes.analysis.choose_stages import ChainSegment, Hardware, pipeline_chain, plan_pipeline
 from passes.analysis.estimate_costs import Collective, loss_collectives
-from passes.analysis.estimate_memory import MemoryProfile, compiled_recompute, estimate_memory
+from passes.analysis.estimate_memory import MemoryProfile, block_of, compiled_recompute, estimate_memory
 from passes.analysis.graph_facts import ATTENTION_STEP_FACTOR, graph_copy, hinted
 from passes.analysis.make_plan import layouts_for, make_plan
 from passes.analysis.pipeline_comm import pipeline_collectives, pipeline_flops
@@ -268,8 +268,12 @@ def _finish(plan: Plan, report: StepReport, profile: MemoryProfile, chain: tuple
             return microbatches * sum(getattr(s, field) for s in mine_segments)
 
         trainable = profile.optimizer_bytes / 2 / profile.param_bytes if profile.param_bytes else 1.0
+        # the ops left whole that this rank computes: its stages' blocks' (one outside every block: counted on
+        # every rank, an upper bound)
+        blocks = {name for st in plan.pipeline.stages for name in st.segments}
+        whole = tuple(r for r in report.whole if (blk := block_of(r.module)) in mine_names or blk not in blocks)
         report = dataclasses.replace(
-            summarize(report.layers, colls, report.num_parameters, plan, flops_scale=microbatches, whole=report.whole),
+            summarize(report.layers, colls, report.num_parameters, plan, flops_scale=microbatches, whole=whole),
             rank_flops=pipeline_flops(chain, plan, me, microbatches),
             rank_saved_bytes=step_sum("saved_bytes"), rank_ops=step_sum("ops"),
             rank_attention_flops=ATTENTION_STEP_FACTOR * step_sum("attention_flops"),

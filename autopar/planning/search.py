@@ -139,7 +139,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         out = []
         for c in grids:
             s = scored_one(c)
-            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer and not c.expert_parallel:
+            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
                     s = split

@@ -275,7 +275,7 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         axis = "+".join(plan.grad_axes)
         nbytes = plan.local_numel(config) * t.element_size()
         split = gathered_numel(plan.shape, plan.split_axes(config), config.data, plan.fused_dims(config)) \
-            if config.shard_optimizer and config.data > 1 else 0
+            if config.shard_optimizer and config.data > 1 and not plan.splits_over_data(config) else 0
         if split:
             # each data rank keeps the sum of its chunk (GradSync's reduce-scatter), then sums it over depth
             out.append(Collective("reduce_scatter", "data", config.data, split * t.element_size(), "step", name))

@@ -510,7 +510,8 @@ def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[s
     state = grads = trainable
     compiled_grads = 0
     if config.shard_optimizer and config.data > 1:  # each data rank keeps one chunk of every piece's state
-        state = sum(4 * kept_numel(p.shape, p.split_axes(config), config.data, p.fused_dims(config))
+        state = sum(local[p.name] if p.splits_over_data(config)  # (experts: this rank's already)
+                    else 4 * kept_numel(p.shape, p.split_axes(config), config.data, p.fused_dims(config))
                     for p in plan.params if p.name not in frozen)
         if config.pipeline == 1:  # and of its gradient: the gradient sync frees each whole one once in its
             # bucket, so at most a few buckets of them are whole at once (``scattered_grad_bytes``)

@@ -393,8 +393,6 @@ class _Planner:
         for layer in find_expert_layers(self.gm):
             reason = layer.why_whole or (f"its {layer.experts} experts do not divide over data={self.config.data}"
                                          if layer.experts % self.config.data else "")
-            if not reason and self.config.pipeline > 1:
-                reason = "expert parallelism under a pipeline is not built yet"
             out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "" if reason else "data", reason))
         return tuple(out)
 

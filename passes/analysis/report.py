@@ -249,7 +249,7 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
 
 def whole_flops_per_rank(report: StepReport, plan: Plan) -> float:
     """What one rank computes of the ops left whole (``StepReport.whole``): its rows' share of them (under a
-    pipeline, as if its stages held them all: an upper bound the search only meets on MoE and CNN models)."""
+    pipeline, the report holds its stages' only: ``autopar.planning.planner``)."""
     return sum(r.flops for r in report.whole) / plan.config.num_batch_shards
 
 

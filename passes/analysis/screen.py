@@ -245,34 +245,34 @@ class _Degrees:
         # the weights of the ops left whole (3-D experts, convolutions) are whole on every tensor rank; an expert
         # layout splits the routed experts' over data (each data rank its experts, their gradients complete)
         kept_whole = shape.whole_weight_bytes
-        experts = shape.experts if c.expert_parallel and c.data > 1 and self.stages == 1 else ()
+        self.experts = experts = shape.experts if c.expert_parallel and c.data > 1 else ()
         split = sum(e.weight_bytes for e in experts)
-        split_experts = split // c.data
+        split_experts = split // (c.data * self.stages)  # (a pipeline rank: its stages' share of the layers)
         self.params = params = ((shape.param_bytes - kept_whole + (self.tensor - 1) * whole_bytes)
                                 // (self.tensor * c.depth * self.stages)
                                 + (kept_whole - split) // self.stages + split_experts)
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
-        self.exchange, self.exchange_calls = self._exchange(c, experts, price)
         self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
-        self.split = (None if c.shard_optimizer or c.expert_parallel or c.data == 1
-                      else self._state(c, params, price, True))
+        self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True, split_experts)
         self.micro: dict[int, tuple[float, float, float, int]] = {}
         self.axes = _axes(c, price)
 
-    def _exchange(self, c: Candidate, experts: Sequence[ExpertShape], price: Prices) -> tuple[float, int]:
+    def _exchange(self, c: Candidate, micro: int) -> tuple[float, float]:
         """The all-to-alls of the routed experts split over data (``estimate_costs.expert_collectives``, balanced
-        routing): seconds and calls of one step."""
-        seconds, calls = 0.0, 0
-        for e in experts:
-            rows = e.rows // self.shards
+        routing): seconds and calls of one step of ``micro`` micro-batches, a pipeline rank its stages' share of
+        the layers."""
+        price, seconds, calls = self.price, 0.0, 0
+        for e in self.experts:
+            rows = e.rows // (self.shards * micro)
             seconds += price("all_to_all", "data", c.data, (c.data - 1) * (e.experts // c.data) * 8, "forward")
             seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "forward")
                            for b in e.forward)
             seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "backward")
                            for b in e.backward)
             calls += 1 + len(e.forward) + len(e.backward)
-        return seconds, calls
+        share = micro / self.stages
+        return seconds * share, calls * share
 
     def _state(self, c: Candidate, params: int, price: Prices, shard_optimizer: bool, split_experts: int = 0
                ) -> tuple[float, float, int]:
@@ -292,11 +292,13 @@ class _Degrees:
         state = 2 * params  # Adam's two moments
         grads = params
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest
-            state //= c.data
-            grads = scattered_grad_bytes(params // c.data, params) if self.stages == 1 else params
+            shared = params - split_experts  # (the experts split over data are each rank's own already)
+            state = 2 * shared // c.data + 2 * split_experts
+            grads = (scattered_grad_bytes(shared // c.data, shared) + split_experts if self.stages == 1
+                     else params)
             if self.compiled and self.stages == 1:  # (a compiled piece of backward returns a bucket's worth of
-                grads += min(params, BUCKET_BYTES)  # whole gradients at once: autopar.runtime.compiled.pieces)
-            full, rest = divmod(params, BUCKET_BYTES)
+                grads += min(shared, BUCKET_BYTES)  # whole gradients at once: autopar.runtime.compiled.pieces)
+            full, rest = divmod(shared, BUCKET_BYTES)
             sync += full * price("all_gather", "data", c.data, BUCKET_BYTES, "step") if full else 0.0
             sync += price("all_gather", "data", c.data, rest, "step") if rest else 0.0
         machine = self.machine
@@ -319,9 +321,8 @@ class _Degrees:
         compute += shape.ops * micro / stages * machine.op_seconds
         # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
         compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
-        # the ops left whole: each rank its rows' share (under a pipeline, as if its stages held them all, as the
-        # plan prices them: ``report.whole_flops_per_rank``)
-        compute += shape.whole_flops / shards / machine.flops_per_second
+        # the ops left whole: each rank its rows' share (under a pipeline, of its stages' blocks)
+        compute += shape.whole_flops / (shards * stages) / machine.flops_per_second
         if machine.activation_bytes_per_second:
             compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
         # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
@@ -330,6 +331,9 @@ class _Degrees:
         if key not in memo:
             memo[key] = _tensor_seconds(shape, c, price, self.axes)
         comm, blocking = memo[key]
+        if self.experts:
+            exchange, calls = self._exchange(c, micro)
+            comm, blocking = comm + exchange, blocking + calls
         message = 0
         if stages > 1:  # each micro-batch's activation to the next stage and its gradient back: its bytes
             key = ("hidden", id(shape))
@@ -357,7 +361,6 @@ class _Degrees:
             compute, comm = compute * self.memo[key], comm * self.memo[key]
             comm += 2 * micro * c.chunks * self.price("send", "pipeline", 2, message, "forward")
             blocking += 2 * micro * c.chunks
-        comm, blocking = comm + self.exchange, blocking + self.exchange_calls
         comm += arrival_skew(round(blocking), compute, machine, self.config)
         bubble = 0.0
         if stages > 1:

@@ -83,8 +83,8 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     rows and at least one per stage (1F1B's condition), each with every count of stages per rank in
     ``chunks`` (more than one: interleaved, where the micro-batches divide into torch's rounds).
     ``experts``: the expert counts of the model's routed-experts layers an expert layout can split; a grid
-    without a pipeline whose data degree (> 1) divides them all also comes with its experts split over data
-    (``expert_parallel``), beside it (``expert_parallel=None``) or instead of it (True); False: never."""
+    whose data degree (> 1) divides them all also comes with its experts split over data (``expert_parallel``),
+    beside it (``expert_parallel=None``) or instead of it (True); False: never."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
@@ -97,12 +97,12 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         shards = grid["data"] * grid["depth"]
         if global_batch < shards:
             continue
+        split = (experts and expert_parallel is not False and grid["data"] > 1
+                 and all(e % grid["data"] == 0 for e in experts))
+        # (each grid plain, with its experts split over data, or both)
+        layouts = ((False,) if not split else (True,) if expert_parallel else (False, True))
         if grid["pipeline"] == 1:
-            plain = Candidate(**grid)
-            split = (experts and expert_parallel is not False and grid["data"] > 1
-                     and all(e % grid["data"] == 0 for e in experts))
-            out += ([plain] if not split or expert_parallel is None else []) + (
-                [dataclasses.replace(plain, expert_parallel=True)] if split else [])
+            out += [Candidate(**grid, expert_parallel=e) for e in layouts]
             continue
         if global_batch % shards:
             continue
@@ -112,8 +112,8 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         counts |= {stages * 2 ** e for e in range(per_stage.bit_length())}
         counts |= {rows >> e for e in range(rows.bit_length()) if rows % (1 << e) == 0}  # 1, 2, 4, ... rows each
         for m in sorted(m for m in counts if m >= stages and rows % m == 0):
-            out += [Candidate(**grid, microbatches=m, chunks=v) for v in chunks
-                    if v == 1 or m % max(1, m // stages) == 0]
+            out += [Candidate(**grid, microbatches=m, chunks=v, expert_parallel=e) for v in chunks
+                    if v == 1 or m % max(1, m // stages) == 0 for e in layouts]
     return out
 
 

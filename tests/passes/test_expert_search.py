@@ -39,13 +39,13 @@ def _mixtral(batch: int = 8, seq: int = 16) -> tuple[nn.Module, tuple]:
 
 
 def test_grids_that_divide_the_experts_come_with_them_split_over_data():
-    """Every grid without a pipeline whose data degree (> 1) divides every layer's experts is listed with
+    """Every grid whose data degree (> 1) divides every layer's experts, pipelines included, is listed with
     ``expert_parallel`` beside it (None), instead of it (True), or not at all (False)."""
     plain = candidates(8, 16)
     both = candidates(8, 16, experts=(4, 4))
     split = [c for c in both if c.expert_parallel]
-    assert [dataclasses.replace(c, expert_parallel=False) for c in split] == \
-        [c for c in plain if c.pipeline == 1 and c.data in (2, 4)]
+    assert [dataclasses.replace(c, expert_parallel=False) for c in split] == [c for c in plain if c.data in (2, 4)]
+    assert any(c.pipeline > 1 for c in split)
     assert [c for c in both if not c.expert_parallel] == plain
     only = candidates(8, 16, experts=(4, 4), expert_parallel=True)
     assert len(only) == len(plain) and set(split) <= set(only)
@@ -115,8 +115,10 @@ def test_evaluate_takes_the_words_the_ranked_list_prints():
     assert parse_evaluate(c.describe(), 4) == c
     s = Candidate(2, 1, 2, 1, 1, shard_optimizer=True, sequence_parallel=True)
     assert parse_evaluate(s.describe(), 4) == s
-    with pytest.raises(ConfigError, match="expert_parallel=True with shard_optimizer=True"):
-        parse_evaluate("data=4 expert_parallel shard_optimizer", 4)
+    both = parse_evaluate("data=4 expert_parallel shard_optimizer", 4)
+    assert both.expert_parallel and both.shard_optimizer
+    with pytest.raises(ConfigError, match="chunks=2 needs a pipeline"):
+        parse_evaluate("data=4 chunks=2 expert_parallel", 4)
     with pytest.raises(ConfigError, match="'experts' is not one of them"):
         parse_evaluate("data=4 experts", 4)
 
@@ -162,3 +164,28 @@ def test_blocks_planned_as_copies_keep_their_experts_split():
     assert all(e.axis == "data" for e in plan.experts)
     _, probe = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1), checkpoint="none")
     assert len(shape_of(probe, 2).experts) == 5
+
+
+def test_a_pipeline_rank_prices_its_own_stages_experts():
+    """Under a pipeline each rank computes its stages' experts only: the two pipeline ranks' whole-op FLOPs
+    add up to the model's (mutation: every rank counted every layer's, as before: twice the total); with
+    experts split over data, each rank's exchange is its own layers', and the screen's memory is a floor of
+    the planned one."""
+    from passes.analysis.report import whole_flops_per_rank
+    from passes.analysis.screen import screen, shape_of
+
+    model, inputs = _mixtral()
+    config = ParallelConfig(2, 1, 1, 1, pipeline=2, expert_parallel=True)
+    _, flat = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1, expert_parallel=True), checkpoint="none")
+    total = whole_flops_per_rank(flat, plan_model(model, inputs, ParallelConfig(2, 1, 1, 1), checkpoint="none")[0])
+    per_rank, exchanges = [], []
+    for rank in (0, 1):  # (pipeline ranks 0 and 1 of data rank 0: data is the outermost axis)
+        plan, report = plan_model(model, inputs, config, rank=rank, checkpoint="none", pipeline=2, microbatches=4)
+        per_rank.append(whole_flops_per_rank(report, plan))
+        exchanges.append({c.where for c in report.collectives if c.kind == "all_to_all"})
+    assert sum(per_rank) == pytest.approx(total) and min(per_rank) > 0
+    assert exchanges == [{"model.model.layers.0.mlp.experts"}, {"model.model.layers.1.mlp.experts"}]
+    h100 = load_machine("h100-80gb")
+    _, probe = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1), checkpoint="none")
+    c = Candidate(2, 2, 1, 1, 1, microbatches=4, expert_parallel=True)
+    assert screen(shape_of(probe, 2), c, h100)[1] <= score(model, inputs, c, h100, checkpoint="full").memory_bytes

@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 
 PASSES = (split_batch, shard_linears, split_experts, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
-PIPELINE_PASSES = (split_batch, shard_linears, split_stages, insert_checkpoints)
+PIPELINE_PASSES = (split_batch, shard_linears, split_experts, split_stages, insert_checkpoints)
 
 
 class Builder:

@@ -68,8 +68,11 @@ class DataShards:
 
     def layout(self, p: torch.Tensor, piece: torch.Tensor, ndim: int) -> Layout | None:
         """The split of ``p``'s state (``piece``: its local tensor; ``ndim``: its mesh's dims, for a plain
-        parameter the store's parameter mesh); None when its state stays whole."""
+        parameter the store's parameter mesh); None when its state stays whole, or is already this rank's alone
+        (a parameter split over data: experts under ``expert_parallel``)."""
         placements = p.placements if isinstance(p, DTensor) else (Replicate(),) * ndim
+        if split_over_data(p) and p.device_mesh.size(DATA_DIM) > 1:
+            return None  # (split over data itself, each rank its own experts: their state is this rank's already)
         split: dict[int, tuple[int, ...]] = {}
         fused: set[int] = set()  # (fused pieces, each split: ``ParamPlan.fused_dims``)
         for mesh_dim, q in enumerate(placements):
