@@ -38,6 +38,7 @@ from passes.analysis.graph_facts import (ATTENTION_STEP_FACTOR, MatmulMatch, att
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.machine import Machine
 from passes.analysis.make_plan import layouts_for
+from passes.analysis.whole_matmuls import match_whole
 from passes.ir import input_info
 
 
@@ -210,6 +211,7 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
     attention = dict.fromkeys(order, 0.0)
     of_module: dict[str, str] = {}
     of_param: dict[str, str] = {}
+    weights = {name: n for n in gm.graph.nodes if (name := param_name(n)) is not None}
     for node, seg in seg_of.items():
         of_module.setdefault(module_of(node), seg)
         for a in node.all_input_nodes:
@@ -220,6 +222,10 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
             w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
             flops[seg] += matmul_flops(m, res.requires_grad[m.x], res.requires_grad[w]) / matmul_split(
                 config, plan.matmul(m.weight).orientation)
+        if (w := match_whole(node)) is not None:  # grouped matmuls of experts, convolutions: whole on every rank,
+            # forward and the backward products that are needed (as ``report.estimate_step`` counts them)
+            grads = 1 + int(res.requires_grad.get(w.x, False)) + int(res.requires_grad.get(weights.get(w.weight), False))
+            flops[seg] += w.forward_flops * grads
         if (a := attention_flops(node)):  # its stage's time, not its matmul FLOPs (reported apart)
             attention[seg] += ATTENTION_STEP_FACTOR * a * float(shard_fraction(res.sharding(node), sizes))
     issued: dict[str, list[Collective]] = {name: [] for name in order}

@@ -67,7 +67,7 @@ class StepReport:
     collectives: tuple[Collective, ...] = ()
     rank_flops: float | None = None
     """Matmul FLOPs this rank computes per step when it runs part of the model only (its pipeline
-    stages); None: its share of every row."""
+    stages; the ops left whole, ``whole``, included); None: its share of every row."""
     largest_param_bytes: int = 0
     """The largest parameter, whole: what deferred construction holds at once besides the pieces."""
     rank_saved_bytes: int = 0
@@ -248,8 +248,11 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
 
 
 def whole_flops_per_rank(report: StepReport, plan: Plan) -> float:
-    """What one rank computes of the ops left whole (``StepReport.whole``): its rows' share of them (under a
-    pipeline, the report holds its stages' only: ``autopar.planning.planner``)."""
+    """What one rank computes of the ops left whole (``StepReport.whole``) beside ``rank_flops``: its rows' share of
+    them; 0 where the rank runs part of the model (a pipeline's stages), whose ``rank_flops`` count them already
+    (``choose_stages.pipeline_chain``'s segment FLOPs)."""
+    if report.rank_flops is not None:
+        return 0.0
     return sum(r.flops for r in report.whole) / plan.config.num_batch_shards
 
 

@@ -39,7 +39,7 @@ import torch
 
 from autopar.planning.machines import load_machine
 from autopar.planning.search import score, search
-from passes.analysis.search_plans import candidates
+from passes.analysis.search_plans import Candidate, candidates
 
 transformers = pytest.importorskip("transformers")
 
@@ -110,3 +110,34 @@ def test_llama3_405b_published_grid_fits_and_is_within_ten_percent_of_the_pick()
                                                           fastest.candidate.describe(), fastest.seconds)
     ratio = fastest.seconds / best.seconds
     assert 0.9 <= ratio <= 1.1, (best.candidate.describe(), best.seconds, fastest.candidate.describe(), fastest.seconds)
+
+
+@pytest.mark.slow
+def test_qwen3_30b_a3b_published_expert_layout_scores_and_the_search_never_ranks_it_above_its_pick():
+    """Qwen3-30B-A3B (128 experts, 8 per token; ``autopar.examples.moe_published``), bf16, sequences of 4,096 on
+    H100-80GB, one sequence per GPU. On 16 GPUs Megatron-Bridge's recipe splits the experts 16 ways (EP 16, data
+    16): by autopar's model it fits and the search's pick is at least as fast (the search never ranks a grid it
+    was given faster than its pick). On 8, experts split over data 8 need 86 GiB (Adam's state of the 1.5B shared
+    parameters whole on every rank), and with ``shard_optimizer`` too (the shared state split over data, the
+    experts' each rank's own) fit within 1.2x of the pick."""
+    from autopar.examples import moe_published
+
+    with torch.device("meta"):
+        model = moe_published.build_model("qwen3-30b-a3b")
+    machine = load_machine("h100-80gb")
+    kw = dict(precision="bf16", compiled=True)
+    for gpus in (8, 16):
+        inputs = (torch.empty(gpus, 4096, dtype=torch.long, device="meta"),)
+        best = search(model, inputs, gpus, machine, **kw)[0]
+        assert best.fits, best
+        alone = score(model, inputs, best.candidate, machine, **kw)
+        assert (alone.seconds, alone.memory_bytes) == (best.seconds, best.memory_bytes), (gpus, alone, best)
+        experts = score(model, inputs, Candidate(gpus, 1, 1, 1, 1, expert_parallel=True), machine, **kw)
+        zero = score(model, inputs, Candidate(gpus, 1, 1, 1, 1, shard_optimizer=True, expert_parallel=True), machine,
+                     **kw)
+        for s in (experts, zero):
+            assert not s.fits or s.seconds >= best.seconds * (1 - 1e-9), (gpus, s.candidate.describe(), best)
+        if gpus == 16:
+            assert experts.fits, experts
+        else:
+            assert not experts.fits and zero.fits and zero.seconds <= 1.2 * best.seconds, (experts, zero, best)
