@@ -69,14 +69,15 @@ def test_the_plan_splits_experts_over_data_where_they_divide_and_says_where_not(
     assert any("4 experts do not divide over data=3" in n for n in plan3.notes), plan3.notes
 
 
-def test_expert_parallel_refuses_what_it_does_not_do_yet():
-    from autopar.config import ParallelConfig
+def test_expert_parallel_refuses_what_is_not_a_choice():
+    from autopar.config import MemoryConfig, ParallelConfig
     from autopar.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="shard_optimizer"):
-        ParallelConfig(2, shard_optimizer=True, expert_parallel=True)
+    assert ParallelConfig(2, shard_optimizer=True, expert_parallel=True).expert_parallel  # (combined since 2026-12-03)
     with pytest.raises(ConfigError, match="expert_parallel"):
         ParallelConfig(2, expert_parallel="yes")
+    with pytest.raises(ConfigError, match="expert_parallel"):
+        MemoryConfig(expert_parallel=1)
 
 
 def test_a_layer_reading_its_offsets_between_the_matmuls_is_not_split():
