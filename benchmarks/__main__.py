@@ -14,6 +14,7 @@ The default (3 tiny models on 4 ranks) takes a few minutes on a 2-core CPU:
 
     python -m benchmarks
     python -m benchmarks --models llama --world-sizes 2 4 --grids t2x1x1 p2 --steps 10
+    python -m benchmarks --models mixtral --grids d4 d4-e d4-e-z --steps 10   # MoE: experts split over data (e)
     python -m benchmarks --size small --models gpt2     # GPT-2 124M (heavy on CPU: meant for GPUs)
     python -m benchmarks --readme                        # also rewrites docs/benchmarks.md's results section
     python -m benchmarks --inference                     # generate() latency (benchmarks/inference.py)
@@ -41,7 +42,7 @@ from typing import Any
 import torch
 
 from benchmarks import report
-from benchmarks.models import MODELS, SIZES
+from benchmarks.models import DEFAULT_MODELS, MODELS, SIZES
 from benchmarks.systems import PEERS, SCHEDULES, default_grids, parse_grid
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,12 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         return inference.main(argv)
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS), choices=list(MODELS))
     p.add_argument("--size", default="tiny", choices=SIZES, help="tiny (default) or small (GPT-2 124M class)")
     p.add_argument("--world-sizes", nargs="+", type=int, default=[4], metavar="W")
     p.add_argument("--grids", nargs="+", default=None, metavar="GRID",
-                   help="autopar grids, e.g. d4 t2x2x1 t1x1x4 p2-d2 (tokens t<row>x<col>x<depth>, d<data>, "
-                        "p<pipeline>; data defaults to the ranks left). Default: each peer's plan and a 3D "
+                   help="autopar grids, e.g. d4 t2x2x1 t1x1x4 p2-d2 d4-e (tokens t<row>x<col>x<depth>, d<data>, "
+                        "p<pipeline>, c compiled, z shard_optimizer, s sequence_parallel, e expert_parallel; data "
+                        "defaults to the ranks left). Default: each peer's plan and a 3D "
                         "grid, per world size")
     p.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS,
                    help="serial always runs: it is every loss's reference")

@@ -58,13 +58,16 @@ def _predicted(bm: BenchModel, system: str, ctx: Context, x: torch.Tensor, hardw
     grid = parse_grid(system.split(":", 1)[1], ctx.world)
     with torch.device("meta"):
         shadow = bm.build()
-    config = autopar.ParallelConfig(grid.data, *grid.tensor, pipeline=grid.pipeline)
+    config = autopar.ParallelConfig(grid.data, *grid.tensor, pipeline=grid.pipeline,
+                                    shard_optimizer=grid.shard_optimizer, sequence_parallel=grid.sequence_parallel,
+                                    expert_parallel=grid.expert_parallel)
     if grid.per_rank:  # fed like DDP: this rank's slice is its own batch
         x = x.tensor_split(ctx.world)[ctx.rank]
     plan, report = plan_model(shadow, (x,), config, rank=ctx.rank, pipeline=grid.pipeline,
                               microbatches=ctx.microbatches if grid.pipeline > 1 else 1, per_rank=grid.per_rank)
     step = plan_seconds(plan, report, hardware)
-    return {"predicted_bytes": float(report.comm_bytes_per_step), "predicted_seconds": step.total}
+    return {"predicted_bytes": float(report.comm_bytes_per_step), "predicted_seconds": step.total,
+            "predicted_all_to_all": float(report.comm_bytes_by_kind.get("all_to_all", 0))}
 
 
 def _preload(bm: BenchModel, device: torch.device) -> None:

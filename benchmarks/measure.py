@@ -42,6 +42,7 @@ _C10D = {
     "reduce_scatter_": ("reduce_scatter", "input_tensors"),
     "reduce_scatter_tensor_coalesced_": ("reduce_scatter", "inputs"),
     "send": ("send", "tensors"),
+    "alltoall_base_": ("all_to_all", "input"),  # (the rows this rank keeps are not sent: ``_record``)
 }
 _FUNCTIONAL = {
     "all_reduce": ("all_reduce", "input"),
@@ -75,6 +76,18 @@ def _group_size(named: dict[str, Any]) -> int:
         return resolve_process_group(named["group_name"]).size()
     pg = named["process_group"]
     return (pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)).size()
+
+
+def sent_to_others(named: dict[str, Any], size: int, message: int) -> int:
+    """Of an all-to-all's input (``message`` bytes), the bytes for the other ranks: its rows but those of this rank's
+    own split (even splits where none are given)."""
+    splits = list(named.get("input_split_sizes") or ())
+    pg = named["process_group"]
+    rank = (pg if isinstance(pg, dist.ProcessGroup) else dist.ProcessGroup.unbox(pg)).rank()
+    if not splits:
+        return message - message // size
+    rows = sum(splits)
+    return message // rows * (rows - splits[rank]) if rows else 0
 
 
 class Instrument(PeakMemory):
@@ -111,6 +124,8 @@ class Instrument(PeakMemory):
             return
         size = _group_size(named)
         message = _nbytes(named[field])  # lists (of lists) of tensors: their sum
+        if kind == "all_to_all":  # the bytes sent to the other ranks (autopar.comm_stats' count)
+            message = sent_to_others(named, size, message)
         if field == "input" and kind == "all_gather":
             message *= size
         self.bytes[kind] = self.bytes.get(kind, Fraction(0)) + collective_bytes(kind, size, message)

@@ -110,6 +110,13 @@ _LLAMA = {"tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, 
           "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
                         num_attention_heads=12, num_key_value_heads=4, max_position_embeddings=1024)}
 _SEQ = {"tiny": 64, "small": 256}
+# Mixtral-shaped: 8 experts of the Llama-sized MLP, 2 per token (its ~4x parameters, ~Llama's FLOPs)
+_MIXTRAL = {"tiny": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=8, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                         max_position_embeddings=128),
+            "small": dict(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=12,
+                          num_attention_heads=12, num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2,
+                          max_position_embeddings=1024)}
 
 
 def _hf(config_cls: str, model_cls: str, kwargs: dict[str, Any]) -> Callable[[], nn.Module]:
@@ -207,7 +214,22 @@ def _llama(size: str) -> BenchModel:
                       _llama_tp_plan, _llama_stages)
 
 
-MODELS: dict[str, Callable[[str], BenchModel]] = {"fc_net": _fc_net, "gpt2": _gpt2, "llama": _llama}
+def _mixtral_tp_plan(model: nn.Module) -> dict[str, Any]:
+    raise NotApplicable("Mixtral's experts are 3-D grouped-matmul weights, which DTensor's Colwise/RowwiseParallel "
+                        "do not take")
+
+
+def _mixtral(size: str) -> BenchModel:
+    kw = _MIXTRAL[size]
+    return BenchModel("mixtral", size, _hf("MixtralConfig", "MixtralForCausalLM", kw), 8,
+                      _token_batches(kw["vocab_size"], _SEQ[size]), lambda m: m.model.layers,
+                      _mixtral_tp_plan, _llama_stages)  # (HF's Mixtral model has Llama's attribute names)
+
+
+MODELS: dict[str, Callable[[str], BenchModel]] = {"fc_net": _fc_net, "gpt2": _gpt2, "llama": _llama,
+                                                  "mixtral": _mixtral}
+DEFAULT_MODELS = ("fc_net", "gpt2", "llama")
+"""What ``python -m benchmarks`` runs without ``--models`` (mixtral: ``--models mixtral --grids d4 d4-e``)."""
 
 
 def bench_model(name: str, size: str) -> BenchModel:

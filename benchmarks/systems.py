@@ -38,6 +38,8 @@ class Grid:
     """The token ``z``: ``auto_parallelize(shard_optimizer=True)`` (each data rank keeps 1/data of Adam's state)."""
     sequence_parallel: bool = False
     """The token ``s``: ``auto_parallelize(sequence_parallel=True)`` (activations split along the tokens)."""
+    expert_parallel: bool = False
+    """The token ``e``: ``auto_parallelize(expert_parallel=True)`` (routed experts split over the data ranks)."""
 
     @property
     def label(self) -> str:
@@ -47,6 +49,7 @@ class Grid:
         parts += ["c"] if self.compiled else []
         parts += ["z"] if self.shard_optimizer else []
         parts += ["s"] if self.sequence_parallel else []
+        parts += ["e"] if self.expert_parallel else []
         return "-".join(parts)
 
     @property
@@ -67,14 +70,16 @@ class Grid:
 
 def parse_grid(text: str, world: int) -> Grid:
     """``t2x2x1-d2-p2`` -> Grid; tokens in any order, each at most once; data defaults to what is left; ``c``:
-    the per-rank program compiled; ``z``: the optimizer state split over data; ``s``: sequence parallelism."""
+    the per-rank program compiled; ``z``: the optimizer state split over data; ``s``: sequence parallelism; ``e``:
+    routed experts split over data."""
     found: dict[str, str] = {}
     for token in text.split("-"):
-        m = re.fullmatch(r"(t)(\d+)x(\d+)x(\d+)|([dp])(\d+)|([czs])", token)
+        m = re.fullmatch(r"(t)(\d+)x(\d+)x(\d+)|([dp])(\d+)|([czse])", token)
         if m is None or (m.group(1) or m.group(5) or m.group(7)) in found:
             raise ValueError(f"bad autopar grid {text!r} (token {token!r}). Write tokens t<row>x<col>x<depth>, "
-                             "d<data>, p<pipeline>, c (compiled), z (optimizer state split over data) and s (sequence "
-                             "parallelism) joined by '-', each at most once, e.g. t2x2x1-d2")
+                             "d<data>, p<pipeline>, c (compiled), z (optimizer state split over data), s (sequence "
+                             "parallelism) and e (experts split over data) joined by '-', each at most once, e.g. "
+                             "t2x2x1-d2")
         found[m.group(1) or m.group(5) or m.group(7)] = token
     tensor = tuple(int(v) for v in re.findall(r"\d+", found.get("t", "t1x1x1")))
     pipeline = int(found.get("p", "p1")[1:])
@@ -83,7 +88,7 @@ def parse_grid(text: str, world: int) -> Grid:
     if data * inner != world or min(*tensor, pipeline, data) < 1:
         raise ValueError(f"autopar grid {text!r} needs {data * inner} ranks (tensor {tensor}, data {data}, "
                          f"pipeline {pipeline}), not {world}. Make the product of the degrees {world}.")
-    return Grid(tensor, data, pipeline, "c" in found, "z" in found, "s" in found)
+    return Grid(tensor, data, pipeline, "c" in found, "z" in found, "s" in found, "e" in found)
 
 
 def default_grids(world: int) -> list[str]:
@@ -223,6 +228,7 @@ def autopar_grid(bm: BenchModel, ctx: Context, grid: Grid) -> Runner:
     torch.manual_seed(0)
     with autopar.auto_parallelize(tensor=grid.tensor, data=grid.data, pipeline=grid.pipeline, compile=grid.compiled,
                                   shard_optimizer=grid.shard_optimizer, sequence_parallel=grid.sequence_parallel,
+                                  expert_parallel=grid.expert_parallel,
                                   **(dict(microbatches=ctx.microbatches, schedule=ctx.schedule)
                                      if grid.pipeline > 1 else {})):
         model = bm.build().to(ctx.device)

@@ -437,9 +437,10 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
     if params is not None:
         out += grad_sync_collectives(gm, params, config)
     alone = batch is None and config.num_batch_shards > 1  # a batch of this rank's own, not split
-    if config.world_size > 1 and not (alone and config.num_tensor == 1 and config.pipeline == 1):
+    if config.world_size > 1 and not (alone and config.num_tensor == 1 and config.pipeline == 1
+                                      and not config.expert_parallel):
         # the runtime's check that every rank makes the same call (not made for data parallelism alone
-        # under per-rank batches: its forward has no collective)
+        # under per-rank batches: its forward has no collective; experts split over data exchange rows in it)
         out.append(Collective("all_gather", "world", config.world_size, AGREEMENT_BYTES * config.world_size,
                               "forward", AGREEMENT))
     return out
