@@ -189,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
                                   checkpoint=args.checkpoint, budget=args.memory_per_device,
                                   precision=args.precision, pipeline=args.pipeline,
                                   microbatches=args.microbatches or args.pipeline, chunks=args.chunks,
-                                  hardware=hardware,
+                                  hardware=hardware, device=device,
                                   compiled=CompileConfig(compile_arg(args.compile)).enabled(device, training=True))
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -70,6 +70,8 @@ class PlanOptions:
     hardware: Hardware | None = None
     """The rates pipeline stages are cut with; None: this machine's (``autopar.planning.machines.local_rates``), as the
     runtime here would cut them."""
+    device: str = "cpu"
+    """The device type training runs on: which attention kernel the memory plan counts (``estimate_memory``)."""
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -136,7 +138,8 @@ def decide_plan(gm: fx.GraphModule, config: ParallelConfig, options: PlanOptions
         plan = make_plan(gm, config)
         if config.pipeline > 1:
             plan = dataclasses.replace(plan, pipeline=choose_pipeline(gm, plan, options)[0])
-        return dataclasses.replace(plan, memory=choose_memory(estimate_memory(gm, plan, options.dtype), plan, options))
+        return dataclasses.replace(plan, memory=choose_memory(estimate_memory(gm, plan, options.dtype,
+                                                                              device=options.device), plan, options))
 
 
 SLOWEST = -1
@@ -150,7 +153,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
                microbatches: int = 1, chunks: int = 1, per_rank: bool = False,
                batch_dims: dict[int | str, int | None] | None = None,
                captures: dict[Any, Any] | None = None, hardware: Hardware | None = None,
-               compiled: bool = False) -> tuple[Plan, StepReport]:
+               compiled: bool = False, device: str = "cpu") -> tuple[Plan, StepReport]:
     """The Plan every rank would run under, and ``rank``'s step report, for one global batch (or, with
     ``per_rank``, for ``inputs`` as every rank's own batch, DDP-style: ``auto_parallelize(batch="per-rank")``,
     every rank with as many rows). ``batch_dims`` is auto_parallelize's.
@@ -172,7 +175,8 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
     depends only on the rows each batch shard gets, so grids alike in that share it. ``hardware``: the rates
     the pipeline's stages are cut with (default: this machine's, as the runtime here cuts them). ``compiled``:
     training runs compiled (``auto_parallelize(compile=...)`` on the device it runs on, e.g. "auto" on CUDA): the
-    memory plan counts what a compiled step holds (``estimate_memory.compiled_recompute``).
+    memory plan counts what a compiled step holds (``estimate_memory.compiled_recompute``). ``device``: the device
+    type training runs on, for the attention kernel the memory plan counts (``estimate_memory``).
     """
     slowest = rank == SLOWEST
     rank = 0 if slowest else rank
@@ -201,7 +205,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
         try:
             with truncated_blocks(shadow, lists):
                 found = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank, batch_dims,
-                                       _cache_for(captures, "cut"))
+                                       _cache_for(captures, "cut"), device)
         except Exception as e:  # the cut model is only a shortcut: fall back to the exact capture
             log.debug("autopar: capturing %s with its blocks cut failed (%s); capturing all of it",
                       type(shadow).__name__, e)
@@ -211,7 +215,7 @@ def plan_model(model: nn.Module, inputs: tuple, config: ParallelConfig, *, rank:
             return _finish(*whole, checkpoint, budget, pipeline, microbatches, chunks, rank, slowest, hardware,
                            compiled)
     plan, report, profile, chain, loss = _plan_captured(shadow, inputs, kwargs, config, rank, dtype, micro, per_rank,
-                                                        batch_dims, _cache_for(captures, "whole"))
+                                                        batch_dims, _cache_for(captures, "whole"), device)
     return _finish(plan, report, profile, chain, loss, checkpoint, budget, pipeline, microbatches, chunks, rank,
                    slowest, hardware, compiled)
 
@@ -290,12 +294,14 @@ def _cache_for(captures: dict[Any, Any] | None, which: str) -> dict[Any, Any] | 
 
 def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config: ParallelConfig,
                    rank: int, dtype: torch.dtype | None = None, microbatches: int = 0, per_rank: bool = False,
-                   batch_dims: dict[int | str, int | None] | None = None, captures: dict[Any, Any] | None = None
+                   batch_dims: dict[int | str, int | None] | None = None, captures: dict[Any, Any] | None = None,
+                   device: str = "cpu"
                    ) -> tuple[Plan, StepReport, MemoryProfile, tuple[ChainSegment, ...], tuple[Collective, ...]]:
     """Captures and plans; with ``microbatches`` (pipelines) one micro-batch of this batch, as the
     runtime does, and also the pipeline chain and the loss's collectives. With ``captures`` the result
     is kept there too (the search's screen plans the data-parallel grid it then scores)."""
-    memo = ("planned", config, rank, dtype, microbatches, per_rank, tuple(sorted((batch_dims or {}).items(), key=str)))
+    memo = ("planned", config, rank, dtype, microbatches, per_rank, tuple(sorted((batch_dims or {}).items(), key=str)),
+            device)
     if captures is not None and memo in captures:
         return captures[memo]
     leaves, spec = pytree.tree_flatten((tuple(inputs), dict(kwargs or {})))
@@ -342,7 +348,8 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     if microbatches:
         chain = pipeline_chain(mine.gm, plan, report.collectives, layouts=mine_layouts)
         loss = tuple(loss_collectives(mine.gm, mine_layouts[0], config))
-    result = plan, report, estimate_memory(canonical.gm, plan, dtype, runs=captures, layouts=layouts), chain, loss
+    result = (plan, report, estimate_memory(canonical.gm, plan, dtype, runs=captures, layouts=layouts, device=device),
+              chain, loss)
     if captures is not None:
         captures[memo] = result
     return result

@@ -17,7 +17,7 @@ from torch import nn
 from autopar.compat import pytree
 from autopar.config import ParallelConfig
 from autopar.errors import AutoparError, PlanError
-from autopar.planning.machines import local_machine
+from autopar.planning.machines import device_type_of, local_machine
 from autopar.model_file import meta_inputs
 from autopar.planning.planner import SLOWEST, plan_model
 from passes.analysis.choose_stages import Hardware
@@ -36,7 +36,8 @@ def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machin
         plan, report = plan_model(model, inputs, candidate.config, rank=SLOWEST, checkpoint=checkpoint, kwargs=kwargs,
                                   budget=machine.memory_bytes, precision=precision, pipeline=candidate.pipeline,
                                   microbatches=candidate.microbatches, chunks=candidate.chunks, captures=captures,
-                                  hardware=Hardware.of(machine, candidate.config), compiled=compiled)
+                                  hardware=Hardware.of(machine, candidate.config), compiled=compiled,
+                                  device=device_type_of(machine))
     except AutoparError as e:
         return Scored(candidate, None, 0, False, reason=str(e).splitlines()[0])
     # the step is the slowest rank's (plan_seconds reads its report), the memory the fullest rank's: under
@@ -110,7 +111,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     def probed() -> Any:
         if not probe:
             probe.append(plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1), checkpoint="none", kwargs=kwargs,
-                                    precision=precision, captures=captures)[1])
+                                    precision=precision, captures=captures, device=device_type_of(machine))[1])
         return probe[0]
 
     experts: tuple[int, ...] = ()

@@ -220,9 +220,9 @@ class _Recorder(fx.Interpreter):
     """Runs the graph on meta tensors; remembers which node produced each storage and who saved what."""
 
     def __init__(self, gm: fx.GraphModule, dtype: torch.dtype | None = None,
-                 shard_saving: frozenset[fx.Node] = frozenset()) -> None:
+                 shard_saving: frozenset[fx.Node] = frozenset(), device: str = "cpu") -> None:
         super().__init__(gm)
-        self.dtype, self.shard_saving = dtype, shard_saving
+        self.dtype, self.shard_saving, self.device = dtype, shard_saving, device
         self.producer: dict[int, fx.Node] = {}
         self.saved: list[tuple[fx.Node, int, int, fx.Node | None]] = []
         """(saver, storage, bytes, the saver's input node holding that storage, if any)."""
@@ -319,7 +319,12 @@ class _Recorder(fx.Interpreter):
         if isinstance(mask, torch.Tensor) and mask.requires_grad:
             return super().run_node(n)  # the math path runs for this on CPU too
         if args[2].shape[-1] != args[0].shape[-1]:  # (DeepSeek's MLA: values narrower than queries and keys)
-            return super().run_node(n)  # the fused kernels take one head size; eager runs the math path
+            if self.device == "cuda" and args[1].shape[-3] == args[0].shape[-3] and mask is None:
+                # a GPU's memory-efficient kernel takes them: it keeps q, k, v, the output and the log-sum-exp
+                return torch.ops.aten._scaled_dot_product_efficient_attention(
+                    *args[:3], None, True, params.get("dropout_p", 0.0), params.get("is_causal", False),
+                    scale=params.get("scale"))[0]
+            return super().run_node(n)  # the CPU's fused kernel takes one head size: eager runs the math path
         if isinstance(mask, torch.Tensor) and mask.dtype == torch.bool:
             source = self._read.get(_storage_key(mask))
             mask = mask.to(args[0].dtype)  # the kernel turns a boolean mask into an additive one, and keeps it
@@ -343,10 +348,12 @@ class _Recorder(fx.Interpreter):
         return t
 
 
-def _meta_run(gm: fx.GraphModule, compute_dtype: torch.dtype | None, three_d: frozenset[fx.Node]) -> _Recorder:
+def _meta_run(gm: fx.GraphModule, compute_dtype: torch.dtype | None, three_d: frozenset[fx.Node],
+              device: str = "cpu") -> _Recorder:
     """The graph run once on meta under saved-tensor hooks (what every tensor's producer and saver are);
-    a graph the run cannot take gets the shapes-only record. Read only afterwards."""
-    rec = _Recorder(gm, compute_dtype, three_d)
+    a graph the run cannot take gets the shapes-only record. Read only afterwards. ``device``: the device type
+    training runs on (which attention kernel runs)."""
+    rec = _Recorder(gm, compute_dtype, three_d, device)
     try:
         with torch.autograd.graph.saved_tensors_hooks(rec.pack, lambda t: t):
             rec.run(*_meta_inputs(gm))
@@ -364,8 +371,11 @@ def _meta_run(gm: fx.GraphModule, compute_dtype: torch.dtype | None, three_d: fr
 
 def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype | None = None,
                     runs: dict[Any, Any] | None = None,
-                    layouts: tuple[LayoutResult, dict[fx.Node, MatmulMatch]] | None = None) -> MemoryProfile:
-    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``.
+                    layouts: tuple[LayoutResult, dict[fx.Node, MatmulMatch]] | None = None,
+                    device: str = "cpu") -> MemoryProfile:
+    """Saved-for-backward bytes per segment of ``gm`` (captured for this rank's batch) under ``plan``, training
+    on ``device`` (a device type: "cuda" runs an attention whose values are narrower than its keys, MLA's, on the
+    memory-efficient kernel, which keeps no scores; a CPU runs it on the math path, which does).
 
     ``compute_dtype`` (bf16/fp16 precision) casts the inputs of matmuls and attention, as autocast does.
     ``runs``: a dict the caller keeps while ``gm`` stays unchanged (the plan search's captures): the meta run
@@ -378,11 +388,11 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     res, by_node = layouts or layouts_for(gm, plan)
     seg_of = segment_names(gm)
     three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
-    key = ("meta run", gm, compute_dtype, three_d)
+    key = ("meta run", gm, compute_dtype, three_d, device)
     if runs is not None and key in runs:
         rec = runs[key]
     else:
-        rec = _meta_run(gm, compute_dtype, three_d)
+        rec = _meta_run(gm, compute_dtype, three_d, device)
         if runs is not None:
             runs[key] = rec
     params = {node for node in gm.graph.nodes if param_name(node) is not None}

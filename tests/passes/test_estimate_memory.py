@@ -169,3 +169,33 @@ def test_blocks_that_update_running_statistics_are_never_recomputed():
     profile = em.estimate_memory(cap.gm, make_plan(cap.gm, config))
     blocks = [s for s in profile.segments if s.name.startswith("blocks.")]
     assert [s.name for s in blocks] == ["blocks.0", "blocks.1"] and not any(s.checkpointable for s in blocks)
+
+
+class _NarrowValues(torch.nn.Module):
+    """Attention whose values are narrower than its queries and keys (DeepSeek's MLA: 128 against 192 per head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qk = torch.nn.Linear(16, 2 * 4 * 12)
+        self.v = torch.nn.Linear(16, 4 * 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        q, k = self.qk(x).view(b, s, 2, 4, 12).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(b, s, 4, 4).transpose(1, 2)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+def test_narrower_values_keep_the_scores_on_a_cpu_and_not_on_a_gpu():
+    """On a CPU torch runs such an attention on the math path, which keeps the scores (2 x 4 heads x 64 x 64); on a
+    GPU its memory-efficient kernel keeps q, k, v, the output and the log-sum-exp only: the memory plan of a GPU
+    target counts that (DeepSeek-V3 on H100s planned 8 GiB of scores per layer and sequence before)."""
+    model = _NarrowValues()
+    leaves, spec = pytree.tree_flatten(((torch.randn(2, 64, 16),), {}))
+    cap = capture_shard(meta_shadow(model), leaves, spec, {}, (), 0,
+                        requires_grad={n: True for n, _ in model.named_parameters()})
+    plan = make_plan(cap.gm, ParallelConfig(1))
+    cpu, gpu = (sum(s.saved_bytes for s in em.estimate_memory(cap.gm, plan, device=d).segments) for d in ("cpu", "cuda"))
+    scores = 2 * 4 * 64 * 64 * 4
+    assert cpu > scores and cpu - gpu > scores // 2, (cpu, gpu)  # (the math path keeps the scores' softmax)
+    assert gpu < scores, gpu  # (q, k, v, the output, the log-sum-exp: 75,800 B)

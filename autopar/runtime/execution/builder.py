@@ -114,7 +114,8 @@ class Builder:
         return PlanOptions(checkpoint, budget, self.memory.precision, microbatches,
                            self.pipe.stages_per_rank, self.pipe.schedule, strict=True,
                            compiled=self.compiling.training,
-                           hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None)
+                           hardware=local_rates(self.config, self.mesh.device) if self.config.pipeline > 1 else None,
+                           device=self.mesh.device.type)
 
     def adopt(self, plan: Plan) -> None:
         """Makes ``plan`` the model's plan: its parameters cut to this rank's pieces in place, and their
