@@ -381,6 +381,9 @@ class ExpertPlan:
     """The mesh axis splitting the experts (each rank ``experts / size`` whole ones); '' for whole on every rank."""
     reason: str = ""
     """Why the experts stay whole ('' where they are split)."""
+    tensor_axis: str = ""
+    """The tensor axis (row or col) splitting each expert's hidden features (``passes.analysis.experts.tensor_split``);
+    '' where each expert stays whole on the tensor ranks."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -412,6 +415,14 @@ class Plan:
 
     def param(self, name: str) -> ParamPlan:
         return self._by_param[name]
+
+    def whole_share(self, weight: str) -> int:
+        """How many ranks share the work of a matmul-like op left whole (``passes.analysis.whole_matmuls``) on
+        ``weight``: the ranks of the tensor axis an expert's hidden features split over, else 1."""
+        p = self._by_param.get(weight)
+        if p is None or p.kind is not ParamKind.SPLIT or p.split_axis not in ("row", "col"):
+            return 1
+        return self.config.size(p.split_axis)
 
     def to_dict(self) -> dict[str, Any]:
         def enc(obj: Any) -> Any:
@@ -448,6 +459,9 @@ class Plan:
             if e.axis:
                 lines.append(f"  {e.module:<40} experts {e.experts} split over {e.axis}: {e.experts // c.size(e.axis)} "
                              "whole experts per rank, rows exchanged by all-to-all")
+            elif e.tensor_axis:
+                lines.append(f"  {e.module:<40} experts {e.experts} each split over {e.tensor_axis}: 1/"
+                             f"{c.size(e.tensor_axis)} of every expert per rank, results all-reduced")
         lines.extend(f"  note: {n}" for n in self.notes)
         if self.memory is not None:
             lines.extend(f"  {line}" for line in self.memory.summary().splitlines())

@@ -5,7 +5,13 @@ the layer reads, ``ExpertLayer.inputs``) to the ranks of ``axis`` holding their 
 rank's rows by local expert with offsets of their own; the grouped matmuls then read this rank's experts
 (each parameter's piece is ``experts / size`` of them, ``ParamKind.SPLIT`` on dim 0) with those offsets, and
 the ops between them, row-wise, run on those rows; after the last, ``expert_combine`` sends each result back
-to the rank its row came from, in its place. Every other op of the graph is untouched. Pure.
+to the rank its row came from, in its place.
+
+Each expert split over a tensor axis instead (``ExpertPlan.tensor_axis``, ``passes.analysis.experts.tensor_split``):
+the rows stay where they are and enter through ``sum_grad`` (their gradient, computed from this rank's part of
+every expert, is summed over the axis); the values read with them are cut to this rank's features
+(``convert_layout``); the grouped matmuls read this rank's part of each expert's weights; and the last one's
+partial sums are completed by ``reduce_partial``. Every other op of the graph is untouched. Pure.
 """
 
 from __future__ import annotations
@@ -14,21 +20,26 @@ import operator
 
 from torch import fx
 
-from autopar.decisions import Plan
+from autopar.decisions import Layout, Plan
 from autopar.errors import PlanError
-from passes.analysis.experts import find_expert_layers
-from passes.ir import ExpertSpec, expert_combine, expert_dispatch
+from passes.analysis.experts import ExpertLayer, find_expert_layers, tensor_split
+from passes.ir import (REPLICATED, ConvertSpec, ExpertSpec, ReduceSpec, Sharding, convert_layout, expert_combine,
+                       expert_dispatch, reduce_partial, sum_grad)
 from passes.runner import PassResult
 
 
 def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
     split = {e.module: e for e in plan.experts if e.axis}
-    if not split:
+    tensor = {e.module: e.tensor_axis for e in plan.experts if e.tensor_axis}
+    if not split and not tensor:
         return PassResult(gm, False)
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
     for layer in find_expert_layers(gm):
+        if layer.module in tensor:
+            _split_each_expert(gm, layer, tensor[layer.module], plan.config.size(tensor[layer.module]))
+            changed = True
         decided = split.get(layer.module)
         if decided is None:
             continue
@@ -64,3 +75,29 @@ def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
         graph.lint()
         gm.recompile()
     return PassResult(gm, changed)
+
+
+def _split_each_expert(gm: fx.GraphModule, layer: ExpertLayer, axis: str, size: int) -> None:
+    split = tensor_split(layer, size)
+    if split.why_whole:
+        raise PlanError(f"{layer.module}: the plan splits each expert over {axis}, but the graph's layer cannot: "
+                        f"{split.why_whole}")
+    graph = gm.graph
+    first, last = layer.matmuls[0], layer.output
+    with graph.inserting_before(first):
+        rows = graph.call_function(sum_grad, (layer.rows, axis))
+        pieces = [graph.call_function(convert_layout, (value, ConvertSpec(REPLICATED, Sharding(Layout(axis), 1, p))))
+                  for value, p in zip(layer.inputs, split.inputs)]
+    for node, source in zip((rows, *pieces), (layer.rows, *layer.inputs)):
+        if "val" in source.meta:  # (the logical value, as every rewritten node keeps)
+            node.meta["val"] = source.meta["val"]
+    for matmul in layer.matmuls[:-1]:
+        matmul.replace_input_with(layer.rows, rows)
+    for node in layer.region:
+        for source, piece in zip(layer.inputs, pieces):
+            node.replace_input_with(source, piece)
+    with graph.inserting_after(last):
+        reduced = graph.call_function(reduce_partial, (last, ReduceSpec(axis, False)))
+    if "val" in last.meta:
+        reduced.meta["val"] = last.meta["val"]
+    last.replace_all_uses_with(reduced, delete_user_cb=lambda user: user is not reduced)

@@ -222,10 +222,11 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
             w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
             flops[seg] += matmul_flops(m, res.requires_grad[m.x], res.requires_grad[w]) / matmul_split(
                 config, plan.matmul(m.weight).orientation)
-        if (w := match_whole(node)) is not None:  # grouped matmuls of experts, convolutions: whole on every rank,
+        if (w := match_whole(node)) is not None:  # grouped matmuls of experts, convolutions: whole on every rank
+            # (or each expert split over a tensor axis: its part),
             # forward and the backward products that are needed (as ``report.estimate_step`` counts them)
             grads = 1 + int(res.requires_grad.get(w.x, False)) + int(res.requires_grad.get(weights.get(w.weight), False))
-            flops[seg] += w.forward_flops * grads
+            flops[seg] += w.forward_flops * grads / plan.whole_share(w.weight)
         if (a := attention_flops(node)):  # its stage's time, not its matmul FLOPs (reported apart)
             attention[seg] += ATTENTION_STEP_FACTOR * a * float(shard_fraction(res.sharding(node), sizes))
     issued: dict[str, list[Collective]] = {name: [] for name in order}

@@ -298,14 +298,30 @@ def exchange_bytes(rows: int, row_bytes: int, size: int) -> int:
 
 def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config: ParallelConfig,
                        requires_grad: Mapping[fx.Node, bool]) -> list[Collective]:
-    """The all-to-alls of the experts layers split over ranks (``autopar.runtime.ops.experts``): forward the
+    """The collectives of the experts layers split over ranks. Each expert split over a tensor axis
+    (``passes.split_experts``): forward the all-reduce of the partial results, backward the all-reduce of the rows'
+    gradient and the all-gather of the gradients of the values read with them. Experts split over data, the
+    all-to-alls of ``autopar.runtime.ops.experts``: forward the
     per-expert counts, the rows (and the values travelling with them) out and the results back; backward
     the results' gradients out and the rows' gradients back (those that need one: ``requires_grad``, the
     layouts' analysis). Balanced routing assumed:
     the bytes of an uneven one differ (the plan says so)."""
+    experts = tuple(experts)
     split = {e.module: e for e in experts if e.axis}
+    tensor = {e.module: e.tensor_axis for e in experts if e.tensor_axis}
     out: list[Collective] = []
-    for layer in find_expert_layers(gm) if split else ():
+    for layer in find_expert_layers(gm) if split or tensor else ():
+        if layer.module in tensor and not layer.why_whole:  # each expert split over a tensor axis
+            axis = tensor[layer.module]
+            size = config.size(axis)
+            out.append(Collective("all_reduce", axis, size, _nbytes(layer.output), "forward", layer.module,
+                                  layer.output.name))  # the partial sums
+            if requires_grad.get(layer.rows, False):
+                out.append(Collective("all_reduce", axis, size, _nbytes(layer.rows), "backward", layer.module,
+                                      layer.rows.name))  # the rows' gradient, from each rank's part of every expert
+            out += [Collective("all_gather", axis, size, _nbytes(n), "backward", layer.module, n.name)
+                    for n in layer.inputs if requires_grad.get(n, False)]  # their features' gradients
+            continue
         e = split.get(layer.module)
         if e is None or layer.why_whole:
             continue
@@ -325,6 +341,11 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
     return [c for c in out if c.group_size > 1]
 
 
+def _nbytes(node: fx.Node) -> int:
+    t = tensor_meta(node)
+    return t.numel() * t.element_size()
+
+
 @dataclass(frozen=True, slots=True)
 class ExpertShape:
     """One routed-experts layer an expert layout can split (``find_expert_layers``), as the plan search's screen
@@ -341,11 +362,15 @@ class ExpertShape:
     results back (``expert_collectives``'s order)."""
     backward: tuple[int, ...]
     """Bytes per row of each value moved in backward: the results' gradients out, the rows' back."""
+    flops: float = 0.0
+    """Its grouped matmuls' FLOPs of one step over the global batch (``StepReport.whole``'s rows)."""
 
 
-def expert_shapes(gm: fx.GraphModule, requires_grad: Mapping[fx.Node, bool], scale: Fraction) -> tuple[ExpertShape, ...]:
+def expert_shapes(gm: fx.GraphModule, requires_grad: Mapping[fx.Node, bool], scale: Fraction,
+                  flops: Mapping[str, float] | None = None) -> tuple[ExpertShape, ...]:
     """Every routed-experts layer of ``gm`` that can split over ranks, with what its exchange moves per row
-    (``expert_collectives``' values); ``scale``: the global batch's rows over the captured ones."""
+    (``expert_collectives``' values); ``scale``: the global batch's rows over the captured ones; ``flops``: each
+    expert weight's grouped matmul's FLOPs of a step."""
     def row_bytes(node: fx.Node) -> int:
         t = tensor_meta(node)
         return t[:1].numel() * t.element_size() if t.dim() else 0
@@ -363,7 +388,8 @@ def expert_shapes(gm: fx.GraphModule, requires_grad: Mapping[fx.Node, bool], sca
                                int(int(tensor_meta(layer.rows).shape[0]) * scale),
                                tuple(row_bytes(n) for n in (*moved, layer.output)),
                                (row_bytes(layer.output),
-                                *(row_bytes(n) for n in moved if requires_grad.get(n, False)))))
+                                *(row_bytes(n) for n in moved if requires_grad.get(n, False))),
+                               float(sum((flops or {}).get(w, 0) for w in layer.weights))))
     return tuple(out)
 
 

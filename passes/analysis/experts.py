@@ -9,10 +9,17 @@ grouped matmuls and every op between the first and the last; what it reads from 
 the first grouped matmul multiplies), the ``offsets``, the weights, and other values with a row per pick
 (``inputs``: an expert bias taken for each row); what leaves it is the last grouped matmul's result.
 
-Splitting the experts over ranks moves exactly that: the rows and inputs go to their experts' ranks, the region
+Splitting the experts over ranks (expert parallelism) moves exactly that: the rows and inputs go to their experts' ranks, the region
 runs there on that rank's experts, and the result comes back. It is sound only where every op of the region
 keeps the rows as rows (one result row per input row, computed from that row alone): ``find_expert_layers``
-checks that, and reports a layer it cannot split with the reason (``ExpertLayer.why_whole``). Pure.
+checks that, and reports a layer it cannot split with the reason (``ExpertLayer.why_whole``).
+
+Splitting each expert over a tensor axis instead (``tensor_split``, Megatron's MLP on every expert): the grouped
+matmuls that multiply the rows compute a piece of each row's hidden features (their weights split on the
+output features, each fused segment, such as gate and up, in its own pieces), the row-wise ops between run on
+those pieces, and the last grouped matmul multiplies them by its weight's matching rows (split on the input
+features), giving each rank a partial sum of every row's result that one all-reduce completes. No row moves
+and the work per rank does not depend on the routing. Pure.
 """
 
 from __future__ import annotations
@@ -188,3 +195,127 @@ def find_expert_layers(gm: fx.GraphModule) -> list[ExpertLayer]:
             if offsets is not None:
                 by_offsets.setdefault(offsets, []).append(node)
     return [_layer(matmuls, offsets) for offsets, matmuls in by_offsets.items()]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSplit:
+    """How a layer's experts split over ``n`` ranks of a tensor axis (``tensor_split``)."""
+
+    weights: tuple[tuple[str, int, tuple[int, ...]], ...] = ()
+    """(weight, the parameter's dim split, the segments of that dim) for each grouped matmul's weight."""
+    inputs: tuple[tuple[int, ...], ...] = ()
+    """The segments of each of ``ExpertLayer.inputs``' features (dim 1), split alike."""
+    why_whole: str = ""
+
+
+def _read_dims(node: object) -> tuple[str, list[int]] | None:
+    """(the 3-D parameter a grouped matmul's weight reads, the parameter dim behind each dim read)."""
+    steps: list[fx.Node] = []
+    for _ in range(8):
+        if not isinstance(node, fx.Node):
+            return None
+        name = param_name(node)
+        if name is not None:
+            break
+        if node.op != "call_function" or node.target not in _THROUGH or not node.args:
+            return None
+        steps.append(node)
+        node = node.args[0]
+    else:
+        return None
+    dims = [0, 1, 2]
+    for step in reversed(steps):
+        if step.target is aten.transpose.int:
+            a, b = (int(d) % 3 for d in step.args[1:3])
+            dims[a], dims[b] = dims[b], dims[a]
+        elif step.target is aten.permute.default:
+            dims = [dims[int(d) % 3] for d in step.args[1]]
+        elif step.target is aten.t.default:
+            return None
+    return name, dims
+
+
+def _feature_parts(start: fx.Node, region: frozenset[fx.Node], features: int, n: int) -> tuple[tuple[int, ...], str]:
+    """The segments of ``start``'s features (dim 1, ``features`` wide) as the region's ops cut them (a fused
+    gate/up ``chunk``, an interleaved ``[:, ::2]``), and why they cannot split over ``n`` ('' where they can)."""
+    parts: tuple[int, ...] = (features,)
+    step = 1
+    todo, seen = [start], set()
+    while todo:
+        node = todo.pop()
+        for user in node.users:
+            if user not in region or user in seen:
+                continue
+            seen.add(user)
+            meta = tensor_meta(node)
+            last = meta.dim() - 1 if meta is not None else 1
+            if user.target is aten.chunk.default:
+                if int(user.args[2] if len(user.args) > 2 else 0) % (last + 1) == last:
+                    parts = (features // int(user.args[1]),) * int(user.args[1])
+            elif user.target is aten.split.Tensor:
+                if int(user.args[2] if len(user.args) > 2 else 0) % (last + 1) == last:
+                    size = int(user.args[1])
+                    parts = (size,) * (features // size)
+            elif user.target in (aten.slice.Tensor, aten.narrow.default):
+                dim = int(user.args[1]) % (last + 1)
+                if dim == last:
+                    begin = int(user.args[2]) if len(user.args) > 2 and user.args[2] is not None else 0
+                    end = user.args[3] if len(user.args) > 3 else None
+                    stride = int(user.args[4]) if len(user.args) > 4 else 1
+                    if user.target is aten.narrow.default or stride == 1 or begin >= stride or \
+                            (end is not None and int(end) < features):
+                        return parts, f"{user.name} takes a part of the experts' hidden features"
+                    step = max(step, stride)
+                    continue  # (its result is a strided piece: the ops after it are row-wise)
+            elif user.target is operator.getitem and node.target is not aten.chunk.default and \
+                    node.target is not aten.split.Tensor:
+                return parts, f"{user.name} indexes the experts' hidden features"
+            if user.target not in (aten.chunk.default, aten.split.Tensor):
+                todo.append(user)
+    if sum(parts) != features or any(p % (n * step) for p in parts):
+        return parts, f"its hidden features ({'+'.join(map(str, parts))}) do not divide over {n} ranks" + \
+            (f" in steps of {step}" if step > 1 else "")
+    return parts, ""
+
+
+def tensor_split(layer: ExpertLayer, n: int) -> TensorSplit:
+    """Each expert of ``layer`` split over ``n`` ranks of a tensor axis: the grouped matmuls that multiply the
+    layer's rows split their weights' output features, the last its input features (see the module docstring),
+    or why the layer cannot (``TensorSplit.why_whole``)."""
+    if layer.why_whole:
+        return TensorSplit(why_whole=layer.why_whole)
+    *columns, last = layer.matmuls
+    if not columns or any(m.args[0] is not layer.rows for m in columns) or last.args[0] is layer.rows:
+        return TensorSplit(why_whole="its grouped matmuls are not a chain of matmuls of the rows and one of their "
+                                     "result")
+    for node in layer.region:
+        for a in _tensor_args(node):
+            if a not in layer.region and a not in layer.inputs and param_name(a) is not None and \
+                    not any(a is m.args[1] for m in layer.matmuls):
+                return TensorSplit(why_whole=f"{node.name} reads the parameter {param_name(a)}")
+    weights = []
+    inputs: list[tuple[int, ...]] = [()] * len(layer.inputs)
+    for matmul in columns:
+        read = _read_dims(matmul.args[1])
+        features = int(tensor_meta(matmul).shape[-1])
+        parts, why = _feature_parts(matmul, layer.region, features, n)
+        if read is None or why:
+            return TensorSplit(why_whole=why or f"{matmul.name}'s weight is read through a view autopar does not "
+                                                "follow")
+        weights.append((read[0], read[1][2], parts))
+        for i, value in enumerate(layer.inputs):
+            meta = tensor_meta(value)
+            if meta is not None and meta.dim() == 2 and int(meta.shape[1]) == features and \
+                    any(u in layer.region and matmul in u.all_input_nodes for u in value.users):
+                inputs[i] = parts
+    read = _read_dims(last.args[1])
+    if read is None:
+        return TensorSplit(why_whole=f"{last.name}'s weight is read through a view autopar does not follow")
+    hidden = int(tensor_meta(last.args[1]).shape[1])
+    if hidden % n:
+        return TensorSplit(why_whole=f"its {hidden} hidden features do not divide over {n} ranks")
+    weights.append((read[0], read[1][1], (hidden,)))
+    missing = [v.name for v, parts in zip(layer.inputs, inputs) if not parts]
+    if missing:
+        return TensorSplit(why_whole=f"{', '.join(missing)} (read with the rows) is not added to a matmul's result")
+    return TensorSplit(tuple(weights), tuple(inputs))

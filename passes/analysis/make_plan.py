@@ -33,8 +33,8 @@ from torch import fx
 
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
-from autopar.decisions import (EmbeddingMode, EmbeddingPlan, ExpertPlan, MatmulPlan, Orientation, ParamKind, ParamPlan, Plan,
-                                uneven_split)
+from autopar.decisions import (EmbeddingMode, EmbeddingPlan, ExpertPlan, Layout, MatmulPlan, Orientation, ParamKind,
+                                ParamPlan, Plan, uneven_split)
 from autopar.errors import PlanError
 from passes.analysis.batch_dims import analyze_batch
 from passes.analysis.estimate_costs import list_collectives, total_bytes
@@ -48,7 +48,7 @@ from passes.analysis.graph_facts import (
 )
 from passes.analysis.layout_rules import LayoutResult, output_node
 from passes.analysis.layouts import node_flags, propagate_layouts
-from passes.analysis.experts import find_expert_layers
+from passes.analysis.experts import find_expert_layers, tensor_split
 from passes.analysis.whole_matmuls import find_whole_matmuls
 from passes.ir import Sharding, graph_info
 
@@ -164,6 +164,15 @@ def layouts_for(gm: fx.GraphModule, plan: Plan) -> tuple[LayoutResult, dict[fx.N
     sizes = {"row": plan.config.row, "col": plan.config.col}
     res = propagate_layouts(gm, by_node, matmul_decider(plan), sizes, local_batch_of(gm), embedding_decider(plan),
                             plan.config.sequence_parallel)
+    tensor = {e.module: e.tensor_axis for e in plan.experts if e.tensor_axis}
+    for layer in find_expert_layers(gm) if tensor else ():
+        if layer.module not in tensor:
+            continue
+        for node in layer.region:  # (each expert split over a tensor axis: its hidden features are, between the
+            t = tensor_meta(node)  # grouped matmuls, as passes.split_experts computes them)
+            if node is not layer.output and t is not None and t.dim() == 2 and \
+                    all(u in layer.region for u in node.users):
+                res.shardings[node] = Sharding(Layout(tensor[layer.module]), 1, (int(t.shape[1]),))
     return res, by_node
 
 
@@ -376,24 +385,35 @@ class _Planner:
         why = [(m.weight, m.reason) for m in matmuls.values() if m.reason]
         why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
         experts = self.expert_plans()
-        split = {w for e in experts if e.axis for w in e.weights}
+        split = {w for e in experts if e.axis or e.tensor_axis for w in e.weights}
         notes = replicated_notes(why) + whole_notes(self.gm, split) + \
             (uneven_head_notes(res, self.config) if res is not None else ()) + \
             (self.batch.notes() if self.batch is not None and self.config.num_batch_shards > 1 else ())
-        notes += tuple(f"{e.module}: its experts stay whole on every rank: {e.reason}" for e in experts if e.reason)
+        notes += tuple(f"{e.module}: {e.reason}" if e.reason.startswith("each expert") else
+                       f"{e.module}: its experts stay whole on every rank: {e.reason}" for e in experts if e.reason)
         return Plan(self.config, tuple(matmuls.values()), param_plans(self.gm, matmuls, embeddings, experts), notes,
                     tuple(embeddings), experts=experts)
 
     def expert_plans(self) -> tuple[ExpertPlan, ...]:
-        """Under ``expert_parallel``, each routed-experts layer's experts split over the data ranks, where the
-        layer splits (``find_expert_layers``) and its experts divide."""
-        if not self.config.expert_parallel or self.config.data == 1:
+        """Each routed-experts layer (``find_expert_layers``): under ``expert_parallel``, its experts split over
+        the data ranks, where the layer splits and its experts divide; otherwise, on a tensor grid, each expert
+        split over the larger of the row and col axes (``tensor_split``), where its hidden features divide."""
+        c = self.config
+        ep = c.expert_parallel and c.data > 1
+        axis = max(("row", "col"), key=c.size)
+        if not ep and c.size(axis) == 1:
             return ()
         out = []
         for layer in find_expert_layers(self.gm):
-            reason = layer.why_whole or (f"its {layer.experts} experts do not divide over data={self.config.data}"
-                                         if layer.experts % self.config.data else "")
-            out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "" if reason else "data", reason))
+            if ep:
+                reason = layer.why_whole or (f"its {layer.experts} experts do not divide over data={c.data}"
+                                             if layer.experts % c.data else "")
+                out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "" if reason else "data", reason))
+                continue
+            why = tensor_split(layer, c.size(axis)).why_whole
+            out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "",
+                                  f"each expert stays whole over {axis}={c.size(axis)}: {why}" if why else "",
+                                  "" if why else axis))
         return tuple(out)
 
 
@@ -448,6 +468,14 @@ def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
     biases = {m.bias: m for m in sharded.values() if m.bias is not None}
     tables = {e.weight: e for e in embeddings if e.mode is not EmbeddingMode.REPLICATED}
     split_experts = {w: e for e in experts if e.axis for w in e.weights}
+    tensor_experts: dict[str, tuple[str, int, tuple[int, ...]]] = {}
+    if any(e.tensor_axis for e in experts):
+        by_module = {e.module: e for e in experts if e.tensor_axis}
+        for layer in find_expert_layers(gm):
+            e = by_module.get(layer.module)
+            if e is not None:
+                for weight, dim, parts in tensor_split(layer, 1).weights:
+                    tensor_experts[weight] = (e.tensor_axis, dim, parts)
     out = []
     for node in gm.graph.nodes:
         name = param_name(node)
@@ -471,6 +499,9 @@ def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
         elif name in split_experts:  # each rank its experts (dim 0), their gradients complete from every rank's rows
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, grad_axes=("depth",),
                                  split_axis=split_experts[name].axis, split_dim=0))
+        elif name in tensor_experts:  # each expert's hidden features split (its gradients: this rank's part)
+            axis, dim, parts = tensor_experts[name]
+            out.append(ParamPlan(name, shape, ParamKind.SPLIT, parts=parts, split_axis=axis, split_dim=dim))
         elif name in tables:
             e = tables[name]
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, split_axis=e.axis,

@@ -90,7 +90,8 @@ class StepReport:
     micro-batch); not in ``rank_flops`` or the layers' FLOPs."""
     whole: tuple[LayerRow, ...] = ()
     """The matmul-like ops on parameters that run whole on every rank (grouped matmuls of 3-D expert weights,
-    convolutions: ``whole_matmuls``), with why; counted in ``flops_per_step``, never in the sharded share."""
+    convolutions: ``whole_matmuls``), with why; counted in ``flops_per_step``, in the sharded share only where
+    each expert splits over a tensor axis."""
     experts: tuple[ExpertShape, ...] = ()
     """The routed-experts layers an expert layout can split, whatever this plan does with them (the plan
     search's screen prices expert layouts from them)."""
@@ -145,16 +146,18 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
                              tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
     whole = []
-    split = {w: e for e in plan.experts if e.axis for w in e.weights}
+    split = {w: e for e in plan.experts if e.axis or e.tensor_axis for w in e.weights}
     for w in find_whole_matmuls(gm):
         grads = 1 + int(res.requires_grad.get(w.x, False)) + int(grad_of.get(w.weight, False))
         e = split.get(w.weight)
         how = f"replicated: {w.reason}" if e is None else \
-            f"experts over {e.axis}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank"
+            f"experts over {e.axis}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank" if e.axis else \
+            f"each expert over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it per rank"
         whole.append(LayerRow(w.module, w.weight, None, w.op, tuple(tensor_meta(w.x).shape),
                               tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
                               int(w.forward_flops * scale) * grads, how, Fraction(0)))
-    experts = expert_shapes(gm, res.requires_grad, scale) if any(w.op == "grouped_mm" for w in whole) else ()
+    experts = expert_shapes(gm, res.requires_grad, scale, {r.weight: r.flops for r in whole}) \
+        if any(w.op == "grouped_mm" for w in whole) else ()
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
                                largest_param_bytes=largest, experts=experts)
 
@@ -216,7 +219,8 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
         else tuple(whole)
     return StepReport(tuple(rows), tuple(other.items()), num_parameters,
                       sum(r.flops for r in rows) + sum(r.flops for r in whole),
-                      sum(r.flops for r in rows if r.is_sharded), param_bytes, sum(by_kind.values(), Fraction(0)),
+                      sum(r.flops for r in rows if r.is_sharded) + sum(r.flops for r in whole if r.sharding.startswith(
+                          "each expert")), param_bytes, sum(by_kind.values(), Fraction(0)),
                       by_kind, tuple(colls), whole=whole)
 
 
@@ -249,11 +253,12 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
 
 def whole_flops_per_rank(report: StepReport, plan: Plan) -> float:
     """What one rank computes of the ops left whole (``StepReport.whole``) beside ``rank_flops``: its rows' share of
-    them; 0 where the rank runs part of the model (a pipeline's stages), whose ``rank_flops`` count them already
+    them (of each expert split over a tensor axis, its part: ``Plan.whole_share``);
+    0 where the rank runs part of the model (a pipeline's stages), whose ``rank_flops`` count them already
     (``choose_stages.pipeline_chain``'s segment FLOPs)."""
     if report.rank_flops is not None:
         return 0.0
-    return sum(r.flops for r in report.whole) / plan.config.num_batch_shards
+    return sum(r.flops / plan.whole_share(r.weight) for r in report.whole) / plan.config.num_batch_shards
 
 
 def shared_names(plan: Plan) -> set[str]:

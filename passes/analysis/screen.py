@@ -248,9 +248,15 @@ class _Degrees:
         self.experts = experts = shape.experts if c.expert_parallel and c.data > 1 else ()
         split = sum(e.weight_bytes for e in experts)
         split_experts = split // (c.data * self.stages)  # (a pipeline rank: its stages' share of the layers)
+        # otherwise, on a tensor grid, each expert splits over the larger of row and col (make_plan's
+        # tensor_split; its hidden features taken to divide)
+        self.expert_axis = ("row" if c.row >= c.col else "col") if not experts and self.tensor > 1 else ""
+        self.each_expert = each = shape.experts if self.expert_axis else ()
+        parted = sum(e.weight_bytes for e in each)
         self.params = params = ((shape.param_bytes - kept_whole + (self.tensor - 1) * whole_bytes)
                                 // (self.tensor * c.depth * self.stages)
-                                + (kept_whole - split) // self.stages + split_experts)
+                                + (kept_whole - split - parted) // self.stages + split_experts
+                                + parted // (max(c.row, c.col) * self.stages))
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
         self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
@@ -260,7 +266,8 @@ class _Degrees:
 
     def _exchange(self, c: Candidate, micro: int) -> tuple[float, float]:
         """The all-to-alls of the routed experts split over data (``estimate_costs.expert_collectives``, balanced
-        routing): seconds and calls of one step of ``micro`` micro-batches, a pipeline rank its stages' share of
+        routing), or the all-reduces of each expert split over a tensor axis: seconds and calls of one step of
+        ``micro`` micro-batches, a pipeline rank its stages' share of
         the layers."""
         price, seconds, calls = self.price, 0.0, 0
         for e in self.experts:
@@ -271,6 +278,12 @@ class _Degrees:
             seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "backward")
                            for b in e.backward)
             calls += 1 + len(e.forward) + len(e.backward)
+        size = max(c.row, c.col)
+        for e in self.each_expert:  # each expert split over a tensor axis: its partial results, the rows' gradient
+            rows = e.rows // (self.shards * micro)
+            seconds += price("all_reduce", self.expert_axis, size, rows * e.forward[-1], "forward")
+            seconds += price("all_reduce", self.expert_axis, size, rows * e.forward[0], "backward")
+            calls += 2
         share = micro / self.stages
         return seconds * share, calls * share
 
@@ -322,7 +335,8 @@ class _Degrees:
         # attention's heads split over one tensor axis (the q projection's output axis: the larger, at best)
         compute += shape.attention_flops / (shards * max(c.row, c.col) * stages) / machine.flops_per_second
         # the ops left whole: each rank its rows' share (under a pipeline, of its stages' blocks)
-        compute += shape.whole_flops / (shards * stages) / machine.flops_per_second
+        whole = shape.whole_flops - sum(e.flops for e in self.each_expert) * (1 - 1 / max(c.row, c.col))
+        compute += whole / (shards * stages) / machine.flops_per_second
         if machine.activation_bytes_per_second:
             compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
         # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
@@ -331,7 +345,7 @@ class _Degrees:
         if key not in memo:
             memo[key] = _tensor_seconds(shape, c, price, self.axes)
         comm, blocking = memo[key]
-        if self.experts:
+        if self.experts or self.each_expert:
             exchange, calls = self._exchange(c, micro)
             comm, blocking = comm + exchange, blocking + calls
         message = 0

@@ -83,7 +83,7 @@ def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
         assert all(r["sent"] == want for r in got), ([r["sent"] for r in got], want)
 
 
-def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int) -> dict:
+def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int, ep: bool = True) -> dict:
     import autopar
     from autopar.runtime.params.layout import local_of
     from tests import unlike_models as U
@@ -91,9 +91,10 @@ def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: 
     out = {}
     for name in names:
         torch.manual_seed(0)
-        with autopar.auto_parallelize(tensor=tensor, data=data, expert_parallel=True):
+        with autopar.auto_parallelize(tensor=tensor, data=data, expert_parallel=ep):
             model = U.build(name)
         result = U.train(name, model, U.batches(name), autopar.full_state_dict)
+        result["tensor split"] = [e.tensor_axis for e in autopar.plan_of(model).experts]
         plan = autopar.plan_of(model)
         experts = {n: p for n, p in model.named_parameters() if n in {w for e in plan.experts for w in e.weights}}
         result["split"] = [(e.module, e.axis, e.reason) for e in plan.experts]
@@ -117,6 +118,30 @@ def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, n
             mine = r[name]
             assert mine["split"] and all(axis == "data" for _, axis, _ in mine["split"]), mine["split"]
             assert mine["expert share"] == pytest.approx(1 / data)  # each rank holds its experts only
+            for a, b in zip(mine["losses"], want["losses"], strict=True):
+                assert abs(a - b) <= 1e-5 * abs(b), (name, mine["losses"], want["losses"])
+            for k, w in want["state"].items():
+                err = (mine["state"][k].double() - w.double()).abs().max().item()
+                assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (name, k, err)
+            assert torch.equal(mine["tokens"], want["tokens"]), name
+
+
+@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss", "qwen3_moe", "mixtral+aux"), (2, 1, 1), 1),
+                                               (("qwen3_moe",), (1, 2, 1), 2)])
+def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed, names, tensor, data):
+    """A tensor grid splits every expert's hidden features (Megatron's MLP on each expert): each rank holds
+    1/tensor of the experts, no row moves, and losses, every final parameter and generate's tokens are serial's."""
+    from tests import unlike_models as U
+
+    axis = "row" if tensor[0] > 1 else "col"
+    world = tensor[0] * tensor[1] * tensor[2] * data
+    got = distributed(parallel_worker, world, names, tensor, data, False, timeout=600)
+    for name in names:
+        want = U.serial(name)
+        for r in got:
+            mine = r[name]
+            assert mine["tensor split"] and set(mine["tensor split"]) == {axis}, (name, mine["split"])
+            assert mine["expert share"] == pytest.approx(1 / 2)  # each rank holds half of every expert
             for a, b in zip(mine["losses"], want["losses"], strict=True):
                 assert abs(a - b) <= 1e-5 * abs(b), (name, mine["losses"], want["losses"])
             for k, w in want["state"].items():

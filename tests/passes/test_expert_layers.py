@@ -107,3 +107,68 @@ def test_an_expert_weight_read_outside_its_layer_keeps_the_layer_whole():
         penalty = gm.graph.call_function(aten.sum.default, (weight,))
     penalty.meta["val"] = weight.meta["val"].sum()
     assert "also read outside" in find_expert_layers(gm)[0].why_whole
+
+
+@pytest.mark.parametrize("name", [n for n in ("mixtral", "qwen3_moe", "gpt_oss", "deepseek_v3") if n in moe_zoo.NAMES])
+def test_each_expert_splits_over_a_tensor_axis_by_its_hidden_features(name):
+    """The fused gate/up weight splits its output features, gate and up each in pieces (``chunk``), or as one
+    interleaved run (gpt-oss's ``[:, ::2]``, its bias taken by row alike); down splits its input features."""
+    from passes.analysis.experts import tensor_split
+    from passes.analysis.graph_facts import param_name
+
+    gm = _captured(name)
+    for layer in find_expert_layers(gm):
+        split = tensor_split(layer, 2)
+        assert not split.why_whole, split.why_whole
+        (up, up_dim, up_parts), (down, down_dim, down_parts) = split.weights
+        shapes = {param_name(n): tuple(n.meta["val"].shape) for n in gm.graph.nodes if param_name(n)}
+        up_shape = shapes[up]
+        hidden = down_parts[0]
+        assert sum(up_parts) == up_shape[up_dim] == 2 * hidden
+        assert up_parts == ((2 * hidden,) if name == "gpt_oss" else (hidden, hidden))
+        assert shapes[down][down_dim] == hidden and down_dim != 0 and up_dim != 0
+        assert split.inputs == (((2 * hidden,),) if name == "gpt_oss" else ())
+        assert "do not divide over 3 ranks" in tensor_split(layer, 3).why_whole
+    if name == "gpt_oss":  # 64 interleaved features over 32 ranks: pieces of 2, each a gate and an up; over 64, not
+        assert not tensor_split(layer, 32).why_whole and "in steps of 2" in tensor_split(layer, 64).why_whole
+
+
+def test_a_layer_taking_part_of_its_hidden_features_stays_whole_over_tensor():
+    """Mutation: the chunk of gate and up made a slice of the first 16 features: a rank's piece would not be
+    the features the slice takes."""
+    from passes.analysis.experts import tensor_split
+
+    gm = _captured("mixtral")
+    layer = find_expert_layers(gm)[0]
+    chunk = next(n for n in layer.region if n.target is aten.chunk.default)
+    chunk.target, chunk.args = aten.slice.Tensor, (chunk.args[0], 1, 0, 16)
+    assert "takes a part of the experts' hidden features" in tensor_split(find_expert_layers(gm)[0], 2).why_whole
+
+
+def test_a_tensor_grid_splits_each_expert_and_prices_its_all_reduces():
+    from autopar.config import ParallelConfig
+    from autopar.decisions import ParamKind
+    from autopar.planning.planner import plan_model
+
+    torch.manual_seed(0)
+    model = moe_zoo.build_model("mixtral")
+    (ids,) = moe_zoo.example_inputs("mixtral", batch=8, seq=16)
+    plan, report = plan_model(model, (ids,), ParallelConfig(1, row=2), kwargs={"use_cache": False})
+    assert [(e.axis, e.tensor_axis) for e in plan.experts] == [("", "row")] * 2
+    up = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+    down = plan.param("model.layers.0.mlp.experts.down_proj")
+    assert (up.kind, up.split_axis, up.split_dim, up.parts) == (ParamKind.SPLIT, "row", 1, (64, 64))
+    assert (down.kind, down.split_axis, down.split_dim, down.parts) == (ParamKind.SPLIT, "row", 2, (64,))
+    assert up.local_numel(plan.config) * 2 == up.shape[0] * up.shape[1] * up.shape[2]
+    assert "each split over row: 1/2 of every expert per rank" in plan.summary()
+    assert all(r.sharding == "each expert over row: 1/2 of it per rank" for r in report.whole)
+    whole, _ = plan_model(model, (ids,), ParallelConfig(2), kwargs={"use_cache": False})
+    share = {r.weight: r.flops for r in report.whole}
+    from passes.analysis.report import whole_flops_per_rank
+    assert whole_flops_per_rank(report, plan) == sum(share.values()) / 2  # each rank its half of every expert
+    # per layer: the results' partial sums (256 rows x 32 floats) forward, the rows' gradient backward
+    rows = 8 * 16 * 2 * 32 * 4
+    expert = [c for c in report.collectives if c.where.endswith("mlp.experts") and c.kind == "all_reduce"]
+    assert sorted((c.kind, c.phase, c.message_bytes) for c in expert) == \
+        [("all_reduce", "backward", rows)] * 2 + [("all_reduce", "forward", rows)] * 2
+    assert not whole.experts

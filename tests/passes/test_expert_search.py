@@ -83,10 +83,13 @@ def test_the_search_splits_the_experts_where_memory_needs_it_and_scores_as_plann
     shape = shape_of(probe, 4)
     assert [(e.experts, len(e.forward), len(e.backward)) for e in shape.experts] == [(4, 2, 2)] * 2
     assert shape.whole_flops > 0 and shape.whole_weight_bytes == sum(e.weight_bytes for e in shape.experts)
-    for c in (Candidate(4, 1, 1, 1, 1, expert_parallel=True), Candidate(2, 1, 2, 1, 1, expert_parallel=True)):
+    for c in (Candidate(4, 1, 1, 1, 1, expert_parallel=True), Candidate(2, 1, 2, 1, 1, expert_parallel=True),
+              Candidate(2, 1, 2, 1, 1)):
         floor = screen(shape, c, h100)[1]
         assert floor <= score(model, inputs, c, h100, checkpoint="full").memory_bytes, c
-        assert floor < screen(shape, dataclasses.replace(c, expert_parallel=False), h100)[1], c
+        other = screen(shape, dataclasses.replace(c, expert_parallel=False), h100)[1]
+        # (without, a tensor grid splits each expert over row instead: half of every expert, as half the experts)
+        assert (floor < other if c.row == 1 else floor == other), (c, floor, other)
 
 
 def test_the_screen_prices_the_exchange_and_the_experts_work():

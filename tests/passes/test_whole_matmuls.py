@@ -25,6 +25,11 @@ def test_moe_experts_count_in_flops_parameters_and_the_unsharded_share():
     assert up.flops == 3 * 2 * rows * 32 * 128  # forward, input gradient, weight gradient
     dense = sum(r.flops for r in report.layers)
     assert report.flops_per_step == dense + sum(r.flops for r in whole)
+    # on a tensor grid each expert splits over row: its FLOPs count as sharded, and no note says they stay whole
+    assert report.matmul_flops_sharded > 0.9 * report.flops_per_step
+    assert not any(EXPERTS in why for why, _ in coverage_gaps(report))
+    assert not any(EXPERTS in n for n in plan.notes), plan.notes
+    plan, report = plan_model(model, (ids,), ParallelConfig(2), kwargs={"use_cache": False})  # data: whole
     assert report.matmul_flops_sharded < 0.4 * report.flops_per_step  # the experts are most of the work
     assert any(EXPERTS in why for why, _ in coverage_gaps(report))
     assert any(EXPERTS in n and "77% of the parameters" in n for n in plan.notes), plan.notes
