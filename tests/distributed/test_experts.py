@@ -83,7 +83,8 @@ def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
         assert all(r["sent"] == want for r in got), ([r["sent"] for r in got], want)
 
 
-def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int, ep: bool = True) -> dict:
+def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int, ep: bool = True,
+                    options: dict | None = None) -> dict:
     import autopar
     from autopar.runtime.params.layout import local_of
     from tests import unlike_models as U
@@ -91,7 +92,7 @@ def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: 
     out = {}
     for name in names:
         torch.manual_seed(0)
-        with autopar.auto_parallelize(tensor=tensor, data=data, expert_parallel=ep):
+        with autopar.auto_parallelize(tensor=tensor, data=data, expert_parallel=ep, **(options or {})):
             model = U.build(name)
         result = U.train(name, model, U.batches(name), autopar.full_state_dict)
         result["tensor split"] = [e.tensor_axis for e in autopar.plan_of(model).experts]
@@ -126,16 +127,20 @@ def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, n
             assert torch.equal(mine["tokens"], want["tokens"]), name
 
 
-@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss", "qwen3_moe", "mixtral+aux"), (2, 1, 1), 1),
-                                               (("qwen3_moe",), (1, 2, 1), 2)])
-def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed, names, tensor, data):
+@pytest.mark.parametrize("names,tensor,data,options", [
+    (("mixtral", "gpt_oss", "qwen3_moe", "mixtral+aux"), (2, 1, 1), 1, {}),
+    (("qwen3_moe",), (1, 2, 1), 2, {}),
+    (("mixtral",), (2, 1, 1), 1, {"sequence_parallel": True}),
+    (("gpt_oss",), (2, 1, 1), 1, {"checkpoint": "full"})])
+def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed, names, tensor, data, options):
     """A tensor grid splits every expert's hidden features (Megatron's MLP on each expert): each rank holds
-    1/tensor of the experts, no row moves, and losses, every final parameter and generate's tokens are serial's."""
+    1/tensor of the experts, no row moves, and losses, every final parameter and generate's tokens are serial's
+    (with sequence parallelism, and with every block recomputed, too)."""
     from tests import unlike_models as U
 
     axis = "row" if tensor[0] > 1 else "col"
     world = tensor[0] * tensor[1] * tensor[2] * data
-    got = distributed(parallel_worker, world, names, tensor, data, False, timeout=600)
+    got = distributed(parallel_worker, world, names, tensor, data, False, options, timeout=600)
     for name in names:
         want = U.serial(name)
         for r in got:
@@ -393,3 +398,32 @@ def test_experts_split_over_data_inside_a_pipeline_keep_serials_numbers(distribu
             err = (r["state"][k].double() - w.double()).abs().max().item()
             assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
         assert torch.equal(r["tokens"], want["tokens"])
+
+
+def compiled_worker(name: str) -> dict:
+    import autopar
+    from autopar.parallel_model import runtime_of
+    from tests import unlike_models as U
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(tensor=(2, 1, 1), compile=True):
+        model = U.build(name)
+    out = U.train(name, model, U.batches(name), autopar.full_state_dict, generate=False)
+    out["runs"] = sum(g.compiled_runs for g in runtime_of(model).compiled_graphs())
+    return out
+
+
+def test_experts_split_over_a_tensor_axis_train_compiled_with_serials_numbers(distributed):
+    """Each expert split over a tensor axis moves no row, so nothing in the step has a size the routing decides
+    (unlike the exchange over data): ``compile=True`` runs the per-rank graph compiled every step (measured:
+    serial's losses to the bit on this CPU)."""
+    from tests import unlike_models as U
+
+    want = U.serial("mixtral")
+    for r in distributed(compiled_worker, 2, "mixtral", timeout=600):
+        assert r["runs"] == 3, r["runs"]  # (a graph that did not compile would run eagerly: 0)
+        for a, b in zip(r["losses"], want["losses"], strict=True):
+            assert abs(a - b) <= 1e-5 * abs(b), (r["losses"], want["losses"])
+        for k, w in want["state"].items():
+            err = (r["state"][k].double() - w.double()).abs().max().item()
+            assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
