@@ -163,6 +163,12 @@ class ParamPlan:
     split_axis: str = ""
     """SPLIT only: the mesh axis splitting ``split_dim``."""
     split_dim: int = 0
+    second_axis: str = ""
+    """SPLIT only: a second mesh axis splitting another dim, ``second_dim`` (routed experts split over data on dim 0,
+    each split over a tensor axis on its hidden features); '' for none."""
+    second_dim: int = 0
+    second_parts: tuple[int, ...] = ()
+    """Segments of ``second_dim`` (as ``parts``)."""
 
     def local_numel(self, config: ParallelConfig) -> int:
         """Elements of this parameter on a rank; split unevenly (``uneven_split``): on the ranks with the
@@ -172,6 +178,8 @@ class ParamPlan:
             numel *= s
         if self.kind is ParamKind.WEIGHT_3D:
             return numel // (config.row * config.col * config.depth)
+        if self.kind is ParamKind.SPLIT and self.second_axis:
+            return math.prod(self.local_shape(config))
         if self.kind in (ParamKind.BIAS, ParamKind.SPLIT):
             n = config.size(self.orientation.out_axis if self.kind is ParamKind.BIAS else self.split_axis)
             size = self.shape[0 if self.kind is ParamKind.BIAS else self.split_dim]
@@ -196,6 +204,9 @@ class ParamPlan:
 
     def fused_dims(self, config: ParallelConfig) -> frozenset[int]:
         """The split dims that hold fused pieces (``parts``), each split over its axis: a strided shard."""
+        if self.kind is ParamKind.SPLIT and len(self.second_parts) > 1 and config.size(self.second_axis) > 1:
+            return frozenset({self.second_dim}) | ParamPlan.fused_dims(dataclasses.replace(self, second_parts=()),
+                                                                       config)
         if len(self.parts) < 2:
             return frozenset()
         if self.kind is ParamKind.SPLIT:
@@ -222,6 +233,8 @@ class ParamPlan:
             split(0, config.size(o.out_axis))
         elif self.kind is ParamKind.SPLIT:
             split(self.split_dim, config.size(self.split_axis))
+            if self.second_axis:
+                split(self.second_dim, config.size(self.second_axis))
         return out
 
 
@@ -420,9 +433,10 @@ class Plan:
         """How many ranks share the work of a matmul-like op left whole (``passes.analysis.whole_matmuls``) on
         ``weight``: the ranks of the tensor axis an expert's hidden features split over, else 1."""
         p = self._by_param.get(weight)
-        if p is None or p.kind is not ParamKind.SPLIT or p.split_axis not in ("row", "col"):
+        if p is None or p.kind is not ParamKind.SPLIT:
             return 1
-        return self.config.size(p.split_axis)
+        axis = p.second_axis or p.split_axis
+        return self.config.size(axis) if axis in ("row", "col") else 1
 
     def to_dict(self) -> dict[str, Any]:
         def enc(obj: Any) -> Any:

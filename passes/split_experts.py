@@ -11,7 +11,9 @@ Each expert split over a tensor axis instead (``ExpertPlan.tensor_axis``, ``pass
 the rows stay where they are and enter through ``sum_grad`` (their gradient, computed from this rank's part of
 every expert, is summed over the axis); the values read with them are cut to this rank's features
 (``convert_layout``); the grouped matmuls read this rank's part of each expert's weights; and the last one's
-partial sums are completed by ``reduce_partial``. Every other op of the graph is untouched. Pure.
+partial sums are completed by ``reduce_partial``. Both (experts over data, each over a tensor axis: Megatron's
+expert and expert-tensor parallelism): the tensor split runs on the rows the exchange brought, between it and the
+results' way back. Every other op of the graph is untouched. Pure.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from torch import fx
 
 from autopar.decisions import Layout, Plan
 from autopar.errors import PlanError
-from passes.analysis.experts import ExpertLayer, find_expert_layers, tensor_split
+from passes.analysis.experts import ExpertLayer, TensorSplit, find_expert_layers, tensor_split
 from passes.ir import (REPLICATED, ConvertSpec, ExpertSpec, ReduceSpec, Sharding, convert_layout, expert_combine,
                        expert_dispatch, reduce_partial, sum_grad)
 from passes.runner import PassResult
@@ -37,11 +39,13 @@ def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
     order = {n: i for i, n in enumerate(graph.nodes)}
     changed = False
     for layer in find_expert_layers(gm):
-        if layer.module in tensor:
-            _split_each_expert(gm, layer, tensor[layer.module], plan.config.size(tensor[layer.module]))
-            changed = True
         decided = split.get(layer.module)
+        axis = tensor.get(layer.module, "")
+        pieces = _tensor_split(layer, axis, plan.config.size(axis)) if axis else None  # (before any rewrite)
         if decided is None:
+            if pieces is not None:
+                _split_each_expert(gm, layer, axis, pieces, layer.rows, layer.inputs)
+                changed = True
             continue
         if layer.why_whole:
             raise PlanError(f"{layer.module}: the plan splits its experts, but the graph's layer cannot split: "
@@ -70,6 +74,8 @@ def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
         if "val" in last.meta:
             combine.meta["val"] = last.meta["val"]
         last.replace_all_uses_with(combine, delete_user_cb=lambda user: user is not combine and user not in layer.region)
+        if pieces is not None:  # each expert of this rank split over a tensor axis too, on the rows it received
+            _split_each_expert(gm, layer, axis, pieces, rows, tuple(inputs))
         changed = True
     if changed:
         graph.lint()
@@ -77,24 +83,31 @@ def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
     return PassResult(gm, changed)
 
 
-def _split_each_expert(gm: fx.GraphModule, layer: ExpertLayer, axis: str, size: int) -> None:
+def _tensor_split(layer: ExpertLayer, axis: str, size: int) -> TensorSplit:
     split = tensor_split(layer, size)
     if split.why_whole:
         raise PlanError(f"{layer.module}: the plan splits each expert over {axis}, but the graph's layer cannot: "
                         f"{split.why_whole}")
+    return split
+
+
+def _split_each_expert(gm: fx.GraphModule, layer: ExpertLayer, axis: str, split: TensorSplit, rows: fx.Node,
+                       inputs: tuple[fx.Node, ...]) -> None:
+    """``layer``'s grouped matmuls on each rank's piece of every expert over ``axis`` (``split``): ``rows`` and
+    ``inputs`` are what its region reads (the layer's own, or those an exchange over data brought)."""
     graph = gm.graph
     first, last = layer.matmuls[0], layer.output
     with graph.inserting_before(first):
-        rows = graph.call_function(sum_grad, (layer.rows, axis))
+        entered = graph.call_function(sum_grad, (rows, axis))
         pieces = [graph.call_function(convert_layout, (value, ConvertSpec(REPLICATED, Sharding(Layout(axis), 1, p))))
-                  for value, p in zip(layer.inputs, split.inputs)]
-    for node, source in zip((rows, *pieces), (layer.rows, *layer.inputs)):
+                  for value, p in zip(inputs, split.inputs)]
+    for node, source in zip((entered, *pieces), (rows, *inputs)):
         if "val" in source.meta:  # (the logical value, as every rewritten node keeps)
             node.meta["val"] = source.meta["val"]
     for matmul in layer.matmuls[:-1]:
-        matmul.replace_input_with(layer.rows, rows)
+        matmul.replace_input_with(rows, entered)
     for node in layer.region:
-        for source, piece in zip(layer.inputs, pieces):
+        for source, piece in zip(inputs, pieces):
             node.replace_input_with(source, piece)
     with graph.inserting_after(last):
         reduced = graph.call_function(reduce_partial, (last, ReduceSpec(axis, False)))

@@ -321,7 +321,7 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
                                       layer.rows.name))  # the rows' gradient, from each rank's part of every expert
             out += [Collective("all_gather", axis, size, _nbytes(n), "backward", layer.module, n.name)
                     for n in layer.inputs if requires_grad.get(n, False)]  # their features' gradients
-            continue
+            # (over data too: on the rows received, as many as this rank's own under balanced routing)
         e = split.get(layer.module)
         if e is None or layer.why_whole:
             continue

@@ -396,8 +396,8 @@ class _Planner:
 
     def expert_plans(self) -> tuple[ExpertPlan, ...]:
         """Each routed-experts layer (``find_expert_layers``): under ``expert_parallel``, its experts split over
-        the data ranks, where the layer splits and its experts divide; otherwise, on a tensor grid, each expert
-        split over the larger of the row and col axes (``tensor_split``), where its hidden features divide."""
+        the data ranks, where the layer splits and its experts divide; and on a tensor grid each expert split over
+        the larger of the row and col axes (``tensor_split``), where its hidden features divide."""
         c = self.config
         ep = c.expert_parallel and c.data > 1
         axis = max(("row", "col"), key=c.size)
@@ -405,15 +405,23 @@ class _Planner:
             return ()
         out = []
         for layer in find_expert_layers(self.gm):
+            size = c.size(axis)
+            why = tensor_split(layer, size).why_whole if size > 1 else ""
+            tensor_axis = axis if size > 1 and not why else ""
+            whole_over_tensor = f"each expert stays whole over {axis}={size}: {why}" if why else ""
             if ep:
                 reason = layer.why_whole or (f"its {layer.experts} experts do not divide over data={c.data}"
                                              if layer.experts % c.data else "")
-                out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "" if reason else "data", reason))
+                if not reason:  # over data, and each over the tensor axis where it splits
+                    out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "data", whole_over_tensor,
+                                          tensor_axis))
+                elif tensor_axis:
+                    out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "",
+                                          f"each expert split over {axis}, not over data: {reason}", tensor_axis))
+                else:
+                    out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "", reason))
                 continue
-            why = tensor_split(layer, c.size(axis)).why_whole
-            out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "",
-                                  f"each expert stays whole over {axis}={c.size(axis)}: {why}" if why else "",
-                                  "" if why else axis))
+            out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "", whole_over_tensor, tensor_axis))
         return tuple(out)
 
 
@@ -497,8 +505,10 @@ def param_plans(gm: fx.GraphModule, matmul_plans: dict[str, MatmulPlan],
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, m.orientation, parts=m.out_parts,
                                  split_axis=m.orientation.out_axis, split_dim=0))
         elif name in split_experts:  # each rank its experts (dim 0), their gradients complete from every rank's rows
+            axis, dim, parts = tensor_experts.get(name, ("", 0, ()))  # (and its piece of each expert's features)
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, grad_axes=("depth",),
-                                 split_axis=split_experts[name].axis, split_dim=0))
+                                 split_axis=split_experts[name].axis, split_dim=0, second_axis=axis, second_dim=dim,
+                                 second_parts=parts))
         elif name in tensor_experts:  # each expert's hidden features split (its gradients: this rank's part)
             axis, dim, parts = tensor_experts[name]
             out.append(ParamPlan(name, shape, ParamKind.SPLIT, parts=parts, split_axis=axis, split_dim=dim))

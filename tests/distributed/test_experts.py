@@ -106,6 +106,16 @@ def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: 
     return out
 
 
+def _check_serial(name: str, mine: dict, want: dict) -> None:
+    """Losses and every final parameter within 1e-5 of serial's, and generate's tokens equal."""
+    for a, b in zip(mine["losses"], want["losses"], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), (name, mine["losses"], want["losses"])
+    for k, w in want["state"].items():
+        err = (mine["state"][k].double() - w.double()).abs().max().item()
+        assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (name, k, err)
+    assert torch.equal(mine["tokens"], want["tokens"]), name
+
+
 @pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss", "mixtral+aux"), (1, 1, 1), 2),
                                                (("qwen3_moe",), (2, 1, 1), 2)])
 def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, names, tensor, data):
@@ -118,13 +128,10 @@ def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, n
         for r in got:
             mine = r[name]
             assert mine["split"] and all(axis == "data" for _, axis, _ in mine["split"]), mine["split"]
-            assert mine["expert share"] == pytest.approx(1 / data)  # each rank holds its experts only
-            for a, b in zip(mine["losses"], want["losses"], strict=True):
-                assert abs(a - b) <= 1e-5 * abs(b), (name, mine["losses"], want["losses"])
-            for k, w in want["state"].items():
-                err = (mine["state"][k].double() - w.double()).abs().max().item()
-                assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (name, k, err)
-            assert torch.equal(mine["tokens"], want["tokens"]), name
+            # each rank holds its experts only, and on a tensor grid its piece of each (experts over data x row)
+            assert mine["tensor split"] == ["row" if tensor[0] > 1 else ""] * len(mine["split"]), mine
+            assert mine["expert share"] == pytest.approx(1 / (data * tensor[0]))
+            _check_serial(name, mine, want)
 
 
 @pytest.mark.parametrize("names,tensor,data,options", [
@@ -147,12 +154,7 @@ def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed,
             mine = r[name]
             assert mine["tensor split"] and set(mine["tensor split"]) == {axis}, (name, mine["split"])
             assert mine["expert share"] == pytest.approx(1 / 2)  # each rank holds half of every expert
-            for a, b in zip(mine["losses"], want["losses"], strict=True):
-                assert abs(a - b) <= 1e-5 * abs(b), (name, mine["losses"], want["losses"])
-            for k, w in want["state"].items():
-                err = (mine["state"][k].double() - w.double()).abs().max().item()
-                assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (name, k, err)
-            assert torch.equal(mine["tokens"], want["tokens"]), name
+            _check_serial(name, mine, want)
 
 
 def clip_worker(name: str) -> dict:
@@ -181,7 +183,7 @@ def test_clipping_sees_the_split_experts_gradients_whole(distributed):
         assert abs(r["norm"] - want) <= 1e-5 * want, (r["norm"], want)
 
 
-def dcp_worker(name: str) -> dict:
+def dcp_worker(name: str, tensor: tuple[int, int, int] = (1, 1, 1)) -> dict:
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -193,7 +195,7 @@ def dcp_worker(name: str) -> dict:
     dist.broadcast_object_list(box)
     x, y = U.batches(name)[0]
     torch.manual_seed(0)
-    with autopar.auto_parallelize(data=2, expert_parallel=True):
+    with autopar.auto_parallelize(data=2, tensor=tensor, expert_parallel=True):
         split = U.build(name)
     U.loss_of(name, split, x, y)  # (the first call shards the experts)
     dcp.save(split.state_dict(), checkpoint_id=box[0])
@@ -201,7 +203,7 @@ def dcp_worker(name: str) -> dict:
     out = {}
     for expert_parallel, seed in ((False, 1), (True, 2)):  # another layout (whole experts), and the same one
         torch.manual_seed(seed)
-        with autopar.auto_parallelize(data=2, expert_parallel=expert_parallel):
+        with autopar.auto_parallelize(data=2, tensor=tensor, expert_parallel=expert_parallel):
             other = U.build(name)
         U.loss_of(name, other, x, y)
         sd = other.state_dict()
@@ -214,8 +216,11 @@ def dcp_worker(name: str) -> dict:
     return out
 
 
-def test_a_dcp_checkpoint_of_split_experts_loads_with_whole_or_split_experts(distributed):
-    for r in distributed(dcp_worker, 2, "mixtral"):
+@pytest.mark.parametrize("tensor", [(1, 1, 1), (2, 1, 1)])
+def test_a_dcp_checkpoint_of_split_experts_loads_with_whole_or_split_experts(distributed, tensor):
+    """Saved with the experts over data (on a tensor grid: each over row too), loaded with them whole (on a tensor
+    grid: each over row only) and with the same layout: serial's tensors back, to the bit."""
+    for r in distributed(dcp_worker, 2 * tensor[0], "mixtral", tensor):
         assert r == {False: True, True: True, "serial shaped": True}, r
 
 

@@ -172,3 +172,25 @@ def test_a_tensor_grid_splits_each_expert_and_prices_its_all_reduces():
     assert sorted((c.kind, c.phase, c.message_bytes) for c in expert) == \
         [("all_reduce", "backward", rows)] * 2 + [("all_reduce", "forward", rows)] * 2
     assert not whole.experts
+
+
+def test_experts_over_data_split_each_over_tensor_too():
+    """``expert_parallel=True`` on a data x tensor grid: each data rank its experts (dim 0), each split over row
+    (the hidden features): a quarter of every layer's expert weights per rank at data 2 x row 2, the exchange's
+    all-to-alls and the split's all-reduces both priced."""
+    from autopar.config import ParallelConfig
+    from autopar.planning.planner import plan_model
+
+    torch.manual_seed(0)
+    model = moe_zoo.build_model("mixtral")
+    (ids,) = moe_zoo.example_inputs("mixtral", batch=8, seq=16)
+    plan, report = plan_model(model, (ids,), ParallelConfig(2, row=2, expert_parallel=True),
+                              kwargs={"use_cache": False})
+    assert [(e.axis, e.tensor_axis, e.reason) for e in plan.experts] == [("data", "row", "")] * 2
+    up = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+    assert (up.split_axis, up.split_dim, up.second_axis, up.second_dim, up.second_parts) == ("data", 0, "row", 1,
+                                                                                             (64, 64))
+    assert up.local_shape(plan.config) == (2, 64, 32) and up.local_numel(plan.config) * 4 == 4 * 128 * 32
+    assert up.grad_axes == ("depth",) and plan.whole_share(up.name) == 2
+    kinds = {(c.kind, c.phase) for c in report.collectives if c.where.endswith("mlp.experts")}
+    assert {("all_to_all", "forward"), ("all_reduce", "forward"), ("all_reduce", "backward")} <= kinds

@@ -16,7 +16,8 @@ kind            placements
 ==============  ==========================================================================
 REPLICATED      Replicate everywhere
 SPLIT           ``Shard(split_dim)`` on its axis (``StridedShard(split_dim, sf=#pieces)`` when a
-                fused dim has pieces (q/k/v) each split on its own)
+                fused dim has pieces (q/k/v) each split on its own); a second axis likewise on
+                ``second_dim`` (experts over data, each over a tensor axis)
 BIAS            as SPLIT on dim 0 over the axis splitting the matmul's output
 WEIGHT_3D       out dim and in dim sharded over (row, col) by orientation; the block's rows (dim 0
                 of the stored tensor) split again over depth, inside the other axis's blocks:
@@ -75,6 +76,7 @@ def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tu
     o = pp.orientation
     if pp.kind is ParamKind.SPLIT:
         shard(pp.split_axis, pp.split_dim, pp.parts)
+        shard(pp.second_axis, pp.second_dim, pp.second_parts)
     elif pp.kind is ParamKind.BIAS:
         shard(o.out_axis, 0, pp.parts)
     elif pp.kind is ParamKind.WEIGHT_3D:
@@ -241,7 +243,10 @@ def local_piece(full: torch.Tensor, pp: ParamPlan, mesh: Mesh) -> torch.Tensor:
     if pp.kind is ParamKind.REPLICATED:
         return full
     if pp.kind is ParamKind.SPLIT:
-        axis = pp.split_axis
+        axis, second = pp.split_axis, pp.second_axis
+        if second:  # (experts over data, each over a tensor axis: one copy at most, at the end)
+            full = take_pieces(full, pp.second_dim, pp.second_parts, mesh.size(second), mesh.index(second),
+                               contiguous=False)
         return take_pieces(full, pp.split_dim, pp.parts, mesh.size(axis), mesh.index(axis))
     if pp.kind is ParamKind.BIAS:
         return take_pieces(full, 0, pp.parts, mesh.size(o.out_axis), mesh.index(o.out_axis))

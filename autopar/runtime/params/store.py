@@ -283,6 +283,8 @@ class ParamStore:
             return gather_pieces(t, dim, parts, pp.shape[dim], m.group(axis), n) if n > 1 else t
 
         if pp.kind is ParamKind.SPLIT:
+            if pp.second_axis:
+                local = gather(local, pp.second_axis, pp.second_dim, pp.second_parts)
             return gather(local, pp.split_axis, pp.split_dim, pp.parts).contiguous()
         if pp.kind is ParamKind.BIAS:
             return gather(local, o.out_axis, 0, pp.parts).contiguous()
