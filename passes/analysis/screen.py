@@ -242,23 +242,31 @@ class _Degrees:
             flops += (self.tensor - 1) * sum(f for _, f in whole)
             memo[key] = flops, sum(b for b, _ in whole)
         self.flops, whole_bytes = memo[key]
-        # the weights of the ops left whole (3-D experts, convolutions) are whole on every tensor rank; an expert
-        # layout splits the routed experts' over data (each data rank its experts, their gradients complete)
+        # the weights of the ops left whole (convolutions, experts a layout does not split) are whole on every
+        # tensor rank; an expert layout splits the routed experts' over data (each data rank its experts, their
+        # gradients complete)
         kept_whole = shape.whole_weight_bytes
         self.experts = experts = shape.experts if c.expert_parallel and c.data > 1 else ()
-        split = sum(e.weight_bytes for e in experts)
-        split_experts = split // (c.data * self.stages)  # (a pipeline rank: its stages' share of the layers)
-        # otherwise, on a tensor grid, each expert splits over the larger of row and col (make_plan's
-        # tensor_split; its hidden features taken to divide)
-        self.expert_axis = ("row" if c.row >= c.col else "col") if not experts and self.tensor > 1 else ""
+        # and on a tensor grid each expert splits over the larger of row and col (make_plan's tensor_split; its
+        # hidden features taken to divide)
+        self.expert_axis = ("row" if c.row >= c.col else "col") if self.tensor > 1 else ""
         self.each_expert = each = shape.experts if self.expert_axis else ()
-        parted = sum(e.weight_bytes for e in each)
+        pieces = max(c.row, c.col)
+        split = sum(e.weight_bytes for e in experts)
+        split_experts = split // (c.data * self.stages * pieces)  # (a pipeline rank: its stages' share of the layers)
+        parted = sum(e.weight_bytes for e in each) if not experts else 0
         self.params = params = ((shape.param_bytes - kept_whole + (self.tensor - 1) * whole_bytes)
                                 // (self.tensor * c.depth * self.stages)
                                 + (kept_whole - split - parted) // self.stages + split_experts
-                                + parted // (max(c.row, c.col) * self.stages))
+                                + parted // (pieces * self.stages))
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
+        if compiled and each:  # a compiled checkpointed block keeps its collectives' outputs (torch's partitioner
+            # never recomputes one, ``estimate_memory.compiled_recompute``): each expert layer's all-reduced results,
+            # on the first pipeline rank for every micro-batch in flight (one stage's layers each)
+            micro = c.microbatches if self.stages > 1 else 1
+            flight = min(micro, self.stages * c.chunks) if self.stages > 1 else 1
+            self.kept += sum(e.rows // (self.shards * micro) * e.forward[-1] for e in each) * flight // self.stages
         self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
         self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True, split_experts)
         self.micro: dict[int, tuple[float, float, float, int]] = {}
