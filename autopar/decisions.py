@@ -471,8 +471,9 @@ class Plan:
             lines.append(f"  {e.weight:<40} {'lookup':<7} {e.num_embeddings:>6} x {e.embedding_dim:<6} {what}")
         for e in self.experts:
             if e.axis:
+                each = f", each split over {e.tensor_axis} (1/{c.size(e.tensor_axis)} per rank)" if e.tensor_axis else ""
                 lines.append(f"  {e.module:<40} experts {e.experts} split over {e.axis}: {e.experts // c.size(e.axis)} "
-                             "whole experts per rank, rows exchanged by all-to-all")
+                             f"whole experts per rank{each}, rows exchanged by all-to-all")
             elif e.tensor_axis:
                 lines.append(f"  {e.module:<40} experts {e.experts} each split over {e.tensor_axis}: 1/"
                              f"{c.size(e.tensor_axis)} of every expert per rank, results all-reduced")

@@ -150,9 +150,13 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
     for w in find_whole_matmuls(gm):
         grads = 1 + int(res.requires_grad.get(w.x, False)) + int(grad_of.get(w.weight, False))
         e = split.get(w.weight)
-        how = f"replicated: {w.reason}" if e is None else \
-            f"experts over {e.axis}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank" if e.axis else \
-            f"each expert over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it per rank"
+        if e is None:
+            how = f"replicated: {w.reason}"
+        elif e.axis:
+            how = f"experts over {e.axis}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank" + (
+                f", each over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it" if e.tensor_axis else "")
+        else:
+            how = f"each expert over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it per rank"
         whole.append(LayerRow(w.module, w.weight, None, w.op, tuple(tensor_meta(w.x).shape),
                               tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
                               int(w.forward_flops * scale) * grads, how, Fraction(0)))

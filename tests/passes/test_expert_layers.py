@@ -192,5 +192,7 @@ def test_experts_over_data_split_each_over_tensor_too():
                                                                                              (64, 64))
     assert up.local_shape(plan.config) == (2, 64, 32) and up.local_numel(plan.config) * 4 == 4 * 128 * 32
     assert up.grad_axes == ("depth",) and plan.whole_share(up.name) == 2
+    assert "2 whole experts per rank, each split over row (1/2 per rank)" in plan.summary()
+    assert all(r.sharding == "experts over data: 2 of 4 per rank, each over row: 1/2 of it" for r in report.whole)
     kinds = {(c.kind, c.phase) for c in report.collectives if c.where.endswith("mlp.experts")}
     assert {("all_to_all", "forward"), ("all_reduce", "forward"), ("all_reduce", "backward")} <= kinds
