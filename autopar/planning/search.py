@@ -169,7 +169,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
                       key=lambda t: (t[1] > machine.memory_bytes, t[0]))
     near = sum(t[0] <= NEAR * screened[0][0] for t in screened)  # the screen's best and those close to it
     first = min(keep, max(near, MIN_KEEP))
-    in_screen = {c for *_, c in screened}
+    in_screen = {c: t for t, _, c in screened}
     chosen: dict[Candidate, None] = {}
 
     def choose(grids: list[Candidate]) -> list[Candidate]:
@@ -181,7 +181,8 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             for other in (c, *(dataclasses.replace(c, chunks=v) for v in chunks if v != c.chunks)):
                 if other not in in_screen:  # screened with the optimizer state split over data, or not
                     other = dataclasses.replace(other, shard_optimizer=not other.shard_optimizer)
-                if other in in_screen and other not in chosen:
+                if other in in_screen and other not in chosen and (other == c or in_screen[other] < math.inf):
+                    # (another schedule the screen already finds no plan, more stages than links: not planned)
                     chosen[other] = None
                     new.append(other)
         return new

@@ -289,9 +289,11 @@ class _Recorder(fx.Interpreter):
         out = _eager_strides(out, n.meta.get("val"))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                self.producer.setdefault(_storage_key(t), n)
+                owner = self.producer.setdefault(_storage_key(t), n)
                 self._alive.append(t)
-                self.largest[n] = max(self.largest.get(n, 0), t.numel() * t.element_size())
+                if owner.op != "placeholder":  # (a view of a parameter or an input allocates nothing: a transposed
+                    # 3-D expert weight, DeepSeek-V3's 28 GiB whole, is no transient of its block)
+                    self.largest[n] = max(self.largest.get(n, 0), t.numel() * t.element_size())
         return out
 
     def _recorded(self, n: fx.Node, error: Exception) -> Any:

@@ -199,3 +199,27 @@ def test_narrower_values_keep_the_scores_on_a_cpu_and_not_on_a_gpu():
     scores = 2 * 4 * 64 * 64 * 4
     assert cpu > scores and cpu - gpu > scores // 2, (cpu, gpu)  # (the math path keeps the scores' softmax)
     assert gpu < scores, gpu  # (q, k, v, the output, the log-sum-exp: 75,800 B)
+
+
+class _WideHead(torch.nn.Module):
+    """A small input times a large parameter read through a transpose (a view: nothing allocated)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(4096, 16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.w.t()).sum(-1)
+
+
+def test_a_view_of_a_parameter_is_no_transient_of_its_segment():
+    """A segment's transient peak counts what its ops allocate: ``w.t()`` of a 256 KiB parameter allocates
+    nothing (DeepSeek-V3's transposed 3-D expert weights, 28 GiB whole, made its MoE block's peak 56 GiB).
+    Mutation: count the view: the peak is twice the parameter."""
+    from autopar.capture import capture
+
+    model = _WideHead()
+    gm = capture(meta_shadow(model), (torch.randn(2, 16),), {}, requires_grad={"w": True}, batch=None).gm
+    profile = em.estimate_memory(gm, make_plan(gm, ParallelConfig(1)))
+    weight = 4096 * 16 * 4
+    assert max(s.peak_bytes for s in profile.segments) < weight, profile.segments
