@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import os
 import threading
 import weakref
 from collections.abc import Iterator, Sequence
@@ -75,6 +76,10 @@ class _ModuleRecorder:
             if m is not None and m not in self._children and any(True for _ in m.parameters()):
                 out.append(m)
         return out
+
+
+#: transformers' switch for its hub kernels (``USE_HUB_KERNELS``), off inside a block that builds on meta.
+_HUB_KERNELS = "USE_HUB_KERNELS"
 
 
 @contextmanager
@@ -192,12 +197,21 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
     _state.active = True
     recorder = _ModuleRecorder()
     deferred = Deferred() if defer_init else None
+    kernels = os.environ.get(_HUB_KERNELS)
     try:
         if deferred is not None:
             deferred.roots = recorder.roots
             deferred.__enter__()
+            # transformers >= 5.25 kernelizes every from_pretrained model by default, which raises on the meta
+            # device the block builds on; autopar captures the model's own ops, so the block's models go without
+            # hub kernels (the variable is put back as it was when the block ends)
+            os.environ[_HUB_KERNELS] = "0"
         yield options.config
     finally:
+        if kernels is None:
+            os.environ.pop(_HUB_KERNELS, None)
+        else:
+            os.environ[_HUB_KERNELS] = kernels
         if deferred is not None:
             deferred.__exit__(None, None, None)
         recorder.remove()

@@ -15,7 +15,9 @@ Not here, because they last only while a graph is exported or its passes run: ``
 user's custom autograd Function as one call of itself (``autopar.custom_functions.kept_during_capture``), and
 ``passes.ir.spec_names`` names autopar's spec
 types to fx's code generator inside ``passes.runner.run_passes`` and takes the names away after it.
-While torch's pipeline schedule runs a gloo pipeline's step, its waits for sends and receives take the group's
+Inside an ``auto_parallelize`` block that builds on meta, transformers' ``USE_HUB_KERNELS`` is "0" (its
+``from_pretrained`` kernelizes by default since 5.25, which raises on meta; ``autopar.context``, put back at the
+block's end). While torch's pipeline schedule runs a gloo pipeline's step, its waits for sends and receives take the group's
 timeout (``autopar.compat.timed_pipeline_waits``, put back when the step returns).
 
 ``inventory()`` lists what is installed now (tests hold it against torch's own tables).
