@@ -245,6 +245,8 @@ class ExpertSpec:
     axis: str
     experts: int
     module: str = ""
+    batched: bool = False
+    """The layer's rows are ``[experts, rows, features]``, a block per expert (batched matmuls, no offsets)."""
 
 
 class UnboundOpError(RuntimeError):
@@ -323,7 +325,9 @@ def split_random(op, args, kwargs, spec: Sharding):
 def expert_dispatch(rows, offsets, inputs, spec: ExpertSpec):
     """Rows sorted by expert (``offsets``: their running count per expert) -> (the rows of this rank's experts,
     from every rank of ``spec.axis``, by local expert; their offsets; the same rows of each of ``inputs``; the
-    routes ``expert_combine`` takes). Backward sends the rows' gradients back."""
+    routes ``expert_combine`` takes). Backward sends the rows' gradients back. ``spec.batched``: ``rows`` is
+    ``[experts, rows, features]`` and ``offsets`` None; this rank's are ``[local experts, rows received,
+    features]`` and its offsets None."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 

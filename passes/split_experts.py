@@ -55,16 +55,18 @@ def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
         if late:
             raise PlanError(f"{layer.module}: {', '.join(late)} (read with the rows) is computed after the first "
                             "grouped matmul; autopar sends them together before it")
-        spec = ExpertSpec(decided.axis, decided.experts, layer.module)
+        spec = ExpertSpec(decided.axis, decided.experts, layer.module, layer.batched)
         with graph.inserting_before(first):
             dispatch = graph.call_function(expert_dispatch, (layer.rows, layer.offsets, list(layer.inputs), spec))
             moved = [graph.call_function(operator.getitem, (dispatch, i)) for i in range(3 + len(layer.inputs))]
         for node, source in zip(moved, (layer.rows, layer.offsets, *layer.inputs)):
-            if "val" in source.meta:  # (the sizes are data's: the capture's stand for them)
+            if source is not None and "val" in source.meta:  # (the sizes are data's: the capture's stand for them)
                 node.meta["val"] = source.meta["val"]
         rows, offsets, inputs, routes = moved[0], moved[1], moved[2:-1], moved[-1]
         first.replace_input_with(layer.rows, rows)
-        for matmul in layer.matmuls:
+        if layer.batched:  # (no offsets: each local expert's block of rows is its own)
+            graph.erase_node(offsets)
+        for matmul in layer.matmuls if not layer.batched else ():
             matmul.replace_input_with(layer.offsets, offsets)
         for node in layer.region:
             for source, local in zip(layer.inputs, inputs):
@@ -99,7 +101,8 @@ def _split_each_expert(gm: fx.GraphModule, layer: ExpertLayer, axis: str, split:
     first, last = layer.matmuls[0], layer.output
     with graph.inserting_before(first):
         entered = graph.call_function(sum_grad, (rows, axis))
-        pieces = [graph.call_function(convert_layout, (value, ConvertSpec(REPLICATED, Sharding(Layout(axis), 1, p))))
+        pieces = [graph.call_function(convert_layout, (value, ConvertSpec(REPLICATED,
+                                                                            Sharding(Layout(axis), layer.row_dims, p))))
                   for value, p in zip(inputs, split.inputs)]
     for node, source in zip((entered, *pieces), (rows, *inputs)):
         if "val" in source.meta:  # (the logical value, as every rewritten node keeps)

@@ -38,7 +38,7 @@ from autopar.config import AGREEMENT_BYTES, ParallelConfig
 from autopar.decisions import EmbeddingMode, ExpertPlan, Orientation, ParamPlan, collective_bytes
 from passes.analysis.batch_facts import BatchDim, BatchFacts
 from passes.analysis.batch_rules import CLASS_LOSSES
-from passes.analysis.experts import find_expert_layers
+from passes.analysis.experts import ExpertLayer, find_expert_layers
 from passes.analysis.graph_facts import (
     MatmulMatch,
     module_of,
@@ -326,15 +326,14 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
         if e is None or layer.why_whole:
             continue
         size = config.size(e.axis)
-        rows = int(tensor_meta(layer.rows).shape[0])
+        rows = layer.rows_in(layer.rows)
 
-        def moved(node: fx.Node, phase: str) -> Collective:
-            t = tensor_meta(node)
-            return Collective("all_to_all", e.axis, size, exchange_bytes(rows, t[:1].numel() * t.element_size(), size),
+        def moved(node: fx.Node, phase: str, layer: ExpertLayer = layer) -> Collective:
+            return Collective("all_to_all", e.axis, size, exchange_bytes(rows, layer.row_bytes(node), size),
                               phase, layer.module, node.name)
 
         out.append(Collective("all_to_all", e.axis, size, (size - 1) * (e.experts // size) * 8, "forward",
-                              layer.module, layer.offsets.name))  # the counts
+                              layer.module, (layer.offsets or layer.rows).name))  # the counts
         out += [moved(n, "forward") for n in (layer.rows, *layer.inputs)] + [moved(layer.output, "forward")]
         out.append(moved(layer.output, "backward"))
         out += [moved(n, "backward") for n in (layer.rows, *layer.inputs) if requires_grad.get(n, False)]
@@ -371,10 +370,6 @@ def expert_shapes(gm: fx.GraphModule, requires_grad: Mapping[fx.Node, bool], sca
     """Every routed-experts layer of ``gm`` that can split over ranks, with what its exchange moves per row
     (``expert_collectives``' values); ``scale``: the global batch's rows over the captured ones; ``flops``: each
     expert weight's grouped matmul's FLOPs of a step."""
-    def row_bytes(node: fx.Node) -> int:
-        t = tensor_meta(node)
-        return t[:1].numel() * t.element_size() if t.dim() else 0
-
     out: list[ExpertShape] = []
     numel: dict[str, int] = {}
     for layer in find_expert_layers(gm):
@@ -384,8 +379,8 @@ def expert_shapes(gm: fx.GraphModule, requires_grad: Mapping[fx.Node, bool], sca
             numel = {name: tensor_meta(n).numel() for n in gm.graph.nodes if (name := param_name(n)) is not None}
         weights = sum(numel[w] * 4 for w in layer.weights)
         moved = (layer.rows, *layer.inputs)
-        out.append(ExpertShape(layer.module, layer.experts, weights,
-                               int(int(tensor_meta(layer.rows).shape[0]) * scale),
+        row_bytes = layer.row_bytes
+        out.append(ExpertShape(layer.module, layer.experts, weights, int(layer.rows_in(layer.rows) * scale),
                                tuple(row_bytes(n) for n in (*moved, layer.output)),
                                (row_bytes(layer.output),
                                 *(row_bytes(n) for n in moved if requires_grad.get(n, False))),

@@ -9,6 +9,10 @@ grouped matmuls and every op between the first and the last; what it reads from 
 the first grouped matmul multiplies), the ``offsets``, the weights, and other values with a row per pick
 (``inputs``: an expert bias taken for each row); what leaves it is the last grouped matmul's result.
 
+Batched experts (Llama 4): ``bmm`` of every expert's rows ``[experts, rows, in]`` by 3-D expert weights, every
+expert multiplying its own block of rows (as many for each; no offsets): the same layer with two row dims
+(``ExpertLayer.row_dims``), the rows of expert ``e`` being ``rows[e]``.
+
 Splitting the experts over ranks (expert parallelism) moves exactly that: the rows and inputs go to their experts' ranks, the region
 runs there on that rank's experts, and the result comes back. It is sound only where every op of the region
 keeps the rows as rows (one result row per input row, computed from that row alone): ``find_expert_layers``
@@ -64,15 +68,38 @@ class ExpertLayer:
     region: frozenset[fx.Node]
     why_whole: str = ""
     """Why the layer cannot be split over ranks ('' where it can)."""
+    row_dims: int = 1
+    """The leading dims that count rows: 1 for grouped matmuls (``[rows, features]``), 2 for batched ones
+    (``[experts, rows, features]``, ``offsets`` None)."""
 
     @property
     def output(self) -> fx.Node:
         return self.matmuls[-1]
 
+    @property
+    def batched(self) -> bool:
+        return self.offsets is None
+
+    def rows_in(self, node: fx.Node) -> int:
+        """The rows of ``node`` (a value with a row per pick): every expert's, together."""
+        t = tensor_meta(node)
+        return int(t.shape[:self.row_dims].numel()) if t is not None else 0
+
+    def row_bytes(self, node: fx.Node) -> int:
+        """The bytes of one row of ``node``."""
+        t = tensor_meta(node)
+        return int(t.shape[self.row_dims:].numel()) * t.element_size() if t is not None and t.dim() else 0
+
 
 def is_grouped_matmul(node: fx.Node) -> bool:
     """A grouped matmul: ``torch._grouped_mm``, transformers' ``grouped_mm`` experts (its custom op)."""
     return node.op == "call_function" and "grouped_mm" in (getattr(node.target, "__name__", "") or "")
+
+
+def is_batched_expert_matmul(node: fx.Node) -> bool:
+    """A ``bmm`` of 3-D rows by a 3-D expert weight (Llama 4's experts)."""
+    return node.op == "call_function" and node.target is aten.bmm.default and len(node.args) >= 2 and \
+        isinstance(node.args[0], fx.Node) and expert_weight(node.args[1]) is not None
 
 
 def _offsets(node: fx.Node) -> fx.Node | None:
@@ -113,9 +140,9 @@ def _read_elsewhere(matmul: fx.Node, matmuls: list[fx.Node]) -> bool:
     return False
 
 
-def _rows_of(node: fx.Node) -> object:
+def _rows_of(node: fx.Node, row_dims: int = 1) -> object:
     meta = tensor_meta(node)
-    return meta.shape[0] if meta is not None and meta.dim() >= 1 else None
+    return tuple(meta.shape[:row_dims]) if meta is not None and meta.dim() >= row_dims else None
 
 
 def _tensor_args(node: fx.Node) -> list[fx.Node]:
@@ -127,7 +154,7 @@ def _tensor_args(node: fx.Node) -> list[fx.Node]:
     return out
 
 
-def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
+def _layer(matmuls: list[fx.Node], offsets: fx.Node | None) -> ExpertLayer:
     first, last = matmuls[0], matmuls[-1]
     rows = first.args[0]
     order = {n: i for i, n in enumerate(first.graph.nodes)}
@@ -143,14 +170,15 @@ def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
         if node in after and node not in region:
             region.add(node)
             todo.extend(_tensor_args(node))
-    counted, todo = set(), [offsets]
+    row_dims = 1 if offsets is not None else 2
+    counted, todo = set(), [offsets] if offsets is not None else []
     while todo:  # what is computed from the global running counts (only the grouped matmuls may read them)
         node = todo.pop()
         if node not in counted and order[node] <= order[last]:
             counted.add(node)
             todo.extend(u for u in node.users if u not in matmuls)
     weights, inputs, why = [], [], ""
-    size = _rows_of(rows)
+    size = _rows_of(rows, row_dims)
     experts = 0
     for node in sorted(region, key=order.__getitem__):
         if node in matmuls:
@@ -165,7 +193,7 @@ def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
             continue
         if node.op != "call_function" or node.target not in _ROW_WISE:
             why = why or f"{node.name} ({getattr(node.target, '__name__', node.target)}) is not row-wise"
-        elif tensor_meta(node) is not None and _rows_of(node) != size:
+        elif tensor_meta(node) is not None and _rows_of(node, row_dims) != size:
             why = why or f"{node.name} does not keep one row per pick"
         for a in _tensor_args(node):
             if a in region:
@@ -176,25 +204,53 @@ def _layer(matmuls: list[fx.Node], offsets: fx.Node) -> ExpertLayer:
             meta = tensor_meta(a)
             if meta is None or meta.dim() == 0:
                 continue
-            if meta.dim() >= 1 and _rows_of(a) == size and a not in inputs:
+            if meta.dim() >= row_dims and _rows_of(a, row_dims) == size and a not in inputs:
                 inputs.append(a)
             elif param_name(a) is None:
                 why = why or f"{node.name} reads {a.name}, which has no row per pick"
     if len(set(weights)) != len(weights) or not weights:
         why = why or "its grouped matmuls do not each read their own expert weight"
+    if offsets is None and any(int(tensor_meta(m).shape[0]) != experts for m in matmuls):
+        why = why or "its batched matmuls do not multiply one block of rows per expert"
     return ExpertLayer(module_of(first), tuple(matmuls), offsets, rows, tuple(inputs), tuple(weights), experts,
-                       frozenset(region), why)
+                       frozenset(region), why, row_dims)
 
 
 def find_expert_layers(gm: fx.GraphModule) -> list[ExpertLayer]:
-    """Every routed-experts layer of ``gm`` (grouped matmuls sharing their offsets), in graph order."""
+    """Every routed-experts layer of ``gm`` (grouped matmuls sharing their offsets; batched matmuls on expert
+    weights, a chain each, the next reading the last's result), in graph order."""
     by_offsets: dict[fx.Node, list[fx.Node]] = {}
+    chains: list[list[fx.Node]] = []
+    order: dict[fx.Node, int] = {}
     for node in gm.graph.nodes:
+        order[node] = len(order)
         if is_grouped_matmul(node) and len(node.args) >= 2 and isinstance(node.args[0], fx.Node):
             offsets = _offsets(node)
             if offsets is not None:
                 by_offsets.setdefault(offsets, []).append(node)
-    return [_layer(matmuls, offsets) for offsets, matmuls in by_offsets.items()]
+        elif is_batched_expert_matmul(node):
+            chain = next((c for c in chains if _reads(node, c[-1])), None)
+            if chain is None:
+                chains.append([node])
+            else:
+                chain.append(node)
+    layers = [_layer(matmuls, offsets) for offsets, matmuls in by_offsets.items()] + \
+        [_layer(chain, None) for chain in chains]
+    return sorted(layers, key=lambda layer: order[layer.matmuls[0]])
+
+
+def _reads(node: fx.Node, source: fx.Node, depth: int = 12) -> bool:
+    """Whether ``node``'s rows are computed from ``source``'s through at most ``depth`` row-wise ops."""
+    todo, seen = [(node.args[0], 0)], set()
+    while todo:
+        value, d = todo.pop()
+        if value is source:
+            return True
+        if not isinstance(value, fx.Node) or value in seen or d >= depth or value.target not in _ROW_WISE:
+            continue
+        seen.add(value)
+        todo.extend((a, d + 1) for a in _tensor_args(value))
+    return False
 
 
 @dataclass(frozen=True, slots=True)
@@ -305,7 +361,7 @@ def tensor_split(layer: ExpertLayer, n: int) -> TensorSplit:
         weights.append((read[0], read[1][2], parts))
         for i, value in enumerate(layer.inputs):
             meta = tensor_meta(value)
-            if meta is not None and meta.dim() == 2 and int(meta.shape[1]) == features and \
+            if meta is not None and meta.dim() == layer.row_dims + 1 and int(meta.shape[-1]) == features and \
                     any(u in layer.region and matmul in u.all_input_nodes for u in value.users):
                 inputs[i] = parts
     read = _read_dims(last.args[1])

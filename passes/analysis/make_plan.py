@@ -170,9 +170,9 @@ def layouts_for(gm: fx.GraphModule, plan: Plan) -> tuple[LayoutResult, dict[fx.N
             continue
         for node in layer.region:  # (each expert split over a tensor axis: its hidden features are, between the
             t = tensor_meta(node)  # grouped matmuls, as passes.split_experts computes them)
-            if node is not layer.output and t is not None and t.dim() == 2 and \
+            if node is not layer.output and t is not None and t.dim() == layer.row_dims + 1 and \
                     all(u in layer.region for u in node.users):
-                res.shardings[node] = Sharding(Layout(tensor[layer.module]), 1, (int(t.shape[1]),))
+                res.shardings[node] = Sharding(Layout(tensor[layer.module]), t.dim() - 1, (int(t.shape[-1]),))
     return res, by_node
 
 

@@ -161,7 +161,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
                               tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
                               int(w.forward_flops * scale) * grads, how, Fraction(0)))
     experts = expert_shapes(gm, res.requires_grad, scale, {r.weight: r.flops for r in whole}) \
-        if any(w.op == "grouped_mm" for w in whole) else ()
+        if any(w.op in ("grouped_mm", "bmm") for w in whole) else ()
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
                                largest_param_bytes=largest, experts=experts)
 

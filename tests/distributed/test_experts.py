@@ -83,6 +83,39 @@ def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
         assert all(r["sent"] == want for r in got), ([r["sent"] for r in got], want)
 
 
+def blocks_worker() -> dict:
+    """Batched matmuls' experts (Llama 4): each rank's ``[experts, its tokens, K]`` blocks, as many tokens per rank as
+    it has (uneven), each expert's block to its rank and back."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    w = torch.randn(EXPERTS, K, N, dtype=torch.float64)
+    g = torch.Generator().manual_seed(100 + rank)
+    tokens = 2 + rank
+    x = torch.randn(EXPERTS, tokens, K, dtype=torch.float64, generator=g, requires_grad=True)
+    seed = torch.randn(EXPERTS, tokens, N, dtype=torch.float64, generator=g)
+    serial_w = w.clone().requires_grad_()
+    (torch.bmm(x, serial_w) * seed).sum().backward()
+    serial_out = torch.bmm(x, w)
+    serial_dx, x.grad = x.grad.clone(), None
+    dist.all_reduce(serial_w.grad)
+    exchange = ExpertExchange(dist.group.WORLD, world, rank, EXPERTS)
+    local = EXPERTS // world
+    mine = w[rank * local:(rank + 1) * local].clone().requires_grad_()
+    moved, routes = exchange.dispatch_blocks(x)
+    y = exchange.combine_blocks(torch.bmm(moved, mine), routes)
+    (y * seed).sum().backward()
+    return {"shape": tuple(moved.shape), "out": float((y - serial_out).abs().max()),
+            "dx": float((x.grad - serial_dx).abs().max()),
+            "dw": float((mine.grad - serial_w.grad[rank * local:(rank + 1) * local]).abs().max())}
+
+
+def test_expert_exchange_moves_batched_experts_blocks(distributed):
+    got = distributed(blocks_worker, 4)
+    for r in got:
+        assert r["shape"] == (EXPERTS // 4, sum(2 + p for p in range(4)), K), r  # every rank's tokens
+        assert r["out"] == 0.0 and r["dx"] < 1e-12 and r["dw"] < 1e-12, r
+
+
 def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int, ep: bool = True,
                     options: dict | None = None) -> dict:
     import autopar
@@ -116,8 +149,8 @@ def _check_serial(name: str, mine: dict, want: dict) -> None:
     assert torch.equal(mine["tokens"], want["tokens"]), name
 
 
-@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss", "mixtral+aux"), (1, 1, 1), 2),
-                                               (("qwen3_moe",), (2, 1, 1), 2)])
+@pytest.mark.parametrize("names,tensor,data", [(("mixtral", "gpt_oss", "mixtral+aux", "llama4"), (1, 1, 1), 2),
+                                               (("qwen3_moe", "llama4"), (2, 1, 1), 2)])
 def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, names, tensor, data):
     from tests import unlike_models as U
 
@@ -135,7 +168,7 @@ def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, n
 
 
 @pytest.mark.parametrize("names,tensor,data,options", [
-    (("mixtral", "gpt_oss", "qwen3_moe", "mixtral+aux"), (2, 1, 1), 1, {}),
+    (("mixtral", "gpt_oss", "qwen3_moe", "mixtral+aux", "llama4"), (2, 1, 1), 1, {}),
     (("qwen3_moe",), (1, 2, 1), 2, {}),
     (("mixtral",), (2, 1, 1), 1, {"sequence_parallel": True}),
     (("gpt_oss",), (2, 1, 1), 1, {"checkpoint": "full"})])

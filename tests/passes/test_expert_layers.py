@@ -196,3 +196,48 @@ def test_experts_over_data_split_each_over_tensor_too():
     assert all(r.sharding == "experts over data: 2 of 4 per rank, each over row: 1/2 of it" for r in report.whole)
     kinds = {(c.kind, c.phase) for c in report.collectives if c.where.endswith("mlp.experts")}
     assert {("all_to_all", "forward"), ("all_reduce", "forward"), ("all_reduce", "backward")} <= kinds
+
+
+@pytest.mark.skipif("llama4" not in moe_zoo.NAMES, reason="the installed transformers lacks Llama 4")
+def test_llama4s_batched_experts_are_a_layer_of_blocks_that_splits_both_ways():
+    """Llama 4's experts multiply ``[experts, tokens, hidden]`` blocks by ``bmm`` (every expert every token, scaled
+    by its router score): one layer per block, two row dims, no offsets, splittable over data (blocks of experts)
+    and over a tensor axis (gate/up's output features, down's input features); the plan prices the blocks'
+    exchange as rows of ``hidden`` floats."""
+    from autopar.config import ParallelConfig
+    from autopar.planning.planner import plan_model
+    from passes.analysis.experts import tensor_split
+
+    gm = _captured("llama4")
+    layers = find_expert_layers(gm)
+    assert len(layers) == 2
+    for layer in layers:
+        assert not layer.why_whole and layer.batched and layer.row_dims == 2 and layer.experts == 4
+        assert [m.target for m in layer.matmuls] == [aten.bmm.default] * 2
+        assert layer.rows_in(layer.rows) == 4 * 8 * 16 and layer.row_bytes(layer.output) == 32 * 4
+        split = tensor_split(layer, 2)
+        assert [(w.rsplit(".", 1)[1], dim, parts) for w, dim, parts in split.weights] == \
+            [("gate_up_proj", 2, (32, 32)), ("down_proj", 1, (32,))]
+    torch.manual_seed(0)
+    model = moe_zoo.build_model("llama4")
+    (ids,) = moe_zoo.example_inputs("llama4", batch=8, seq=16)
+    plan, report = plan_model(model, (ids,), ParallelConfig(2, row=2, expert_parallel=True),
+                              kwargs={"use_cache": False})
+    assert [(e.axis, e.tensor_axis, e.reason) for e in plan.experts] == [("data", "row", "")] * 2
+    assert "3-D expert weights stay whole" not in plan.summary()
+    out = [c for c in report.collectives if c.kind == "all_to_all" and c.phase == "forward"
+           and c.where.endswith("experts") and c.message_bytes > 100]
+    rows = 4 * 8 * 16 // 2  # this data rank's tokens, once per expert: half of them to the other rank
+    assert sorted(c.message_bytes for c in out) == [rows // 2 * 32 * 4] * 4  # rows out, results back; 2 layers
+    assert report.experts and all(s.rows == 4 * 8 * 16 and s.forward == (128, 128) for s in report.experts)
+
+
+@pytest.mark.skipif("llama4" not in moe_zoo.NAMES, reason="the installed transformers lacks Llama 4")
+def test_a_batched_layer_mixing_its_tokens_is_not_split():
+    """Mutation: the activation between Llama 4's bmms made a softmax over the tokens (dim 1): each row's result
+    would depend on rows other ranks hold."""
+    gm = _captured("llama4")
+    layer = find_expert_layers(gm)[0]
+    silu = next(n for n in layer.region if n.target is aten.silu.default)
+    silu.target, silu.args = aten._softmax.default, (silu.args[0], 1, False)
+    assert "is not row-wise" in find_expert_layers(gm)[0].why_whole

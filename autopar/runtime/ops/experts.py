@@ -5,7 +5,9 @@ A routed experts layer works on its tokens' picks as rows sorted by expert (``of
 rows per expert, what transformers' grouped matmul experts and ``torch._grouped_mm`` read). ``dispatch`` sends
 each rank the rows of its experts, from every rank of the group (one all-to-all of the per-expert counts, one
 of the rows), and orders them by local expert, so the layer's grouped matmuls run on this rank's experts
-with offsets of their own; ``combine`` sends the results back, in the order the rows left. Nothing is
+with offsets of their own; ``combine`` sends the results back, in the order the rows left. Batched matmuls'
+experts (Llama 4: ``[experts, rows, features]``, every expert a block of as many rows) move the same way
+(``dispatch_blocks``), each local expert receiving its block from every rank. Nothing is
 dropped and nothing is padded (no capacity factor): each row's result is computed by the expert serial's
 layer computed it with, from the same numbers. Backward sends the gradients the other way (a dispatch's
 backward is a combine, and a combine's a dispatch).
@@ -74,6 +76,21 @@ class ExpertExchange:
         """The rows ``dispatch`` sent out, their results back in the order they left."""
         return _Moved.apply(y, routes, self, False)
 
+    def dispatch_blocks(self, x: torch.Tensor, *rows: torch.Tensor) -> tuple[Any, ...]:
+        """``dispatch`` of rows in blocks, one per expert (``[experts, rows, features]``, batched matmuls' experts):
+        (this rank's ``[local experts, rows of every rank, features]``, the same of each of ``rows``, the
+        routes)."""
+        experts, per = x.shape[0], x.shape[1]
+        offsets = torch.arange(1, experts + 1, device=x.device) * per
+        moved, _, *others, routes = self.dispatch(x.flatten(0, 1), offsets, *(v.flatten(0, 1) for v in rows))
+        shape = (self.local, moved.shape[0] // self.local)  # (each local expert: the rows of every rank)
+        return (moved.unflatten(0, shape), *(v.unflatten(0, shape) for v in others), routes)
+
+    def combine_blocks(self, y: torch.Tensor, routes: Routes) -> torch.Tensor:
+        """``combine`` of ``dispatch_blocks``' rows: ``[experts, rows, features]`` back."""
+        back = self.combine(y.flatten(0, 1), routes)
+        return back.unflatten(0, (self.experts, back.shape[0] // self.experts))
+
     def send_out(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
         received = C.all_to_all(x, routes.send, routes.receive, self.group, self.size, self.index)
         return received.index_select(0, routes.order)
@@ -89,12 +106,17 @@ class ExpertOps:
     def __init__(self, spec: ExpertSpec, mesh: Mesh) -> None:
         self.exchange = ExpertExchange(mesh.group(spec.axis), mesh.size(spec.axis), mesh.index(spec.axis),
                                        spec.experts)
+        self.batched = spec.batched
 
-    def dispatch(self, rows: torch.Tensor, offsets: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[Any, ...]:
-        return self.exchange.dispatch(rows, offsets, *inputs)
+    def dispatch(self, rows: torch.Tensor, offsets: torch.Tensor | None,
+                 inputs: list[torch.Tensor]) -> tuple[Any, ...]:
+        if not self.batched:
+            return self.exchange.dispatch(rows, offsets, *inputs)
+        x, *moved, routes = self.exchange.dispatch_blocks(rows, *inputs)
+        return (x, None, *moved, routes)
 
     def combine(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
-        return self.exchange.combine(x, routes)
+        return self.exchange.combine_blocks(x, routes) if self.batched else self.exchange.combine(x, routes)
 
 
 class _Moved(torch.autograd.Function):
