@@ -190,21 +190,27 @@ def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed,
             _check_serial(name, mine, want)
 
 
-def clip_worker(name: str) -> dict:
+#: Expert layouts on 2 ranks: whole experts over data, each expert split over row.
+LAYOUTS_OF_2 = {"over data": {"data": 2, "expert_parallel": True}, "each over row": {"tensor": (2, 1, 1)}}
+
+
+def clip_worker(name: str, grid: dict) -> dict:
     import autopar
     from tests import unlike_models as U
 
     torch.manual_seed(0)
-    with autopar.auto_parallelize(data=2, expert_parallel=True):
+    with autopar.auto_parallelize(**grid):
         model = U.build(name)
     x, y = U.batches(name)[0]
     U.loss_of(name, model, x, y).backward()
     return {"norm": float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))}
 
 
-def test_clipping_sees_the_split_experts_gradients_whole(distributed):
-    """The script's clip_grad_norm_ over a model whose experts are split over data: serial's total norm (the
-    experts' squares summed over the data ranks once, the replicated ones' counted once)."""
+@pytest.mark.parametrize("layout", LAYOUTS_OF_2)
+def test_clipping_sees_the_split_experts_gradients_whole(distributed, layout):
+    """The script's clip_grad_norm_ over a model whose experts are split over data (or each over row): serial's
+    total norm (the experts' squares summed over the ranks holding their pieces once, the replicated ones'
+    counted once)."""
     from tests import unlike_models as U
 
     torch.manual_seed(0)
@@ -212,7 +218,7 @@ def test_clipping_sees_the_split_experts_gradients_whole(distributed):
     x, y = U.batches("mixtral")[0]
     U.loss_of("mixtral", serial, x, y).backward()
     want = float(torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05))
-    for r in distributed(clip_worker, 2, "mixtral"):
+    for r in distributed(clip_worker, 2, "mixtral", LAYOUTS_OF_2[layout]):
         assert abs(r["norm"] - want) <= 1e-5 * want, (r["norm"], want)
 
 
@@ -292,14 +298,14 @@ def test_experts_split_over_ranks_fed_their_own_rows_train_as_ddp(distributed):
             assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
 
 
-def optimizer_worker(name: str, shard: bool = False) -> dict:
+def optimizer_worker(name: str, shard: bool = False, grid: dict | None = None) -> dict:
     import autopar
     from autopar.runtime.params.data_shards import split_over_data
     from autopar.runtime.params.layout import local_of
     from tests import unlike_models as U
 
     torch.manual_seed(0)
-    with autopar.auto_parallelize(data=2, expert_parallel=True, shard_optimizer=shard):
+    with autopar.auto_parallelize(**(grid or LAYOUTS_OF_2["over data"]), shard_optimizer=shard):
         model = U.build(name)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for x, y in U.batches(name)[:2]:
@@ -324,11 +330,13 @@ def optimizer_worker(name: str, shard: bool = False) -> dict:
     return {"state": state, "params": params, "layout": layout, "held": held, "planned": planned}
 
 
-@pytest.mark.parametrize("shard", [False, True], ids=["whole", "shard_optimizer"])
-def test_the_optimizer_state_of_split_experts_comes_back_serial_shaped(distributed, shard):
+@pytest.mark.parametrize("shard,layout", [(False, "over data"), (True, "over data"), (False, "each over row")],
+                         ids=["whole", "shard_optimizer", "each over row"])
+def test_the_optimizer_state_of_split_experts_comes_back_serial_shaped(distributed, shard, layout):
     """autopar.full_optimizer_state_dict under expert parallelism: AdamW's moments of every parameter, experts
     included, and every parameter serial's after two steps; loaded into a fresh optimizer, the same state comes
-    back. With ``shard_optimizer`` too, the other parameters' state is split over data in chunks and the
+    back (each expert split over row: each rank holds half of its state). With ``shard_optimizer`` too, the other
+    parameters' state is split over data in chunks and the
     experts' stays each rank's own. Mutations: the experts' state gathered over data twice (as a shard_optimizer
     chunk, then as the split): 8 experts' worth; the experts' state chunked again by shard_optimizer (their
     gradients reduce-scattered over data ranks holding other experts)."""
@@ -344,13 +352,15 @@ def test_the_optimizer_state_of_split_experts_comes_back_serial_shaped(distribut
     names = {id(p): n for n, p in serial.named_parameters()}
     want = {names[id(p)]: s for p, s in opt.state.items()}
     final = {n: p.detach() for n, p in serial.named_parameters()}
-    for result in distributed(optimizer_worker, 2, "mixtral", shard):
-        got, layout = result["state"], result["layout"]
-        assert set(layout.values()) == ({"experts", "chunk"} if shard else {"experts", "whole"}), layout
+    # (the parameters within 1e-5: AdamW divides each moment by the root of the second, so where a gradient is
+    # near zero the moments' last bits move a step by more; the moments themselves agree to 1e-6)
+    for result in distributed(optimizer_worker, 2, "mixtral", shard, LAYOUTS_OF_2[layout]):
+        got, where = result["state"], result["layout"]
+        assert set(where.values()) == ({"experts", "chunk"} if shard else {"experts", "whole"}), where
         assert result["held"] == result["planned"], (result["held"], result["planned"])  # the plan's state bytes
         for name, w in final.items():
             err = (result["params"][name].double() - w.double()).abs().max().item()
-            assert err <= 1e-6 * max(1.0, w.abs().max().item()), (name, err)
+            assert err <= 1e-5 * max(1.0, w.abs().max().item()), (name, err)
         assert set(got) == set(want)
         for name, moments in got.items():
             for key, v in moments.items():
@@ -391,13 +401,13 @@ def test_plan_auto_held_to_expert_layouts_splits_the_experts_with_serials_number
             assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
 
 
-def pipeline_worker(name: str, pipeline: int, data: int, shard: bool) -> dict:
+def pipeline_worker(name: str, pipeline: int, data: int, shard: bool, tensor: tuple[int, int, int] = (1, 1, 1)) -> dict:
     import autopar
     from tests import unlike_models as U
 
     torch.manual_seed(0)
-    with autopar.auto_parallelize(data=data, pipeline=pipeline, microbatches=4, expert_parallel=True,
-                                  shard_optimizer=shard):
+    with autopar.auto_parallelize(data=data, pipeline=pipeline, tensor=tensor, microbatches=4,
+                                  expert_parallel=data > 1, shard_optimizer=shard):
         model = U.build(name)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # (U.train's)
@@ -414,6 +424,7 @@ def pipeline_worker(name: str, pipeline: int, data: int, shard: bool) -> dict:
         result["tokens"] = model.generate(U.batches(name)[0][0][:2, :6], max_new_tokens=4, do_sample=False,
                                           pad_token_id=0)
     result["split"] = [(e.module, e.axis, e.reason) for e in autopar.plan_of(model).experts]
+    result["tensor split"] = [e.tensor_axis for e in autopar.plan_of(model).experts]
     autopar.detach(model)
     return result
 
@@ -436,6 +447,18 @@ def test_experts_split_over_data_inside_a_pipeline_keep_serials_numbers(distribu
             err = (r["state"][k].double() - w.double()).abs().max().item()
             assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
         assert torch.equal(r["tokens"], want["tokens"])
+
+
+def test_experts_split_over_a_tensor_axis_inside_a_pipeline_keep_serials_numbers(distributed):
+    """Mixtral on 2 pipeline stages x tensor (2,1,1), each expert split over row on every stage (torch's 1F1B
+    over 4 micro-batches): serial's losses, every final parameter and generate's tokens."""
+    from tests import unlike_models as U
+
+    got = distributed(pipeline_worker, 4, "mixtral", 2, 1, False, (2, 1, 1), timeout=600)
+    want = U.serial("mixtral")
+    for r in got:
+        assert r["tensor split"] == ["row", "row"] and not any(axis for _, axis, _ in r["split"]), r
+        _check_serial("mixtral", r, want)
 
 
 def compiled_worker(name: str) -> dict:
