@@ -497,7 +497,7 @@ def memory_worker(layouts: list[tuple[tuple[int, int, int], int, bool]]) -> list
     from tests import unlike_models as U
     from tests.helpers import SettleCollectives
 
-    out = []
+    result = []
     for tensor, data, ep in layouts:
         torch.manual_seed(0)
         with autopar.auto_parallelize(tensor=tensor, data=data, checkpoint="none", expert_parallel=ep):
@@ -508,26 +508,29 @@ def memory_worker(layouts: list[tuple[tuple[int, int, int], int, bool]]) -> list
         for _ in range(2):
             model.zero_grad(set_to_none=True)
             with LiveBytes() as live, SettleCollectives():
-                U.loss_of("mixtral", model, x, y).backward()
+                out = model(x, use_cache=False)  # (a training loop's: the output held through backward)
+                F.cross_entropy(out.logits[:, :-1].reshape(-1, out.logits.shape[-1]), y[:, 1:].reshape(-1)).backward()
+                del out
             peaks.append(live.peak_bytes(exclude=[p.grad for p in model.parameters() if p.grad is not None]))
         plan = autopar.plan_of(model).memory
         held = sum(local_of(p).numel() * local_of(p).element_size() for p in model.parameters())
         grads = sum(local_of(p.grad).numel() * local_of(p.grad).element_size() for p in model.parameters())
-        out.append({"activations": (min(peaks), plan.activation_bytes), "params": (held, plan.param_bytes),
-                    "grads": (grads, plan.grad_bytes)})
+        result.append({"activations": (min(peaks), plan.activation_bytes), "params": (held, plan.param_bytes),
+                       "grads": (grads, plan.grad_bytes)})
         autopar.detach(model)
-    return out
+    return result
 
 
 @pytest.mark.slow
 def test_the_plans_bytes_per_rank_match_measured_under_each_expert_layout(distributed):
     """Parameters and gradients a rank holds equal the plan's to the byte under each expert layout (whole, split
-    over data, each split over row); the activations measured (one step, no recomputation, exact live bytes) are
-    within the plan's margin (measured: the plan 7.6-10.8% over, a constant ~138 KB of the loss's copies of the
-    logits whatever the layout; the expert region is counted at its pieces' size under a tensor split)."""
+    over data, each split over row); the activations measured (one step of a training loop holding the model's
+    output through backward, as the plan assumes; no recomputation; exact live bytes) are within 5% of the plan's
+    (measured: -0.7% to +1.9%; a loop that drops the output before backward holds one logits' size less, the plan
+    then 7.6-10.8% over)."""
     layouts = [((2, 1, 1), 1, False), ((1, 1, 1), 2, False), ((1, 1, 1), 2, True)]
     for rank, got in enumerate(distributed(memory_worker, 2, layouts, timeout=600)):
         for layout, r in zip(layouts, got):
             assert r["params"][0] == r["params"][1] and r["grads"][0] == r["grads"][1], (rank, layout, r)
             measured, planned = r["activations"]
-            assert -0.02 * measured <= planned - measured <= 0.12 * measured, (rank, layout, r)
+            assert abs(planned - measured) <= 0.05 * measured, (rank, layout, r)
