@@ -1,7 +1,9 @@
 """Ranks the grids a world size allows for a model before any device runs it: ``python -m autopar.plan``.
 
     python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
-        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=.. [expert_parallel]"]
+        [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=..
+        [shard_optimizer] [sequence_parallel] [expert_parallel] [checkpoint=auto|none|full] [compile|eager]"]
+        [--without shard_optimizer,sequence_parallel,expert_parallel]
         [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--chunks V] [--json FILE]
 
 Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
@@ -10,6 +12,12 @@ blocks to recompute under the device's memory, the pipeline's stages), and score
 time on the described machine. The table lists the best ``--top`` plans and why each is slower than the
 best; plans that do not fit memory come last, with the memory they need. ``MODEL.py`` follows the trace
 CLI's convention: ``build_model()`` and ``example_inputs()`` (``:NAME`` is passed to both).
+
+``--evaluate`` scores one configuration by the same model: a grid in the words the ranked list prints, its
+features, the checkpoint policy (``checkpoint=full`` recomputes every block, as Megatron's full recompute;
+``none`` nothing; ``auto``, the default, what memory needs) and ``compile`` or ``eager`` (default ``--compile``'s).
+``--without`` holds the search to plans without the named features, so a run made without them (a framework
+that lacks one) is compared with the best plan of its own kind.
 """
 
 from __future__ import annotations
@@ -17,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -34,18 +43,40 @@ from passes.analysis.search_plans import DEGREES, Candidate, Scored, why_slower
 
 FEATURES = ("shard_optimizer", "sequence_parallel", "expert_parallel")
 """The words of a plan that are features, not degrees (``Candidate.describe`` prints them bare)."""
+CHECKPOINTS = ("auto", "none", "full")
+"""``checkpoint=``'s policies (``auto_parallelize``'s words)."""
 
 
-def parse_evaluate(text: str, world: int) -> Candidate:
-    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1 chunks=1 expert_parallel"`` -> a Candidate (missing degrees
-    1): the words the ranked list prints, features (``FEATURES``) as bare words."""
+@dataclass(frozen=True, slots=True)
+class Evaluation:
+    """What ``--evaluate`` scores: a grid with its features, how it recomputes, and whether it is compiled."""
+
+    candidate: Candidate
+    checkpoint: str = "auto"
+    compiled: bool | None = None
+    """None: as ``--compile`` says."""
+
+    def describe(self) -> str:
+        return (self.candidate.describe() + (f" checkpoint={self.checkpoint}" if self.checkpoint != "auto" else "")
+                + ("" if self.compiled is None else " compile" if self.compiled else " eager"))
+
+
+def parse_evaluate(text: str, world: int) -> Evaluation:
+    """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1 chunks=1 expert_parallel checkpoint=full compile"`` -> what
+    to score (missing degrees 1): the words the ranked list prints, features (``FEATURES``) as bare words, the
+    checkpoint policy (``CHECKPOINTS``) and ``compile`` or ``eager``."""
     fields: dict[str, Any] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0,
                               "chunks": 1}
+    checkpoint, compiled = "auto", None
     for part in text.split():
         key, _, value = part.partition("=")
         try:
             if key in FEATURES and not value:
                 fields[key] = True
+            elif key == "checkpoint" and value in CHECKPOINTS:
+                checkpoint = value
+            elif key in ("compile", "eager") and not value:
+                compiled = key == "compile"
             elif key == "tensor":
                 fields["row"], fields["col"], fields["depth"] = (int(v) for v in value.split(","))
             elif key in fields:
@@ -53,8 +84,9 @@ def parse_evaluate(text: str, world: int) -> Candidate:
             else:
                 raise ValueError(key)
         except ValueError:
-            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M chunks=V' and the "
-                              f"words {', '.join(FEATURES)}; {part!r} is not one of them") from None
+            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M chunks=V', the "
+                              f"words {', '.join(FEATURES)}, checkpoint={'|'.join(CHECKPOINTS)} and compile or "
+                              f"eager; {part!r} is not one of them") from None
     fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
     candidate = Candidate(**fields)
     if candidate.pipeline > 1:  # the schedule's own conditions
@@ -65,7 +97,17 @@ def parse_evaluate(text: str, world: int) -> Candidate:
     size = candidate.data * candidate.pipeline * candidate.row * candidate.col * candidate.depth
     if size != world:
         raise ConfigError(f"--evaluate's grid has {size} ranks ({candidate.describe()}), not --gpus {world}.")
-    return candidate
+    return Evaluation(candidate, checkpoint, compiled)
+
+
+def parse_without(text: str) -> frozenset[str]:
+    """``"shard_optimizer,sequence_parallel"`` -> the features the search must not use."""
+    words = frozenset(w.strip() for w in text.replace(" ", ",").split(",") if w.strip())
+    unknown = sorted(words - set(FEATURES))
+    if unknown:
+        raise ConfigError(f"--without takes the features {', '.join(FEATURES)} (comma-separated); "
+                          f"{', '.join(map(repr, unknown))} is not one of them")
+    return words
 
 
 def plan_json(s: Scored) -> dict[str, Any]:
@@ -82,11 +124,14 @@ def schedule_of(c: Candidate) -> str | None:
     return None if c.pipeline == 1 else "interleaved" if c.chunks > 1 else "1f1b"
 
 
-def format_table(ranked: list[Scored], top: int, machine: Machine, world: int) -> str:
+def format_table(ranked: list[Scored], top: int, machine: Machine, world: int, compiled: bool = False,
+                 without: frozenset[str] = frozenset()) -> str:
     best = ranked[0]
     planned = sum(not s.reason.startswith(SCREENED) for s in ranked)
     how = "" if planned == len(ranked) else f" ({planned} planned exactly, the others ranked by the closed-form screen)"
-    lines = [f"{world} x {machine.name} ({machine.gpus_per_node} per node): {len(ranked)} grids{how}, best first",
+    kind = ("compile" if compiled else "eager") + (f", without {', '.join(sorted(without))}" if without else "")
+    lines = [f"{world} x {machine.name} ({machine.gpus_per_node} per node, {kind}): {len(ranked)} grids{how}, "
+             "best first",
              "", f"{'#':>3}  {'grid':<48} {'step':>10} {'memory':>10}  why slower than #1"]
     for i, s in enumerate(ranked[:top], 1):
         step = "-" if s.time is None else f"{s.seconds * 1e3:.3g} ms"
@@ -113,9 +158,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seq", type=int, default=None, help="sequence length (default: example_inputs')")
     parser.add_argument("--top", type=int, default=10, help="plans to list (default 10)")
     parser.add_argument("--evaluate", default=None, metavar="GRID",
-                        help='score this grid with the same model: '
+                        help='score this configuration with the same model: '
                              '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V] [shard_optimizer] '
-                             '[sequence_parallel] [expert_parallel]" (the words the ranked list prints)')
+                             '[sequence_parallel] [expert_parallel] [checkpoint=auto|none|full] [compile|eager]" '
+                             '(the words the ranked list prints)')
+    parser.add_argument("--without", default="", metavar="FEATURES",
+                        help=f"plans without these features only (comma-separated: {','.join(FEATURES)})")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
                         help="auto_parallelize's compile= (default auto: compiled on GPUs): a compiled piece of "
@@ -153,24 +201,29 @@ def main(argv: list[str] | None = None) -> int:
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.global_batch, args.seq)
         fixed = {d: getattr(args, d) for d in (*DEGREES, "chunks") if getattr(args, d) is not None}
         compiled = CompileConfig(compile_arg(args.compile)).enabled(device_type_of(machine), training=True)
+        asked = parse_evaluate(args.evaluate, args.gpus) if args.evaluate else None  # (its errors first)
         ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision,
-                        keep=None if args.exhaustive else max(args.keep, 1), compiled=compiled)
+                        keep=None if args.exhaustive else max(args.keep, 1), compiled=compiled,
+                        without=parse_without(args.without))
         evaluated = None
-        if args.evaluate:
-            evaluated = score(model, inputs, parse_evaluate(args.evaluate, args.gpus), machine,
-                              precision=args.precision, compiled=compiled)
+        if asked is not None:
+            evaluated = score(model, inputs, asked.candidate, machine, checkpoint=asked.checkpoint,
+                              precision=args.precision, compiled=compiled if asked.compiled is None else asked.compiled)
     except AutoparError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(ranked, args.top, machine, args.gpus))
+    print(format_table(ranked, args.top, machine, args.gpus, compiled, parse_without(args.without)))
     if evaluated is not None:
         step = "-" if evaluated.time is None else f"{evaluated.seconds * 1e3:.3g} ms"
-        print(f"\nevaluated: {evaluated.candidate.describe()}: {step}, {gib(evaluated.memory_bytes)} per device"
+        recomputed = f", recomputing {len(evaluated.recompute)} blocks" if evaluated.recompute else ""
+        print(f"\nevaluated: {asked.describe()}: {step}, {gib(evaluated.memory_bytes)} per device{recomputed}"
               + ("" if evaluated.fits else f" (does not fit: {evaluated.reason})")
               + (f"; vs #1: {why_slower(ranked[0], evaluated)}" if evaluated.candidate != ranked[0].candidate else ""))
     if args.json:
         out = {"plans": [plan_json(s) for s in ranked[:args.top]],
-               "evaluated": plan_json(evaluated) if evaluated is not None else None}
+               "evaluated": {**plan_json(evaluated), "checkpoint_policy": asked.checkpoint,
+                             "compiled": compiled if asked.compiled is None else asked.compiled}
+               if evaluated is not None else None}
         Path(args.json).write_text(json.dumps(out, indent=2))
     return 0
 

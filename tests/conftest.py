@@ -164,6 +164,8 @@ EXTENDED = {
     **{f"test_any_model.py::test_every_moe_family_and_torch_layer_trains_with_serial_numbers[{g}]":
        "a Mixtral, MultiheadAttention, a BatchNorm CNN and a straight-through Function on the same grid"
        for g in ("data2", "tensor2", "tensor2-data2")},
+    **{f"test_any_model.py::test_every_moe_family_trains_with_its_experts_split_over_data[{g}]":
+       "test_experts.py's families under each expert layout" for g in ("data2-ep", "tensor2-data2-ep")},
 }
 
 

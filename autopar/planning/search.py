@@ -80,7 +80,8 @@ def _collector_skips_what_exists() -> Iterator[None]:
 
 def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
            checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
-           kwargs: dict | None = None, compiled: bool = False, expert_parallel: bool | None = None) -> list[Scored]:
+           kwargs: dict | None = None, compiled: bool = False, expert_parallel: bool | None = None,
+           without: frozenset[str] = frozenset()) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``passes.analysis.screen``, from one
     plan of the model on one rank) ranks them all and the best ``keep`` are planned exactly, each pipeline
@@ -89,15 +90,24 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
     pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster). ``compiled``: training runs
     compiled (``plan_model``'s; the screen's too). ``expert_parallel``: of a mixture-of-experts model (one with
     routed-experts layers an expert layout can split), each grid whose data degree divides the experts is
-    also tried with them split over data (None), only so (True), or never (False)."""
+    also tried with them split over data (None), only so (True), or never (False). ``without``: features no
+    plan may use (``Candidate``'s: ``shard_optimizer``, ``sequence_parallel``, ``expert_parallel``), as a
+    framework that lacks them runs."""
+    if "expert_parallel" in without:
+        if expert_parallel:
+            raise PlanError("the search was asked for experts split over data and held to plans without them")
+        expert_parallel = False
     with _collector_skips_what_exists():
         return _search(model, inputs, world, machine, fixed=fixed, checkpoint=checkpoint, precision=precision,
-                       keep=keep, kwargs=kwargs, compiled=compiled, expert_parallel=expert_parallel)
+                       keep=keep, kwargs=kwargs, compiled=compiled, expert_parallel=expert_parallel,
+                       without=without)
 
 
 def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None,
             checkpoint: str, precision: str, keep: int | None, kwargs: dict | None,
-            compiled: bool = False, expert_parallel: bool | None = None) -> list[Scored]:
+            compiled: bool = False, expert_parallel: bool | None = None,
+            without: frozenset[str] = frozenset()) -> list[Scored]:
+    shard, sequence = "shard_optimizer" not in without, "sequence_parallel" not in without
     batch = _batch_size((inputs, kwargs))
     fixed = dict(fixed or {})
     chunks = (fixed.pop("chunks"),) if "chunks" in fixed else (1, 2)
@@ -140,14 +150,14 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         out = []
         for c in grids:
             s = scored_one(c)
-            if not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
+            if shard and not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
                     s = split
             # (the split applies where one of row and col reduces a whole output: exactly one of them > 1; not
             # tried with experts split over data, whose exchange under token-split activations is not built)
-            if (not s.fits and s.time is not None and (c.row > 1) != (c.col > 1) and not c.sequence_parallel
-                    and not c.expert_parallel):
+            if (sequence and not s.fits and s.time is not None and (c.row > 1) != (c.col > 1)
+                    and not c.sequence_parallel and not c.expert_parallel):
                 seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
                 if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
                     s = seq
@@ -160,7 +170,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     half = precision in ("bf16", "fp16")
     def screened_one(c: Candidate, own: tuple[float, int], split: tuple[float, int] | None
                      ) -> tuple[float, int, Candidate]:
-        if own[1] > machine.memory_bytes and split is not None and split[1] < own[1]:
+        if shard and own[1] > machine.memory_bytes and split is not None and split[1] < own[1]:
             return split[0], split[1], dataclasses.replace(c, shard_optimizer=True)  # (the state split over data)
         return own[0], own[1], c
 

@@ -71,6 +71,47 @@ def test_degrees_given_stay_and_a_plan_that_does_not_fit_says_what_it_needs(tmp_
     assert not any(p["fits"] for p in plans) and all("needs" in p["reason"] for p in plans)
 
 
+def test_evaluate_takes_the_checkpoint_policy_and_compile_and_the_search_goes_without_features(tmp_path, capsys):
+    """--evaluate scores a configuration as it was run: ``checkpoint=full`` recomputes every block (less memory,
+    more time than ``none``), ``compile``/``eager`` override --compile; its words print back as given. --without
+    holds the search to plans without the named features (a machine too small for any plan: the search tries the
+    optimizer state split over data, and under --without it does not)."""
+    from autopar.plan import parse_evaluate, parse_without
+    from autopar.errors import ConfigError
+    import pytest
+
+    asked = parse_evaluate("pipeline=2 microbatches=2 shard_optimizer checkpoint=full compile", 2)
+    assert (asked.checkpoint, asked.compiled) == ("full", True)
+    assert parse_evaluate(asked.describe(), 2) == asked
+    for bad in ("data=2 checkpoint=some", "data=2 compile=yes"):
+        with pytest.raises(ConfigError, match="checkpoint=auto|none|full"):
+            parse_evaluate(bad, 2)
+    with pytest.raises(ConfigError, match="'zero3' is not one of them"):
+        parse_without("shard_optimizer,zero3")
+    got = {}
+    for policy in ("none", "full"):
+        out = tmp_path / f"{policy}.json"
+        assert plan_main([EXAMPLE, "--gpus", "2", "--hardware", "h100-80gb", "--evaluate",
+                          f"data=2 checkpoint={policy} eager", "--json", str(out)]) == 0
+        got[policy] = json.loads(out.read_text())["evaluated"]
+        assert f"evaluated: data=2 pipeline=1 tensor=1,1,1 checkpoint={policy} eager:" in capsys.readouterr().out
+    assert got["none"]["checkpoint"] == [] and got["full"]["checkpoint"]  # every block recomputed
+    assert got["full"]["memory_bytes_per_device"] < got["none"]["memory_bytes_per_device"]
+    assert got["full"]["predicted_step_seconds"] > got["none"]["predicted_step_seconds"]
+    assert (got["full"]["checkpoint_policy"], got["full"]["compiled"]) == ("full", False)
+    small = tmp_path / "small.json"
+    small.write_text(json.dumps({"name": "tiny", "flops_per_second": 1e12, "memory_bytes": 2**20,
+                                 "intra_bytes_per_second": 1e10, "inter_bytes_per_second": 1e9}))
+    features = {}
+    for without in ([], ["--without", "shard_optimizer,sequence_parallel"]):
+        out = tmp_path / "w.json"
+        assert plan_main([EXAMPLE, "--gpus", "4", "--hardware", str(small), "--exhaustive", "--top", "100",
+                          "--json", str(out), *without]) == 0
+        features[bool(without)] = {p["shard_optimizer"] for p in json.loads(out.read_text())["plans"]}
+    assert features == {False: {False, True}, True: {False}}  # (mutation: --without ignored: both kinds listed)
+    assert "without sequence_parallel, shard_optimizer" in capsys.readouterr().out
+
+
 def test_plan_runs_as_module_and_reports_bad_input():
     env = dict(os.environ, OMP_NUM_THREADS="1")
     ok = subprocess.run([sys.executable, "-m", "autopar.plan", EXAMPLE, "--gpus", "2", "--hardware", "cpu", "--top", "20"],

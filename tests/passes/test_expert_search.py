@@ -119,12 +119,12 @@ def test_the_screen_prices_the_exchange_and_the_experts_work():
 def test_evaluate_takes_the_words_the_ranked_list_prints():
     from autopar.plan import parse_evaluate
 
-    c = parse_evaluate("data=4 tensor=1,1,1 expert_parallel", 4)
+    c = parse_evaluate("data=4 tensor=1,1,1 expert_parallel", 4).candidate
     assert c == Candidate(4, 1, 1, 1, 1, expert_parallel=True)
-    assert parse_evaluate(c.describe(), 4) == c
+    assert parse_evaluate(c.describe(), 4).candidate == c
     s = Candidate(2, 1, 2, 1, 1, shard_optimizer=True, sequence_parallel=True)
-    assert parse_evaluate(s.describe(), 4) == s
-    both = parse_evaluate("data=4 expert_parallel shard_optimizer", 4)
+    assert parse_evaluate(s.describe(), 4).candidate == s
+    both = parse_evaluate("data=4 expert_parallel shard_optimizer", 4).candidate
     assert both.expert_parallel and both.shard_optimizer
     with pytest.raises(ConfigError, match="chunks=2 needs a pipeline"):
         parse_evaluate("data=4 chunks=2 expert_parallel", 4)
