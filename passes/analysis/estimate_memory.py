@@ -19,7 +19,8 @@ but made two or more segments earlier (attention masks, rotary tables, T5's posi
 inputs) stay alive whatever is recomputed: they are counted once, in a first segment ``<shared>``.
 
 The model's outputs, which the caller holds through backward, are counted in ``<shared>``; a last
-segment ``<loss>`` is an allowance for the caller's loss.
+segment ``<loss>`` is an allowance for the caller's loss (none where the model computes its own: a scalar
+output, HF's ``labels=``).
 
 Per segment:
 - ``saved_bytes``: tensors it keeps for backward, each storage counted at its first saver;
@@ -54,7 +55,7 @@ from passes.analysis.graph_facts import (MatmulMatch, attention_flops, module_of
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
 from passes.analysis.optimizer_shards import kept_numel
-from passes.ir import Sharding, graph_info, input_info
+from passes.ir import Sharding, graph_info, input_info, vocab_cross_entropy
 
 log = logging.getLogger(__name__)
 
@@ -412,7 +413,13 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         # A conversion before the saver keeps the tensor in the saver's layout, except a gather for matmuls that
         # keep this rank's tokens and gather them again in backward (sequence parallelism:
         # ``autopar.runtime.ops.sequence_parallel.Regather``).
-        if producer is None:  # made inside the op: a copy of an input, or new (SDPA's log-sum-exp)
+        # a cross-entropy over a vocabulary split over ranks (``vocab_parallel_losses``) keeps this rank's logits
+        # shifted by the row maxima and their exponentials, its piece of the classes, where torch's keeps one
+        # log-softmax of them all
+        vocab_split = saver in res.local_args and res.local_args[saver][0] is vocab_cross_entropy
+        if vocab_split and producer is None:
+            sharding = res.sharding(saver.args[0])
+        elif producer is None:  # made inside the op: a copy of an input, or new (SDPA's log-sum-exp)
             source = rec.layout_source.get(key)
             sharding = (_kept_layout(res, saver, source) if source is not None else res.sharding(saver))
         else:
@@ -420,7 +427,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         seg = seg_of.get(saver, order[1])
         if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
             seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
-        saved[seg] += nbytes * shard_fraction(sharding, sizes)
+        saved[seg] += nbytes * shard_fraction(sharding, sizes) * (2 if vocab_split and producer is None else 1)
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
@@ -473,11 +480,18 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                                  attention_flops=int(attention[name]), collective_bytes=int(collective[name]))
                      for name in order)
     # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
-    # the largest output and to need two more in its backward, as cross-entropy on logits does.
+    # the largest output and to need two more in its backward, as cross-entropy on logits does. A model that
+    # computes its loss (HF's labels=: a scalar output) has it in the graph, counted with the rest: the caller
+    # only calls backward on it.
+    # An output split on this rank is gathered at the end of forward: over features (this rank's piece, and its
+    # rows whole, made of the gathered pieces), then over the batch (the pieces gathered, joined into the output).
     outputs = _output_bytes(gm)
     largest = max(outputs, default=0)
+    gathered = max(_gather_bytes(gm, res, sizes), default=0)
+    ends = (SegmentCost("<output>", False, 0, 0, gathered, 0),) if gathered else ()
+    loss = () if loss_in_graph(gm) else (SegmentCost("<loss>", False, largest, 0, 2 * largest, 0),)
     segments = (dataclasses.replace(segments[0], saved_bytes=segments[0].saved_bytes + sum(outputs)), *segments[1:],
-                SegmentCost("<loss>", False, largest, 0, 2 * largest, 0))
+                *ends, *loss)
     frozen = tuple(name for node in params if (name := param_name(node)) and not res.requires_grad.get(node))
     return dataclasses.replace(static_memory(segments, plan, frozen), output_bytes=sum(outputs))
 
@@ -499,6 +513,15 @@ def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
                                grad_bytes=profile.compiled_grad_bytes or profile.grad_bytes)
 
 
+def loss_in_graph(gm: fx.GraphModule) -> bool:
+    """Whether the model computes its loss: one of its outputs is a floating-point scalar (HF's ``labels=``)."""
+    for out in pytree.tree_leaves(gm.graph.output_node().args):
+        t = tensor_meta(out) if isinstance(out, fx.Node) else None
+        if t is not None and t.dim() == 0 and t.is_floating_point():
+            return True
+    return False
+
+
 def _output_bytes(gm: fx.GraphModule) -> list[int]:
     """Bytes of each tensor output, full on every rank (gathered over features and the batch)."""
     batch = graph_info(gm).batch
@@ -512,6 +535,26 @@ def _output_bytes(gm: fx.GraphModule) -> list[int]:
             nbytes = nbytes * batch.global_size // batch.local_sizes[batch.index]
         sizes.append(nbytes)
     return sizes
+
+
+def _gather_bytes(gm: fx.GraphModule, res: LayoutResult, axes: dict[str, int]) -> list[int]:
+    """For each output a rank gathers, what the gathers hold beside the output (``GatherOutputOp``): over its
+    features, this rank's piece and its rows whole; over the batch, this rank's rows and the pieces gathered."""
+    batch = graph_info(gm).batch
+    out_bytes = []
+    for out in pytree.tree_leaves(gm.graph.output_node().args):
+        t = tensor_meta(out) if isinstance(out, fx.Node) else None
+        if t is None:
+            continue
+        nbytes, held = t.numel() * t.element_size(), 0
+        split = (fraction := shard_fraction(res.sharding(out), axes)) < 1
+        if split:
+            held += nbytes + int(nbytes * fraction)
+        if batch is not None and t.dim() and t.shape[0] == batch.local_sizes[batch.index] and \
+                batch.global_size > batch.local_sizes[batch.index]:
+            held += nbytes * batch.global_size // batch.local_sizes[batch.index] + (0 if split else nbytes)
+        out_bytes.append(held)
+    return out_bytes
 
 
 def static_memory(segments: tuple[SegmentCost, ...], plan: Plan, frozen: tuple[str, ...]) -> MemoryProfile:

@@ -245,12 +245,12 @@ def no_degrees_worker(budget_share: float | None, example: bool) -> dict:
             "infos": [r.getMessage() for r in records if r.levelno == logging.INFO and "no degrees" in r.getMessage()]}
 
 
-@pytest.mark.parametrize("budget_share,example", [(None, False), (1.5, False), (1.5, True)])
+@pytest.mark.parametrize("budget_share,example", [(None, False), (1.25, False), (1.25, True)])
 def test_no_degrees_mean_data_parallel_unless_the_model_is_too_big_for_it(distributed, budget_share, example):
     """A model whose training state (16 bytes per parameter) fits half the device stays data parallel with
-    plain tensors, as under DDP; at 1.5x its state (data parallel needs 1.9x with its activations) the
-    search's grid (data 4 with Adam's moments split over it here, 10 bytes a parameter; tensor (1, 4, 1) before
-    the search could split them) is chosen, at the first call or at the end of the block with example inputs,
+    plain tensors, as under DDP; at 1.25x its state (data parallel needs 1.38x with its activations, its blocks
+    recomputed; nanoGPT computes its loss in forward, so no allowance for the caller's) the search's grid (data 4
+    with Adam's moments split over it here, 10 bytes a parameter) is chosen, at the first call or at the end of the block with example inputs,
     and trains with serial's numbers. Mutation: ignoring the model's size (data parallel always) leaves the
     too-big model on data=4 with its whole state and fails."""
     for rank, got in enumerate(distributed(no_degrees_worker, 4, budget_share, example, timeout=600)):
