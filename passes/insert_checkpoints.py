@@ -19,13 +19,38 @@ Before -> After::
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from autopar.decisions import Plan
 from passes.analysis.estimate_memory import segment_names
 from passes.outline import outline
 from passes.runner import PassResult
+
+
+def _recompute_collectives_too(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Compiled, every op of a recomputed segment is recomputed, its collectives included: torch's partitioner
+    keeps a collective's output unless told it must be recomputed (``force_save_collectives``)."""
+    if getattr(op, "namespace", None) == "_c10d_functional":
+        return CheckpointPolicy.MUST_RECOMPUTE
+    return CheckpointPolicy.PREFER_RECOMPUTE
+
+
+RECOMPUTE_COLLECTIVES = functools.partial(create_selective_checkpoint_contexts, _recompute_collectives_too)
+
+
+def recomputed(fn: Any, *inputs: Any) -> Any:
+    """``fn(*inputs)`` with its activations dropped after forward and recomputed in backward
+    (``torch.utils.checkpoint``, non-reentrant). Under ``torch.compile`` its collectives are recomputed too,
+    every rank of their groups issuing them again in the same order (every rank has the same plan), as
+    eager's recomputation does; otherwise the partitioner would keep their outputs from forward."""
+    if torch.compiler.is_compiling():
+        return checkpoint(fn, *inputs, use_reentrant=False, context_fn=RECOMPUTE_COLLECTIVES)
+    return checkpoint(fn, *inputs, use_reentrant=False)
 
 
 def insert_checkpoints(gm: fx.GraphModule, plan: Plan) -> PassResult:
@@ -42,7 +67,7 @@ def insert_checkpoints(gm: fx.GraphModule, plan: Plan) -> PassResult:
                 runs.setdefault(name, []).append(node)
         for i, nodes in enumerate(runs.values()):
             outline(target, nodes, f"checkpoint_{i}", lambda graph, fn, inputs: graph.call_function(
-                torch.utils.checkpoint.checkpoint, (fn, *inputs), {"use_reentrant": False}))
+                recomputed, (fn, *inputs)))
         if target is not gm and runs:
             target.graph.lint()
             target.recompile()

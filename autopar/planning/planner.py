@@ -65,8 +65,8 @@ class PlanOptions:
     """Raise when a byte budget cannot be met even recomputing every block (the runtime's; the CLIs show
     the plan that does not fit)."""
     compiled: bool = False
-    """Training runs under ``compile=True``: a recomputed block also keeps its collectives' outputs
-    (``estimate_memory.compiled_recompute``)."""
+    """Training runs under ``compile=True``: each compiled piece of backward returns its gradients at once
+    (``estimate_memory.compiled_recompute``); a recomputed block keeps its inputs only, as eagerly."""
     hardware: Hardware | None = None
     """The rates pipeline stages are cut with; None: this machine's (``autopar.planning.machines.local_rates``), as the
     runtime here would cut them."""

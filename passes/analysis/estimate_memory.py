@@ -92,10 +92,6 @@ class SegmentCost:
     copies: int = 1
     """Micro-batches whose activations of it are held at once (a pipeline rank's in flight): each keeps
     what it saves (or, recomputed, its inputs); one at a time runs it, with its transients."""
-    collective_bytes: int = 0
-    """The outputs of the collectives its forward issues on this rank (a 3D matmul's all-reduced output, a
-    depth-gathered weight block, a layout's gather). Recomputed under ``compile=True`` it keeps them besides
-    its inputs: torch's partitioner never issues a collective again (``compiled_recompute``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,8 +429,6 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     flops = dict.fromkeys(order, Fraction(0))
     attention = dict.fromkeys(order, Fraction(0))
     ops = dict.fromkeys(order, 0)
-    collective = dict.fromkeys(order, Fraction(0))
-    half = torch.empty((), dtype=compute_dtype).element_size() if compute_dtype is not None else None
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     stateful: set[str] = set()  # segments that must not run twice (``graph_facts.writes_state``)
     for node, seg in seg_of.items():
@@ -452,8 +446,6 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                 read[seg].add(arg)
                 inputs[seg] += val.numel() * val.element_size() * shard_fraction(res.sharding(arg), sizes)
             dst = res.conversions.get((node, arg))
-            if dst is not None and not res.sharding(arg).is_replicated and (val := tensor_meta(arg)) is not None:
-                collective[seg] += val.numel() * val.element_size() * shard_fraction(dst, sizes)  # its gather
             if dst is not None and not res.sharding(arg).is_replicated and arg in rec.largest:
                 # A gather before this op builds the whole tensor (and its gradient in backward).
                 peak[seg] = max(peak[seg], 2 * rec.largest[arg] * shard_fraction(dst, sizes)
@@ -463,21 +455,13 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
             o = plan.matmul(m.weight).orientation
             flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features,
                                    config.size(o.in_axis) * config.size(o.out_axis))
-            if o.is_3d:  # its output's all-reduce, and the weight block gathered over depth
-                out = tensor_meta(node)
-                size = half or out.element_size()
-                if config.size(o.in_axis) > 1:
-                    collective[seg] += out.numel() * size * shard_fraction(res.sharding(node), sizes)
-                if config.depth > 1:
-                    collective[seg] += Fraction(m.in_features * m.out_features * size,
-                                                config.size(o.in_axis) * config.size(o.out_axis))
         if (a := attention_flops(node)):  # over the heads this rank holds
             attention[seg] += a * shard_fraction(res.sharding(node), sizes)
 
     segments = tuple(SegmentCost(name, not name.startswith("<") and name not in stateful, int(saved[name]),
                                  int(inputs[name]),
                                  int(peak[name]), int(flops[name] + attention[name]), ops=ops[name],
-                                 attention_flops=int(attention[name]), collective_bytes=int(collective[name]))
+                                 attention_flops=int(attention[name]))
                      for name in order)
     # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
     # the largest output and to need two more in its backward, as cross-entropy on logits does. A model that
@@ -504,13 +488,11 @@ def _kept_layout(res: LayoutResult, saver: fx.Node, read: fx.Node) -> Sharding:
 
 
 def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
-    """``profile`` as ``compile=True`` runs it: a recomputed segment keeps its collectives' outputs besides its
-    inputs (torch's partitioner never issues a collective again, so it saves their outputs from forward), and
-    each piece of the backward returns its gradients at once (``MemoryProfile.compiled_grad_bytes``)."""
-    segments = tuple(dataclasses.replace(s, input_bytes=s.input_bytes + s.collective_bytes) if s.checkpointable
-                     else s for s in profile.segments)
-    return dataclasses.replace(profile, segments=segments,
-                               grad_bytes=profile.compiled_grad_bytes or profile.grad_bytes)
+    """``profile`` as ``compile=True`` runs it: each piece of the backward returns its gradients at once
+    (``MemoryProfile.compiled_grad_bytes``). A recomputed segment keeps only its inputs, as eagerly: its
+    collectives are recomputed too (``passes.insert_checkpoints.recomputed`` tells torch's partitioner, which
+    otherwise keeps a collective's output from forward)."""
+    return dataclasses.replace(profile, grad_bytes=profile.compiled_grad_bytes or profile.grad_bytes)
 
 
 def loss_in_graph(gm: fx.GraphModule) -> bool:

@@ -261,12 +261,6 @@ class _Degrees:
                                 + parted // (pieces * self.stages))
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
-        if compiled and each:  # a compiled checkpointed block keeps its collectives' outputs (torch's partitioner
-            # never recomputes one, ``estimate_memory.compiled_recompute``): each expert layer's all-reduced results,
-            # on the first pipeline rank for every micro-batch in flight (one stage's layers each)
-            micro = c.microbatches if self.stages > 1 else 1
-            flight = min(micro, self.stages * c.chunks) if self.stages > 1 else 1
-            self.kept += sum(e.rows // (self.shards * micro) * e.forward[-1] for e in each) * flight // self.stages
         self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
         self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True, split_experts)
         self.micro: dict[int, tuple[float, float, float, int]] = {}

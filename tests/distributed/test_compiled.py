@@ -175,8 +175,8 @@ def test_compiled_matches_eager_and_serial(world, distributed, caplog):
             for what, err in r["errs"].items():
                 assert err < TOL, f"rank {rank} {name}: {what} differ by {err:.2e}"
             eager, comp = r["comm"]
-            if "checkpoint" in name:  # torch's partitioner never re-issues a collective: a recomputed block keeps
-                # its collectives' outputs from forward (docs/guide/compile.md), so fewer bytes go
+            if "checkpoint" in name:  # compiled, a recomputed block issues again only what backward reads: not
+                # the collective that makes its output, which the next block keeps (docs/guide/compile.md)
                 assert all(c < e for c, e in zip(comp, eager)), f"rank {rank} {name}: bytes {eager} vs {comp}"
             else:
                 assert eager == comp, f"rank {rank} {name}: bytes per step eager {eager} != compiled {comp}"
@@ -418,3 +418,71 @@ def test_a_graph_compiled_in_pieces_delivers_each_pieces_gradients_as_its_backwa
     for rank, got in enumerate(distributed(_arrivals, 4, 2**12, timeout=600)):
         for grid, seen in got.items():
             assert seen == {"3": 1, "2": 2, "1": 3, "0": 4, "total": 4}, (rank, grid, seen)
+
+
+def _recompute_saved(cases: list[tuple[bool, str, bool]]) -> dict:
+    """Bytes a step keeps for backward (the storages autograd saves, parameters aside: a saved-tensors hook sees
+    what a compiled graph saves too) and the plan's activations, for a tiny Llama at tensor (2, 1, 1):
+    (compiled, checkpoint, collectives kept) for each case; ``collectives kept``: the mutation, a policy that
+    tells torch's partitioner to keep every collective's output from forward."""
+    import functools
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    import passes.insert_checkpoints as inserted
+    from autopar.examples import zoo
+    from autopar.parallel_model import plan_of
+
+    def keep_collectives(ctx, op, *args, **kwargs):
+        return (CheckpointPolicy.MUST_SAVE if getattr(op, "namespace", None) == "_c10d_functional"
+                else CheckpointPolicy.PREFER_RECOMPUTE)
+
+    proper = inserted.RECOMPUTE_COLLECTIVES
+    ids = torch.randint(0, zoo.VOCAB, (8, zoo.POSITIONS), generator=torch.Generator().manual_seed(3))
+    out = {}
+    for compiled, checkpoint, kept in cases:
+        torch._dynamo.reset()
+        inserted.RECOMPUTE_COLLECTIVES = (functools.partial(create_selective_checkpoint_contexts, keep_collectives)
+                                          if kept else proper)
+        torch.manual_seed(0)
+        with autopar.auto_parallelize(tensor=(2, 1, 1), checkpoint=checkpoint, compile=compiled):
+            model = zoo.build_model("llama", layers=4)
+        model(ids, labels=ids, use_cache=False).loss.backward()  # (the parameters exist after the first call)
+        params = {(p.to_local() if hasattr(p, "to_local") else p).untyped_storage().data_ptr()
+                  for p in model.parameters()}
+        sizes = []
+        for _ in range(2):
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                storage = t.untyped_storage()
+                if storage.data_ptr() not in params:
+                    seen[storage.data_ptr()] = storage.nbytes()
+                return t
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                loss = model(ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            sizes.append(sum(seen.values()))
+        runtime = runtime_of(model)
+        failed = [g.failed for g in runtime.compiled_graphs() if g.failed] if compiled else []
+        out[(compiled, checkpoint, kept)] = {"saved": sizes[-1], "plan": plan_of(model).memory.activation_bytes,
+                                             "failed": failed}
+    inserted.RECOMPUTE_COLLECTIVES = proper
+    return out
+
+
+def test_compiled_recompute_issues_collectives_again_and_keeps_only_block_inputs(distributed):
+    """Under compile=True a block checkpointed by the plan keeps what eager's checkpoint keeps, not its
+    collectives' outputs: ``passes.insert_checkpoints.recomputed`` marks them for recomputation, which torch's
+    partitioner otherwise never does. Full recompute cuts the compiled step's saved bytes as much as the eager
+    step's, and the plan counts the same activations compiled or eager. Mutation: a policy that keeps the
+    collectives' outputs saves more than eager's checkpoint (each block's all-reduced attention output)."""
+    cases = [(False, "full", False), (True, "none", False), (True, "full", False), (True, "full", True)]
+    for got in distributed(_recompute_saved, 2, cases, timeout=900):
+        for case, r in got.items():
+            assert not r["failed"], (case, r)
+        eager, none, full, kept = (got[c] for c in cases)
+        assert full["saved"] <= eager["saved"] and full["saved"] < none["saved"] / 2, got
+        assert full["plan"] == eager["plan"] < none["plan"], got
+        assert kept["saved"] > eager["saved"], got

@@ -112,26 +112,21 @@ def test_rotary_complex_views_keep_the_batch_split():
 
 
 @pytest.mark.parametrize("tensor", [(2, 1, 1), (1, 1, 2)], ids=["row", "depth"])
-def test_compiled_recompute_keeps_each_blocks_collective_outputs(tensor):
-    """Under compile=True a recomputed block keeps the outputs of its collectives (torch's partitioner never
-    issues one again): each block's all-reduced matmul outputs at row 2, its gathered weight blocks at depth
-    2. ``compiled_recompute`` adds them to what a checkpoint keeps, so the planner recomputes more to fit."""
+def test_compiled_recompute_keeps_only_each_blocks_inputs(tensor):
+    """Under compile=True a recomputed block issues its collectives again, as eagerly
+    (``passes.insert_checkpoints.recomputed`` marks them for torch's partitioner): a checkpointed block keeps its
+    inputs only, so full recompute plans the same activations compiled or not; only the gradients a compiled
+    piece returns at once differ. (Measured: tests/distributed/test_compiled.py, compiled recompute's saved
+    bytes.)"""
     from autopar.planning.planner import PlanOptions, choose_memory
 
     gm, plan = _captured(ParallelConfig(1, *tensor))
     profile = em.estimate_memory(gm, plan)
-    blocks = [s for s in profile.segments if s.checkpointable]
-    assert blocks and all(s.collective_bytes > 0 for s in blocks)
     compiled = em.compiled_recompute(profile)
-    for eager, comp in zip(profile.segments, compiled.segments):
-        assert comp.input_bytes == eager.input_bytes + (eager.collective_bytes if eager.checkpointable else 0)
-    full = {s.name for s in blocks}
-    from passes.analysis.choose_checkpoints import activation_peak
-
-    assert activation_peak(compiled.segments, full) > activation_peak(profile.segments, full)
+    assert compiled.segments == profile.segments
     eager_all = choose_memory(profile, plan, PlanOptions("full"))
     compiled_all = choose_memory(profile, plan, PlanOptions("full", compiled=True))
-    assert compiled_all.peak_bytes > eager_all.peak_bytes
+    assert compiled_all.activation_bytes == eager_all.activation_bytes
 
 
 def test_compiled_backward_counts_one_pieces_whole_gradients_under_shard_optimizer():

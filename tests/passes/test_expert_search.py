@@ -90,11 +90,11 @@ def test_the_search_splits_the_experts_where_memory_needs_it_and_scores_as_plann
         other = screen(shape, dataclasses.replace(c, expert_parallel=False), h100)[1]
         # (on a tensor grid each expert splits over row as well: experts over data x row)
         assert (floor < other if c.expert_parallel else floor == other), (c, floor, other)
-    # compiled, a checkpointed block keeps its collectives' outputs: each expert layer's all-reduced results under a
-    # tensor split (4 rows x 16 tokens x 2 picks x 32 fp32 per layer); still a floor of the compiled plan
+    # compiled, a checkpointed block recomputes its collectives as eagerly (passes.insert_checkpoints.recomputed):
+    # the same floor, still a floor of the compiled plan
     c = Candidate(2, 1, 2, 1, 1)
     compiled = screen(shape, c, h100, compiled=True)[1]
-    assert compiled - screen(shape, c, h100)[1] == 2 * 4 * 16 * 2 * 32 * 4
+    assert compiled == screen(shape, c, h100)[1]
     assert compiled <= score(model, inputs, c, h100, checkpoint="full", compiled=True).memory_bytes
 
 
