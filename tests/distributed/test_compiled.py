@@ -441,7 +441,6 @@ def _recompute_saved(cases: list[tuple[bool, str, bool]]) -> dict:
     ids = torch.randint(0, zoo.VOCAB, (8, zoo.POSITIONS), generator=torch.Generator().manual_seed(3))
     out = {}
     for compiled, checkpoint, kept in cases:
-        torch._dynamo.reset()
         inserted.RECOMPUTE_COLLECTIVES = (functools.partial(create_selective_checkpoint_contexts, keep_collectives)
                                           if kept else proper)
         torch.manual_seed(0)
