@@ -497,21 +497,20 @@ def compiled_recompute(profile: MemoryProfile) -> MemoryProfile:
 
 def loss_in_graph(gm: fx.GraphModule) -> bool:
     """Whether the model computes its loss: one of its outputs is a floating-point scalar (HF's ``labels=``)."""
-    for out in pytree.tree_leaves(gm.graph.output_node().args):
-        t = tensor_meta(out) if isinstance(out, fx.Node) else None
-        if t is not None and t.dim() == 0 and t.is_floating_point():
-            return True
-    return False
+    return any(t.dim() == 0 and t.is_floating_point() for _, t in _tensor_outputs(gm))
+
+
+def _tensor_outputs(gm: fx.GraphModule) -> list[tuple[fx.Node, torch.Tensor]]:
+    """The graph's tensor outputs with their metadata, in order."""
+    leaves = [out for out in pytree.tree_leaves(gm.graph.output_node().args) if isinstance(out, fx.Node)]
+    return [(out, t) for out in leaves if (t := tensor_meta(out)) is not None]
 
 
 def _output_bytes(gm: fx.GraphModule) -> list[int]:
     """Bytes of each tensor output, full on every rank (gathered over features and the batch)."""
     batch = graph_info(gm).batch
     sizes = []
-    for out in pytree.tree_leaves(gm.graph.output_node().args):
-        t = tensor_meta(out) if isinstance(out, fx.Node) else None
-        if t is None:
-            continue
+    for _, t in _tensor_outputs(gm):
         nbytes = t.numel() * t.element_size()
         if batch is not None and t.dim() and t.shape[0] == batch.local_sizes[batch.index]:
             nbytes = nbytes * batch.global_size // batch.local_sizes[batch.index]
@@ -524,10 +523,7 @@ def _gather_bytes(gm: fx.GraphModule, res: LayoutResult, axes: dict[str, int]) -
     features, this rank's piece and its rows whole; over the batch, this rank's rows and the pieces gathered."""
     batch = graph_info(gm).batch
     out_bytes = []
-    for out in pytree.tree_leaves(gm.graph.output_node().args):
-        t = tensor_meta(out) if isinstance(out, fx.Node) else None
-        if t is None:
-            continue
+    for out, t in _tensor_outputs(gm):
         nbytes, held = t.numel() * t.element_size(), 0
         split = (fraction := shard_fraction(res.sharding(out), axes)) < 1
         if split:
