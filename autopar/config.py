@@ -12,8 +12,10 @@ from autopar.errors import ConfigError
 
 #: Mesh axes, outermost first. ``col`` varies fastest between consecutive ranks, so it is placed on
 #: the fastest links (as AxoNN does); ``data`` is outermost, then ``pipeline`` (stages exchange one
-#: activation per micro-batch, less than tensor parallelism moves).
-MESH_AXES: tuple[str, ...] = ("data", "pipeline", "depth", "row", "col")
+#: activation per micro-batch, less than tensor parallelism moves), then ``context`` (its key/value gathers
+#: move more than a stage's send and less than the tensor axes' per-matmul collectives: Megatron orders
+#: tensor, context, data, pipeline from the inside out too).
+MESH_AXES: tuple[str, ...] = ("data", "pipeline", "context", "depth", "row", "col")
 
 #: Pipeline schedules of torch.distributed.pipelining that autopar drives (runtime.schedule_class).
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs")
@@ -23,7 +25,7 @@ SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs")
 class ParallelConfig:
     """The parallel degrees the user asked for.
 
-    Rank placement is row-major over ``MESH_AXES`` = (data, pipeline, depth, row, col).
+    Rank placement is row-major over ``MESH_AXES`` = (data, pipeline, context, depth, row, col).
     """
 
     data: int = 1
@@ -49,6 +51,11 @@ class ParallelConfig:
     """Routed experts split over the data ranks (expert parallelism): each holds ``experts / data`` whole experts,
     and a layer's rows go to their experts' ranks by all-to-all and come back (``auto_parallelize(
     expert_parallel=True)``, ``passes.split_experts``, ``autopar.runtime.ops.experts``)."""
+    context: int = 1
+    """Context parallelism: ranks splitting every sequence's tokens for the whole model, attention included
+    (each holds two of ``2 * context`` equal chunks, ``i`` and ``2 * context - 1 - i``, so causal attention's
+    work is even); attention gathers the keys and values over them (``auto_parallelize(context=C)``,
+    ``passes.split_context``, ``autopar.runtime.ops.context``). Same weights on each, as over data."""
 
     def __post_init__(self) -> None:
         for name in MESH_AXES:
@@ -64,40 +71,53 @@ class ParallelConfig:
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
                               "over the data ranks) or False.")
+        if self.context > 1:
+            others = [name for name, on in (("pipeline > 1", self.pipeline > 1),
+                                            ("sequence_parallel", self.sequence_parallel and max(self.row, self.col) > 1),
+                                            ("expert_parallel", self.expert_parallel and self.data > 1),
+                                            ("shard_optimizer", self.shard_optimizer and self.data > 1)) if on]
+            if others:
+                raise ConfigError(f"context={self.context} with {' and '.join(others)} is not supported yet: context "
+                                  "parallelism runs with data parallelism and tensor grids "
+                                  "(docs/guide/context.md). Drop one of them.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
                   world_size: int | None = None, pipeline: int = 1, shard_optimizer: bool = False,
-                  sequence_parallel: bool = False, expert_parallel: bool = False) -> ParallelConfig:
+                  sequence_parallel: bool = False, expert_parallel: bool = False, context: int = 1) -> ParallelConfig:
         """Validates the user's ``tensor=(row, col, depth)``, ``pipeline`` and ``data`` against the world size.
 
-        ``data=None`` means "every rank not used by tensor or pipeline parallelism" (pure data
-        parallelism when ``tensor`` and ``pipeline`` are left at their defaults).
+        ``data=None`` means "every rank not used by tensor, pipeline or context parallelism" (pure data
+        parallelism when ``tensor``, ``pipeline`` and ``context`` are left at their defaults).
         """
         try:
             row, col, depth = tuple(tensor)
         except (TypeError, ValueError):
             raise ConfigError(f"tensor={tensor!r} is invalid. Pass tensor=(row, col, depth), "
                               "three integers >= 1.") from None
-        probe = cls(1, row, col, depth, pipeline)  # validates the tensor and pipeline degrees
-        used = probe.num_tensor * pipeline
+        probe = cls(1, row, col, depth, pipeline, context=context)  # validates the tensor, pipeline, context degrees
+        used = probe.num_tensor * pipeline * context
         if data is None:
             if world_size is None:
                 data = 1
             elif world_size % used:
                 what = (f"pipeline*row*col*depth = {pipeline}*{row}*{col}*{depth}" if pipeline > 1
                         else f"row*col*depth = {row}*{col}*{depth}")
+                if context > 1:
+                    what = f"context*{what.replace(' = ', ' = ' + str(context) + '*', 1)}"
                 raise ConfigError(f"world size {world_size} is not divisible by {what} = {used}. Launch a "
-                                  f"multiple of {used} processes or change tensor=/pipeline=.")
+                                  f"multiple of {used} processes or change tensor=/pipeline="
+                                  f"{'/context=' if context > 1 else ''}.")
             else:
                 data = world_size // used
-        config = cls(data, row, col, depth, pipeline, shard_optimizer, sequence_parallel, expert_parallel)
+        config = cls(data, row, col, depth, pipeline, shard_optimizer, sequence_parallel, expert_parallel, context)
         if world_size is not None and config.world_size != world_size:
+            ctx = ("*context", f"*{context}") if context > 1 else ("", "")
             raise ConfigError(
-                f"world size {world_size} does not match data*pipeline*row*col*depth = "
-                f"{config.data}*{pipeline}*{row}*{col}*{depth} = {config.world_size}. Launch "
+                f"world size {world_size} does not match data*pipeline{ctx[0]}*row*col*depth = "
+                f"{config.data}*{pipeline}{ctx[1]}*{row}*{col}*{depth} = {config.world_size}. Launch "
                 f"{config.world_size} processes (torchrun --nproc-per-node {config.world_size}) or change "
-                "data=/pipeline=/tensor=.")
+                "data=/pipeline=/tensor=/context=.")
         return config
 
     @property
@@ -115,7 +135,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.data * self.pipeline * self.num_tensor
+        return self.data * self.pipeline * self.context * self.num_tensor
 
     def size(self, axis: str) -> int:
         """Ranks along ``axis``; the empty axis '' (nothing split) has one."""
@@ -156,7 +176,8 @@ class ParallelConfig:
         stages = f" pipeline={self.pipeline}" if self.pipeline > 1 else ""
         zero = " shard_optimizer" if self.shard_optimizer and self.data > 1 else ""
         seq = " sequence_parallel" if self.sequence_parallel and max(self.row, self.col) > 1 else ""
-        return f"data={self.data}{stages} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}{seq}"
+        ctx = f" context={self.context}" if self.context > 1 else ""
+        return f"data={self.data}{stages}{ctx} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}{seq}"
 
 
 @dataclass(frozen=True, slots=True)

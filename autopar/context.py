@@ -91,7 +91,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                      check_inputs: bool = True,
                      defer_init: bool = True, plan: str | None = None,
                      compile: bool | str = "auto", shard_optimizer: bool = False,
-                     sequence_parallel: bool = False, expert_parallel: bool = False
+                     sequence_parallel: bool = False, expert_parallel: bool = False, context: int = 1
                      ) -> Iterator[ParallelConfig | None]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
@@ -176,6 +176,13 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             come back (dropless: no capacity factor, serial's numbers). Layers autopar cannot split, or whose
             experts do not divide, keep them whole (one note each in the plan). With ``plan="auto"`` the search
             chooses whether to split them on its own; expert_parallel=True holds it to grids that do.
+        context: ranks splitting every sequence's tokens for the whole model, attention included (context
+            parallelism; default 1). Each holds two of ``2 * context`` equal chunks of the sequence (``i`` and
+            ``2 * context - 1 - i``: causal attention's work is even), position ids and rotary tables follow, and
+            attention gathers the keys and values over the context ranks; the loss is completed over them.
+            Serial's numbers. The sequence length must divide into ``2 * context`` chunks. Combines with ``data``
+            and ``tensor`` (not yet with ``pipeline``, ``sequence_parallel``, ``shard_optimizer`` or
+            ``expert_parallel``); ``data=None`` counts it among the ranks used. See docs/guide/context.md.
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -191,7 +198,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                        batch=batch, eval_timeout=eval_timeout, batch_dims=batch_dims, check_inputs=check_inputs,
                        plan=plan, compile=compile,
                        shard_optimizer=shard_optimizer, sequence_parallel=sequence_parallel,
-                       expert_parallel=expert_parallel)
+                       expert_parallel=expert_parallel, context=context)
     if getattr(_state, "active", False):
         raise ContextError("auto_parallelize blocks cannot be nested. Build all models in one block.")
     _state.active = True
@@ -253,7 +260,8 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
              check_inputs: bool = True, plan: str | None = None, compile: bool | str = "auto",
-             shard_optimizer: bool = False, sequence_parallel: bool = False, expert_parallel: bool = False) -> _Options:
+             shard_optimizer: bool = False, sequence_parallel: bool = False, expert_parallel: bool = False,
+             context: int = 1) -> _Options:
     """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():
         raise NotInitializedError(
@@ -267,7 +275,10 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
     config = None if plan == "auto" else ParallelConfig.from_user(
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
         pipeline=1 if pipeline is None else pipeline, shard_optimizer=shard_optimizer,
-        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel)
+        sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, context=context)
+    if plan == "auto" and context != 1:
+        raise ConfigError(f"plan='auto' with context={context}: the search does not choose context parallelism yet. "
+                          "Give the grid (data=, tensor=, context=) or leave context out.")
     pipe = PipelineConfig(microbatches, schedule or "1f1b", chunks)
     if schedule is not None or chunks is not None:  # the search keeps the user's schedule's stages per rank
         given["chunks"] = pipe.stages_per_rank
@@ -276,7 +287,8 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
     return _Options(given, config, MemoryConfig(checkpoint, precision, reduce_dtype, shard_optimizer, sequence_parallel,
                                                  expert_parallel), pipe,
                     InputConfig(batch, eval_timeout, batch_dims, check_inputs), CompileConfig(compile),
-                    open=plan is None and tensor is None and data is None and pipeline is None and not expert_parallel)
+                    open=plan is None and tensor is None and data is None and pipeline is None and not expert_parallel
+                    and context == 1)
 
 
 def _parallelize_all(roots: list[nn.Module], options: _Options, example_inputs: tuple | None,

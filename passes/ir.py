@@ -194,6 +194,9 @@ class BatchReduceSpec:
     symbolic length (the runtime counts them at each call, as it does for every bound batch op)."""
     count_per_row: int | None = None
     """mean without a ``counts`` tensor: the serial mean divides by (entries of dim 0) x this."""
+    context: bool = False
+    """The values hold this rank's tokens of each row (context parallelism, ``passes.split_context``): the sums
+    are completed over the context ranks too."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -247,6 +250,38 @@ class ExpertSpec:
     module: str = ""
     batched: bool = False
     """The layer's rows are ``[experts, rows, features]``, a block per expert (batched matmuls, no offsets)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextSpec:
+    """Where a tensor holds the sequence's tokens under context parallelism (``passes.split_context``): dim
+    ``dim`` has ``outer * tokens * inner`` entries whole (``outer`` rows merged before the tokens, ``inner``
+    entries of each token after them: a ``[batch * tokens, vocab]`` view has outer = batch); this rank holds two
+    of ``2 * ranks`` equal chunks of the tokens, ``i`` and ``2 * ranks - 1 - i``, in that order."""
+
+    dim: int
+    tokens: int
+    ranks: int
+    outer: int = 1
+    inner: int = 1
+    split: bool = True
+    """``context_output`` only: whether the output holds this rank's tokens (else it is whole)."""
+    reduced: bool = False
+    """``context_output`` only: the output is a ``batch_reduce``'s (a loss): under per-rank batches each rank's
+    is its own rows' (``SegmentReduceOp``), whose backward gathers every rank's gradient itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class ContextAttentionSpec:
+    """``scaled_dot_product_attention`` on this rank's queries (``passes.split_context``): its arguments, and
+    whether the keys and values hold this rank's tokens (gathered over the context ranks first) or all of them."""
+
+    tokens: int
+    ranks: int
+    is_causal: bool
+    scale: float | None = None
+    enable_gqa: bool = False
+    gather_kv: bool = True
 
 
 class UnboundOpError(RuntimeError):
@@ -337,13 +372,44 @@ def expert_combine(x, routes, spec: ExpertSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def context_slice(x, spec: ContextSpec):
+    """A whole-sequence tensor (the same on every context rank) -> this rank's tokens; backward puts their
+    gradient in zeros of the whole (a part: the context ranks' parts sum to it). No communication."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def context_gather(x, spec: ContextSpec):
+    """This rank's tokens -> the whole sequence in order, on every context rank (all-gather); backward sums
+    the ranks' parts of the gradient and keeps this rank's tokens (reduce-scatter)."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def context_reduce(x, spec: ContextSpec):
+    """A sum each context rank computed over its tokens, completed over the context ranks (all-reduce);
+    backward sums the gradient's parts."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def context_attention(q, k, v, mask, spec: ContextAttentionSpec):
+    """Attention of this rank's queries over the whole sequence: keys and values gathered over the context
+    ranks (``spec.gather_kv``) in order, a causal mask made from the tokens' positions (``spec.is_causal``) or
+    ``mask`` (its query rows this rank's)."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
+def context_output(x, spec: ContextSpec):
+    """A model output made whole on every context rank (tokens gathered when ``spec.split``); the caller's
+    gradient of it, the same on every rank, is kept on one so that the ranks' parts sum to it once."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def gather_output(x, spec: GatherOutputSpec):
     """Makes a model output full on every rank: features gathered, then batch rows gathered."""
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
 SPEC_TYPES = (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
-              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec, ExpertSpec)
+              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec, ExpertSpec, ContextSpec, ContextAttentionSpec)
 """The types whose values marker ops take as arguments."""
 
 _spec_names_depth = 0

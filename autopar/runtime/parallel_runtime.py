@@ -99,7 +99,8 @@ class ParallelRuntime:
         store (the same Parameter objects, laid out for ``config``), the builder and the graphs' cache."""
         model = self._model()
         self.config, self.mesh, self.pipe = config, mesh, pipe
-        self.pure_data = config.num_tensor == 1 and config.pipeline == 1 and not config.expert_parallel
+        self.pure_data = (config.num_tensor == 1 and config.pipeline == 1 and not config.expert_parallel
+                          and config.context == 1)
         """No collective in forward for a batch of this rank's own (data parallelism only, experts not split)."""
         self.calls = CallCheck(mesh.control, self.inputs.batch, self.inputs.eval_timeout, mesh.shard_members(),
                                self.pure_data, self.inputs.check_inputs)

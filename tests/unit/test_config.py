@@ -49,19 +49,24 @@ def test_config_from_user_infers_data_and_checks_world_size():
 
 def test_config_coords_are_row_major_with_col_fastest():
     c = ParallelConfig(data=2, row=2, col=2, depth=1)
-    assert c.coords(0) == dict(data=0, pipeline=0, depth=0, row=0, col=0)
-    assert c.coords(1) == dict(data=0, pipeline=0, depth=0, row=0, col=1)
-    assert c.coords(2) == dict(data=0, pipeline=0, depth=0, row=1, col=0)
-    assert c.coords(7) == dict(data=1, pipeline=0, depth=0, row=1, col=1)
+    assert c.coords(0) == dict(data=0, pipeline=0, context=0, depth=0, row=0, col=0)
+    assert c.coords(1) == dict(data=0, pipeline=0, context=0, depth=0, row=0, col=1)
+    assert c.coords(2) == dict(data=0, pipeline=0, context=0, depth=0, row=1, col=0)
+    assert c.coords(7) == dict(data=1, pipeline=0, context=0, depth=0, row=1, col=1)
     d = ParallelConfig(data=2, row=1, col=1, depth=2)
     assert [d.batch_index(r) for r in range(4)] == [0, 1, 2, 3]
     with pytest.raises(ConfigError):
         c.coords(8)
     # pipeline sits between data and depth; ranks of one stage share the batch shards
     p = ParallelConfig(data=2, depth=2, pipeline=2)
-    assert p.coords(2) == dict(data=0, pipeline=1, depth=0, row=0, col=0)
+    assert p.coords(2) == dict(data=0, pipeline=1, context=0, depth=0, row=0, col=0)
     assert [p.batch_index(r) for r in range(8)] == [0, 1, 0, 1, 2, 3, 2, 3]
     assert all(p.rank_of(p.coords(r)) == r for r in range(8))
+    # context sits between pipeline and depth: its ranks hold the same batch shard (they split its tokens)
+    x = ParallelConfig(data=2, row=2, context=2)
+    assert x.coords(2) == dict(data=0, pipeline=0, context=1, depth=0, row=0, col=0)
+    assert [x.batch_index(r) for r in range(8)] == [0, 0, 0, 0, 1, 1, 1, 1]
+    assert all(x.rank_of(x.coords(r)) == r for r in range(8)) and x.world_size == 8
 
 
 def test_config_batch_sizes_uneven_first_shards_larger():

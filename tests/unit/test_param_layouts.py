@@ -77,7 +77,7 @@ def _disagreements(layout_of=placements) -> list[tuple]:
 
 
 def test_placements_describe_the_stored_piece_on_every_rank_of_every_grid():
-    assert MESH_AXES[2:] == ("depth", "row", "col")  # the param mesh keeps the grid's axis order
+    assert MESH_AXES[-4:] == ("context", "depth", "row", "col")  # the param mesh keeps the grid's axis order
     assert not _disagreements()
 
 

@@ -71,6 +71,8 @@ class Mesh:
         self._mesh = init_device_mesh(self.device.type, config.mesh_shape, mesh_dim_names=MESH_AXES)
         self._groups = {axis: self._mesh.get_group(axis) for axis in MESH_AXES}
         self._groups["batch"] = flatten_mesh(self._mesh["data", "depth"], "batch").get_group()
+        if config.context > 1:  # the ranks with this rank's weights: a gradient is summed over all of them
+            self._groups["replicas"] = flatten_mesh(self._mesh["data", "context", "depth"], "replicas").get_group()
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._param_meshes: dict[tuple[int, ...], DeviceMesh] = {}
         self.simulated = simulated()
@@ -91,7 +93,7 @@ class Mesh:
     def param_mesh(self, holders: tuple[int, ...] = ()) -> DeviceMesh:
         """The DeviceMesh a parameter's DTensor lives on (one object per holder set, made once).
 
-        ``()``: (data, depth, row, col) at this rank's pipeline coordinate. ``holders``: the pipeline
+        ``()``: (data, context, depth, row, col) at this rank's pipeline coordinate. ``holders``: the pipeline
         coordinates holding a weight several stages read (tied embeddings), this rank among them:
         (data, pipeline, depth, row, col) over those coordinates, built from ``stage_group`` (only the
         holders call this, in the same order). Built from the existing groups: no new process group
@@ -99,7 +101,8 @@ class Mesh:
         """
         if holders not in self._param_meshes:
             ranks = self._mesh.mesh[:, list(holders)] if holders else self._mesh.mesh[:, self.coords["pipeline"]]
-            axes = ("data", "pipeline", "depth", "row", "col") if holders else ("data", "depth", "row", "col")
+            axes = ("data", "pipeline", "context", "depth", "row", "col") if holders else ("data", "context", "depth",
+                                                                                          "row", "col")
             groups = [self.stage_group(holders) if a == "pipeline" else self._groups[a] for a in axes]
             mesh = DeviceMesh.from_group(groups, self.device.type, mesh=ranks, mesh_dim_names=axes)
             mesh.__class__ = ShardMesh
@@ -151,6 +154,8 @@ class Mesh:
         return self._groups[axis] if axis else None
 
     def size(self, axis: str) -> int:
+        if axis == "replicas":
+            return self.config.num_batch_shards * self.config.context
         return self.config.num_batch_shards if axis == "batch" else self.config.size(axis)
 
     def index(self, axis: str) -> int:
@@ -162,7 +167,11 @@ class Mesh:
 
     def grad_group(self, axes: tuple[str, ...]) -> tuple[str, int]:
         """The group that sums a gradient over ``axes``: (data,), (data, depth), or (depth,) for experts split over
-        data (each expert's gradient is complete over the data ranks' rows already)."""
+        data (each expert's gradient is complete over the data ranks' rows already). Under context parallelism
+        the context ranks hold the same weights and compute other tokens: a gradient summed over data (and
+        depth) is summed over them too ("replicas")."""
+        if self.config.context > 1 and "data" in axes:
+            return "replicas", self.size("replicas")
         if axes == ("depth",):
             return "depth", self.size("depth")
         if axes == ("data", "depth"):

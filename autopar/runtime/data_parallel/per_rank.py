@@ -121,11 +121,15 @@ class _Segments(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, mesh: Mesh, rows: tuple[int, ...], member: int, factor: int,
-                denominators: torch.Tensor | None) -> torch.Tensor:
+                denominators: torch.Tensor | None, context: bool = False) -> torch.Tensor:
         ctx.mesh, ctx.rows, ctx.factor = mesh, rows, factor
         ctx.denominators = denominators
-        start, stop = _bounds(rows, member, factor)
-        own = values[start:stop].sum(0)
+        if context:  # each context rank holds its tokens of every row: every member's sum completed over them
+            sums = torch.stack([values[a:b].sum(0) for a, b in (_bounds(rows, m, factor) for m in range(len(rows)))])
+            own = C.all_reduce(sums, mesh.group("context"), mesh.size("context"))[member]
+        else:
+            start, stop = _bounds(rows, member, factor)
+            own = values[start:stop].sum(0)
         return own / denominators[member] if denominators is not None else own
 
     @staticmethod
@@ -136,7 +140,7 @@ class _Segments(torch.autograd.Function):
             every = every / ctx.denominators.reshape(-1, *([1] * dy.dim())).to(every.dtype)
         sizes = [r * ctx.factor for r in ctx.rows]
         grad = torch.cat([every[m].unsqueeze(0).expand(s, *dy.shape) for m, s in enumerate(sizes)])
-        return grad, None, None, None, None, None
+        return grad, None, None, None, None, None, None
 
 
 class SegmentReduceOp:
@@ -148,13 +152,19 @@ class SegmentReduceOp:
 
     def __call__(self, values: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         f = values.shape[0] // sum(self.rows)  # entries per row (a length, in a graph captured for every one)
+        context = self.spec.context and self.mesh.size("context") > 1  # (values: this rank's tokens of each row)
         denominators = None
         if self.spec.mean:
             if counts is not None:
                 c = counts.detach()
                 denominators = torch.stack([c[a:b].sum() for a, b in (_bounds(self.rows, m, f)
                                                                      for m in range(len(self.rows)))])
+                if context:
+                    denominators = C.all_reduce(denominators.to(values.dtype), self.mesh.group("context"),
+                                                self.mesh.size("context"))
             else:
                 denominators = torch.tensor([r * f * (self.spec.count_per_row or 1) for r in self.rows],
                                             dtype=values.dtype, device=values.device)
-        return _Segments.apply(values, self.mesh, self.rows, self.member, f, denominators)
+                if context:
+                    denominators = denominators * self.mesh.size("context")
+        return _Segments.apply(values, self.mesh, self.rows, self.member, f, denominators, context)

@@ -18,6 +18,7 @@ from torch import fx
 from autopar.errors import PlanError
 from autopar.runtime.comm.mesh import Mesh
 from autopar.runtime.params.layout import local_view
+from autopar.runtime.ops.context import ContextOps
 from autopar.runtime.ops.experts import ExpertOps
 from autopar.runtime.ops.layouts import ConvertOp, GatherFeaturesOp, ReduceOp, SumGradOp
 from autopar.runtime.ops.matmul import MatmulOp
@@ -25,7 +26,8 @@ from autopar.runtime.ops.rows import BatchReduceOp, BatchRows, GatherOutputOp, G
 from autopar.runtime.ops.vocabulary import EmbeddingOp, VocabCrossEntropyOp
 from autopar.runtime.data_parallel.per_rank import SegmentReduceOp
 from autopar.runtime.ops.random_pieces import DropoutOp, RandomPieceOp
-from passes.ir import (InputKind, batch_reduce, convert_layout, expert_combine, expert_dispatch, gather_output,
+from passes.ir import (InputKind, batch_reduce, context_attention, context_gather, context_output, context_reduce,
+                       context_slice, convert_layout, expert_combine, expert_dispatch, gather_output,
                        gather_rows, input_info,
                        reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, split_dropout, split_random,
                        sum_grad, vocab_cross_entropy)
@@ -56,6 +58,15 @@ def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.
         expert_dispatch: lambda spec: ExpertOps(spec, mesh).dispatch,
         expert_combine: lambda spec: ExpertOps(spec, mesh).combine,
     }
+    if mesh.size("context") > 1:
+        ctx = ContextOps(mesh, per_rank is not None)
+        makers.update({
+            context_slice: lambda spec: lambda x: ctx.slice(x, spec),
+            context_gather: lambda spec: lambda x: ctx.gather(x, spec),
+            context_reduce: lambda spec: lambda x: ctx.reduce(x, spec),
+            context_output: lambda spec: lambda x: ctx.output(x, spec),
+            context_attention: lambda spec: lambda q, k, v, mask: ctx.attention(q, k, v, mask, spec),
+        })
     if per_rank is not None:
         members, member = per_rank
         makers[gather_output] = lambda spec: GatherFeaturesOp(spec, mesh).__call__
@@ -126,6 +137,8 @@ def gather_spec(gm: fx.GraphModule, a: Any) -> Any:
             and a.args[0].op == "call_module":
         stage = gm.get_submodule(str(a.args[0].target))
         a = stage.graph.output_node().args[0][a.args[1]]
+    if isinstance(a, fx.Node) and a.op == "call_function" and a.target is context_output:
+        a = a.args[0]  # (the context ranks' tokens made whole after it: passes.split_context)
     return a.args[1] if isinstance(a, fx.Node) and a.target is gather_output else None
 
 

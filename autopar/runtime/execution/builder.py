@@ -50,12 +50,13 @@ from passes.ir import InputKind, input_info, record_graph_info
 from passes.runner import run_passes
 from passes.shard_linears import shard_linears
 from passes.split_batch import split_batch
+from passes.split_context import split_context
 from passes.split_experts import split_experts
 from passes.split_stages import split_stages
 
 log = logging.getLogger(__name__)
 
-PASSES = (split_batch, shard_linears, split_experts, insert_checkpoints)
+PASSES = (split_batch, shard_linears, split_experts, split_context, insert_checkpoints)
 #: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
 PIPELINE_PASSES = (split_batch, shard_linears, split_experts, split_stages, insert_checkpoints)
 
@@ -196,7 +197,7 @@ class Builder:
         pipelined = self.config.pipeline > 1
         agreement = self.compiling.agreement(per_rank is not None)
         gm, records = run_passes(captured.gm, plan, PIPELINE_PASSES if pipelined else PASSES)
-        for note in (n for r in records if r.name == "split_batch" for n in r.notes):
+        for note in (n for r in records if r.name in ("split_batch", "split_context") for n in r.notes):
             self.warn_once(note)
         output_specs = [gather_spec(gm, a) for a in gm.graph.output_node().args[0]]
         rows = BatchRows(sizes)

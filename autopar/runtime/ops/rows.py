@@ -159,16 +159,17 @@ class _OnOneBatchRank(torch.autograd.Function):
 
 
 class _BatchSum(torch.autograd.Function):
-    """Sums over the batch ranks; backward sums the gradient's parts (every rank gets all of it)."""
+    """Sums over the batch ranks (``axis``: "batch", or "replicas" where the values hold this rank's tokens under
+    context parallelism: data x context x depth); backward sums the gradient's parts (every rank gets all of it)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        ctx.mesh = mesh
-        return C.all_reduce(x.clone(), mesh.group("batch"), mesh.size("batch"))
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh, axis: str = "batch") -> torch.Tensor:
+        ctx.mesh, ctx.axis = mesh, axis
+        return C.all_reduce(x.clone(), mesh.group(axis), mesh.size(axis))
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        return C.all_reduce(dy.clone(), ctx.mesh.group("batch"), ctx.mesh.size("batch")), None
+        return C.all_reduce(dy.clone(), ctx.mesh.group(ctx.axis), ctx.mesh.size(ctx.axis)), None, None
 
 
 class BatchReduceOp:
@@ -180,10 +181,13 @@ class BatchReduceOp:
 
     def __call__(self, values: torch.Tensor, counts: torch.Tensor | None) -> torch.Tensor:
         total = values.sum(0)
+        axis = "replicas" if self.spec.context and self.mesh.size("context") > 1 else "batch"
         if self.spec.mean and counts is not None:
             packed = torch.cat([total.reshape(-1), counts.detach().sum().reshape(1).to(total.dtype)])
-            packed = _BatchSum.apply(packed, self.mesh)
+            packed = apply(_BatchSum, packed, self.mesh, axis)
             return packed[:-1].view_as(total) / packed[-1].detach()
+        if axis == "replicas":  # (split_context gives every mean over tokens its counts)
+            return apply(_BatchSum, total, self.mesh, axis)
         if self.mesh.size("batch") > 1:
             total = _BatchSum.apply(total, self.mesh)
         if not self.spec.mean:

@@ -51,8 +51,8 @@ from autopar.runtime.comm.mesh import Mesh
 from autopar.runtime.comm.pieces import take_pieces
 
 #: Dims of a parameter's mesh (``Mesh.param_mesh``); a weight several pipeline stages hold adds "pipeline".
-DIMS = ("data", "depth", "row", "col")
-TIED_DIMS = ("data", "pipeline", "depth", "row", "col")
+DIMS = ("data", "context", "depth", "row", "col")
+TIED_DIMS = ("data", "pipeline", "context", "depth", "row", "col")
 
 
 def splits_parameters(config: ParallelConfig) -> bool:

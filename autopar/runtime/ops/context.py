@@ -1,0 +1,210 @@
+"""The sequence's tokens over the context ranks (context parallelism, ``passes.split_context``): this rank's
+tokens of a whole tensor, the whole sequence gathered back, sums completed, attention over the gathered keys
+and values, and the model's outputs made whole.
+
+Each rank holds two of ``2 * C`` equal chunks of the tokens, ``i`` and ``2C - 1 - i`` (``token_index``): under a
+causal mask every rank's queries then see the same number of keys (Megatron's and torchtitan's load balance).
+
+Gradient convention (as over the batch ranks, ``autopar.runtime.ops.rows``): a tensor the same on every context
+rank carries a part of its gradient on each (the parts sum to it); a tensor of this rank's tokens carries its
+whole gradient. Hence a slice's backward places its gradient in zeros, a gather's sums the parts and keeps this
+rank's tokens, and an output's keeps the caller's gradient (the same on every rank) on one rank.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+from autopar.runtime.comm import collectives as C
+from autopar.runtime.comm.mesh import Mesh
+from autopar.runtime.ops.untracked import apply
+from passes.ir import ContextAttentionSpec, ContextSpec
+
+
+@lru_cache(maxsize=256)
+def _index(tokens: int, ranks: int, rank: int) -> torch.Tensor:
+    chunk = tokens // (2 * ranks)
+    first = torch.arange(rank * chunk, (rank + 1) * chunk)
+    return torch.cat([first, torch.arange((2 * ranks - 1 - rank) * chunk, (2 * ranks - rank) * chunk)])
+
+
+def token_index(tokens: int, ranks: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The positions of rank ``rank``'s tokens of ``tokens``, in its order: chunks ``rank`` and
+    ``2 * ranks - 1 - rank`` of ``2 * ranks`` equal chunks."""
+    return _index(tokens, ranks, rank).to(device)
+
+
+@lru_cache(maxsize=64)
+def _order(tokens: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.cat([_index(tokens, ranks, r) for r in range(ranks)])  # the gathered tokens' positions
+    return order, torch.argsort(order)
+
+
+def _unflat(x: torch.Tensor, spec: ContextSpec) -> torch.Tensor:
+    """``x`` with its token dim as ``[outer, tokens, inner]`` (the token axis at ``spec.dim + 1``)."""
+    shape = x.shape
+    n = shape[spec.dim] // (spec.outer * spec.inner)
+    return x.reshape(*shape[:spec.dim], spec.outer, n, spec.inner, *shape[spec.dim + 1:])
+
+
+def _flat(x: torch.Tensor, spec: ContextSpec) -> torch.Tensor:
+    shape = x.shape
+    return x.reshape(*shape[:spec.dim], -1, *shape[spec.dim + 3:])
+
+
+def take_tokens(x: torch.Tensor, spec: ContextSpec, rank: int) -> torch.Tensor:
+    """This rank's tokens of whole ``x``."""
+    index = token_index(spec.tokens, spec.ranks, rank, x.device)
+    return _flat(_unflat(x, spec).index_select(spec.dim + 1, index), spec)
+
+
+def place_tokens(dy: torch.Tensor, spec: ContextSpec, rank: int) -> torch.Tensor:
+    """A zero tensor of the whole sequence with ``dy`` (this rank's tokens) in their places."""
+    local = _unflat(dy, spec)
+    shape = list(local.shape)
+    shape[spec.dim + 1] = spec.tokens
+    whole = local.new_zeros(shape)
+    whole.index_copy_(spec.dim + 1, token_index(spec.tokens, spec.ranks, rank, dy.device), local)
+    return _flat(whole, spec)
+
+
+def gather_tokens(x: torch.Tensor, spec: ContextSpec, mesh: Mesh) -> torch.Tensor:
+    """Every context rank's tokens of ``x`` -> the whole sequence, in order."""
+    axis = spec.dim + 1
+    local = _unflat(x, spec).movedim(axis, 0)
+    stacked = C.all_gather(local.contiguous(), mesh.group("context"), spec.ranks)  # ranks' tokens, rank order
+    _, inverse = _order(spec.tokens, spec.ranks)
+    whole = stacked.index_select(0, inverse.to(x.device)).movedim(0, axis)
+    return _flat(whole, spec)
+
+
+def reduce_scatter_tokens(dy: torch.Tensor, spec: ContextSpec, mesh: Mesh) -> torch.Tensor:
+    """The sum over the context ranks of whole ``dy``, this rank's tokens of it."""
+    axis = spec.dim + 1
+    order, _ = _order(spec.tokens, spec.ranks)
+    ranked = _unflat(dy, spec).index_select(axis, order.to(dy.device)).movedim(axis, 0)
+    mine = C.reduce_scatter(ranked.contiguous(), mesh.group("context"), spec.ranks).movedim(0, axis)
+    return _flat(mine, spec)
+
+
+class _Slice(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: ContextSpec, rank: int) -> torch.Tensor:
+        ctx.spec, ctx.rank = spec, rank
+        return take_tokens(x, spec, rank)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return place_tokens(dy, ctx.spec, ctx.rank), None, None
+
+
+class _Gather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, spec: ContextSpec, mesh: Mesh) -> torch.Tensor:
+        ctx.spec, ctx.mesh = spec, mesh
+        return gather_tokens(x, spec, mesh)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return reduce_scatter_tokens(dy, ctx.spec, ctx.mesh), None, None
+
+
+class _Sum(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
+        ctx.mesh = mesh
+        return C.all_reduce(x.clone(), mesh.group("context"), mesh.size("context"))
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        return C.all_reduce(dy.clone(), ctx.mesh.group("context"), ctx.mesh.size("context")), None
+
+
+class _OnOneRank(torch.autograd.Function):
+    """Identity; backward keeps the gradient on context rank 0 (``dy`` times 0 elsewhere: traced, every rank's
+    backward is the same ops, as ``rows._OnOneBatchRank``'s)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        if torch.compiler.is_compiling():
+            return dy * (1.0 if ctx.keep else 0.0), None
+        return (dy if ctx.keep else torch.zeros_like(dy)), None
+
+
+class ContextOps:
+    """The context markers bound to this rank (``autopar.runtime.execution.binding``)."""
+
+    def __init__(self, mesh: Mesh, per_rank: bool = False) -> None:
+        """``per_rank``: the graph runs under per-rank batches (``autopar.runtime.data_parallel.per_rank``)."""
+        self.mesh, self.per_rank = mesh, per_rank
+        self.rank = mesh.index("context")
+
+    def slice(self, x: torch.Tensor, spec: ContextSpec) -> torch.Tensor:
+        return apply(_Slice, x, spec, self.rank)
+
+    def gather(self, x: torch.Tensor, spec: ContextSpec) -> torch.Tensor:
+        return apply(_Gather, x, spec, self.mesh)
+
+    def reduce(self, x: torch.Tensor, spec: ContextSpec) -> torch.Tensor:
+        return apply(_Sum, x, self.mesh)
+
+    def output(self, x: torch.Tensor, spec: ContextSpec) -> torch.Tensor:
+        if spec.reduced and self.per_rank:  # each rank's own loss: SegmentReduceOp's backward gathers theirs
+            return x
+        if spec.split:
+            x = apply(_Gather, x, spec, self.mesh)
+        if x.requires_grad:
+            x = apply(_OnOneRank, x, self.rank == 0)
+        return x
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+                  spec: ContextAttentionSpec) -> torch.Tensor:
+        if spec.gather_kv:
+            kv = ContextSpec(k.dim() - 2, spec.tokens, spec.ranks)
+            k, v = apply(_Gather, k, kv, self.mesh), apply(_Gather, v, kv, self.mesh)
+        kwargs = {"enable_gqa": True} if spec.enable_gqa else {}
+        if not spec.is_causal:
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale, **kwargs)
+        if q.device.type == "cpu":
+            # one additive mask of this rank's queries against every key, the same tensor in every layer: the CPU
+            # kernel keeps its mask for backward, once for all layers
+            mask = causal_mask(spec.tokens, spec.ranks, self.rank, q.dtype, q.device)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale, **kwargs)
+        return chunked_causal(q, k, v, spec, self.rank)
+
+
+@lru_cache(maxsize=8)
+def causal_mask(tokens: int, ranks: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 where this rank's query (row) may see the key (column), -inf elsewhere."""
+    mine = token_index(tokens, ranks, rank, device)
+    keep = torch.arange(tokens, device=device)[None, :] <= mine[:, None]
+    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+
+
+def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
+                   rank: int) -> torch.Tensor:
+    """Causal attention of rank ``rank``'s two chunks of queries (``q``'s halves along the tokens, ``token_index``),
+    each over the keys up to its end with the causal diagonal at the bottom right
+    (``torch.nn.attention.bias.causal_lower_right``: on CUDA the memory-efficient kernel, no mask built)."""
+    chunk = spec.tokens // (2 * spec.ranks)
+    if spec.enable_gqa and k.shape[-3] != q.shape[-3]:  # (the bias takes no enable_gqa: the heads repeated)
+        k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+        v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+    out = []
+    for half, index in ((0, rank), (1, 2 * spec.ranks - 1 - rank)):
+        end = (index + 1) * chunk
+        qs = q.narrow(-2, half * chunk, chunk)
+        bias = causal_lower_right(chunk, end)
+        out.append(F.scaled_dot_product_attention(qs, k.narrow(-2, 0, end), v.narrow(-2, 0, end), attn_mask=bias,
+                                                  scale=spec.scale))
+    return torch.cat(out, dim=-2)

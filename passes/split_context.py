@@ -1,0 +1,629 @@
+"""split_context: every sequence's tokens split over the context ranks for the whole graph (context parallelism).
+
+Requires: a captured graph with static sizes, after the passes that shard it (its markers are read as the ops
+they stand for); ``plan.config.context`` = C > 1.
+Ensures: the token ids an embedding looks up (``embedding`` / ``sharded_embedding`` of a user input with two or
+more dims: its last dim is the sequence, S tokens) are cut to this rank's tokens (``passes.ir.context_slice``: two
+of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
+
+- ops that work token by token (elementwise ops, matmuls on the features, norms and softmaxes over the features,
+  views that keep the tokens in one dim, embedding lookups, per-token losses) run on this rank's tokens, their
+  size arguments cut to them; a whole-sequence operand they meet (position ids, rotary tables, labels, an
+  attention mask's query rows) is cut to this rank's tokens where they meet (``context_slice``);
+- ``scaled_dot_product_attention`` of this rank's queries becomes ``context_attention``: keys and values
+  gathered over the context ranks, a causal mask made from the tokens' positions;
+- a sum or mean over the tokens (a loss) is completed over the context ranks: ``cross_entropy_loss`` with
+  reduction "mean" (and ``vocab_cross_entropy``, ``batch_reduce``) becomes per-token losses and a
+  ``batch_reduce`` with its counts over every rank holding a part (``BatchReduceSpec.context``); other sums by
+  ``context_reduce``;
+- any other op reading this rank's tokens (one that works along the sequence: a shift, a cumulative sum, a
+  sort) reads the whole sequence, gathered back (``context_gather``), and computes the whole;
+- each output holding this rank's tokens is gathered, and every output with a gradient goes through
+  ``context_output`` (the caller's gradient kept on one rank: see ``autopar.runtime.ops.context``).
+
+Refused (``PlanError``, naming the op): dropout with p > 0 in training on this rank's tokens (its mask would not
+be serial's), a mean over the tokens without counts of more than one dim, ops of the batch analysis (gathers
+of the batch's rows) or expert exchanges on this rank's tokens. A graph with no such embedding, or whose
+sequence does not divide into 2C chunks (a decode step of one token, a prompt of 6), is left whole, every
+context rank computing all of it (one note); its outputs still go through ``context_output``.
+
+Before -> After (HF Llama, S = 16, C = 2; this rank holds tokens 0-3 and 12-15)::
+
+    ids = input_ids                                  ids = context_slice(input_ids, [dim 1 of 16, 2 ranks])
+    h = embedding(W, ids)                            h = embedding(W, ids)                      # [B, 8, H]
+    q = view(linear(h, Wq), [B, 16, 4, 8])     ->    q = view(linear(h, Wq), [B, 8, 4, 8])
+    q = mul(q, cos)                                  q = mul(q, context_slice(cos, [dim 2 ...]))
+    o = sdpa(q, k, v, None, 0.0, True)               o = context_attention(q, k, v, None, [causal])
+    loss = cross_entropy_loss(lg, lb, None, 1)       per = cross_entropy_loss(lg, context_slice(lb), None, 0)
+                                                     loss = batch_reduce(per, ne(lb', -100), [context])
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import operator
+from typing import Any
+
+import torch
+from torch import fx
+
+from autopar.compat import OpOverload
+from autopar.decisions import Plan
+from autopar.errors import PlanError
+from passes.analysis.graph_facts import tensor_meta
+from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, InputKind, batch_reduce, context_attention,
+                       context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
+                       expert_dispatch, gather_output, gather_rows, input_info, reduce_partial, scatter_rows,
+                       sharded_embedding, sharded_matmul, split_dropout, split_random, sum_grad, vocab_cross_entropy)
+from passes.runner import PassResult
+
+aten = torch.ops.aten
+
+SDPA = aten.scaled_dot_product_attention.default
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_SAME = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
+         aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
+         aten.type_as.default, aten.dropout.default, aten.native_dropout.default, aten.masked_fill.Scalar,
+         aten.masked_fill.Tensor, aten.where.self, aten.where.ScalarSelf, aten.where.ScalarOther,
+         aten.silu.default, aten.gelu.default, aten.relu.default, aten.ones_like.default, aten.zeros_like.default,
+         aten.full_like.default, aten.empty_like.default}
+_LOSSES = {aten.cross_entropy_loss.default}
+_REFUSED = {gather_rows: "an op along the batch's rows", scatter_rows: "an op along the batch's rows",
+            expert_dispatch: "an expert exchange", expert_combine: "an expert exchange",
+            split_random: "a random op on a tensor split over a tensor axis"}
+#: Markers that work token by token (their specs name feature dims only).
+_MARKERS = {reduce_partial, sum_grad, gather_output, convert_layout}
+
+
+def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
+    ranks = plan.config.context if plan is not None else 1
+    if ranks <= 1:
+        return PassResult(gm, False)
+    seeds = _seeds(gm)
+    tokens = {int(tensor_meta(ids).shape[-1]) for _, ids in seeds}
+    if len(tokens) > 1:
+        raise PlanError(f"context={ranks}: the model embeds sequences of different lengths {sorted(tokens)}; "
+                        "autopar splits one sequence. Use context=1 for this model.")
+    length = next(iter(tokens), 0)
+    notes: tuple[str, ...] = ()
+    if not seeds:
+        notes = (f"context={ranks}: this call's graph looks up no token ids of a user input; every context rank "
+                 "computes all of it",)
+    elif length % (2 * ranks):
+        notes = (f"context={ranks}: a call of {length} tokens, which do not split into 2 x {ranks} = {2 * ranks} "
+                 f"equal chunks (each rank holds two, for causal attention's balance), runs whole on every context "
+                 f"rank; pad sequences to a multiple of {2 * ranks} to split them",)
+        seeds = []
+    # (whole or split, every output goes through context_output: the caller's gradient, the same on every
+    # context rank, counts once)
+    _Splitter(gm, length, ranks).run(seeds)
+    for node in list(gm.graph.nodes):  # (cuts made for an op that then read the whole sequence)
+        if node.target is context_slice and not node.users:
+            gm.graph.erase_node(node)
+    return PassResult(gm, True, notes)
+
+
+def _seeds(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(embedding, its token ids) for each lookup of ids that come from a user input and hold a sequence."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        if node.target is aten.embedding.default:
+            ids = node.args[1]
+        elif node.target is sharded_embedding:
+            ids = node.args[1]
+        else:
+            continue
+        val = tensor_meta(ids) if isinstance(ids, fx.Node) else None
+        if val is None or val.dim() < 2 or not isinstance(val.shape[-1], int) or not _from_user(ids):
+            continue
+        out.append((node, ids))
+    return out
+
+
+def _from_user(node: fx.Node) -> bool:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            info = input_info(n)
+            if info is not None and info.kind is InputKind.USER:
+                return True
+        todo.extend(n.all_input_nodes)
+    return False
+
+
+def _ndim(node: Any) -> int | None:
+    val = tensor_meta(node) if isinstance(node, fx.Node) else None
+    return val.dim() if val is not None else None
+
+
+def _shape(node: fx.Node) -> tuple[int, ...]:
+    return tuple(int(s) for s in tensor_meta(node).shape)
+
+
+class _Unsplittable(Exception):
+    """The op reads this rank's tokens in a way no rule covers: it reads the whole sequence instead."""
+
+
+class _Splitter:
+    def __init__(self, gm: fx.GraphModule, tokens: int, ranks: int) -> None:
+        self.gm, self.graph, self.tokens, self.ranks = gm, gm.graph, tokens, ranks
+        self.state: dict[fx.Node, Any] = {}  # node -> ContextSpec (this rank's tokens), tuple of them, or absent
+        self.sliced: dict[tuple[fx.Node, ContextSpec], fx.Node] = {}
+        self.gathered: dict[fx.Node, fx.Node] = {}
+
+    def spec(self, dim: int, outer: int = 1, inner: int = 1) -> ContextSpec:
+        return ContextSpec(dim, self.tokens, self.ranks, outer, inner)
+
+    # -- inserting markers -------------------------------------------------------------------------------------
+    def _marker(self, target: Any, args: tuple, before: fx.Node, like: fx.Node) -> fx.Node:
+        with self.graph.inserting_before(before):
+            node = self.graph.call_function(target, args)
+        if "val" in like.meta:  # (the logical value, as every rewritten node keeps)
+            node.meta["val"] = like.meta["val"]
+        return node
+
+    def slice_of(self, whole: fx.Node, spec: ContextSpec, user: fx.Node) -> fx.Node:
+        key = (whole, spec)
+        if key not in self.sliced:
+            after = whole.next if whole.op != "placeholder" else self._after_placeholders()
+            self.sliced[key] = self._marker(context_slice, (whole, spec), after, whole)
+            self.state[self.sliced[key]] = spec
+        return self.sliced[key]
+
+    def _after_placeholders(self) -> fx.Node:
+        last = [n for n in self.graph.nodes if n.op == "placeholder"][-1]
+        return last.next
+
+    def whole_of(self, node: fx.Node) -> fx.Node:
+        if node not in self.gathered:
+            self.gathered[node] = self._marker(context_gather, (node, self.state[node]), node.next, node)
+        return self.gathered[node]
+
+    # -- the walk ----------------------------------------------------------------------------------------------
+    def run(self, seeds: list[tuple[fx.Node, fx.Node]]) -> None:
+        for emb, ids in seeds:
+            spec = self.spec(_ndim(ids) - 1)
+            emb.replace_input_with(ids, self.slice_of(ids, spec, emb))
+            self.state[emb] = spec
+        seeded = {emb for emb, _ in seeds}
+        for node in list(self.graph.nodes):
+            if node.op == "output":
+                self._outputs(node)
+            elif node.op == "call_function" and node not in seeded and node.target not in (
+                    context_slice, context_gather):
+                if any(self.state.get(a) is not None for a in node.all_input_nodes):
+                    self._visit(node)
+
+    def _visit(self, node: fx.Node) -> None:
+        target = node.target
+        if target in _REFUSED:
+            raise PlanError(f"context={self.ranks}: {node.name} is {_REFUSED[target]} on this rank's tokens, which "
+                            "context parallelism does not combine with yet. Use context=1 for this model.")
+        try:
+            self.state[node] = self._rule(node)
+        except _Unsplittable:
+            for a in node.all_input_nodes:
+                if self.state.get(a) is not None and not isinstance(self.state[a], tuple):
+                    node.replace_input_with(a, self.whole_of(a))
+                elif isinstance(self.state.get(a), tuple):
+                    raise PlanError(f"context={self.ranks}: {node.name} ({target}) reads a tuple of this rank's "
+                                    "tokens along the sequence; autopar cannot gather it. Use context=1.") from None
+            self.state.pop(node, None)
+
+    def _rule(self, node: fx.Node) -> Any:
+        t = node.target
+        if t is operator.getitem:
+            src, i = node.args
+            parts = self.state.get(src)
+            return parts[i] if isinstance(parts, tuple) else self._unsplittable()
+        if t in (aten.embedding.default, sharded_embedding):
+            return self._embedding(node)
+        if t is SDPA:
+            return self._attention(node)
+        if t in _LOSSES or t is vocab_cross_entropy:
+            return self._loss(node)
+        if t is batch_reduce:
+            return self._batch_reduce(node)
+        if t in (aten.linear.default, sharded_matmul):
+            return self._linear(node)
+        if t in (aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default):
+            return self._matmul(node)
+        if t in _VIEWS or t is aten.expand.default:
+            return self._view(node)
+        if t in (aten.transpose.int, aten.permute.default, aten.t.default, aten.unsqueeze.default,
+                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int, aten.slice.Tensor,
+                 aten.index_select.default):
+            return self._reindex(node)
+        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int):
+            return self._split(node)
+        if t in (aten.cat.default, aten.stack.default):
+            return self._cat(node)
+        if t in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default, aten.amax.default,
+                 aten.var.correction, aten.std.correction):
+            return self._reduction(node)
+        if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
+            return self._along(node, node.args[1])
+        if t in (aten.layer_norm.default, aten.rms_norm.default):
+            return self._normed(node)
+        if t in (split_dropout, aten.dropout.default, aten.native_dropout.default):
+            self._refuse_dropout(node)
+            return self._elementwise(node)
+        if t in _MARKERS:
+            return self._marker_rule(node)
+        if t in _SAME or (isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags):
+            return self._elementwise(node)
+        return self._unsplittable()
+
+    @staticmethod
+    def _unsplittable() -> Any:
+        raise _Unsplittable
+
+    # -- rules -------------------------------------------------------------------------------------------------
+    def _aligned(self, node: fx.Node, src: ContextSpec, src_ndim: int, other: Any) -> Any:
+        """``other`` (an operand broadcast against a tensor of ``src_ndim`` dims split as ``src``) as this rank's
+        tokens: cut where it is whole and has the tokens' dim; None where it broadcasts over it."""
+        if not isinstance(other, fx.Node) or _ndim(other) is None:
+            return other
+        at = src.dim - (src_ndim - _ndim(other))
+        if at < 0:
+            return other
+        have = self.state.get(other)
+        if have is not None:
+            if isinstance(have, tuple) or have != dataclasses.replace(src, dim=at):
+                raise _Unsplittable
+            return other
+        size = _shape(other)[at]
+        if size == 1:
+            return other
+        if size != src.outer * self.tokens * src.inner:
+            raise _Unsplittable
+        return self.slice_of(other, dataclasses.replace(src, dim=at), node)
+
+    def _first_split(self, node: fx.Node) -> tuple[fx.Node, ContextSpec]:
+        for a in node.all_input_nodes:
+            s = self.state.get(a)
+            if s is not None:
+                if isinstance(s, tuple):
+                    raise _Unsplittable
+                return a, s
+        raise _Unsplittable
+
+    def _replace_args(self, node: fx.Node, fn: Any) -> None:
+        args, kwargs = tuple(fn(a) for a in node.args), {k: fn(v) for k, v in node.kwargs.items()}
+        node.args, node.kwargs = args, kwargs
+
+    def _elementwise(self, node: fx.Node) -> ContextSpec:
+        out = _ndim(node)
+        if out is None:
+            raise _Unsplittable
+        src, spec = self._first_split(node)
+        at = spec.dim + (out - _ndim(src))
+        result = dataclasses.replace(spec, dim=at)
+
+        def cut(a: Any) -> Any:
+            if isinstance(a, (list, tuple)):
+                return type(a)(cut(x) for x in a)
+            return self._aligned(node, result, out, a) if isinstance(a, fx.Node) else a
+        self._replace_args(node, cut)
+        return result
+
+    def _linear(self, node: fx.Node) -> ContextSpec:
+        x = node.args[0]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple) or spec.dim == _ndim(x) - 1:
+            raise _Unsplittable
+        if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
+            raise _Unsplittable
+        return spec
+
+    def _matmul(self, node: fx.Node) -> ContextSpec:
+        t = node.target
+        a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
+        spec = self.state.get(a)
+        if (spec is None or isinstance(spec, tuple) or spec.dim != _ndim(a) - 2 or self.state.get(b) is not None
+                or (t is aten.addmm.default and self.state.get(node.args[0]) is not None) or _ndim(b) != 2):
+            raise _Unsplittable
+        return dataclasses.replace(spec, dim=_ndim(node) - 2)
+
+    def _embedding(self, node: fx.Node) -> ContextSpec:
+        ids = node.args[1]
+        spec = self.state.get(ids)
+        if spec is None or isinstance(spec, tuple) or self.state.get(node.args[0]) is not None:
+            raise _Unsplittable
+        return spec
+
+    def _view(self, node: fx.Node) -> ContextSpec:
+        x, size = node.args[0], list(node.args[1])
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        before, after = _shape(x), _shape(node)
+        if node.target is aten.expand.default:
+            at = spec.dim + (len(after) - len(before))
+            found = dataclasses.replace(spec, dim=at)
+        else:
+            found = self._token_dim(spec, before, after)
+        if any(not isinstance(s, int) for s in size):
+            raise _Unsplittable
+        if size[found.dim] != -1:
+            size[found.dim] = size[found.dim] // self.ranks
+        node.args = (x, size, *node.args[2:])
+        return found
+
+    def _token_dim(self, spec: ContextSpec, before: tuple[int, ...], after: tuple[int, ...]) -> ContextSpec:
+        """The dim of ``after`` (a view of ``before``, split as ``spec``) that holds the tokens whole, by the
+        tokens' stride in the flat order: None where a view cuts them over two dims."""
+        stride = spec.inner
+        for s in before[spec.dim + 1:]:
+            stride *= s
+        extent = stride * self.tokens
+        suffix = 1
+        for e in range(len(after) - 1, -1, -1):
+            size = after[e]
+            if suffix <= stride and extent <= suffix * size and stride % suffix == 0 and (suffix * size) % extent == 0:
+                return self.spec(e, outer=(suffix * size) // extent, inner=stride // suffix)
+            suffix *= size
+        raise _Unsplittable
+
+    def _reindex(self, node: fx.Node) -> ContextSpec:
+        t, x = node.target, node.args[0]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        n, d = _ndim(x), spec.dim
+        if t is aten.t.default:
+            return dataclasses.replace(spec, dim=1 - d)
+        if t is aten.transpose.int:
+            a, b = (i % n for i in node.args[1:3])
+            return dataclasses.replace(spec, dim=b if d == a else a if d == b else d)
+        if t is aten.permute.default:
+            dims = [i % n for i in node.args[1]]
+            return dataclasses.replace(spec, dim=dims.index(d))
+        if t is aten.unsqueeze.default:
+            at = node.args[1] % (n + 1)
+            return dataclasses.replace(spec, dim=d + 1 if at <= d else d)
+        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
+            shape = _shape(x)
+            if t is aten.squeeze.default:
+                gone = [i for i in range(n) if shape[i] == 1]
+            else:
+                dims = node.args[1] if t is aten.squeeze.dims else [node.args[1]]
+                gone = [i % n for i in dims if shape[i % n] == 1]
+            if d in gone:
+                raise _Unsplittable
+            return dataclasses.replace(spec, dim=d - sum(1 for i in gone if i < d))
+        dim = (node.args[1] if len(node.args) > 1 else 0) % n
+        if dim == d and t is aten.slice.Tensor and self._whole_slice(node, _shape(x)[d]):
+            return spec
+        if dim == d:
+            raise _Unsplittable
+        if t is aten.select.int:
+            return dataclasses.replace(spec, dim=d - 1 if dim < d else d)
+        if t is aten.index_select.default and self.state.get(node.args[2]) is not None:
+            raise _Unsplittable
+        return spec
+
+    @staticmethod
+    def _whole_slice(node: fx.Node, size: int) -> bool:
+        """A ``slice`` that keeps every entry (HF's ``hidden_states[:, slice(-0, None), :]`` before the head)."""
+        start, end, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])
+        return start in (None, 0) and (end is None or end >= size) and step in (None, 1)
+
+    def _split(self, node: fx.Node) -> tuple:
+        x = node.args[0]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        n = _ndim(x)
+        if node.target is aten.unbind.int:
+            dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % n
+        else:
+            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % n
+        if dim == spec.dim:
+            raise _Unsplittable
+        out = dataclasses.replace(spec, dim=spec.dim - 1 if node.target is aten.unbind.int and dim < spec.dim
+                                  else spec.dim)
+        count = len(node.meta["val"]) if isinstance(node.meta.get("val"), (list, tuple)) else 0
+        return tuple(out for _ in range(count))
+
+    def _cat(self, node: fx.Node) -> ContextSpec:
+        parts = node.args[0]
+        first = next((p for p in parts if self.state.get(p) is not None), None)
+        spec = self.state.get(first)
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        n = _ndim(first)
+        dim = (node.args[1] if len(node.args) > 1 else 0)
+        stack = node.target is aten.stack.default
+        dim %= (n + 1) if stack else n
+        if not stack and dim == spec.dim:
+            raise _Unsplittable
+        cut = [self._aligned(node, spec, n, p) for p in parts]
+        node.args = (cut, *node.args[1:])
+        return dataclasses.replace(spec, dim=spec.dim + 1 if stack and dim <= spec.dim else spec.dim)
+
+    def _reduction(self, node: fx.Node) -> Any:
+        x = node.args[0]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        n = _ndim(x)
+        t = node.target
+        if t in (aten.sum.default, aten.mean.default):
+            dims, keep = list(range(n)), False
+        else:
+            dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+            dims = list(range(n)) if dims is None or dims == [] else [d % n for d in dims]
+            keep = node.args[2] if len(node.args) > 2 else node.kwargs.get("keepdim", False)
+        if spec.dim not in dims:
+            return dataclasses.replace(spec, dim=spec.dim if keep else spec.dim - sum(1 for d in dims if d < spec.dim))
+        if t not in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default):
+            raise _Unsplittable
+        # a sum over the tokens: this rank's part, completed over the context ranks; a mean: the whole count's
+        if t in (aten.mean.dim, aten.mean.default):
+            whole = 1
+            shape = _shape(x)
+            for d in dims:
+                whole *= shape[d]
+            local = whole // self.ranks
+            with self.graph.inserting_after(node):
+                scaled = self.graph.call_function(aten.mul.Tensor, (node, local / whole))
+            scaled.meta["val"] = node.meta.get("val")
+            done = scaled
+        else:
+            done = node
+        with self.graph.inserting_after(done):
+            total = self.graph.call_function(context_reduce, (done, spec))
+        total.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(total, delete_user_cb=lambda u: u not in (total, done))
+        self.state[total] = None
+        return None
+
+    def _along(self, node: fx.Node, dim: int) -> ContextSpec:
+        x = node.args[0]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple) or dim % _ndim(x) == spec.dim:
+            raise _Unsplittable
+        return spec
+
+    def _normed(self, node: fx.Node) -> ContextSpec:
+        x, shape = node.args[0], node.args[1]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple) or spec.dim >= _ndim(x) - len(shape):
+            raise _Unsplittable
+        if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
+            raise _Unsplittable
+        return spec
+
+    def _marker_rule(self, node: fx.Node) -> ContextSpec:
+        x = node.args[0]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        last = node.args[-1]
+        for sharding in (getattr(last, "src", None), getattr(last, "dst", None), getattr(last, "sharding", None)):
+            if sharding is not None and not sharding.is_replicated and sharding.dim % _ndim(x) == spec.dim:
+                raise _Unsplittable
+        if node.target is gather_output and (last.batch_split or last.keep_split):
+            raise _Unsplittable
+        return spec
+
+    def _refuse_dropout(self, node: fx.Node) -> None:
+        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
+        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
+        if isinstance(p, (int, float)) and p > 0 and train is not False:
+            raise PlanError(f"context={self.ranks}: dropout (p={p}) at {node.name} on this rank's tokens would not "
+                            "draw serial's mask. Set the model's dropout to 0 for training under context "
+                            "parallelism, or use context=1.")
+
+    def _attention(self, node: fx.Node) -> ContextSpec:
+        names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+        params = dict(zip(names, node.args[3:]), **node.kwargs)
+        q, k, v = node.args[:3]
+        sq, sk, sv = (self.state.get(x) for x in (q, k, v))
+        n = _ndim(q)
+        want = self.spec(n - 2)
+        if sq != want or (sk is None) != (sv is None) or (sk is not None and (sk != want or sv != want)):
+            raise _Unsplittable
+        if params.get("dropout_p", 0.0):
+            raise PlanError(f"context={self.ranks}: attention dropout (p={params['dropout_p']}) at {node.name} would "
+                            "not draw serial's mask. Set the model's attention dropout to 0, or use context=1.")
+        mask = params.get("attn_mask")
+        if isinstance(mask, fx.Node):
+            if self.state.get(mask) is not None:
+                raise _Unsplittable
+            if _shape(mask)[-2] != 1:
+                mask = self.slice_of(mask, self.spec(_ndim(mask) - 2), node)
+        if _shape(q)[-2] != self.tokens or (sk is None and _shape(k)[-2] != self.tokens and params.get("is_causal")):
+            raise _Unsplittable
+        spec = ContextAttentionSpec(self.tokens, self.ranks, bool(params.get("is_causal")), params.get("scale"),
+                                    bool(params.get("enable_gqa")), gather_kv=sk is not None)
+        with self.graph.inserting_before(node):
+            new = self.graph.call_function(context_attention, (q, k, v, mask, spec))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        self.graph.erase_node(node)
+        self.state[new] = want
+        return want
+
+    def _loss(self, node: fx.Node) -> Any:
+        x, target = node.args[0], node.args[1]
+        spec = self.state.get(x)
+        if spec is None or isinstance(spec, tuple) or _ndim(x) != 2 or spec.dim != 0:
+            raise _Unsplittable
+        if node.target is vocab_cross_entropy:
+            loss = node.args[2]
+            reduction, ignore = loss.reduction, loss.ignore_index
+        else:
+            names = ("input", "target", "weight", "reduction", "ignore_index", "label_smoothing")
+            given = dict(zip(names, node.args), **node.kwargs)
+            args = [given.get(k, d) for k, d in zip(names, (None, None, None, 1, -100, 0.0))]
+            if args[2] is not None:
+                raise _Unsplittable  # (class weights: the mean's count is their sum)
+            reduction, ignore = args[3], args[4]
+        cut = self._aligned(node, dataclasses.replace(spec, dim=0), 1, target)
+        if cut is not target:
+            node.replace_input_with(target, cut)
+            if node.target is not vocab_cross_entropy:
+                args[1] = cut
+        if reduction == 0:
+            return spec
+        if node.target is vocab_cross_entropy:
+            node.args = (node.args[0], node.args[1], dataclasses.replace(node.args[2], reduction=0))
+        else:
+            args[3] = 0
+            node.args, node.kwargs = tuple(args), {}
+        with self.graph.inserting_before(node.next):
+            valid = self.graph.call_function(aten.ne.Scalar, (cut, ignore))
+            counts = self.graph.call_function(aten._to_copy.default, (valid,), {"dtype": torch.float32})
+            total = self.graph.call_function(batch_reduce, (node, counts if reduction == 1 else None,
+                                                            BatchReduceSpec(reduction == 1, context=True)))
+        total.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(total, delete_user_cb=lambda u: u is not total and u is not valid)
+        self.state[valid] = self.state[counts] = spec
+        return spec
+
+    def _batch_reduce(self, node: fx.Node) -> None:
+        values, counts, spec = node.args
+        have = self.state.get(values)
+        if have is None or isinstance(have, tuple) or have.dim != 0:
+            raise _Unsplittable
+        if counts is None and spec.mean:
+            if _ndim(values) != 1:
+                raise PlanError(f"context={self.ranks}: {node.name} takes a mean over the tokens of per-token values "
+                                "with more than one dim; autopar cannot count them. Use context=1 for this model.")
+            with self.graph.inserting_before(node):
+                counts = self.graph.call_function(aten.ones_like.default, (values,))
+            counts.meta["val"] = values.meta.get("val")
+            self.state[counts] = have
+        elif isinstance(counts, fx.Node):
+            counts = self._aligned(node, have, _ndim(values), counts)
+        node.args = (values, counts, dataclasses.replace(spec, context=True))
+        return None
+
+    def _outputs(self, out: fx.Node) -> None:
+        def fix(a: Any) -> Any:
+            if isinstance(a, (list, tuple)):
+                return type(a)(fix(x) for x in a)
+            if isinstance(a, dict):
+                return {k: fix(v) for k, v in a.items()}
+            if not isinstance(a, fx.Node) or tensor_meta(a) is None:
+                return a
+            spec = self.state.get(a)
+            if isinstance(spec, tuple):
+                raise PlanError(f"context={self.ranks}: output {a.name} is a tuple of this rank's tokens; autopar "
+                                "cannot gather it. Use context=1 for this model.")
+            if spec is None and not tensor_meta(a).is_floating_point():
+                return a  # (context_output keeps a floating output's gradient on one rank when it has one)
+            source = a.args[0] if a.target is gather_output else a
+            whole = ContextSpec(0, self.tokens, self.ranks, split=False,
+                                reduced=getattr(source, "target", None) is batch_reduce)
+            whole = whole if spec is None else spec
+            return self._marker(context_output, (a, whole), out, a)
+        out.args = fix(out.args)

@@ -1,0 +1,176 @@
+"""Context parallelism (``auto_parallelize(context=C)``, ``passes.split_context``): every sequence's tokens split
+over the context ranks for the whole model, attention over the keys and values gathered from them, the loss
+completed over them. Oracle: the serial model, same seed and data: losses (HF's ``labels=`` loss, nanoGPT's loss
+in forward, the caller's cross-entropy on the logits), first-step gradients, final parameters, ``model(x)``'s
+logits and greedy ``generate()`` tokens (a prompt that does not split runs whole); on context alone and with data
+and tensor grids, on HF Llama, Qwen3 (q/k norms) and nanoGPT (``F.scaled_dot_product_attention(is_causal=True)``
+called directly, learned positions); a DDP script's per-rank batches against DDP's step. Mutation: an output
+whose caller's gradient is kept on every context rank (not one) doubles the gradients, and the comparison sees
+it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import autopar
+from autopar.examples import zoo
+from autopar.examples.nanogpt import GPTConfig, NanoGPT
+from autopar.parallel_model import plan_of, runtime_of
+from autopar.runtime.ops import context as context_ops
+from tests.helpers import rel_err
+
+TOL = 1e-5
+
+
+def _data(steps: int = 3, batch: int = 4, seq: int = 16) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return [torch.randint(0, zoo.VOCAB, (batch, seq), generator=g) for _ in range(steps)]
+
+
+def _loss(model: torch.nn.Module, name: str, ids: torch.Tensor, how: str) -> torch.Tensor:
+    if name == "nanogpt":
+        return model(ids, ids)[1]
+    if how == "labels":
+        return model(ids, labels=ids, use_cache=False).loss
+    logits = model(ids, use_cache=False).logits  # (the caller's loss on the gathered logits)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def _train(model: torch.nn.Module, name: str, how: str, grads_of) -> dict:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses, grads = [], None
+    data = _data()
+    for i, ids in enumerate(data):
+        loss = _loss(model, name, ids, how)
+        loss.backward()
+        if i == 0:
+            grads = grads_of(model)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    out = {"losses": losses, "grads": grads}
+    if name != "nanogpt":
+        with torch.no_grad():
+            out["logits"] = model(data[0], use_cache=False).logits
+        model.eval()
+        out["tokens"] = model.generate(data[0][:2, :6], max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return out
+
+
+def _build(name: str) -> torch.nn.Module:
+    if name == "nanogpt":  # (nanoGPT's forward, unchanged: the loss of its targets inside)
+        return NanoGPT(GPTConfig(vocab_size=zoo.VOCAB, block_size=zoo.POSITIONS, n_layer=2, n_head=zoo.HEADS,
+                                 n_embd=zoo.HIDDEN, dropout=0.0))
+    return zoo.build_model(name)
+
+
+def _case(name: str, grid: dict, how: str = "labels") -> dict:
+    torch.manual_seed(0)
+    serial = _build(name)
+    want = _train(serial, name, how, lambda m: {n: p.grad.clone() for n, p in m.named_parameters()})
+    want_params = {k: v.detach().clone() for k, v in serial.state_dict().items()}
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(**grid):
+        model = _build(name)
+    got = _train(model, name, how, lambda m: {k: v for k, v in runtime_of(m).full_grads().items() if v is not None})
+    final = autopar.full_state_dict(model)
+    out = {
+        "loss": max(abs(a - b) for a, b in zip(want["losses"], got["losses"])),
+        "grads": max(rel_err(got["grads"][k], want["grads"][k]) for k in got["grads"] if k in want["grads"]),
+        "params": max(rel_err(final[k], want_params[k]) for k in final if k in want_params),
+        "config": str(plan_of(model).config),
+    }
+    if "logits" in want:
+        out["logits"] = rel_err(got["logits"], want["logits"])
+        out["tokens"] = torch.equal(got["tokens"], want["tokens"])
+    autopar.detach(model)
+    return out
+
+
+CASES = [("llama", {"context": 4}, "labels"), ("llama", {"context": 2, "tensor": (2, 1, 1)}, "labels"),
+         ("qwen3", {"context": 2, "data": 2}, "labels"), ("nanogpt", {"context": 2, "data": 2}, "labels"),
+         ("llama", {"context": 2, "data": 2}, "caller")]
+"""Context alone (4 ranks: 8 chunks of 2 tokens), with a row-split tensor grid (heads and vocabulary split too),
+with data (Qwen3's per-head q/k norms; nanoGPT's own attention call and loss); the caller's loss on the logits
+(the output gathered over the context ranks)."""
+
+
+def _per_rank_case(grid: dict, how: str) -> dict:
+    """A DDP script's loader (each rank its own batch, ``DistributedSampler``'s): the oracle is DDP's step, the
+    gradient of the mean of every rank's own loss; each rank's loss is its own batch's."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = [[torch.randint(0, zoo.VOCAB, (2, 16), generator=torch.Generator().manual_seed(100 + r))
+             for _ in range(3)] for r in range(world)]
+    torch.manual_seed(0)
+    serial = _build("llama")
+    opt = torch.optim.SGD(serial.parameters(), lr=0.1)
+    want = []
+    for step in range(3):
+        losses = [_loss(serial, "llama", mine[r][step], how) for r in range(world)]
+        (sum(losses) / world).backward()
+        opt.step()
+        opt.zero_grad()
+        want.append(losses[rank].item())
+    want_params = {k: v.detach().clone() for k, v in serial.state_dict().items()}
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(batch="per-rank", **grid):
+        model = _build("llama")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    got = []
+    for step in range(3):
+        loss = _loss(model, "llama", mine[rank][step], how)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        got.append(loss.item())
+    final = autopar.full_state_dict(model)
+    autopar.detach(model)
+    return {"loss": max(abs(a - b) for a, b in zip(want, got)),
+            "params": max(rel_err(final[k], want_params[k]) for k in final if k in want_params)}
+
+
+PER_RANK = [({"context": 2, "data": 2}, "labels"), ({"context": 4}, "caller")]
+"""Per-rank batches pooled by the context ranks: each rank's own loss completed over them (``SegmentReduceOp``),
+and the caller's loss on its own rows' logits."""
+
+
+def _worker() -> dict:
+    results = [_case(*c) for c in CASES]
+    per_rank = [_per_rank_case(*c) for c in PER_RANK]
+    original = context_ops._OnOneRank.backward
+    context_ops._OnOneRank.backward = staticmethod(lambda ctx, dy: (dy, None))  # mutation: every rank keeps it
+    try:
+        mutated = _case("llama", {"context": 2, "data": 2}, "caller")
+    finally:
+        context_ops._OnOneRank.backward = original
+    return {"cases": results, "per_rank": per_rank, "mutated": mutated}
+
+
+def test_context_parallel_matches_serial(distributed):
+    for rank, r in enumerate(distributed(_worker, 4, timeout=600)):
+        for (name, grid, how), got in zip(CASES, r["cases"], strict=True):
+            where = f"rank {rank}, {name} at {grid} ({how} loss)"
+            assert f"context={grid['context']}" in got["config"], (where, got["config"])
+            for what in ("loss", "grads", "params", "logits"):
+                if what in got:
+                    assert got[what] < TOL, f"{where}: {what} differ by {got[what]:.2e}"
+            assert got.get("tokens", True), f"{where}: generate() tokens differ"
+        for (grid, how), got in zip(PER_RANK, r["per_rank"], strict=True):
+            for what in ("loss", "params"):
+                assert got[what] < TOL, f"rank {rank}, per-rank batches at {grid} ({how}): {what} {got[what]:.2e}"
+        assert r["mutated"]["grads"] > 0.5, f"rank {rank}: the mutation went unseen ({r['mutated']})"
+
+
+def test_context_with_what_it_does_not_combine_with_yet_is_refused():
+    from autopar.config import ParallelConfig
+    from autopar.errors import ConfigError
+
+    for extra in ({"pipeline": 2}, {"shard_optimizer": True}, {"expert_parallel": True}):
+        with pytest.raises(ConfigError, match="not supported yet"):
+            ParallelConfig.from_user(world_size=8, context=2, **extra)
+    with pytest.raises(ConfigError, match="context"):
+        ParallelConfig.from_user(world_size=6, context=4)
+    assert ParallelConfig.from_user(world_size=8, context=2, tensor=(2, 1, 1)).data == 2

@@ -1,0 +1,78 @@
+"""``passes.split_context`` on captured models (pure: no process group): where this rank's tokens begin (the
+token ids an embedding reads), that every attention becomes ``context_attention`` and the loss a reduction over
+the context ranks, with no whole-sequence gather in HF's decoder families, BERT and GPT-2 (learned positions);
+a model whose attention is written out (GPT-Neo's matmuls) reads the whole sequence there instead; a sequence
+that does not split runs whole (one note) with its outputs still marked; dropout in training is refused."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+import passes.ir as ir
+from autopar.capture import capture_shard, meta_shadow, split_batch_leaves
+from autopar.compat import pytree
+from autopar.config import ParallelConfig
+from autopar.errors import PlanError
+from autopar.examples import zoo
+from autopar.planning.planner import PlanOptions, decide_plan
+from autopar.runtime.execution.builder import PASSES
+from passes.runner import run_passes
+
+MARKERS = {ir.context_slice: "slice", ir.context_gather: "gather", ir.context_attention: "attention",
+           ir.context_output: "output", ir.context_reduce: "reduce", ir.batch_reduce: "batch_reduce"}
+
+
+def _emitted(name: str, config: ParallelConfig, seq: int = 16, dropout: bool = False):
+    torch.manual_seed(0)
+    model = zoo.build_model(name, dropout=dropout)
+    ids = zoo.example_inputs(name, seq=seq)[0]
+    kwargs = {**zoo.example_kwargs(name, seq=seq), "labels": ids, "use_cache": False}
+    if name in zoo.ENCODERS:
+        kwargs.pop("use_cache")
+    leaves, spec = pytree.tree_flatten(((ids,), kwargs))
+    split, batch = split_batch_leaves(leaves, config.num_batch_shards)
+    cap = capture_shard(meta_shadow(model), leaves, spec, split, config.batch_sizes(batch) if split else (), 0,
+                        requires_grad={n: True for n, _ in model.named_parameters()})
+    plan = decide_plan(cap.gm, config, PlanOptions(checkpoint="none"))
+    gm, records = run_passes(cap.gm, plan, PASSES)
+    found = Counter(MARKERS[n.target] for n in gm.graph.nodes if n.target in MARKERS)
+    notes = [n for r in records if r.name == "split_context" for n in r.notes]
+    return gm, found, notes
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gpt2", "bert"])
+def test_decoders_and_encoders_split_every_op_and_gather_only_keys_and_values(name):
+    gm, found, notes = _emitted(name, ParallelConfig(context=2))
+    assert found["attention"] == zoo.LAYERS and found["gather"] == 0, found
+    assert found["batch_reduce"] == 1 and found["output"] == 2 and not notes, (found, notes)
+    attention = [n for n in gm.graph.nodes if n.target is ir.context_attention]
+    assert all(n.args[-1].gather_kv and n.args[-1].tokens == 16 for n in attention)
+    assert {n.args[-1].is_causal for n in attention} == {name != "bert"}
+
+
+def test_with_a_tensor_grid_the_vocabulary_split_loss_is_completed_over_context():
+    gm, found, _ = _emitted("llama", ParallelConfig(row=2, context=2))
+    assert found["attention"] == zoo.LAYERS and found["gather"] == 0, found
+    (loss,) = [n for n in gm.graph.nodes if n.target is ir.vocab_cross_entropy]
+    assert loss.args[-1].reduction == 0
+    (reduce,) = [n for n in gm.graph.nodes if n.target is ir.batch_reduce]
+    assert reduce.args[-1].context and reduce.args[0] is loss
+
+
+def test_attention_written_as_matmuls_reads_the_whole_sequence():
+    _, found, _ = _emitted("gpt-neo", ParallelConfig(context=2))
+    assert found["attention"] == 0 and found["gather"] > 0, found
+
+
+def test_a_sequence_that_does_not_split_runs_whole_with_a_note():
+    _, found, notes = _emitted("llama", ParallelConfig(context=4), seq=12)
+    assert found["slice"] == found["attention"] == 0 and found["output"] == 2, found
+    assert notes and "12 tokens" in notes[0] and "multiple of 8" in notes[0]
+
+
+def test_dropout_in_training_is_refused():
+    with pytest.raises(PlanError, match="dropout"):
+        _emitted("gpt2", ParallelConfig(context=2), dropout=True)

@@ -1,0 +1,87 @@
+"""Context parallelism's token bookkeeping (``autopar.runtime.ops.context``), on one process: which tokens each
+rank holds, cutting and placing them in flattened layouts, and attention of one rank's queries over the whole
+sequence with the mask made from their positions, against serial causal attention. Mutation: a mask made from
+another rank's positions differs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from autopar.runtime.ops.context import place_tokens, take_tokens, token_index
+from passes.ir import ContextSpec
+
+
+@pytest.mark.parametrize("tokens, ranks", [(16, 2), (16, 4), (24, 3), (8, 4)])
+def test_every_token_on_one_rank_and_causal_work_even(tokens, ranks):
+    held = [token_index(tokens, ranks, r) for r in range(ranks)]
+    assert sorted(torch.cat(held).tolist()) == list(range(tokens))
+    work = {int((i + 1).sum()) for i in held}  # keys each rank's queries attend to, causally
+    assert len(work) == 1, work
+
+
+@pytest.mark.parametrize("shape, spec", [((3, 16, 5), ContextSpec(1, 16, 2)),
+                                         ((3 * 16, 7), ContextSpec(0, 16, 4, outer=3)),
+                                         ((2, 16 * 6), ContextSpec(1, 16, 2, inner=6)),
+                                         ((2, 4, 16, 8), ContextSpec(2, 16, 4))])
+def test_take_and_place_are_inverse_in_flattened_layouts(shape, spec):
+    x = torch.randn(shape)
+    parts = [take_tokens(x, spec, r) for r in range(spec.ranks)]
+    assert all(p.shape[spec.dim] == shape[spec.dim] // spec.ranks for p in parts)
+    assert torch.equal(sum(place_tokens(p, spec, r) for r, p in enumerate(parts)), x)
+    # the tokens themselves: a [outer, tokens, inner] view cut along its middle
+    view = x.reshape(*shape[:spec.dim], spec.outer, 16, spec.inner, *shape[spec.dim + 1:])
+    want = view.index_select(spec.dim + 1, token_index(16, spec.ranks, 1)).reshape(parts[1].shape)
+    assert torch.equal(parts[1], want)
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_one_ranks_queries_over_the_whole_sequence_give_serials_rows(ranks):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    serial = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    spec = ContextSpec(2, 16, ranks)
+    for r in range(ranks):
+        mine = token_index(16, ranks, r)
+        mask = torch.arange(16)[None, :] <= mine[:, None]
+        got = F.scaled_dot_product_attention(take_tokens(q, spec, r), k, v, attn_mask=mask)
+        assert torch.allclose(got, take_tokens(serial, spec, r), atol=1e-6)
+        other = token_index(16, ranks, (r + 1) % ranks)  # mutation: another rank's positions
+        wrong = F.scaled_dot_product_attention(take_tokens(q, spec, r), k, v,
+                                               attn_mask=torch.arange(16)[None, :] <= other[:, None])
+        assert not torch.allclose(wrong, take_tokens(serial, spec, r), atol=1e-3)
+
+
+@pytest.mark.parametrize("ranks, gqa", [(2, False), (4, True)])
+def test_both_causal_kernels_give_serials_rows_and_gradients(ranks, gqa):
+    """The CPU's one additive mask (``causal_mask``) and the two lower-right chunks CUDA runs (``chunked_causal``,
+    here on the CPU), against serial causal attention: outputs and the gradients of the queries and of the whole
+    keys and values (this rank's part of them)."""
+    from autopar.runtime.ops.context import causal_mask, chunked_causal
+    from passes.ir import ContextAttentionSpec
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k, v = (torch.randn(2, 2 if gqa else 4, 16, 8, requires_grad=True) for _ in range(2))
+    spec = ContextSpec(2, 16, ranks)
+    attn = ContextAttentionSpec(16, ranks, True, None, gqa)
+    extra = {"enable_gqa": True} if gqa else {}
+    dy = torch.randn(2, 4, 16, 8)
+    serial = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
+    want = torch.autograd.grad(serial, (q, k, v), dy)
+    for kernel in ("mask", "chunks"):
+        parts, grads = [], [torch.zeros_like(t) for t in (q, k, v)]
+        for r in range(ranks):
+            mine = take_tokens(q, spec, r)
+            if kernel == "mask":
+                out = F.scaled_dot_product_attention(mine, k, v, attn_mask=causal_mask(16, ranks, r, q.dtype,
+                                                                                        q.device), **extra)
+            else:
+                out = chunked_causal(mine, k, v, attn, r)
+            for g, part in zip(grads, torch.autograd.grad(out, (q, k, v), take_tokens(dy, spec, r))):
+                g += part
+            parts.append(place_tokens(out.detach(), spec, r))
+        assert torch.allclose(sum(parts), serial, atol=1e-5), kernel
+        for g, w in zip(grads, want):
+            assert torch.allclose(g, w, atol=1e-5), kernel
