@@ -66,7 +66,7 @@ def parse_evaluate(text: str, world: int) -> Evaluation:
     to score (missing degrees 1): the words the ranked list prints, features (``FEATURES``) as bare words, the
     checkpoint policy (``CHECKPOINTS``) and ``compile`` or ``eager``."""
     fields: dict[str, Any] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0,
-                              "chunks": 1}
+                              "chunks": 1, "context": 1}
     checkpoint, compiled = "auto", None
     for part in text.split():
         key, _, value = part.partition("=")
@@ -84,7 +84,7 @@ def parse_evaluate(text: str, world: int) -> Evaluation:
             else:
                 raise ValueError(key)
         except ValueError:
-            raise ConfigError(f"--evaluate takes 'data=D pipeline=P tensor=R,C,D microbatches=M chunks=V', the "
+            raise ConfigError(f"--evaluate takes 'data=D pipeline=P context=X tensor=R,C,D microbatches=M chunks=V', the "
                               f"words {', '.join(FEATURES)}, checkpoint={'|'.join(CHECKPOINTS)} and compile or "
                               f"eager; {part!r} is not one of them") from None
     fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
@@ -94,7 +94,8 @@ def parse_evaluate(text: str, world: int) -> Evaluation:
             candidate.pipeline)
     elif candidate.chunks > 1:
         raise ConfigError(f"--evaluate's chunks={candidate.chunks} needs a pipeline (pipeline=P > 1).")
-    size = candidate.data * candidate.pipeline * candidate.row * candidate.col * candidate.depth
+    candidate.config  # (ParallelConfig's checks: context with what it does not combine with yet)
+    size = candidate.data * candidate.pipeline * candidate.context * candidate.row * candidate.col * candidate.depth
     if size != world:
         raise ConfigError(f"--evaluate's grid has {size} ranks ({candidate.describe()}), not --gpus {world}.")
     return Evaluation(candidate, checkpoint, compiled)
@@ -112,7 +113,7 @@ def parse_without(text: str) -> frozenset[str]:
 
 def plan_json(s: Scored) -> dict[str, Any]:
     c = s.candidate
-    return {"data": c.data, "pipeline": c.pipeline, "tensor": [c.row, c.col, c.depth],
+    return {"data": c.data, "pipeline": c.pipeline, "context": c.context, "tensor": [c.row, c.col, c.depth],
             "microbatches": c.microbatches, "schedule": schedule_of(c),
             "chunks": c.chunks, **{f: getattr(c, f) for f in FEATURES},
             "checkpoint": list(s.recompute), "predicted_step_seconds": None if s.time is None else s.seconds,

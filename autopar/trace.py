@@ -90,7 +90,8 @@ def coverage_gaps(report: StepReport) -> list[tuple[str, int]]:
 
 def report_json(plan: Plan, report: StepReport, *, batch_size: int, rank: int) -> dict[str, Any]:
     return {
-        "config": {"data": plan.config.data, "tensor": list(plan.config.tensor), "world_size": plan.config.world_size},
+        "config": {"data": plan.config.data, "context": plan.config.context, "tensor": list(plan.config.tensor),
+                   "world_size": plan.config.world_size},
         "batch_size": batch_size,
         "rank": rank,
         "num_parameters": report.num_parameters,
@@ -131,6 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a .py file defining build_model() and example_inputs()")
     parser.add_argument("--tensor", type=int, nargs=3, default=(1, 1, 1), metavar=("ROW", "COL", "DEPTH"))
     parser.add_argument("--data", type=int, default=1)
+    parser.add_argument("--context", type=int, default=1, metavar="C",
+                        help="context parallelism: every sequence's tokens split over C ranks (attention gathers "
+                             "the keys and values)")
     parser.add_argument("--batch-size", type=int, default=None, help="global batch (default: example_inputs')")
     parser.add_argument("--rank", type=int, default=0, help="the rank whose bytes and shapes are shown")
     parser.add_argument("--json", metavar="PATH", help="also write the report as JSON")
@@ -174,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         config = ParallelConfig(args.data, *args.tensor, pipeline=max(args.pipeline, 1),
                                 shard_optimizer=args.shard_optimizer, sequence_parallel=args.sequence_parallel,
-                                expert_parallel=args.expert_parallel)
+                                expert_parallel=args.expert_parallel, context=args.context)
         module = load_model_file(args.model)
         with torch.device("meta"):
             model = module.build_model()

@@ -27,11 +27,14 @@ accounting per op mirrors the implementations in autopar.runtime.ops (matmul, la
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
+import torch
 from torch import fx
 
 from autopar.config import AGREEMENT_BYTES, ParallelConfig
@@ -72,6 +75,8 @@ class Collective:
         return collective_bytes(self.kind, self.group_size, self.message_bytes)
 
 
+CONTEXT = "<context>"
+"""``Collective.where`` of attention's key and value gathers over the context ranks (``context_collectives``)."""
 AGREEMENT = "<agreement>"
 """``Collective.where`` of the per-call agreement (under a pipeline: once per train_step, not per micro-batch)."""
 
@@ -272,7 +277,10 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         if name is None or t is None or not node.users or not (info and info.requires_grad):
             continue
         plan = params[name]
-        axis = "+".join(plan.grad_axes)
+        axes = plan.grad_axes
+        if config.context > 1 and "data" in axes:  # the context ranks hold the same weights (Mesh.grad_group)
+            axes = ("data", "context", *axes[1:])
+        axis = "+".join(axes)
         nbytes = plan.local_numel(config) * t.element_size()
         split = gathered_numel(plan.shape, plan.split_axes(config), config.data, plan.fused_dims(config)) \
             if config.shard_optimizer and config.data > 1 and not plan.splits_over_data(config) else 0
@@ -455,15 +463,45 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
             out += _pooled_output_collectives(producer, bd, res.batch, batch, pooled)
     if res.batch is not None and batch is not None:
         out += pooled_collectives(gm, res.batch, batch) if pooled else batch_collectives(gm, res.batch, batch, config)
+    if config.context > 1:  # each rank holds 1/context of the tokens: its activations' collectives move that much
+        out = [dataclasses.replace(c, message_bytes=c.message_bytes // config.context) if c.phase != "step" else c
+               for c in out]
+        out += context_collectives(gm, res, config)
     if params is not None:
         out += grad_sync_collectives(gm, params, config)
     alone = batch is None and config.num_batch_shards > 1  # a batch of this rank's own, not split
     if config.world_size > 1 and not (alone and config.num_tensor == 1 and config.pipeline == 1
-                                      and not config.expert_parallel):
+                                      and not config.expert_parallel and config.context == 1):
         # the runtime's check that every rank makes the same call (not made for data parallelism alone
         # under per-rank batches: its forward has no collective; experts split over data exchange rows in it)
         out.append(Collective("all_gather", "world", config.world_size, AGREEMENT_BYTES * config.world_size,
                               "forward", AGREEMENT))
+    return out
+
+
+def context_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConfig) -> list[Collective]:
+    """What context parallelism adds (``passes.split_context``): each attention's keys and values all-gathered
+    over the context ranks in forward (their whole size, over the heads this rank holds) and their gradients
+    reduce-scattered in backward; each output gathered whole. The loss's sums over the context ranks (a few
+    bytes) are left out."""
+    n, out = config.context, []
+    aten = torch.ops.aten
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+            continue
+        for kv in node.args[1:3]:
+            t = tensor_meta(kv)
+            if t is None:
+                continue
+            s = res.sharding(kv)
+            whole = t.numel() * t.element_size() // (1 if s.is_replicated else config.size(s.axis))
+            out.append(Collective("all_gather", "context", n, whole, "forward", CONTEXT, node.name))
+            if res.requires_grad.get(kv, False):
+                out.append(Collective("reduce_scatter", "context", n, whole, "backward", CONTEXT, node.name))
+    for producer in dict.fromkeys(output_node(gm).all_input_nodes):
+        t = tensor_meta(producer)
+        if t is not None and t.dim() >= 2 and t.is_floating_point():
+            out.append(Collective("all_gather", "context", n, t.numel() * t.element_size(), "forward", "<output>"))
     return out
 
 

@@ -384,6 +384,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     """
     config = plan.config
     sizes = {"row": config.row, "col": config.col}
+    tokens = Fraction(1, config.context)  # (of each sequence, on this rank: context parallelism)
     res, by_node = layouts or layouts_for(gm, plan)
     seg_of = segment_names(gm)
     three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
@@ -423,7 +424,12 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         seg = seg_of.get(saver, order[1])
         if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
             seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
-        saved[seg] += nbytes * shard_fraction(sharding, sizes) * (2 if vocab_split and producer is None else 1)
+        # context parallelism: this rank's tokens of each activation, but attention keeps the keys and values it
+        # gathered whole (``autopar.runtime.ops.context``)
+        gathered = saver.op == "call_function" and saver.target is _SDPA and producer in saver.args[1:3]
+        share = 1 if gathered else tokens
+        saved[seg] += (nbytes * shard_fraction(sharding, sizes) * (2 if vocab_split and producer is None else 1)
+                       * share)
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
@@ -458,10 +464,17 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         if (a := attention_flops(node)):  # over the heads this rank holds
             attention[seg] += a * shard_fraction(res.sharding(node), sizes)
 
+    if config.context > 1 and device == "cpu":  # one additive mask of this rank's queries, kept for every layer
+        causal = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA
+                  and n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)]
+        if causal:
+            q = tensor_meta(causal[0].args[0])
+            length, size = int(q.shape[-2]), (compute_dtype or q.dtype).itemsize
+            saved["<shared>"] += Fraction(length * length * size, config.context)
     segments = tuple(SegmentCost(name, not name.startswith("<") and name not in stateful, int(saved[name]),
-                                 int(inputs[name]),
-                                 int(peak[name]), int(flops[name] + attention[name]), ops=ops[name],
-                                 attention_flops=int(attention[name]))
+                                 int(inputs[name] * tokens),
+                                 int(peak[name] * tokens), int((flops[name] + attention[name]) * tokens),
+                                 ops=ops[name], attention_flops=int(attention[name] * tokens))
                      for name in order)
     # The caller holds the outputs through backward; its loss is assumed to keep one tensor the size of
     # the largest output and to need two more in its backward, as cross-entropy on logits does. A model that

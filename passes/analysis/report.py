@@ -202,7 +202,8 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
     shared = shared_names(plan)
 
     def label(where: str, kind: str, phase: str) -> str:
-        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(where)
+        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss",
+                 "<context>": "attention's keys and values over context"}.get(where)
         if fixed is not None:
             return fixed
         if kind == "send":
@@ -240,8 +241,8 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
     config = plan.config
     compute = report.rank_flops
     if compute is None:
-        compute = sum(r.flops / (config.num_batch_shards * matmul_split(config, plan.matmul(r.weight).orientation))
-                      for r in report.layers)
+        compute = sum(r.flops / (config.num_batch_shards * config.context
+                                 * matmul_split(config, plan.matmul(r.weight).orientation)) for r in report.layers)
     compute += report.rank_attention_flops + whole_flops_per_rank(report, plan)
 
     def seconds(c: Collective) -> float:
@@ -262,7 +263,8 @@ def whole_flops_per_rank(report: StepReport, plan: Plan) -> float:
     (``choose_stages.pipeline_chain``'s segment FLOPs)."""
     if report.rank_flops is not None:
         return 0.0
-    return sum(r.flops / plan.whole_share(r.weight) for r in report.whole) / plan.config.num_batch_shards
+    return sum(r.flops / plan.whole_share(r.weight) for r in report.whole) / (plan.config.num_batch_shards
+                                                                             * plan.config.context)
 
 
 def shared_names(plan: Plan) -> set[str]:

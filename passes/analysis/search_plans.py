@@ -53,12 +53,15 @@ class Candidate:
     """Activations between matmuls split along the tokens over the tensor group."""
     expert_parallel: bool = False
     """Routed experts split over the data ranks, their rows moved by all-to-alls (``ParallelConfig``'s)."""
+    context: int = 1
+    """Ranks splitting every sequence's tokens (``ParallelConfig.context``): scored by ``--evaluate``; the search
+    does not propose it yet."""
 
     @property
     def config(self) -> ParallelConfig:
         return ParallelConfig(self.data, self.row, self.col, self.depth, pipeline=self.pipeline,
                               shard_optimizer=self.shard_optimizer, sequence_parallel=self.sequence_parallel,
-                              expert_parallel=self.expert_parallel)
+                              expert_parallel=self.expert_parallel, context=self.context)
 
     @property
     def tensor(self) -> tuple[int, int, int]:
@@ -70,7 +73,8 @@ class Candidate:
         micro += " shard_optimizer" if self.shard_optimizer else ""
         micro += " sequence_parallel" if self.sequence_parallel else ""
         micro += " expert_parallel" if self.expert_parallel else ""
-        return (f"data={self.data} pipeline={self.pipeline} tensor={self.row},{self.col},{self.depth}{micro}")
+        ctx = f" context={self.context}" if self.context > 1 else ""
+        return (f"data={self.data} pipeline={self.pipeline}{ctx} tensor={self.row},{self.col},{self.depth}{micro}")
 
 
 def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None = None,
@@ -214,7 +218,8 @@ def step_seconds(collectives: Sequence[Collective], layer_flops: Sequence[tuple[
     gradient byte, at the memory rate)."""
     config = plan.config
     compute = rank_flops if rank_flops is not None else sum(
-        flops / (config.num_batch_shards * matmul_split(config, orientation)) for flops, orientation in layer_flops)
+        flops / (config.num_batch_shards * config.context * matmul_split(config, orientation))
+        for flops, orientation in layer_flops)
     compute = (compute + recompute_flops) / machine.flops_per_second * matmul_slowdown
     compute += (attention_flops + whole_flops) / machine.flops_per_second
     compute += ops * machine.op_seconds
@@ -259,7 +264,7 @@ def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: st
     layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
     memory = report.rank_memory or plan.memory
     half = precision in ("bf16", "fp16")
-    calls = [(r.flops / (plan.config.num_batch_shards * matmul_split(plan.config, orientation)),
+    calls = [(r.flops / (plan.config.num_batch_shards * plan.config.context * matmul_split(plan.config, orientation)),
               _call_shape(r.in_shape, r.out_shape, plan.config, orientation))
              for r, (_, orientation) in zip(report.layers, layers)]
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,
