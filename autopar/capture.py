@@ -160,7 +160,7 @@ def _fake_copy(shadow: nn.Module, leaves: list[Any], device: torch.device | str)
 
 
 def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] | None = None,
-                  split: bool = False) -> dict[int, dict[int, Any]]:
+                  split: bool = False, sequence: bool = True) -> dict[int, dict[int, Any]]:
     """The input dims a call is captured with as symbolic sizes (leaf index -> {dim: Dim.AUTO}),
     so that one graph serves every size of them:
 
@@ -174,11 +174,12 @@ def symbolic_dims(model: nn.Module, leaves: list[Any], rows: Mapping[int, int] |
     warning); export keeps static whatever the model fixes, and ``Captured.accepts`` says which sizes a
     graph takes. With ``split`` (data x depth split the batch, each rank's graph sees its rows) the rows of
     every batch leaf are one symbol, as they are one number: the batch analysis follows them through the
-    inputs alike (export would give each input its own)."""
+    inputs alike (export would give each input its own). ``sequence=False`` keeps the sequence dims static
+    (context parallelism's training graphs: a graph per length, each split over the context ranks)."""
     generating = getattr(model, "can_generate", lambda: False)()
     out: dict[int, dict[int, Any]] = {}
     for i, x in enumerate(leaves):
-        if not isinstance(x, torch.Tensor):
+        if not isinstance(x, torch.Tensor) or not sequence:
             continue
         if generating and x.dim() == 4 and x.is_floating_point():
             out[i] = {2: torch.export.Dim.AUTO}

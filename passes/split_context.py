@@ -87,8 +87,12 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     length = next(iter(tokens), 0)
     notes: tuple[str, ...] = ()
     if not seeds:
-        notes = (f"context={ranks}: this call's graph looks up no token ids of a user input; every context rank "
-                 "computes all of it",)
+        symbolic = any(node.target in (aten.embedding.default, sharded_embedding)
+                       and (val := tensor_meta(node.args[1])) is not None and val.dim() >= 2
+                       and not isinstance(val.shape[-1], int) for node in gm.graph.nodes if node.op == "call_function")
+        why = ("is captured for every sequence length (a symbolic length: evaluation, or training on a second "
+               "length)" if symbolic else "looks up no token ids of a user input")
+        notes = (f"context={ranks}: this call's graph {why}; every context rank computes all of it",)
     elif length % (2 * ranks):
         notes = (f"context={ranks}: a call of {length} tokens, which do not split into 2 x {ranks} = {2 * ranks} "
                  f"equal chunks (each rank holds two, for causal attention's balance), runs whole on every context "

@@ -220,7 +220,9 @@ class ParallelRuntime:
         # Where data x depth split the batch, each rank's rows are symbolic when every shard has two or more
         # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
         rows_symbolic = not split or min(sizes) > 1
-        dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split))
+        # (context parallelism splits a static length: its training graphs are captured per length)
+        dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split),
+                                sequence=not (grad and self.config.context > 1))
         training = self._model().training
 
         def these_sizes() -> Any:
@@ -300,7 +302,8 @@ class ParallelRuntime:
                                    self._forward_whole(args, kwargs))
         # lengths symbolic as for a global batch (training: from the second shape on); each member's rows stay
         # numbers (the members' losses are cut by them)
-        dynamic = symbolic_dims(self._model(), local) if self.config.pipeline == 1 else {}
+        whole_lengths = torch.is_grad_enabled() and self.config.context > 1  # (as in run: a graph per length)
+        dynamic = symbolic_dims(self._model(), local, sequence=not whole_lengths) if self.config.pipeline == 1 else {}
         static = ("per-rank", spec, self._model().training, rows, tuple(signature(x) for x in local))
         key = ("per-rank", spec, self._model().training, rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))
                ) if dynamic else static

@@ -19,6 +19,7 @@ import autopar
 from autopar.examples import zoo
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.parallel_model import plan_of, runtime_of
+from autopar.runtime.comm.collectives import comm_calls
 from autopar.runtime.ops import context as context_ops
 from tests.helpers import rel_err
 
@@ -137,16 +138,36 @@ PER_RANK = [({"context": 2, "data": 2}, "labels"), ({"context": 4}, "caller")]
 and the caller's loss on its own rows' logits."""
 
 
+def _lengths() -> list[float]:
+    """Training calls of two lengths (16, 24, 16 tokens): each length its own graph, split (a symbolic length
+    would run whole); the loss of each against serial's."""
+    torch.manual_seed(0)
+    serial = _build("llama")
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(context=2, data=2):
+        model = _build("llama")
+    out = []
+    for seq in (16, 24, 16):
+        ids = torch.randint(0, zoo.VOCAB, (2, seq), generator=torch.Generator().manual_seed(seq))
+        autopar.reset_comm_stats()
+        loss = model(ids, labels=ids, use_cache=False).loss
+        gathers = comm_calls().get("all_gather", 0)  # (a split graph gathers each layer's keys and values)
+        out.append(abs(serial(ids, labels=ids, use_cache=False).loss.item() - loss.item()) if gathers >= 4 else 1.0)
+    autopar.detach(model)
+    return out
+
+
 def _worker() -> dict:
     results = [_case(*c) for c in CASES]
     per_rank = [_per_rank_case(*c) for c in PER_RANK]
+    lengths = _lengths()
     original = context_ops._OnOneRank.backward
     context_ops._OnOneRank.backward = staticmethod(lambda ctx, dy: (dy, None))  # mutation: every rank keeps it
     try:
         mutated = _case("llama", {"context": 2, "data": 2}, "caller")
     finally:
         context_ops._OnOneRank.backward = original
-    return {"cases": results, "per_rank": per_rank, "mutated": mutated}
+    return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated}
 
 
 def test_context_parallel_matches_serial(distributed):
@@ -161,6 +182,7 @@ def test_context_parallel_matches_serial(distributed):
         for (grid, how), got in zip(PER_RANK, r["per_rank"], strict=True):
             for what in ("loss", "params"):
                 assert got[what] < TOL, f"rank {rank}, per-rank batches at {grid} ({how}): {what} {got[what]:.2e}"
+        assert max(r["lengths"]) < TOL, f"rank {rank}: losses at 16, 24, 16 tokens differ by {r['lengths']}"
         assert r["mutated"]["grads"] > 0.5, f"rank {rank}: the mutation went unseen ({r['mutated']})"
 
 

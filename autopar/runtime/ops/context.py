@@ -26,22 +26,17 @@ from autopar.runtime.ops.untracked import apply
 from passes.ir import ContextAttentionSpec, ContextSpec
 
 
-@lru_cache(maxsize=256)
-def _index(tokens: int, ranks: int, rank: int) -> torch.Tensor:
-    chunk = tokens // (2 * ranks)
-    first = torch.arange(rank * chunk, (rank + 1) * chunk)
-    return torch.cat([first, torch.arange((2 * ranks - 1 - rank) * chunk, (2 * ranks - rank) * chunk)])
-
-
 def token_index(tokens: int, ranks: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The positions of rank ``rank``'s tokens of ``tokens``, in its order: chunks ``rank`` and
-    ``2 * ranks - 1 - rank`` of ``2 * ranks`` equal chunks."""
-    return _index(tokens, ranks, rank).to(device)
+    ``2 * ranks - 1 - rank`` of ``2 * ranks`` equal chunks. (Made at each call, a few small ops: no cache, which
+    torch.compile would trace through.)"""
+    chunk = tokens // (2 * ranks)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk, device=device),
+                      torch.arange((2 * ranks - 1 - rank) * chunk, (2 * ranks - rank) * chunk, device=device)])
 
 
-@lru_cache(maxsize=64)
-def _order(tokens: int, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
-    order = torch.cat([_index(tokens, ranks, r) for r in range(ranks)])  # the gathered tokens' positions
+def _order(tokens: int, ranks: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    order = torch.cat([token_index(tokens, ranks, r, device) for r in range(ranks)])  # the gathered tokens' places
     return order, torch.argsort(order)
 
 
@@ -78,16 +73,16 @@ def gather_tokens(x: torch.Tensor, spec: ContextSpec, mesh: Mesh) -> torch.Tenso
     axis = spec.dim + 1
     local = _unflat(x, spec).movedim(axis, 0)
     stacked = C.all_gather(local.contiguous(), mesh.group("context"), spec.ranks)  # ranks' tokens, rank order
-    _, inverse = _order(spec.tokens, spec.ranks)
-    whole = stacked.index_select(0, inverse.to(x.device)).movedim(0, axis)
+    _, inverse = _order(spec.tokens, spec.ranks, x.device)
+    whole = stacked.index_select(0, inverse).movedim(0, axis)
     return _flat(whole, spec)
 
 
 def reduce_scatter_tokens(dy: torch.Tensor, spec: ContextSpec, mesh: Mesh) -> torch.Tensor:
     """The sum over the context ranks of whole ``dy``, this rank's tokens of it."""
     axis = spec.dim + 1
-    order, _ = _order(spec.tokens, spec.ranks)
-    ranked = _unflat(dy, spec).index_select(axis, order.to(dy.device)).movedim(axis, 0)
+    order, _ = _order(spec.tokens, spec.ranks, dy.device)
+    ranked = _unflat(dy, spec).index_select(axis, order).movedim(axis, 0)
     mine = C.reduce_scatter(ranked.contiguous(), mesh.group("context"), spec.ranks).movedim(0, axis)
     return _flat(mine, spec)
 
@@ -178,17 +173,22 @@ class ContextOps:
         if q.device.type == "cpu":
             # one additive mask of this rank's queries against every key, the same tensor in every layer: the CPU
             # kernel keeps its mask for backward, once for all layers
-            mask = causal_mask(spec.tokens, spec.ranks, self.rank, q.dtype, q.device)
+            make = _causal_mask if torch.compiler.is_compiling() else causal_mask  # (traced: no cache)
+            mask = make(spec.tokens, spec.ranks, self.rank, q.dtype, q.device)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale, **kwargs)
         return chunked_causal(q, k, v, spec, self.rank)
 
 
-@lru_cache(maxsize=8)
-def causal_mask(tokens: int, ranks: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """0 where this rank's query (row) may see the key (column), -inf elsewhere."""
+def _causal_mask(tokens: int, ranks: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     mine = token_index(tokens, ranks, rank, device)
     keep = torch.arange(tokens, device=device)[None, :] <= mine[:, None]
     return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+
+
+@lru_cache(maxsize=8)
+def causal_mask(tokens: int, ranks: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """0 where this rank's query (row) may see the key (column), -inf elsewhere; one tensor per rank and length."""
+    return _causal_mask(tokens, ranks, rank, dtype, device)
 
 
 def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
