@@ -60,8 +60,16 @@ __all__ = [
     "pytree_node_types", "queue_backward_callback", "reattach_tensor_hooks", "reduce_scatter_into",
     "register_fx_builtin", "resolve_process_group", "schedule_action_types", "select_split", "set_dtensor_spec",
     "set_local_tensor", "size_hint", "storage_key", "StridedShard", "tensor_hooks", "TensorMeta", "TorchDispatchMode",
-    "version_of", "export_tracer", "untraced", "trace_opaque_call", "opaque_call_of", "group_timeout"
+    "version_of", "export_tracer", "untraced", "trace_opaque_call", "opaque_call_of", "group_timeout",
+    "cpu_flash_attention", "cpu_flash_attention_backward"
 ]
+
+# --- attention kernels -------------------------------------------------------------------------------
+
+#: The CPU's flash attention with its log-sum-exp, and its backward (torch >= 2.3): context parallelism's
+#: blockwise causal attention merges blocks by their log-sum-exps (``autopar.runtime.ops.context``).
+cpu_flash_attention = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+cpu_flash_attention_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward.default
 
 # --- symbolic shapes ---------------------------------------------------------------------------------
 

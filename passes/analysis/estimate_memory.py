@@ -463,14 +463,13 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                                    config.size(o.in_axis) * config.size(o.out_axis))
         if (a := attention_flops(node)):  # over the heads this rank holds
             attention[seg] += a * shard_fraction(res.sharding(node), sizes)
+            if config.context > 1:
+                # backward holds the gathered keys' and values' whole gradients, a block's gradients of them and, to
+                # reduce-scatter them, a copy in the ranks' order
+                kv = sum(tensor_meta(x).numel() * tensor_meta(x).element_size() * shard_fraction(res.sharding(x), sizes)
+                         for x in node.args[1:3])
+                peak[seg] = max(peak[seg], 3 * kv / tokens)  # (in this rank's tokens' terms: peaks scale below)
 
-    if config.context > 1 and device == "cpu":  # one additive mask of this rank's queries, kept for every layer
-        causal = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is _SDPA
-                  and n.kwargs.get("is_causal", n.args[5] if len(n.args) > 5 else False)]
-        if causal:
-            q = tensor_meta(causal[0].args[0])
-            length, size = int(q.shape[-2]), (compute_dtype or q.dtype).itemsize
-            saved["<shared>"] += Fraction(length * length * size, config.context)
     segments = tuple(SegmentCost(name, not name.startswith("<") and name not in stateful, int(saved[name]),
                                  int(inputs[name] * tokens),
                                  int(peak[name] * tokens), int((flops[name] + attention[name]) * tokens),

@@ -55,10 +55,10 @@ def test_one_ranks_queries_over_the_whole_sequence_give_serials_rows(ranks):
 
 @pytest.mark.parametrize("ranks, gqa", [(2, False), (4, True)])
 def test_both_causal_kernels_give_serials_rows_and_gradients(ranks, gqa):
-    """The CPU's one additive mask (``causal_mask``) and the two lower-right chunks CUDA runs (``chunked_causal``,
-    here on the CPU), against serial causal attention: outputs and the gradients of the queries and of the whole
-    keys and values (this rank's part of them)."""
-    from autopar.runtime.ops.context import causal_mask, chunked_causal
+    """The CPU's blocks merged by their log-sum-exps (``BlockwiseCausal``) and the two lower-right chunks CUDA runs
+    (``chunked_causal``, here on the CPU), against serial causal attention: outputs and the gradients of the queries
+    and of the whole keys and values (this rank's part of them)."""
+    from autopar.runtime.ops.context import BlockwiseCausal, chunked_causal
     from passes.ir import ContextAttentionSpec
 
     torch.manual_seed(0)
@@ -70,13 +70,12 @@ def test_both_causal_kernels_give_serials_rows_and_gradients(ranks, gqa):
     dy = torch.randn(2, 4, 16, 8)
     serial = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
     want = torch.autograd.grad(serial, (q, k, v), dy)
-    for kernel in ("mask", "chunks"):
+    for kernel in ("blocks", "chunks"):
         parts, grads = [], [torch.zeros_like(t) for t in (q, k, v)]
         for r in range(ranks):
             mine = take_tokens(q, spec, r)
-            if kernel == "mask":
-                out = F.scaled_dot_product_attention(mine, k, v, attn_mask=causal_mask(16, ranks, r, q.dtype,
-                                                                                        q.device), **extra)
+            if kernel == "blocks":
+                out = BlockwiseCausal.apply(mine, k, v, attn, r)
             else:
                 out = chunked_causal(mine, k, v, attn, r)
             for g, part in zip(grads, torch.autograd.grad(out, (q, k, v), take_tokens(dy, spec, r))):

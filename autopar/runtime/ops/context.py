@@ -13,13 +13,13 @@ rank's tokens, and an output's keeps the caller's gradient (the same on every ra
 
 from __future__ import annotations
 
-from functools import lru_cache
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention.bias import causal_lower_right
 
+from autopar.compat import cpu_flash_attention, cpu_flash_attention_backward
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.comm.mesh import Mesh
 from autopar.runtime.ops.untracked import apply
@@ -170,25 +170,69 @@ class ContextOps:
         kwargs = {"enable_gqa": True} if spec.enable_gqa else {}
         if not spec.is_causal:
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale, **kwargs)
-        if q.device.type == "cpu":
-            # one additive mask of this rank's queries against every key, the same tensor in every layer: the CPU
-            # kernel keeps its mask for backward, once for all layers
-            make = _causal_mask if torch.compiler.is_compiling() else causal_mask  # (traced: no cache)
-            mask = make(spec.tokens, spec.ranks, self.rank, q.dtype, q.device)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale, **kwargs)
+        if q.device.type == "cpu" and not torch.compiler.is_compiling():
+            return apply(BlockwiseCausal, q, k, v, spec, self.rank)
         return chunked_causal(q, k, v, spec, self.rank)
 
 
-def _causal_mask(tokens: int, ranks: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    mine = token_index(tokens, ranks, rank, device)
-    keep = torch.arange(tokens, device=device)[None, :] <= mine[:, None]
-    return torch.zeros(keep.shape, dtype=dtype, device=device).masked_fill_(~keep, float("-inf"))
+def _blocks(spec: ContextAttentionSpec, rank: int) -> list[tuple[int, int, int, bool]]:
+    """(query offset in this rank's tokens, key start, key end, causal) of each block of rank ``rank``'s two chunks
+    of queries: the keys before the chunk (all seen), then the chunk's own (causal, a square)."""
+    chunk = spec.tokens // (2 * spec.ranks)
+    out = []
+    for half, index in ((0, rank), (1, 2 * spec.ranks - 1 - rank)):
+        if index:
+            out.append((half * chunk, 0, index * chunk, False))
+        out.append((half * chunk, index * chunk, (index + 1) * chunk, True))
+    return out
 
 
-@lru_cache(maxsize=8)
-def causal_mask(tokens: int, ranks: int, rank: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """0 where this rank's query (row) may see the key (column), -inf elsewhere; one tensor per rank and length."""
-    return _causal_mask(tokens, ranks, rank, dtype, device)
+class BlockwiseCausal(torch.autograd.Function):
+    """Causal attention of this rank's two chunks of queries over the whole keys and values, on the CPU's flash
+    kernel without a mask: per chunk, its prefix of keys (no mask) and its own block (causal), merged by their
+    log-sum-exps; backward runs the kernel's backward on each block with the merged output and log-sum-exp (as
+    blockwise flash attention does), which gives the exact gradients. Keeps q, k, v, the output and the
+    log-sum-exps: no score or mask of the sequence's size."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
+                rank: int) -> torch.Tensor:
+        repeat = q.shape[-3] // k.shape[-3]
+        if repeat > 1:  # (GQA: the kernel takes as many key heads as query heads)
+            k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+        chunk = spec.tokens // (2 * spec.ranks)
+        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {0: [], chunk: []}
+        for at, start, end, causal in _blocks(spec, rank):
+            parts[at].append(cpu_flash_attention(q.narrow(-2, at, chunk), k.narrow(-2, start, end - start),
+                                                 v.narrow(-2, start, end - start), 0.0, causal, scale=spec.scale))
+        outs, lses = [], []
+        for blocks in parts.values():
+            lse = blocks[0][1] if len(blocks) == 1 else torch.logaddexp(blocks[0][1], blocks[1][1])
+            outs.append(sum(o.float() * torch.exp(b - lse).unsqueeze(-1) for o, b in blocks).to(q.dtype))
+            lses.append(lse)
+        out, lse = sdpa_layout(torch.cat(outs, dim=-2)), torch.cat(lses, dim=-1)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.spec, ctx.rank, ctx.repeat = spec, rank, repeat
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        q, k, v, out, lse = ctx.saved_tensors
+        chunk = ctx.spec.tokens // (2 * ctx.spec.ranks)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dy = dy.contiguous()
+        for at, start, end, causal in _blocks(ctx.spec, ctx.rank):
+            rows = slice(at, at + chunk)
+            gq, gk, gv = cpu_flash_attention_backward(
+                dy[..., rows, :], q[..., rows, :], k[..., start:end, :], v[..., start:end, :],
+                out[..., rows, :], lse[..., rows], 0.0, causal, scale=ctx.spec.scale)
+            dq[..., rows, :] += gq
+            dk[..., start:end, :] += gk
+            dv[..., start:end, :] += gv
+        if ctx.repeat > 1:  # (each key head's repeats' gradients summed back)
+            dk = dk.unflatten(-3, (-1, ctx.repeat)).sum(-3)
+            dv = dv.unflatten(-3, (-1, ctx.repeat)).sum(-3)
+        return dq, dk, dv, None, None
 
 
 def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
@@ -207,4 +251,10 @@ def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: Cont
         bias = causal_lower_right(chunk, end)
         out.append(F.scaled_dot_product_attention(qs, k.narrow(-2, 0, end), v.narrow(-2, 0, end), attn_mask=bias,
                                                   scale=spec.scale))
-    return torch.cat(out, dim=-2)
+    return sdpa_layout(torch.cat(out, dim=-2))
+
+
+def sdpa_layout(out: torch.Tensor) -> torch.Tensor:
+    """``out`` ([batch, heads, tokens, features]) laid out as the fused kernels lay out theirs, tokens outside the
+    heads: the captured graph may view its transpose as it would theirs (a ``contiguous`` export saw no need of)."""
+    return out.transpose(-3, -2).contiguous().transpose(-3, -2) if out.dim() == 4 else out
