@@ -289,6 +289,13 @@ class _Splitter:
             raise _Unsplittable
         return self.slice_of(other, dataclasses.replace(src, dim=at), node)
 
+    def _split_of(self, x: Any) -> ContextSpec:
+        """How ``x`` holds this rank's tokens; raises ``_Unsplittable`` where it is whole or a tuple."""
+        spec = self.state.get(x) if isinstance(x, fx.Node) else None
+        if spec is None or isinstance(spec, tuple):
+            raise _Unsplittable
+        return spec
+
     def _first_split(self, node: fx.Node) -> tuple[fx.Node, ContextSpec]:
         for a in node.all_input_nodes:
             s = self.state.get(a)
@@ -319,8 +326,8 @@ class _Splitter:
 
     def _linear(self, node: fx.Node) -> ContextSpec:
         x = node.args[0]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple) or spec.dim == _ndim(x) - 1:
+        spec = self._split_of(x)
+        if spec.dim == _ndim(x) - 1:
             raise _Unsplittable
         if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
             raise _Unsplittable
@@ -329,24 +336,22 @@ class _Splitter:
     def _matmul(self, node: fx.Node) -> ContextSpec:
         t = node.target
         a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
-        spec = self.state.get(a)
-        if (spec is None or isinstance(spec, tuple) or spec.dim != _ndim(a) - 2 or self.state.get(b) is not None
-                or (t is aten.addmm.default and self.state.get(node.args[0]) is not None) or _ndim(b) != 2):
+        spec = self._split_of(a)
+        if (spec.dim != _ndim(a) - 2 or self.state.get(b) is not None or _ndim(b) != 2
+                or (t is aten.addmm.default and self.state.get(node.args[0]) is not None)):
             raise _Unsplittable
         return dataclasses.replace(spec, dim=_ndim(node) - 2)
 
     def _embedding(self, node: fx.Node) -> ContextSpec:
         ids = node.args[1]
-        spec = self.state.get(ids)
-        if spec is None or isinstance(spec, tuple) or self.state.get(node.args[0]) is not None:
+        spec = self._split_of(ids)
+        if self.state.get(node.args[0]) is not None:
             raise _Unsplittable
         return spec
 
     def _view(self, node: fx.Node) -> ContextSpec:
         x, size = node.args[0], list(node.args[1])
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+        spec = self._split_of(x)
         before, after = _shape(x), _shape(node)
         if node.target is aten.expand.default:
             at = spec.dim + (len(after) - len(before))
@@ -377,9 +382,7 @@ class _Splitter:
 
     def _reindex(self, node: fx.Node) -> ContextSpec:
         t, x = node.target, node.args[0]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+        spec = self._split_of(x)
         n, d = _ndim(x), spec.dim
         if t is aten.t.default:
             return dataclasses.replace(spec, dim=1 - d)
@@ -421,9 +424,7 @@ class _Splitter:
 
     def _split(self, node: fx.Node) -> tuple:
         x = node.args[0]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+        spec = self._split_of(x)
         n = _ndim(x)
         if node.target is aten.unbind.int:
             dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % n
@@ -439,9 +440,7 @@ class _Splitter:
     def _cat(self, node: fx.Node) -> ContextSpec:
         parts = node.args[0]
         first = next((p for p in parts if self.state.get(p) is not None), None)
-        spec = self.state.get(first)
-        if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+        spec = self._split_of(first)
         n = _ndim(first)
         dim = (node.args[1] if len(node.args) > 1 else 0)
         stack = node.target is aten.stack.default
@@ -454,9 +453,7 @@ class _Splitter:
 
     def _reduction(self, node: fx.Node) -> Any:
         x = node.args[0]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+        spec = self._split_of(x)
         n = _ndim(x)
         t = node.target
         if t in (aten.sum.default, aten.mean.default):
@@ -491,15 +488,15 @@ class _Splitter:
 
     def _along(self, node: fx.Node, dim: int) -> ContextSpec:
         x = node.args[0]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple) or dim % _ndim(x) == spec.dim:
+        spec = self._split_of(x)
+        if dim % _ndim(x) == spec.dim:
             raise _Unsplittable
         return spec
 
     def _normed(self, node: fx.Node) -> ContextSpec:
         x, shape = node.args[0], node.args[1]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple) or spec.dim >= _ndim(x) - len(shape):
+        spec = self._split_of(x)
+        if spec.dim >= _ndim(x) - len(shape):
             raise _Unsplittable
         if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
             raise _Unsplittable
@@ -507,9 +504,7 @@ class _Splitter:
 
     def _marker_rule(self, node: fx.Node) -> ContextSpec:
         x = node.args[0]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+        spec = self._split_of(x)
         last = node.args[-1]
         for sharding in (getattr(last, "src", None), getattr(last, "dst", None), getattr(last, "sharding", None)):
             if sharding is not None and not sharding.is_replicated and sharding.dim % _ndim(x) == spec.dim:
@@ -558,8 +553,8 @@ class _Splitter:
 
     def _loss(self, node: fx.Node) -> Any:
         x, target = node.args[0], node.args[1]
-        spec = self.state.get(x)
-        if spec is None or isinstance(spec, tuple) or _ndim(x) != 2 or spec.dim != 0:
+        spec = self._split_of(x)
+        if _ndim(x) != 2 or spec.dim != 0:
             raise _Unsplittable
         if node.target is vocab_cross_entropy:
             loss = node.args[2]

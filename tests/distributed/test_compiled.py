@@ -207,7 +207,7 @@ def _gpt2_depth_loss_in_forward() -> dict:
 
 def test_compiled_gpt2_at_depth_with_labels_does_not_hang(distributed):
     """The batch ranks' compiled graphs issue the same collectives in the same order. Before the fix, the loss
-    output's backward (``ops.rows._OnOneBatchRank``) made zeros without the gradient on ranks but batch rank 0, and
+    output's backward (``ops.rows.OnOneRank``) made zeros without the gradient on ranks but batch rank 0, and
     AOTAutograd's partitioner moved the all-reduce after them into those ranks' forward: rank 0's forward held
     one all-reduce fewer, and every rank waited forever. Mutation (the zeros back): the ranks' compile agreement
     (``autopar.runtime.compiled.agreement``) now finds the forwards differ, every rank runs eagerly, and the test

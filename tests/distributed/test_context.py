@@ -161,12 +161,15 @@ def _worker() -> dict:
     results = [_case(*c) for c in CASES]
     per_rank = [_per_rank_case(*c) for c in PER_RANK]
     lengths = _lengths()
-    original = context_ops._OnOneRank.backward
-    context_ops._OnOneRank.backward = staticmethod(lambda ctx, dy: (dy, None))  # mutation: every rank keeps it
+    original = context_ops.ContextOps.output
+
+    def keep_everywhere(self, x, spec):  # mutation: every context rank keeps the caller's gradient
+        return self.gather(x, spec) if spec.split else x
+    context_ops.ContextOps.output = keep_everywhere
     try:
         mutated = _case("llama", {"context": 2, "data": 2}, "caller")
     finally:
-        context_ops._OnOneRank.backward = original
+        context_ops.ContextOps.output = original
     return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated}
 
 

@@ -22,6 +22,7 @@ from torch.nn.attention.bias import causal_lower_right
 from autopar.compat import cpu_flash_attention, cpu_flash_attention_backward
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.comm.mesh import Mesh
+from autopar.runtime.ops.rows import OnOneRank
 from autopar.runtime.ops.untracked import apply
 from passes.ir import ContextAttentionSpec, ContextSpec
 
@@ -120,22 +121,6 @@ class _Sum(torch.autograd.Function):
         return C.all_reduce(dy.clone(), ctx.mesh.group("context"), ctx.mesh.size("context")), None
 
 
-class _OnOneRank(torch.autograd.Function):
-    """Identity; backward keeps the gradient on context rank 0 (``dy`` times 0 elsewhere: traced, every rank's
-    backward is the same ops, as ``rows._OnOneBatchRank``'s)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
-        ctx.keep = keep
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        if torch.compiler.is_compiling():
-            return dy * (1.0 if ctx.keep else 0.0), None
-        return (dy if ctx.keep else torch.zeros_like(dy)), None
-
-
 class ContextOps:
     """The context markers bound to this rank (``autopar.runtime.execution.binding``)."""
 
@@ -159,7 +144,7 @@ class ContextOps:
         if spec.split:
             x = apply(_Gather, x, spec, self.mesh)
         if x.requires_grad:
-            x = apply(_OnOneRank, x, self.rank == 0)
+            x = apply(OnOneRank, x, self.rank == 0)
         return x
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,

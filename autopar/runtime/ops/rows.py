@@ -87,7 +87,7 @@ class GatherOutputOp:
         if n > 1 and self.spec.batch_state == "local":  # the batch ranks' values averaged, as DDP's loss is
             x = apply(_BatchSum, x, self.mesh) / n
         if n > 1 and x.requires_grad:
-            return apply(_OnOneBatchRank, x, self.mesh)
+            return apply(OnOneRank, x, self.mesh.index("batch") == 0)
         return x
 
 
@@ -138,8 +138,9 @@ class _GatherRows(torch.autograd.Function):
         return dy.narrow(ctx.dim, start, stop - start), None, None, None, None, None
 
 
-class _OnOneBatchRank(torch.autograd.Function):
-    """Identity; backward keeps the gradient on batch rank 0 and zeroes it on the others.
+class OnOneRank(torch.autograd.Function):
+    """Identity; backward keeps the gradient where ``keep`` (on one rank of the group whose ranks all hold the
+    value: batch rank 0 here, context rank 0 in ``autopar.runtime.ops.context``) and zeroes it on the others.
 
     Traced (``compile=True``) the backward is the same ops on every rank, ``dy`` times 1 or 0: zeros made
     without ``dy`` let AOTAutograd's partitioner move what follows them into the forward graph on the other
@@ -147,8 +148,8 @@ class _OnOneBatchRank(torch.autograd.Function):
     issued their collectives in different orders and waited forever (the zoo's GPT-2 at depth 4 with labels)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, mesh: Mesh) -> torch.Tensor:
-        ctx.keep = mesh.index("batch") == 0
+    def forward(ctx: Any, x: torch.Tensor, keep: bool) -> torch.Tensor:
+        ctx.keep = keep
         return x.view_as(x)
 
     @staticmethod
