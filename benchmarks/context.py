@@ -1,6 +1,6 @@
 """Long sequences on a few ranks: context parallelism (``context=4``) against tensor parallelism with sequence
-parallelism (``tensor=(4,1,1)``, ``sequence_parallel=True``) on the same small Llama, batch 1 x 32,768 tokens, in
-one torchrun job: per grid, the loss of each step (both must equal each other), the median step time (slowest
+parallelism (``tensor=(4,1,1)``, ``sequence_parallel=True``) on the same small Llama (hidden 64, 4 heads and 4
+key/value heads, so that tensor 4 splits attention too), batch 1 x 32,768 tokens, in one torchrun job: per grid, the loss of each step (both must equal each other), the median step time (slowest
 rank) and the activation peak per rank of one step (``autopar.memory.LiveBytes``), and the plan's prediction.
 
     python -m benchmarks.context                       # 4 ranks, 32,768 tokens (a few minutes on 2 CPU cores)
@@ -25,20 +25,24 @@ def job(args: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
+    import transformers
+
     import autopar
-    from autopar.examples import zoo
     from autopar.memory import LiveBytes
     from autopar.parallel_model import plan_of
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    ids = torch.randint(0, zoo.VOCAB, (1, args.tokens), generator=torch.Generator().manual_seed(0))
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=args.layers, num_attention_heads=4, num_key_value_heads=4,
+                                      max_position_embeddings=args.tokens)
+    ids = torch.randint(0, config.vocab_size, (1, args.tokens), generator=torch.Generator().manual_seed(0))
     rows = []
     for name, grid in GRIDS.items():
         torch.manual_seed(0)
         with autopar.auto_parallelize(checkpoint="none", **grid):
-            model = zoo.build_model("llama", layers=args.layers)
+            model = transformers.LlamaForCausalLM(config)
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         losses, times, peak = [], [], 0
         for step in range(args.warmup + args.steps):
@@ -58,7 +62,7 @@ def job(args: argparse.Namespace) -> None:
         rows.append((name, statistics.median(times), peak, plan_of(model).memory.activation_bytes, losses))
         autopar.detach(model)
     if rank == 0:
-        print(f"llama ({args.layers} layers, hidden {zoo.HIDDEN}), batch 1 x {args.tokens:,} tokens, "
+        print(f"llama ({args.layers} layers, hidden 64, 4 heads), batch 1 x {args.tokens:,} tokens, "
               f"{dist.get_world_size()} ranks, median of {args.steps} steps")
         print("| grid | step (s) | activation peak per rank (MiB) | planned (MiB) | losses |")
         print("|---|---|---|---|---|")
