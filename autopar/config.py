@@ -5,6 +5,7 @@ Frozen and identical on every rank; what the plan made of it is ``autopar.decisi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -16,6 +17,18 @@ from autopar.errors import ConfigError
 #: move more than a stage's send and less than the tensor axes' per-matmul collectives: Megatron orders
 #: tensor, context, data, pipeline from the inside out too).
 MESH_AXES: tuple[str, ...] = ("data", "pipeline", "context", "depth", "row", "col")
+
+#: ``expert_parallel``'s value for whole experts over data x the tensor axis (Megatron's EP borrowing the TP ranks).
+TENSOR_EXPERTS = "data+tensor"
+
+
+def check_expert_parallel(value: object) -> None:
+    """``ConfigError`` unless ``value`` is one of ``expert_parallel``'s: False, True or "data+tensor"."""
+    if not (isinstance(value, bool) or value == TENSOR_EXPERTS):
+        raise ConfigError(f"expert_parallel={value!r} is invalid. Use True (routed experts split over the data "
+                          f"ranks, each over the larger tensor axis on a tensor grid), {TENSOR_EXPERTS!r} (whole "
+                          "experts over the data ranks and the tensor axis together) or False.")
+
 
 #: Pipeline schedules of torch.distributed.pipelining that autopar drives (runtime.schedule_class).
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved", "looped-bfs")
@@ -47,10 +60,13 @@ class ParallelConfig:
     row (or col), it reduce-scatters it along the tokens instead, so the norms, residual adds and dropout
     after it hold 1/row of the tokens; the next matmul all-gathers them and reduce-scatters their gradient
     (``auto_parallelize(sequence_parallel=True)``, ``passes.analysis.layouts.sequence_split``)."""
-    expert_parallel: bool = False
+    expert_parallel: bool | str = False
     """Routed experts split over the data ranks (expert parallelism): each holds ``experts / data`` whole experts,
     and a layer's rows go to their experts' ranks by all-to-all and come back (``auto_parallelize(
-    expert_parallel=True)``, ``passes.split_experts``, ``autopar.runtime.ops.experts``)."""
+    expert_parallel=True)``, ``passes.split_experts``, ``autopar.runtime.ops.experts``). ``"data+tensor"``: whole
+    experts over the data ranks and the ranks of the tensor axis together (Megatron's expert parallelism borrowing
+    the tensor ranks: each holds ``experts / (data * tensor)``, and each tensor rank sends a block of the rows it
+    holds alike), where a tensor grid would otherwise split each expert over a tensor axis (``expert_axis``)."""
     context: int = 1
     """Context parallelism: ranks splitting every sequence's tokens for the whole model, attention included
     (each holds two of ``2 * context`` equal chunks, ``i`` and ``2 * context - 1 - i``, so causal attention's
@@ -68,13 +84,17 @@ class ParallelConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is invalid. Use True (activations "
                               "between matmuls split along the tokens over the tensor group) or False.")
-        if not isinstance(self.expert_parallel, bool):
-            raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
-                              "over the data ranks) or False.")
+        check_expert_parallel(self.expert_parallel)
+        if self.expert_parallel == TENSOR_EXPERTS and (self.depth > 1 or min(self.row, self.col) > 1):
+            raise ConfigError(f"expert_parallel={TENSOR_EXPERTS!r} lends one tensor axis to the experts, and "
+                              f"tensor=(row={self.row}, col={self.col}, depth={self.depth}) has "
+                              f"{'depth > 1' if self.depth > 1 else 'two'}: use a tensor grid of one axis "
+                              "(tensor=(T, 1, 1)), or expert_parallel=True (experts over data, each split over the "
+                              "larger tensor axis).")
         if self.context > 1:
             others = [name for name, on in (("pipeline > 1", self.pipeline > 1),
                                             ("sequence_parallel", self.sequence_parallel and max(self.row, self.col) > 1),
-                                            ("expert_parallel", self.expert_parallel and self.data > 1),
+                                            ("expert_parallel", bool(self.expert_axis)),
                                             ("shard_optimizer", self.shard_optimizer and self.data > 1)) if on]
             if others:
                 raise ConfigError(f"context={self.context} with {' and '.join(others)} is not supported yet: context "
@@ -84,7 +104,8 @@ class ParallelConfig:
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
                   world_size: int | None = None, pipeline: int = 1, shard_optimizer: bool = False,
-                  sequence_parallel: bool = False, expert_parallel: bool = False, context: int = 1) -> ParallelConfig:
+                  sequence_parallel: bool = False, expert_parallel: bool | str = False, context: int = 1
+                  ) -> ParallelConfig:
         """Validates the user's ``tensor=(row, col, depth)``, ``pipeline`` and ``data`` against the world size.
 
         ``data=None`` means "every rank not used by tensor, pipeline or context parallelism" (pure data
@@ -138,8 +159,23 @@ class ParallelConfig:
         return self.data * self.pipeline * self.context * self.num_tensor
 
     def size(self, axis: str) -> int:
-        """Ranks along ``axis``; the empty axis '' (nothing split) has one."""
+        """Ranks along ``axis``; the empty axis '' (nothing split) has one; axes joined by '+' (``expert_axis``:
+        "data+row") their product."""
+        if "+" in axis:
+            return math.prod(getattr(self, a) for a in axis.split("+"))
         return getattr(self, axis) if axis else 1
+
+    @property
+    def expert_axis(self) -> str:
+        """The mesh axes splitting routed experts under ``expert_parallel``, those of more than one rank joined
+        by '+': "data" (True), "data+row" or "data+col" ("data+tensor": the tensor axis of more than one rank
+        too); '' where nothing splits them."""
+        if not self.expert_parallel:
+            return ""
+        axes = ["data"]
+        if self.expert_parallel == TENSOR_EXPERTS:
+            axes.append("row" if self.row > 1 else "col")
+        return "+".join(a for a in axes if self.size(a) > 1)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -174,10 +210,12 @@ class ParallelConfig:
 
     def __str__(self) -> str:
         stages = f" pipeline={self.pipeline}" if self.pipeline > 1 else ""
+        experts = (f" experts over {self.expert_axis.replace('+', ' x ')}"
+                   if self.expert_parallel == TENSOR_EXPERTS and self.expert_axis not in ("", "data") else "")
         zero = " shard_optimizer" if self.shard_optimizer and self.data > 1 else ""
         seq = " sequence_parallel" if self.sequence_parallel and max(self.row, self.col) > 1 else ""
         ctx = f" context={self.context}" if self.context > 1 else ""
-        return f"data={self.data}{stages}{ctx} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}{seq}"
+        return f"data={self.data}{stages}{ctx} tensor=(row={self.row}, col={self.col}, depth={self.depth}){zero}{seq}{experts}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,9 +241,10 @@ class MemoryConfig:
     part and all-gathers the updated parameters (ZeRO stages 1-2, ``autopar.runtime.params.data_shards``)."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group (``ParallelConfig``)."""
-    expert_parallel: bool = False
-    """Routed experts split over the data ranks (``ParallelConfig``): with ``plan="auto"`` the search tries only
-    grids that split them where they can be (without it, it tries both)."""
+    expert_parallel: bool | str = False
+    """Routed experts split over the data ranks, or (``"data+tensor"``) over data x the tensor axis
+    (``ParallelConfig``): with ``plan="auto"`` the search tries only grids that split them where they can be
+    (without it, it tries both)."""
 
     def __post_init__(self) -> None:
         if self.precision not in ("fp32", "bf16", "fp16"):
@@ -219,9 +258,7 @@ class MemoryConfig:
         if not isinstance(self.sequence_parallel, bool):
             raise ConfigError(f"sequence_parallel={self.sequence_parallel!r} is invalid. Use True (activations "
                               "between matmuls split along the tokens over the tensor group) or False.")
-        if not isinstance(self.expert_parallel, bool):
-            raise ConfigError(f"expert_parallel={self.expert_parallel!r} is invalid. Use True (routed experts split "
-                              "over the data ranks) or False.")
+        check_expert_parallel(self.expert_parallel)
         c = self.checkpoint
         if isinstance(c, bool) or not (c in ("auto", "none", "full") or (isinstance(c, int) and c > 0)):
             raise ConfigError(f"checkpoint={c!r} is invalid. Use 'auto', 'none', 'full' or a budget in bytes "

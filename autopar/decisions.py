@@ -189,7 +189,7 @@ class ParamPlan:
     def splits_over_data(self, config: ParallelConfig) -> bool:
         """Split over the data ranks itself (experts under ``expert_parallel``): each data rank holds and updates
         its own part, so ``shard_optimizer`` leaves its state and gradient as they are."""
-        return self.kind is ParamKind.SPLIT and self.split_axis == "data" and config.data > 1
+        return self.kind is ParamKind.SPLIT and "data" in self.split_axis.split("+") and config.data > 1
 
     def local_shape(self, config: ParallelConfig) -> tuple[int, ...]:
         """The shape of this parameter's piece on a rank (the largest one where a split is uneven)."""
@@ -391,12 +391,24 @@ class ExpertPlan:
     weights: tuple[str, ...]
     experts: int
     axis: str = ""
-    """The mesh axis splitting the experts (each rank ``experts / size`` whole ones); '' for whole on every rank."""
+    """The mesh axis splitting the experts (each rank ``experts / size`` whole ones); '' for whole on every rank;
+    axes joined by '+' ("data+row", ``ParallelConfig.expert_axis``) for whole experts over data x a tensor axis."""
     reason: str = ""
     """Why the experts stay whole ('' where they are split)."""
     tensor_axis: str = ""
     """The tensor axis (row or col) splitting each expert's hidden features (``passes.analysis.experts.tensor_split``);
     '' where each expert stays whole on the tensor ranks."""
+
+    @property
+    def lent(self) -> str:
+        """The tensor axis among ``axis`` ('' for none): its ranks hold the same rows, and each sends a block of
+        them to the experts' ranks (``passes.ir.ExpertSpec.lent``)."""
+        return lent_axis(self.axis)
+
+
+def lent_axis(axis: str) -> str:
+    """The tensor axis (row or col) among mesh axes joined by '+' (an expert axis), '' for none."""
+    return next((a for a in axis.split("+") if a in ("row", "col")), "")
 
 
 @dataclass(frozen=True, slots=True)
@@ -435,8 +447,8 @@ class Plan:
         p = self._by_param.get(weight)
         if p is None or p.kind is not ParamKind.SPLIT:
             return 1
-        axis = p.second_axis or p.split_axis
-        return self.config.size(axis) if axis in ("row", "col") else 1
+        axis = p.second_axis or lent_axis(p.split_axis)  # (whole experts over data x a tensor axis: its ranks
+        return self.config.size(axis) if axis else 1  # share each data rank's rows)
 
     def to_dict(self) -> dict[str, Any]:
         def enc(obj: Any) -> Any:
@@ -472,8 +484,10 @@ class Plan:
         for e in self.experts:
             if e.axis:
                 each = f", each split over {e.tensor_axis} (1/{c.size(e.tensor_axis)} per rank)" if e.tensor_axis else ""
-                lines.append(f"  {e.module:<40} experts {e.experts} split over {e.axis}: {e.experts // c.size(e.axis)} "
-                             f"whole experts per rank{each}, rows exchanged by all-to-all")
+                per = e.experts // c.size(e.axis)
+                lent = f" (the {e.lent} ranks each send a block of their rows)" if e.lent else ""
+                lines.append(f"  {e.module:<40} experts {e.experts} split over {e.axis.replace('+', ' x ')}: {per} "
+                             f"whole expert{'s' if per > 1 else ''} per rank{each}, rows exchanged by all-to-all{lent}")
             elif e.tensor_axis:
                 lines.append(f"  {e.module:<40} experts {e.experts} each split over {e.tensor_axis}: 1/"
                              f"{c.size(e.tensor_axis)} of every expert per rank, results all-reduced")

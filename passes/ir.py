@@ -250,6 +250,10 @@ class ExpertSpec:
     module: str = ""
     batched: bool = False
     """The layer's rows are ``[experts, rows, features]``, a block per expert (batched matmuls, no offsets)."""
+    lent: str = ""
+    """A tensor axis among ``axis`` ("data+row": whole experts over data x row), whose ranks hold the same rows:
+    each sends its block of them (of dim 0, or of dim 1 when ``batched``), and the results come back gathered
+    over it; '' for none."""
 
 
 @dataclass(frozen=True, slots=True)

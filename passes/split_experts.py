@@ -13,7 +13,9 @@ every expert, is summed over the axis); the values read with them are cut to thi
 (``convert_layout``); the grouped matmuls read this rank's part of each expert's weights; and the last one's
 partial sums are completed by ``reduce_partial``. Both (experts over data, each over a tensor axis: Megatron's
 expert and expert-tensor parallelism): the tensor split runs on the rows the exchange brought, between it and the
-results' way back. Every other op of the graph is untouched. Pure.
+results' way back. Whole experts over data x a tensor axis (``ExpertPlan.lent``, Megatron's expert parallelism
+borrowing the tensor ranks): the same exchange over both axes, each tensor rank sending its block of the rows
+they all hold (``ExpertSpec.lent``). Every other op of the graph is untouched. Pure.
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def split_experts(gm: fx.GraphModule, plan: Plan) -> PassResult:
         if late:
             raise PlanError(f"{layer.module}: {', '.join(late)} (read with the rows) is computed after the first "
                             "grouped matmul; autopar sends them together before it")
-        spec = ExpertSpec(decided.axis, decided.experts, layer.module, layer.batched)
+        spec = ExpertSpec(decided.axis, decided.experts, layer.module, layer.batched, decided.lent)
         with graph.inserting_before(first):
             dispatch = graph.call_function(expert_dispatch, (layer.rows, layer.offsets, list(layer.inputs), spec))
             moved = [graph.call_function(operator.getitem, (dispatch, i)) for i in range(3 + len(layer.inputs))]

@@ -312,7 +312,9 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
     all-to-alls of ``autopar.runtime.ops.experts``: forward the
     per-expert counts, the rows (and the values travelling with them) out and the results back; backward
     the results' gradients out and the rows' gradients back (those that need one: ``requires_grad``, the
-    layouts' analysis). Balanced routing assumed:
+    layouts' analysis). Whole experts over data x a tensor axis (``ExpertPlan.lent``): each rank of that axis
+    moves its block of the rows, and the results (forward) and the rows' gradients (backward) are all-gathered
+    over it. Balanced routing assumed:
     the bytes of an uneven one differ (the plan says so)."""
     experts = tuple(experts)
     split = {e.module: e for e in experts if e.axis}
@@ -335,6 +337,13 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
             continue
         size = config.size(e.axis)
         rows = layer.rows_in(layer.rows)
+        if e.lent:  # (each rank of the lent axis sends its block of the rows, and gathers the results over it)
+            lent = config.size(e.lent)
+            rows = -(-rows // lent)
+            out.append(Collective("all_gather", e.lent, lent, _nbytes(layer.output), "forward", layer.module,
+                                  layer.output.name))
+            out += [Collective("all_gather", e.lent, lent, _nbytes(n), "backward", layer.module, n.name)
+                    for n in (layer.rows, *layer.inputs) if requires_grad.get(n, False)]
 
         def moved(node: fx.Node, phase: str, layer: ExpertLayer = layer) -> Collective:
             return Collective("all_to_all", e.axis, size, exchange_bytes(rows, layer.row_bytes(node), size),

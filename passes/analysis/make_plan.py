@@ -34,7 +34,7 @@ from torch import fx
 from autopar.compat import DTENSOR_HANDLES_FUSED_PIECES
 from autopar.config import ParallelConfig
 from autopar.decisions import (EmbeddingMode, EmbeddingPlan, ExpertPlan, Layout, MatmulPlan, Orientation, ParamKind,
-                                ParamPlan, Plan, uneven_split)
+                                ParamPlan, Plan, lent_axis, uneven_split)
 from autopar.errors import PlanError
 from passes.analysis.batch_dims import analyze_batch
 from passes.analysis.estimate_costs import list_collectives, total_bytes
@@ -165,7 +165,16 @@ def layouts_for(gm: fx.GraphModule, plan: Plan) -> tuple[LayoutResult, dict[fx.N
     res = propagate_layouts(gm, by_node, matmul_decider(plan), sizes, local_batch_of(gm), embedding_decider(plan),
                             plan.config.sequence_parallel)
     tensor = {e.module: e.tensor_axis for e in plan.experts if e.tensor_axis}
-    for layer in find_expert_layers(gm) if tensor else ():
+    lent = {e.module: e.lent for e in plan.experts if e.lent}
+    for layer in find_expert_layers(gm) if tensor or lent else ():
+        if layer.module in lent:  # (whole experts over data x a tensor axis: each of its ranks a block of the rows)
+            dim = layer.row_dims - 1
+            for node in layer.region:
+                t = tensor_meta(node)
+                if node is not layer.output and t is not None and t.dim() > dim and \
+                        all(u in layer.region for u in node.users):
+                    res.shardings[node] = Sharding(Layout(lent[layer.module]), dim, (int(t.shape[dim]),))
+            continue
         if layer.module not in tensor:
             continue
         for node in layer.region:  # (each expert split over a tensor axis: its hidden features are, between the
@@ -397,9 +406,11 @@ class _Planner:
     def expert_plans(self) -> tuple[ExpertPlan, ...]:
         """Each routed-experts layer (``find_expert_layers``): under ``expert_parallel``, its experts split over
         the data ranks, where the layer splits and its experts divide; and on a tensor grid each expert split over
-        the larger of the row and col axes (``tensor_split``), where its hidden features divide."""
+        the larger of the row and col axes (``tensor_split``), where its hidden features divide. Under
+        ``expert_parallel="data+tensor"``, whole experts over data x the tensor axis where they divide (else
+        as without it)."""
         c = self.config
-        ep = c.expert_parallel and c.data > 1
+        ep = c.expert_axis
         axis = max(("row", "col"), key=c.size)
         if not ep and c.size(axis) == 1:
             return ()
@@ -409,6 +420,17 @@ class _Planner:
             why = tensor_split(layer, size).why_whole if size > 1 else ""
             tensor_axis = axis if size > 1 and not why else ""
             whole_over_tensor = f"each expert stays whole over {axis}={size}: {why}" if why else ""
+            if lent_axis(ep):  # whole experts over data x the tensor axis, where they divide; else as without it
+                n = c.size(ep)
+                reason = layer.why_whole or (f"its {layer.experts} experts do not divide over {ep}={n}"
+                                             if layer.experts % n else "")
+                if not reason:
+                    out.append(ExpertPlan(layer.module, layer.weights, layer.experts, ep))
+                    continue
+                out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "",
+                                      f"each expert split over {axis}, not over {ep}: {reason}" if tensor_axis
+                                      else reason, tensor_axis))
+                continue
             if ep:
                 reason = layer.why_whole or (f"its {layer.experts} experts do not divide over data={c.data}"
                                              if layer.experts % c.data else "")

@@ -153,7 +153,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
         if e is None:
             how = f"replicated: {w.reason}"
         elif e.axis:
-            how = f"experts over {e.axis}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank" + (
+            how = f"experts over {e.axis.replace('+', ' x ')}: {e.experts // plan.config.size(e.axis)} of {e.experts} per rank" + (
                 f", each over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it" if e.tensor_axis else "")
         else:
             how = f"each expert over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it per rank"

@@ -9,7 +9,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from autopar.runtime.comm import collectives as C
-from autopar.runtime.ops.experts import ExpertExchange
+from autopar.runtime.ops.experts import ExpertExchange, RowBlocks
 from passes.analysis.estimate_costs import exchange_bytes
 
 EXPERTS, K, N = 8, 6, 5
@@ -116,6 +116,36 @@ def test_expert_exchange_moves_batched_experts_blocks(distributed):
         assert r["out"] == 0.0 and r["dx"] < 1e-12 and r["dw"] < 1e-12, r
 
 
+def row_blocks_worker(total: int, dim: int) -> dict:
+    """Rows every rank holds alike, cut into uneven blocks (``RowBlocks``): each rank its block, a row-wise op on
+    it, the results gathered whole; the gradient back whole on every rank."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    blocks = RowBlocks(dist.group.WORLD, world, rank, dim)
+    torch.manual_seed(0)
+    shape = (total, 3) if dim == 0 else (2, total, 3)
+    x = torch.randn(shape, dtype=torch.float64, requires_grad=True)
+    seed = torch.randn(shape, dtype=torch.float64)
+    (x.sin() * seed).sum().backward()
+    want, x.grad = x.grad.clone(), None
+    mine = blocks.block(x, total)
+    y = blocks.gathered(mine.sin(), total)
+    (y * seed).sum().backward()
+    return {"bounds": [blocks.bounds(total, i) for i in range(world)], "rows": mine.shape[dim],
+            "out": float((y - x.sin()).abs().max()), "dx": float((x.grad - want).abs().max())}
+
+
+@pytest.mark.parametrize("total,dim", [(7, 0), (2, 1)])
+def test_row_blocks_split_rows_held_alike_and_bring_back_whole_gradients(distributed, total, dim):
+    """Whole experts over data x a tensor axis: the tensor ranks' rows, cut into consecutive blocks (the first
+    ``total % size`` one row larger, some empty where rows are fewer than ranks); results and gradients whole."""
+    got = distributed(row_blocks_worker, 3, total, dim)
+    for rank, r in enumerate(got):
+        bounds = r["bounds"]
+        assert bounds[0][0] == 0 and bounds[-1][1] == total and all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+        assert r["rows"] == total // 3 + (rank < total % 3), r
+        assert r["out"] == 0.0 and r["dx"] < 1e-12, r
+
+
 def parallel_worker(names: tuple[str, ...], tensor: tuple[int, int, int], data: int, ep: bool = True,
                     options: dict | None = None) -> dict:
     import autopar
@@ -190,6 +220,27 @@ def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed,
             _check_serial(name, mine, want)
 
 
+@pytest.mark.parametrize("names,data", [(("mixtral", "llama4"), 2), (("qwen3_moe", "gpt_oss", "mixtral+aux"), 1)],
+                         ids=["data2", "data1"])
+def test_whole_experts_over_data_and_a_tensor_axis_keep_serials_numbers(distributed, names, data):
+    """``expert_parallel="data+tensor"`` on a data x row grid (Megatron's expert parallelism borrowing the tensor
+    ranks): whole experts over data x row, each row rank sending its block of the rows both hold and gathering
+    the results: 1/(data * row) of the experts per rank, and losses, every final parameter and generate's tokens
+    are serial's (Llama 4's batched blocks too; at data 1, over row alone)."""
+    from tests import unlike_models as U
+
+    got = distributed(parallel_worker, 2 * data, names, (2, 1, 1), data, "data+tensor", timeout=600)
+    axis = "data+row" if data > 1 else "row"
+    for name in names:
+        want = U.serial(name)
+        for r in got:
+            mine = r[name]
+            assert mine["split"] and all(a == axis for _, a, _ in mine["split"]), (name, mine["split"])
+            assert mine["tensor split"] == [""] * len(mine["split"]), mine
+            assert mine["expert share"] == pytest.approx(1 / (2 * data))
+            _check_serial(name, mine, want)
+
+
 #: Expert layouts on 2 ranks: whole experts over data, each expert split over row.
 LAYOUTS_OF_2 = {"over data": {"data": 2, "expert_parallel": True}, "each over row": {"tensor": (2, 1, 1)}}
 
@@ -222,7 +273,7 @@ def test_clipping_sees_the_split_experts_gradients_whole(distributed, layout):
         assert abs(r["norm"] - want) <= 1e-5 * want, (r["norm"], want)
 
 
-def dcp_worker(name: str, tensor: tuple[int, int, int] = (1, 1, 1)) -> dict:
+def dcp_worker(name: str, tensor: tuple[int, int, int] = (1, 1, 1), saved_as: bool | str = True) -> dict:
     import tempfile
 
     import torch.distributed.checkpoint as dcp
@@ -234,13 +285,13 @@ def dcp_worker(name: str, tensor: tuple[int, int, int] = (1, 1, 1)) -> dict:
     dist.broadcast_object_list(box)
     x, y = U.batches(name)[0]
     torch.manual_seed(0)
-    with autopar.auto_parallelize(data=2, tensor=tensor, expert_parallel=True):
+    with autopar.auto_parallelize(data=2, tensor=tensor, expert_parallel=saved_as):
         split = U.build(name)
     U.loss_of(name, split, x, y)  # (the first call shards the experts)
     dcp.save(split.state_dict(), checkpoint_id=box[0])
     saved = autopar.full_state_dict(split)
     out = {}
-    for expert_parallel, seed in ((False, 1), (True, 2)):  # another layout (whole experts), and the same one
+    for expert_parallel, seed in ((False, 1), (saved_as, 2)):  # another layout (whole experts), and the same one
         torch.manual_seed(seed)
         with autopar.auto_parallelize(data=2, tensor=tensor, expert_parallel=expert_parallel):
             other = U.build(name)
@@ -249,18 +300,19 @@ def dcp_worker(name: str, tensor: tuple[int, int, int] = (1, 1, 1)) -> dict:
         dcp.load(sd, checkpoint_id=box[0])
         other.load_state_dict(sd)
         back = autopar.full_state_dict(other)
-        out[expert_parallel] = all(torch.equal(back[k], v) for k, v in saved.items())
+        out["same" if expert_parallel else "whole"] = all(torch.equal(back[k], v) for k, v in saved.items())
     torch.manual_seed(0)
     out["serial shaped"] = all(torch.equal(saved[k], v) for k, v in U.build(name).state_dict().items())
     return out
 
 
-@pytest.mark.parametrize("tensor", [(1, 1, 1), (2, 1, 1)])
-def test_a_dcp_checkpoint_of_split_experts_loads_with_whole_or_split_experts(distributed, tensor):
-    """Saved with the experts over data (on a tensor grid: each over row too), loaded with them whole (on a tensor
-    grid: each over row only) and with the same layout: serial's tensors back, to the bit."""
-    for r in distributed(dcp_worker, 2 * tensor[0], "mixtral", tensor):
-        assert r == {False: True, True: True, "serial shaped": True}, r
+@pytest.mark.parametrize("tensor,saved_as", [((1, 1, 1), True), ((2, 1, 1), True), ((2, 1, 1), "data+tensor")])
+def test_a_dcp_checkpoint_of_split_experts_loads_with_whole_or_split_experts(distributed, tensor, saved_as):
+    """Saved with the experts over data (on a tensor grid: each over row too, or whole over data x row), loaded
+    with them whole (on a tensor grid: each over row only) and with the same layout: serial's tensors back, to
+    the bit."""
+    for r in distributed(dcp_worker, 2 * tensor[0], "mixtral", tensor, saved_as):
+        assert r == {"whole": True, "same": True, "serial shaped": True}, r
 
 
 def per_rank_worker(name: str) -> dict:
@@ -401,13 +453,14 @@ def test_plan_auto_held_to_expert_layouts_splits_the_experts_with_serials_number
             assert err <= 1e-5 * max(1.0, w.double().abs().max().item()), (k, err)
 
 
-def pipeline_worker(name: str, pipeline: int, data: int, shard: bool, tensor: tuple[int, int, int] = (1, 1, 1)) -> dict:
+def pipeline_worker(name: str, pipeline: int, data: int, shard: bool, tensor: tuple[int, int, int] = (1, 1, 1),
+                    ep: bool | str | None = None) -> dict:
     import autopar
     from tests import unlike_models as U
 
     torch.manual_seed(0)
     with autopar.auto_parallelize(data=data, pipeline=pipeline, tensor=tensor, microbatches=4,
-                                  expert_parallel=data > 1, shard_optimizer=shard):
+                                  expert_parallel=data > 1 if ep is None else ep, shard_optimizer=shard):
         model = U.build(name)
 
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)  # (U.train's)
@@ -449,15 +502,20 @@ def test_experts_split_over_data_inside_a_pipeline_keep_serials_numbers(distribu
         assert torch.equal(r["tokens"], want["tokens"])
 
 
-def test_experts_split_over_a_tensor_axis_inside_a_pipeline_keep_serials_numbers(distributed):
-    """Mixtral on 2 pipeline stages x tensor (2,1,1), each expert split over row on every stage (torch's 1F1B
-    over 4 micro-batches): serial's losses, every final parameter and generate's tokens."""
+@pytest.mark.parametrize("ep", [False, "data+tensor"], ids=["each over row", "whole over row"])
+def test_experts_split_over_a_tensor_axis_inside_a_pipeline_keep_serials_numbers(distributed, ep):
+    """Mixtral on 2 pipeline stages x tensor (2,1,1), each expert split over row on every stage (or, under
+    ``expert_parallel="data+tensor"``, whole experts over row; torch's 1F1B over 4 micro-batches): serial's losses,
+    every final parameter and generate's tokens."""
     from tests import unlike_models as U
 
-    got = distributed(pipeline_worker, 4, "mixtral", 2, 1, False, (2, 1, 1), timeout=600)
+    got = distributed(pipeline_worker, 4, "mixtral", 2, 1, False, (2, 1, 1), ep, timeout=600)
     want = U.serial("mixtral")
     for r in got:
-        assert r["tensor split"] == ["row", "row"] and not any(axis for _, axis, _ in r["split"]), r
+        if ep:
+            assert r["tensor split"] == ["", ""] and [axis for _, axis, _ in r["split"]] == ["row", "row"], r
+        else:
+            assert r["tensor split"] == ["row", "row"] and not any(axis for _, axis, _ in r["split"]), r
         _check_serial("mixtral", r, want)
 
 

@@ -241,3 +241,52 @@ def test_a_batched_layer_mixing_its_tokens_is_not_split():
     silu = next(n for n in layer.region if n.target is aten.silu.default)
     silu.target, silu.args = aten._softmax.default, (silu.args[0], 1, False)
     assert "is not row-wise" in find_expert_layers(gm)[0].why_whole
+
+
+def test_whole_experts_over_data_and_the_tensor_axis_borrow_its_ranks():
+    """``expert_parallel="data+tensor"`` (Megatron's expert parallelism borrowing the tensor ranks): whole experts
+    over data x row, 1 of 4 per rank at data 2 x row 2, no expert split over row; each row rank sends half of the
+    rows both hold (a quarter of the exchange's bytes of whole rows) and all-gathers the results forward and the
+    rows' gradients backward; at data 1 the experts go over row alone."""
+    from autopar.config import ParallelConfig
+    from autopar.decisions import ParamKind
+    from autopar.errors import ConfigError
+    from autopar.planning.planner import plan_model
+    from passes.analysis.report import whole_flops_per_rank
+
+    torch.manual_seed(0)
+    model = moe_zoo.build_model("mixtral")
+    (ids,) = moe_zoo.example_inputs("mixtral", batch=8, seq=16)
+    for data, axis, per in ((2, "data+row", 1), (1, "row", 2)):
+        config = ParallelConfig(data, row=2, expert_parallel="data+tensor")
+        assert config.expert_axis == axis and config.size(axis) == 2 * data
+        plan, report = plan_model(model, (ids,), config, kwargs={"use_cache": False})
+        assert [(e.axis, e.tensor_axis, e.lent, e.reason) for e in plan.experts] == [(axis, "", "row", "")] * 2
+        up = plan.param("model.layers.0.mlp.experts.gate_up_proj")
+        assert (up.kind, up.split_axis, up.split_dim, up.second_axis) == (ParamKind.SPLIT, axis, 0, "")
+        assert up.local_shape(plan.config) == (per, 128, 32) and plan.whole_share(up.name) == 2
+        assert up.splits_over_data(config) == (data > 1)
+        word = "expert" if per == 1 else "experts"
+        assert f"split over {axis.replace('+', ' x ')}: {per} whole {word} per rank" in plan.summary()
+        assert all(r.sharding == f"experts over {axis.replace('+', ' x ')}: {per} of 4 per rank" for r in report.whole)
+        assert whole_flops_per_rank(report, plan) == sum(r.flops for r in report.whole) / (2 * data)
+        # per layer: the counts of the other ranks' experts; this rank's 256 / data rows, half of them sent by each
+        # row rank, (size-1)/size of those away;
+        # the results (256 / data rows of 32 floats) gathered over row forward, the rows' gradients backward
+        rows, size = 256 // data, 2 * data
+        expert = sorted((c.kind, c.phase, c.axis, c.message_bytes) for c in report.collectives
+                        if c.where == "model.layers.0.mlp.experts" and c.node != "index_4")
+        assert expert == sorted([("all_gather", "forward", "row", rows * 32 * 4),
+                                 ("all_gather", "backward", "row", rows * 32 * 4),
+                                 ("all_to_all", "forward", axis, (size - 1) * (4 // size) * 8)]
+                                + [("all_to_all", phase, axis, rows // 2 * (size - 1) // size * 32 * 4)
+                                   for phase in ("forward", "forward", "backward", "backward")]), expert
+    assert "experts over data x row" in str(ParallelConfig(2, row=2, expert_parallel="data+tensor"))
+    with pytest.raises(ConfigError, match="one tensor axis"):
+        ParallelConfig(2, row=2, col=2, expert_parallel="data+tensor")
+    with pytest.raises(ConfigError, match="depth > 1"):
+        ParallelConfig(2, row=2, depth=2, expert_parallel="data+tensor")
+    three, _ = plan_model(model, (ids[:6],), ParallelConfig(3, row=2, expert_parallel="data+tensor"),
+                          kwargs={"use_cache": False})  # 4 experts over 6 ranks: each split over row instead
+    assert [(e.axis, e.tensor_axis) for e in three.experts] == [("", "row")] * 2
+    assert "not over data+row: its 4 experts do not divide over data+row=6" in three.experts[0].reason

@@ -29,7 +29,10 @@ class _Coordinates:
         return self.config.size(axis)
 
     def index(self, axis: str) -> int:
-        return self.coords[axis] if axis else 0
+        index = 0
+        for a in axis.split("+") if axis else ():  # (as Mesh.index: joined axes outermost first)
+            index = index * self.config.size(a) + self.coords[a]
+        return index
 
 
 def _plans() -> list[ParamPlan]:
@@ -94,3 +97,22 @@ def test_fused_pieces_are_strided_shards(parts):
                    split_dim=1)
     (row,) = [p for d, p in zip(DIMS, placements(pp, DIMS, ParallelConfig(1, 2, 1, 1))) if d == "row"]
     assert row.split_factor == len(parts)
+
+
+@pytest.mark.parametrize("axis", ["data", "data+row", "data+col", "row"])
+def test_experts_split_over_joined_axes_are_shards_of_each(axis):
+    """Experts over data x a tensor axis ("data+row", ``expert_parallel="data+tensor"``): the piece a rank stores
+    (data outermost) is what DTensor's Shard(0) on both mesh dims describes, so DCP and the state-dict helpers see
+    each expert where it is."""
+    config = ParallelConfig(2, 2, 2)  # (data 2 x row 2 x col 2: placements read the axes of the split only)
+    pp = ParamPlan("e", (8, 3, 5), ParamKind.SPLIT, split_axis=axis, split_dim=0)
+    full = torch.arange(8 * 3 * 5).view(8, 3, 5)
+    mesh_shape = [config.size(a) for a in DIMS]
+    held = []
+    for rank in range(config.world_size):
+        mesh = _Coordinates(config, rank)
+        ours = local_piece(full, pp, mesh)
+        ix = local_indices(pp.shape, mesh_shape, [mesh.index(a) for a in DIMS], placements(pp, DIMS, config))
+        assert torch.equal(ours, full[torch.tensor(ix[0])]), (axis, rank)
+        held.append(tuple(ix[0]))
+    assert len(set(held)) == config.size(axis)  # (each expert on the ranks of the other axes only)

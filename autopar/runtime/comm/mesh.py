@@ -73,6 +73,9 @@ class Mesh:
         self._groups["batch"] = flatten_mesh(self._mesh["data", "depth"], "batch").get_group()
         if config.context > 1:  # the ranks with this rank's weights: a gradient is summed over all of them
             self._groups["replicas"] = flatten_mesh(self._mesh["data", "context", "depth"], "replicas").get_group()
+        if "+" in config.expert_axis:  # whole experts over data x a tensor axis ("data+row": rank order d * row + r)
+            axes = tuple(config.expert_axis.split("+"))
+            self._groups[config.expert_axis] = flatten_mesh(self._mesh[axes], "experts").get_group()
         self._stage_groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
         self._param_meshes: dict[tuple[int, ...], DeviceMesh] = {}
         self.simulated = simulated()
@@ -163,6 +166,11 @@ class Mesh:
             return 0
         if axis == "batch":
             return self.config.batch_index(self.rank)
+        if "+" in axis:  # (axes flattened outermost first, as the group's rank order)
+            index = 0
+            for a in axis.split("+"):
+                index = index * self.size(a) + self.coords[a]
+            return index
         return self.coords[axis]
 
     def grad_group(self, axes: tuple[str, ...]) -> tuple[str, int]:

@@ -101,22 +101,108 @@ class ExpertExchange:
 
 
 class ExpertOps:
-    """The bound ``expert_dispatch`` / ``expert_combine`` of one layer (``spec``) on this rank."""
+    """The bound ``expert_dispatch`` / ``expert_combine`` of one layer (``spec``) on this rank. Under a lent
+    tensor axis (``spec.lent``: whole experts over data x row) the ranks of that axis hold the same rows: each
+    sends only its block of them (``RowBlocks``), and the results come back gathered over the axis."""
 
     def __init__(self, spec: ExpertSpec, mesh: Mesh) -> None:
         self.exchange = ExpertExchange(mesh.group(spec.axis), mesh.size(spec.axis), mesh.index(spec.axis),
                                        spec.experts)
         self.batched = spec.batched
+        lent = spec.lent if spec.lent and mesh.size(spec.lent) > 1 else ""
+        self.blocks = RowBlocks(mesh.group(lent), mesh.size(lent), mesh.index(lent), 1 if spec.batched else 0) \
+            if lent else None
 
     def dispatch(self, rows: torch.Tensor, offsets: torch.Tensor | None,
                  inputs: list[torch.Tensor]) -> tuple[Any, ...]:
+        total = 0
+        if self.blocks is not None:  # (this rank's block of the rows every rank of the lent axis holds)
+            total = rows.shape[self.blocks.dim]
+            start, stop = self.blocks.bounds(total)
+            rows, *inputs = (self.blocks.block(t, total) for t in (rows, *inputs))
+            if offsets is not None:  # (rows sorted by expert: each expert's rows of the block)
+                offsets = (offsets - start).clamp(0, stop - start)
         if not self.batched:
-            return self.exchange.dispatch(rows, offsets, *inputs)
-        x, *moved, routes = self.exchange.dispatch_blocks(rows, *inputs)
-        return (x, None, *moved, routes)
+            *out, routes = self.exchange.dispatch(rows, offsets, *inputs)
+        else:
+            x, *moved, routes = self.exchange.dispatch_blocks(rows, *inputs)
+            out = [x, None, *moved]
+        return (*out, (routes, total))
 
-    def combine(self, x: torch.Tensor, routes: Routes) -> torch.Tensor:
-        return self.exchange.combine_blocks(x, routes) if self.batched else self.exchange.combine(x, routes)
+    def combine(self, x: torch.Tensor, routes: tuple[Routes, int]) -> torch.Tensor:
+        moved, total = routes
+        y = self.exchange.combine_blocks(x, moved) if self.batched else self.exchange.combine(x, moved)
+        return self.blocks.gathered(y, total) if self.blocks is not None else y
+
+
+class RowBlocks:
+    """The rows the ranks of a tensor axis (``group``, ``size`` ranks, this one at ``index``) all hold, cut along
+    ``dim`` into consecutive blocks, one per rank (the first ``total % size`` one row larger)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, index: int, dim: int) -> None:
+        self.group, self.size, self.index, self.dim = group, size, index, dim
+
+    def bounds(self, total: int, index: int | None = None) -> tuple[int, int]:
+        """Where rank ``index``'s block (this rank's by default) of ``total`` rows starts and stops."""
+        i = self.index if index is None else index
+        per, extra = divmod(total, self.size)
+        start = i * per + min(i, extra)
+        return start, start + per + (1 if i < extra else 0)
+
+    def block(self, t: torch.Tensor, total: int) -> torch.Tensor:
+        """This rank's block of ``t`` (``total`` rows along ``dim``, the same on every rank), differentiably: the
+        gradient comes back whole, gathered from every rank's block."""
+        return _Block.apply(t, self, total)
+
+    def gathered(self, t: torch.Tensor, total: int) -> torch.Tensor:
+        """Every rank's block (this rank's is ``t``) whole, differentiably: the gradient (the same on every rank)
+        comes back as this rank's block of it."""
+        return _Gathered.apply(t, self, total)
+
+    def take(self, t: torch.Tensor, total: int) -> torch.Tensor:
+        start, stop = self.bounds(total)
+        return t.narrow(self.dim, start, stop - start)
+
+    def gather(self, t: torch.Tensor, total: int) -> torch.Tensor:
+        """Every rank's block (this rank's is ``t``), whole along ``dim`` (one all-gather, blocks padded to
+        the largest)."""
+        largest = -(-total // self.size)
+        moved = t.movedim(self.dim, 0)
+        if moved.shape[0] < largest:
+            moved = torch.cat([moved, moved.new_zeros((largest - moved.shape[0], *moved.shape[1:]))])
+        every = C.all_gather(moved, self.group, self.size)
+        pieces = [every.narrow(0, i * largest, stop - start)
+                  for i, (start, stop) in enumerate(self.bounds(total, i) for i in range(self.size))]
+        whole = torch.cat(pieces)  # (a tensor of its own, never a view: the model may write into the result)
+        return whole.movedim(0, self.dim).clone(memory_format=torch.contiguous_format) if self.dim else whole
+
+
+class _Block(torch.autograd.Function):
+    """This rank's block of rows every rank of a lent axis holds; backward gathers the blocks' gradients whole
+    (the rows' gradient, the same on every rank of the axis, as a replicated value's is)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, blocks: RowBlocks, total: int) -> torch.Tensor:
+        ctx.blocks, ctx.total = blocks, total
+        return blocks.take(t, total)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.blocks.gather(grad, ctx.total), None, None
+
+
+class _Gathered(torch.autograd.Function):
+    """Every rank's block of results, whole on each rank of a lent axis; backward keeps this rank's block of the
+    gradient (the same on every rank of the axis)."""
+
+    @staticmethod
+    def forward(ctx: Any, t: torch.Tensor, blocks: RowBlocks, total: int) -> torch.Tensor:
+        ctx.blocks, ctx.total = blocks, total
+        return blocks.gather(t, total)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return ctx.blocks.take(grad, ctx.total).contiguous(), None, None
 
 
 class _Moved(torch.autograd.Function):

@@ -70,8 +70,11 @@ def placements(pp: ParamPlan, dims: Sequence[str], config: ParallelConfig) -> tu
     out: dict[str, Placement] = {d: Replicate() for d in dims}
 
     def shard(axis: str, dim: int, parts: tuple[int, ...] = ()) -> None:
-        if axis and config.size(axis) > 1:
-            out[axis] = StridedShard(dim, split_factor=len(parts)) if len(parts) > 1 else Shard(dim)
+        # (axes joined by '+', experts over data x a tensor axis: each shards the dim, the first outermost, as
+        # DTensor applies a dim's shardings in mesh order)
+        for a in axis.split("+") if axis else ():
+            if config.size(a) > 1:
+                out[a] = StridedShard(dim, split_factor=len(parts)) if len(parts) > 1 else Shard(dim)
 
     o = pp.orientation
     if pp.kind is ParamKind.SPLIT:
