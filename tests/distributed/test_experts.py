@@ -200,7 +200,7 @@ def test_expert_parallel_trains_moe_families_with_serials_numbers(distributed, n
 @pytest.mark.parametrize("names,tensor,data,options", [
     (("mixtral", "gpt_oss", "qwen3_moe", "mixtral+aux", "llama4"), (2, 1, 1), 1, {}),
     (("qwen3_moe",), (1, 2, 1), 2, {}),
-    (("mixtral",), (2, 1, 1), 1, {"sequence_parallel": True}),
+    (("mixtral", "llama4"), (2, 1, 1), 1, {"sequence_parallel": True}),
     (("gpt_oss",), (2, 1, 1), 1, {"checkpoint": "full"})])
 def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed, names, tensor, data, options):
     """A tensor grid splits every expert's hidden features (Megatron's MLP on each expert): each rank holds
@@ -220,16 +220,17 @@ def test_each_expert_split_over_a_tensor_axis_keeps_serials_numbers(distributed,
             _check_serial(name, mine, want)
 
 
-@pytest.mark.parametrize("names,data", [(("mixtral", "llama4"), 2), (("qwen3_moe", "gpt_oss", "mixtral+aux"), 1)],
-                         ids=["data2", "data1"])
-def test_whole_experts_over_data_and_a_tensor_axis_keep_serials_numbers(distributed, names, data):
+@pytest.mark.parametrize("names,data,options", [(("mixtral", "llama4"), 2, {}),
+                                                 (("qwen3_moe", "gpt_oss", "mixtral+aux", "llama4"), 1,
+                                                  {"sequence_parallel": True})], ids=["data2", "data1-sp"])
+def test_whole_experts_over_data_and_a_tensor_axis_keep_serials_numbers(distributed, names, data, options):
     """``expert_parallel="data+tensor"`` on a data x row grid (Megatron's expert parallelism borrowing the tensor
     ranks): whole experts over data x row, each row rank sending its block of the rows both hold and gathering
     the results: 1/(data * row) of the experts per rank, and losses, every final parameter and generate's tokens
-    are serial's (Llama 4's batched blocks too; at data 1, over row alone)."""
+    are serial's (Llama 4's batched blocks too; at data 1, over row alone, with sequence parallelism)."""
     from tests import unlike_models as U
 
-    got = distributed(parallel_worker, 2 * data, names, (2, 1, 1), data, "data+tensor", timeout=600)
+    got = distributed(parallel_worker, 2 * data, names, (2, 1, 1), data, "data+tensor", options, timeout=600)
     axis = "data+row" if data > 1 else "row"
     for name in names:
         want = U.serial(name)

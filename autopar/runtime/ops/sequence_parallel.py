@@ -102,4 +102,7 @@ def scatter_along(x: torch.Tensor, dim: int, mesh: Mesh, axis: str) -> torch.Ten
     n = mesh.size(axis)
     if n == 1:
         return x
-    return C.reduce_scatter(x.movedim(dim, 0), mesh.group(axis), n).movedim(0, dim)
+    out = C.reduce_scatter(x.movedim(dim, 0), mesh.group(axis), n)
+    # (a tensor of its own, never a view: a custom Function's output the model then adds into in place, as Llama
+    # 4's routed experts' sum does, must not be a view)
+    return out if dim == 0 else out.movedim(0, dim).contiguous()
