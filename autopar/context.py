@@ -91,7 +91,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
                      check_inputs: bool = True,
                      defer_init: bool = True, plan: str | None = None,
                      compile: bool | str = "auto", shard_optimizer: bool = False,
-                     sequence_parallel: bool = False, expert_parallel: bool = False, context: int = 1
+                     sequence_parallel: bool = False, expert_parallel: bool | str = False, context: int = 1
                      ) -> Iterator[ParallelConfig | None]:
     """Parallelizes every model built inside the block over data x pipeline x 3D tensor parallelism.
 
@@ -174,8 +174,12 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
         expert_parallel: True: a mixture-of-experts model's routed experts split over the data ranks, each
             holding experts/data whole experts; a layer's rows go to their experts' ranks by all-to-all and
             come back (dropless: no capacity factor, serial's numbers). Layers autopar cannot split, or whose
-            experts do not divide, keep them whole (one note each in the plan). With ``plan="auto"`` the search
-            chooses whether to split them on its own; expert_parallel=True holds it to grids that do.
+            experts do not divide, keep them whole (one note each in the plan). On a tensor grid each expert is
+            split over the larger tensor axis too. ``"data+tensor"``: whole experts over the data ranks and the
+            ranks of the one tensor axis together (Megatron's expert parallelism borrowing the tensor ranks:
+            experts/(data*tensor) per rank; each tensor rank sends a block of the rows they all hold and the
+            results are all-gathered over the axis). With ``plan="auto"`` the search chooses an expert layout on
+            its own; expert_parallel=True holds it to grids that split them, "data+tensor" to that layout.
         context: ranks splitting every sequence's tokens for the whole model, attention included (context
             parallelism; default 1). Each holds two of ``2 * context`` equal chunks of the sequence (``i`` and
             ``2 * context - 1 - i``: causal attention's work is even), position ids and rotary tables follow, and
@@ -260,7 +264,7 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
              checkpoint: str | int = "auto", precision: str = "fp32", reduce_dtype: str = "fp32", batch: str = "auto",
              eval_timeout: float = 30.0, batch_dims: dict[int | str, int | None] | None = None,
              check_inputs: bool = True, plan: str | None = None, compile: bool | str = "auto",
-             shard_optimizer: bool = False, sequence_parallel: bool = False, expert_parallel: bool = False,
+             shard_optimizer: bool = False, sequence_parallel: bool = False, expert_parallel: bool | str = False,
              context: int = 1) -> _Options:
     """``auto_parallelize``'s keywords, checked (before any model is built)."""
     if not dist.is_available() or not dist.is_initialized():

@@ -91,7 +91,7 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
     if dist.get_rank() == 0:
         try:
             budget = memory.checkpoint if isinstance(memory.checkpoint, int) else None
-            experts = True if memory.expert_parallel else None
+            experts = memory.expert_parallel or None  # (True: either layout that splits them; "data+tensor")
             ranked = choose_grid(model, args, world, fixed=given, precision=memory.precision, kwargs=kwargs,
                                  batch_size=rows, checkpoint="auto" if budget else memory.checkpoint, budget=budget,
                                  compiled=compile.enabled(device_for_backend().type, training=True),
@@ -117,7 +117,7 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
                                       pipeline=chosen.pipeline,
                                       shard_optimizer=memory.shard_optimizer or chosen.shard_optimizer,
                                       sequence_parallel=memory.sequence_parallel or chosen.sequence_parallel,
-                                      expert_parallel=memory.expert_parallel or chosen.expert_parallel)
+                                      expert_parallel=chosen.expert_parallel or memory.expert_parallel)
     if chosen.pipeline > 1:
         pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
         if "chunks" not in given and chosen.chunks > 1:

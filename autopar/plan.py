@@ -2,7 +2,7 @@
 
     python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
         [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=..
-        [shard_optimizer] [sequence_parallel] [expert_parallel] [checkpoint=auto|none|full] [compile|eager]"]
+        [shard_optimizer] [sequence_parallel] [expert_parallel[=data+tensor]] [checkpoint=auto|none|full] [compile|eager]"]
         [--without shard_optimizer,sequence_parallel,expert_parallel]
         [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--chunks V] [--json FILE]
 
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from autopar.config import CompileConfig, PipelineConfig
+from autopar.config import TENSOR_EXPERTS, CompileConfig, PipelineConfig
 from autopar.errors import AutoparError, ConfigError
 from autopar.model_file import load_model_file, meta_inputs
 from autopar.planning.machines import BUILT_IN, compile_arg, device_type_of, load_machine
@@ -63,7 +63,8 @@ class Evaluation:
 
 def parse_evaluate(text: str, world: int) -> Evaluation:
     """``"data=2 pipeline=1 tensor=2,1,1 microbatches=1 chunks=1 expert_parallel checkpoint=full compile"`` -> what
-    to score (missing degrees 1): the words the ranked list prints, features (``FEATURES``) as bare words, the
+    to score (missing degrees 1): the words the ranked list prints, features (``FEATURES``) as bare words
+    (``expert_parallel=data+tensor`` too), the
     checkpoint policy (``CHECKPOINTS``) and ``compile`` or ``eager``."""
     fields: dict[str, Any] = {"data": 1, "pipeline": 1, "row": 1, "col": 1, "depth": 1, "microbatches": 0,
                               "chunks": 1, "context": 1}
@@ -73,6 +74,8 @@ def parse_evaluate(text: str, world: int) -> Evaluation:
         try:
             if key in FEATURES and not value:
                 fields[key] = True
+            elif key == "expert_parallel" and value == TENSOR_EXPERTS:
+                fields[key] = value
             elif key == "checkpoint" and value in CHECKPOINTS:
                 checkpoint = value
             elif key in ("compile", "eager") and not value:
@@ -85,7 +88,8 @@ def parse_evaluate(text: str, world: int) -> Evaluation:
                 raise ValueError(key)
         except ValueError:
             raise ConfigError(f"--evaluate takes 'data=D pipeline=P context=X tensor=R,C,D microbatches=M chunks=V', the "
-                              f"words {', '.join(FEATURES)}, checkpoint={'|'.join(CHECKPOINTS)} and compile or "
+                              f"words {', '.join(FEATURES)} (expert_parallel={TENSOR_EXPERTS}: whole experts over data x "
+                              f"the tensor axis), checkpoint={'|'.join(CHECKPOINTS)} and compile or "
                               f"eager; {part!r} is not one of them") from None
     fields["microbatches"] = fields["microbatches"] or fields["pipeline"]
     candidate = Candidate(**fields)
@@ -161,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--evaluate", default=None, metavar="GRID",
                         help='score this configuration with the same model: '
                              '"data=D pipeline=P tensor=R,C,D microbatches=M [chunks=V] [shard_optimizer] '
-                             '[sequence_parallel] [expert_parallel] [checkpoint=auto|none|full] [compile|eager]" '
+                             '[sequence_parallel] [expert_parallel[=data+tensor]] [checkpoint=auto|none|full] [compile|eager]" '
                              '(the words the ranked list prints)')
     parser.add_argument("--without", default="", metavar="FEATURES",
                         help=f"plans without these features only (comma-separated: {','.join(FEATURES)})")

@@ -161,9 +161,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="each data rank keeps 1/data of the optimizer state and of the gradients (a "
                              "reduce-scatter) and all-gathers the updated parameters, as "
                              "auto_parallelize(shard_optimizer=True) runs it (ZeRO stages 1-2)")
-    parser.add_argument("--expert-parallel", action="store_true",
+    parser.add_argument("--expert-parallel", nargs="?", const=True, default=False, choices=("data+tensor",),
                         help="split the routed experts over the data ranks (rows exchanged by all-to-all), as "
-                             "auto_parallelize(expert_parallel=True) runs it")
+                             "auto_parallelize(expert_parallel=True) runs it; --expert-parallel data+tensor: whole "
+                             "experts over data x the tensor axis (expert_parallel=\"data+tensor\")")
     parser.add_argument("--sequence-parallel", action="store_true",
                         help="split the activations between matmuls along the tokens over the tensor group, as "
                              "auto_parallelize(sequence_parallel=True) runs it")

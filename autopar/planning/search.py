@@ -80,7 +80,7 @@ def _collector_skips_what_exists() -> Iterator[None]:
 
 def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None = None,
            checkpoint: str = "auto", precision: str = "fp32", keep: int | None = KEEP,
-           kwargs: dict | None = None, compiled: bool = False, expert_parallel: bool | None = None,
+           kwargs: dict | None = None, compiled: bool = False, expert_parallel: bool | str | None = None,
            without: frozenset[str] = frozenset()) -> list[Scored]:
     """Every grid of ``world`` ranks, ranked (``rank_plans``); ``fixed`` degrees stay as given. With more
     than ``keep`` grids (None: plan every one), the closed-form screen (``passes.analysis.screen``, from one
@@ -90,7 +90,9 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
     pipeline rank (default: 1F1B's one or interleaved's two, whichever is faster). ``compiled``: training runs
     compiled (``plan_model``'s; the screen's too). ``expert_parallel``: of a mixture-of-experts model (one with
     routed-experts layers an expert layout can split), each grid whose data degree divides the experts is
-    also tried with them split over data (None), only so (True), or never (False). ``without``: features no
+    also tried with them split over data, and each of one tensor axis whose data x tensor ranks divide them with
+    whole experts over those ("data+tensor"; ``candidates``'s ``expert_layouts``): beside the unsplit grid
+    (None), only so (True: either; "data+tensor": that one), or never (False). ``without``: features no
     plan may use (``Candidate``'s: ``shard_optimizer``, ``sequence_parallel``, ``expert_parallel``), as a
     framework that lacks them runs."""
     if "expert_parallel" in without:
@@ -105,7 +107,7 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
 
 def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fixed: dict[str, int] | None,
             checkpoint: str, precision: str, keep: int | None, kwargs: dict | None,
-            compiled: bool = False, expert_parallel: bool | None = None,
+            compiled: bool = False, expert_parallel: bool | str | None = None,
             without: frozenset[str] = frozenset()) -> list[Scored]:
     shard, sequence = "shard_optimizer" not in without, "sequence_parallel" not in without
     batch = _batch_size((inputs, kwargs))
@@ -243,7 +245,7 @@ def _batch_size(inputs: tuple) -> int:
 def choose_grid(model: nn.Module, inputs: tuple, world: int, *, fixed: dict[str, int] | None = None,
                 checkpoint: str = "auto", precision: str = "fp32", kwargs: dict | None = None,
                 batch_size: int | None = None, budget: int | None = None, compiled: bool = False,
-                expert_parallel: bool | None = None) -> list[Scored]:
+                expert_parallel: bool | str | None = None) -> list[Scored]:
     """``auto_parallelize(plan="auto")``'s choice: every grid of ``world`` ranks for ``inputs`` (and keyword
     inputs ``kwargs``: one global batch; ``batch_size`` replaces its rows) on this machine, ranked; the first
     is the one to run. ``budget``: bytes per device the plan must fit (``checkpoint=<bytes>``'s) instead of

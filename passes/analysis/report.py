@@ -200,6 +200,7 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
                                   r.flops * flops_scale, r.sharding, comm))
     rows = with_comm
     shared = shared_names(plan)
+    lent = {e.module: e.lent for e in plan.experts if e.lent}
 
     def label(where: str, kind: str, phase: str) -> str:
         fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss",
@@ -210,6 +211,8 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
             return f"pipeline sends ({phase})"
         if kind == "all_to_all":
             return f"expert exchange at {where} (all-to-all, balanced routing assumed)"
+        if kind == "all_gather" and where in lent:  # (whole experts over data x a tensor axis)
+            return f"all-gathers at {where} (expert blocks over {lent[where]}, layout conversions)"
         if where in shared:
             return "tied weight gradients over the pipeline"
         return "gradient sync of replicated parameters" if phase == "step" else f"layout conversion at {where}"

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from autopar.config import ParallelConfig
+from autopar.decisions import lent_axis
 from passes.analysis.choose_stages import choose_stages
 from passes.analysis.estimate_costs import ExpertShape, exchange_bytes
 from passes.analysis.estimate_memory import block_of, scattered_grad_bytes
@@ -246,12 +247,15 @@ class _Degrees:
         # tensor rank; an expert layout splits the routed experts' over data (each data rank its experts, their
         # gradients complete)
         kept_whole = shape.whole_weight_bytes
-        self.experts = experts = shape.experts if c.expert_parallel and c.data > 1 else ()
+        # (or, ``expert_parallel="data+tensor"``, whole ones over data x the tensor axis: ``config.expert_axis``)
+        self.over = over = config.expert_axis
+        self.lent = lent_axis(over)
+        self.experts = experts = shape.experts if over else ()
         # and on a tensor grid each expert splits over the larger of row and col (make_plan's tensor_split; its
-        # hidden features taken to divide)
-        self.expert_axis = ("row" if c.row >= c.col else "col") if self.tensor > 1 else ""
+        # hidden features taken to divide), unless the tensor axis holds whole experts
+        self.expert_axis = ("row" if c.row >= c.col else "col") if self.tensor > 1 and not self.lent else ""
         self.each_expert = each = shape.experts if self.expert_axis else ()
-        pieces = max(c.row, c.col)
+        pieces = max(c.row, c.col)  # (each expert's pieces, or the lent axis's ranks: the same share either way)
         split = sum(e.weight_bytes for e in experts)
         split_experts = split // (c.data * self.stages * pieces)  # (a pipeline rank: its stages' share of the layers)
         parted = sum(e.weight_bytes for e in each) if not experts else 0
@@ -272,14 +276,19 @@ class _Degrees:
         ``micro`` micro-batches, a pipeline rank its stages' share of
         the layers."""
         price, seconds, calls = self.price, 0.0, 0
+        over, lent = self.over, self.lent
+        n, t = self.config.size(over), self.config.size(lent)
         for e in self.experts:
             rows = e.rows // (self.shards * micro)
-            seconds += price("all_to_all", "data", c.data, (c.data - 1) * (e.experts // c.data) * 8, "forward")
-            seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "forward")
-                           for b in e.forward)
-            seconds += sum(price("all_to_all", "data", c.data, exchange_bytes(rows, b, c.data), "backward")
-                           for b in e.backward)
+            block = -(-rows // t)  # (a lent tensor axis: each of its ranks sends a block of the rows they hold)
+            seconds += price("all_to_all", over, n, (n - 1) * (e.experts // n) * 8, "forward")
+            seconds += sum(price("all_to_all", over, n, exchange_bytes(block, b, n), "forward") for b in e.forward)
+            seconds += sum(price("all_to_all", over, n, exchange_bytes(block, b, n), "backward") for b in e.backward)
             calls += 1 + len(e.forward) + len(e.backward)
+            if lent:  # (the results gathered over it forward, the rows' gradients backward)
+                seconds += price("all_gather", lent, t, rows * e.forward[-1], "forward")
+                seconds += price("all_gather", lent, t, rows * e.forward[0], "backward")
+                calls += 2
         size = max(c.row, c.col)
         for e in self.each_expert:  # each expert split over a tensor axis: its partial results, the rows' gradient
             rows = e.rows // (self.shards * micro)

@@ -27,7 +27,7 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from autopar.config import ParallelConfig
+from autopar.config import TENSOR_EXPERTS, ParallelConfig
 from autopar.decisions import Plan
 from passes.analysis.estimate_costs import Collective, matmul_split
 from passes.analysis.machine import Machine
@@ -51,8 +51,9 @@ class Candidate:
     do not fit."""
     sequence_parallel: bool = False
     """Activations between matmuls split along the tokens over the tensor group."""
-    expert_parallel: bool = False
-    """Routed experts split over the data ranks, their rows moved by all-to-alls (``ParallelConfig``'s)."""
+    expert_parallel: bool | str = False
+    """Routed experts split over the data ranks, their rows moved by all-to-alls, or ("data+tensor") whole ones
+    over data x the tensor axis (``ParallelConfig``'s)."""
     context: int = 1
     """Ranks splitting every sequence's tokens (``ParallelConfig.context``): scored by ``--evaluate``; the search
     does not propose it yet."""
@@ -72,14 +73,15 @@ class Candidate:
         micro += f" chunks={self.chunks}" if self.chunks > 1 else ""
         micro += " shard_optimizer" if self.shard_optimizer else ""
         micro += " sequence_parallel" if self.sequence_parallel else ""
-        micro += " expert_parallel" if self.expert_parallel else ""
+        micro += (f" expert_parallel={self.expert_parallel}" if isinstance(self.expert_parallel, str)
+                  else " expert_parallel" if self.expert_parallel else "")
         ctx = f" context={self.context}" if self.context > 1 else ""
         return (f"data={self.data} pipeline={self.pipeline}{ctx} tensor={self.row},{self.col},{self.depth}{micro}")
 
 
 def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None = None,
                max_microbatches: int = 4, chunks: Sequence[int] = (1, 2), experts: Sequence[int] = (),
-               expert_parallel: bool | None = None) -> list[Candidate]:
+               expert_parallel: bool | str | None = None) -> list[Candidate]:
     """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
     as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
     ``max_microbatches``, x every power of two, and micro-batches of one, two, four, ... rows (as Megatron
@@ -88,7 +90,9 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     ``chunks`` (more than one: interleaved, where the micro-batches divide into torch's rounds).
     ``experts``: the expert counts of the model's routed-experts layers an expert layout can split; a grid
     whose data degree (> 1) divides them all also comes with its experts split over data (``expert_parallel``),
-    beside it (``expert_parallel=None``) or instead of it (True); False: never."""
+    and a grid of one tensor axis whose data x tensor ranks divide them all with whole experts over those
+    ("data+tensor"), beside it (``expert_parallel=None``) or instead of it (True: either layout; "data+tensor":
+    that one); False: never."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - set(DEGREES))
     if unknown:
@@ -101,10 +105,7 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         shards = grid["data"] * grid["depth"]
         if global_batch < shards:
             continue
-        split = (experts and expert_parallel is not False and grid["data"] > 1
-                 and all(e % grid["data"] == 0 for e in experts))
-        # (each grid plain, with its experts split over data, or both)
-        layouts = ((False,) if not split else (True,) if expert_parallel else (False, True))
+        layouts = expert_layouts(grid, experts, expert_parallel)
         if grid["pipeline"] == 1:
             out += [Candidate(**grid, expert_parallel=e) for e in layouts]
             continue
@@ -119,6 +120,30 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
             out += [Candidate(**grid, microbatches=m, chunks=v, expert_parallel=e) for v in chunks
                     if v == 1 or m % max(1, m // stages) == 0 for e in layouts]
     return out
+
+
+def expert_layouts(grid: Mapping[str, int], experts: Sequence[int], expert_parallel: bool | str | None
+                   ) -> tuple[bool | str, ...]:
+    """The expert layouts ``candidates`` tries on ``grid`` (its degrees): False (whole, or each expert split
+    over a tensor axis), True (experts over data, where data > 1 divides every layer's experts) and
+    "data+tensor" (whole experts over data x the one tensor axis of more than one rank, depth 1, where those
+    ranks divide them); ``expert_parallel`` None keeps them all, True those that split, False or a value the
+    grid cannot run the first."""
+    if not experts or expert_parallel is False:
+        return (False,)
+    data, tensor = grid["data"], (grid["row"], grid["col"])
+    split = []
+    if data > 1 and all(e % data == 0 for e in experts):
+        split.append(True)
+    one_axis = grid["depth"] == 1 and min(tensor) == 1
+    lent = max(tensor) if one_axis else 1
+    if lent > 1 and all(e % (data * lent) == 0 for e in experts):
+        split.append(TENSOR_EXPERTS)
+    if isinstance(expert_parallel, str):  # (on a grid of no tensor axis, "data+tensor" is experts over data)
+        split = [e for e in split if e == expert_parallel or (e is True and one_axis and lent == 1)]
+    if expert_parallel is None:
+        return (False, *split)
+    return tuple(split) or (False,)
 
 
 def _factorings(n: int, parts: int) -> Iterator[tuple[int, ...]]:

@@ -40,19 +40,30 @@ def _mixtral(batch: int = 8, seq: int = 16) -> tuple[nn.Module, tuple]:
 
 def test_grids_that_divide_the_experts_come_with_them_split_over_data():
     """Every grid whose data degree (> 1) divides every layer's experts, pipelines included, is listed with
-    ``expert_parallel`` beside it (None), instead of it (True), or not at all (False)."""
+    ``expert_parallel`` beside it (None), instead of it (True), or not at all (False); and every grid of one
+    tensor axis whose data x tensor ranks divide them with whole experts over those ("data+tensor")."""
     plain = candidates(8, 16)
     both = candidates(8, 16, experts=(4, 4))
-    split = [c for c in both if c.expert_parallel]
+    lent = [c for c in both if c.expert_parallel == "data+tensor"]
+    assert lent and all(c.depth == 1 and min(c.row, c.col) == 1 and 4 % (c.data * max(c.row, c.col)) == 0
+                        and max(c.row, c.col) > 1 for c in lent)
+    assert [dataclasses.replace(c, expert_parallel=False) for c in lent] == \
+        [c for c in plain if c.depth == 1 and min(c.row, c.col) == 1 < max(c.row, c.col) and 4 % (c.data * c.row * c.col) == 0]
+    assert all(c.config.expert_axis in ("row", "col", "data+row", "data+col") for c in lent)
+    assert {c for c in candidates(8, 16, experts=(4, 4), expert_parallel="data+tensor") if c.expert_parallel} == \
+        set(lent) | {c for c in both if c.expert_parallel is True and c.row == c.col == c.depth == 1}
+    split = [c for c in both if c.expert_parallel is True]
     assert [dataclasses.replace(c, expert_parallel=False) for c in split] == [c for c in plain if c.data in (2, 4)]
     assert any(c.pipeline > 1 for c in split)
     assert [c for c in both if not c.expert_parallel] == plain
     only = candidates(8, 16, experts=(4, 4), expert_parallel=True)
-    assert len(only) == len(plain) and set(split) <= set(only)
+    assert set(split) | set(lent) <= set(only) and not any(c.expert_parallel is False and c.data in (2, 4)
+                                                           for c in only)
     assert candidates(8, 16, experts=(4, 4), expert_parallel=False) == plain
     six = candidates(8, 16, experts=(4, 6))
     assert [c for c in six if not c.expert_parallel] == plain
-    assert [c for c in six if c.expert_parallel] == [c for c in split if c.data == 2]
+    assert [c for c in six if c.expert_parallel is True] == [c for c in split if c.data == 2]
+    assert all(c.data * max(c.row, c.col) == 2 for c in six if c.expert_parallel == "data+tensor")
 
 
 def test_the_search_splits_the_experts_where_memory_needs_it_and_scores_as_planned_alone():
@@ -122,6 +133,11 @@ def test_evaluate_takes_the_words_the_ranked_list_prints():
     c = parse_evaluate("data=4 tensor=1,1,1 expert_parallel", 4).candidate
     assert c == Candidate(4, 1, 1, 1, 1, expert_parallel=True)
     assert parse_evaluate(c.describe(), 4).candidate == c
+    lent = parse_evaluate("data=2 tensor=2,1,1 expert_parallel=data+tensor", 4).candidate
+    assert lent == Candidate(2, 1, 2, 1, 1, expert_parallel="data+tensor")
+    assert parse_evaluate(lent.describe(), 4).candidate == lent
+    with pytest.raises(ConfigError, match="one tensor axis"):
+        parse_evaluate("data=1 tensor=2,2,1 expert_parallel=data+tensor", 4)
     s = Candidate(2, 1, 2, 1, 1, shard_optimizer=True, sequence_parallel=True)
     assert parse_evaluate(s.describe(), 4).candidate == s
     both = parse_evaluate("data=4 expert_parallel shard_optimizer", 4).candidate
@@ -200,3 +216,30 @@ def test_a_pipeline_rank_prices_its_own_stages_experts():
     _, probe = plan_model(model, inputs, ParallelConfig(2, 1, 1, 1), checkpoint="none")
     c = Candidate(2, 2, 1, 1, 1, microbatches=4, expert_parallel=True)
     assert screen(shape_of(probe, 2), c, h100)[1] <= score(model, inputs, c, h100, checkpoint="full").memory_bytes
+
+
+def test_the_screen_prices_whole_experts_over_data_and_the_tensor_axis(monkeypatch):
+    """``expert_parallel="data+tensor"`` at data 2 x row 2: the screen holds a quarter of the experts per rank (as
+    experts over data, each over row), its memory a floor of the planned grid's; it prices the exchange over
+    the four ranks and the row ranks' gathers (mutation: the gathers left out, the screen's time drops)."""
+    from passes.analysis import screen as screen_module
+    from passes.analysis.screen import screen, shape_of
+
+    model, inputs = _mixtral()
+    h100 = load_machine("h100-80gb")
+    _, probe = plan_model(model, inputs, ParallelConfig(4, 1, 1, 1), checkpoint="none")
+    shape = shape_of(probe, 4)
+    lent = Candidate(2, 1, 2, 1, 1, expert_parallel="data+tensor")
+    scored = score(model, inputs, lent, h100, checkpoint="full")
+    assert scored.time is not None and scored.candidate == lent
+    seconds, floor = screen(shape, lent, h100)
+    assert floor <= scored.memory_bytes
+    assert floor == screen(shape, dataclasses.replace(lent, expert_parallel=True), h100)[1]
+    assert floor < screen(shape, dataclasses.replace(lent, expert_parallel=False), h100)[1]
+    prices = screen_module.Prices.__call__
+
+    def no_gathers(self, kind, axis, size, nbytes, phase):
+        return 0.0 if kind == "all_gather" and axis == "row" else prices(self, kind, axis, size, nbytes, phase)
+
+    monkeypatch.setattr(screen_module.Prices, "__call__", no_gathers)
+    assert screen(shape, lent, h100, memo={})[0] < seconds
