@@ -14,8 +14,9 @@ below half the dtype's lowest value elsewhere) on every broadcast row, is called
 is_causal=True``; the mask's nodes no other node reads are removed. Whether a mask is causal is decided
 by running its nodes on CPU, so no pattern of HF's code is assumed: any other mask (a padding mask from
 the user's ``attention_mask``, position ids the user passed, sliding windows, a decode step's
-bottom-right mask) stays as it was. Masks over ``max_elements`` elements, or with symbolic sizes, stay
-too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
+bottom-right mask) stays as it was. A mask over ``max_elements`` elements (a long sequence's) is evaluated
+by blocks of query rows where its large values are computed row-wise (``_blockwise``: HF's comparisons of
+position aranges), up to ``LIMIT`` elements; otherwise, or with symbolic sizes, it stays too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
 recompiles once for this and its own cleanup).
 
 Before -> After (HF Llama, seq 16)::
@@ -105,13 +106,16 @@ def _static(n: fx.Node) -> bool:
                for t in pytree.tree_leaves(n.meta.get("val")))
 
 
-def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
-    """Runs ``nodes`` (the last is the mask) on CPU, dropping each value after its last reader."""
+def _evaluate(nodes: list[fx.Node], keep: frozenset[fx.Node] = frozenset(),
+              env: dict[fx.Node, Any] | None = None) -> dict[fx.Node, Any]:
+    """Runs ``nodes`` on CPU (reading the values of ``env`` too), dropping each value after its last reader
+    among them unless it is the last node or in ``keep``; returns the values kept."""
     last_use: dict[fx.Node, fx.Node] = {}
     for n in nodes:
         for i in n.all_input_nodes:
             last_use[i] = n
-    env: dict[fx.Node, Any] = {}
+    env = dict(env or {})
+    ours = set(nodes) - keep - {nodes[-1]}
 
     def value(a: Any) -> Any:
         if isinstance(a, fx.Node):
@@ -126,9 +130,59 @@ def _evaluate(nodes: list[fx.Node]) -> torch.Tensor:
             kwargs["device"] = torch.device("cpu")
         env[n] = n.target(*args, **kwargs)
         for i in n.all_input_nodes:
-            if last_use.get(i) is n and i is not nodes[-1]:
+            if last_use.get(i) is n and i in ours:
                 del env[i]
-    return env[nodes[-1]]
+    return env
+
+
+#: Ops a mask larger than the evaluation may build can be computed with, block of query rows by block: each
+#: element of the result reads the elements at its own position of its (broadcast) inputs (``torch.Tag.pointwise``
+#: and these), so a block of rows reads the same rows of its inputs.
+_BLOCKWISE = frozenset({torch.ops.aten.__and__.Tensor, torch.ops.aten.__or__.Tensor, torch.ops.aten.__xor__.Tensor,
+                        torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout, torch.ops.aten._to_copy.default,
+                        torch.ops.aten.where.Scalar, torch.ops.aten.where.ScalarSelf, torch.ops.aten.where.ScalarOther,
+                        torch.ops.aten.expand.default})
+
+#: The largest mask evaluated at all (elements; by blocks of rows above ``max_elements``): 2^36 is 262,144
+#: tokens a side, about a minute of CPU.
+LIMIT = 1 << 36
+
+#: Elements of a block of rows (at most ``max_elements``): a few values of its size live at once (64 MiB each
+#: as booleans), whatever the sequence.
+BLOCK = 1 << 26
+
+
+def _blockwise(n: fx.Node, rows: int) -> bool:
+    t = n.meta.get("val")
+    return (isinstance(n.target, OpOverload) and (torch.Tag.pointwise in n.target.tags or n.target in _BLOCKWISE)
+            and isinstance(t, torch.Tensor) and t.dim() >= 2 and int(t.shape[-2]) == rows)
+
+
+def _rows_of(x: Any, start: int, stop: int, rows: int) -> Any:
+    """The rows ``start:stop`` of a value broadcast into a ``[..., rows, keys]`` result (right-aligned: its dim -2,
+    where it has ``rows`` of them; else it is read whole)."""
+    if isinstance(x, torch.Tensor) and x.dim() >= 2 and x.shape[-2] == rows:
+        return x.narrow(x.dim() - 2, start, stop - start)
+    return x
+
+
+def _mask_blocks(nodes: list[fx.Node], big: list[fx.Node], rows: int, per_block: int) -> Any:
+    """The mask (``nodes[-1]``, one of ``big``) in blocks of ``per_block`` query rows: the nodes not in ``big``
+    evaluated once, the ``big`` ones (``_blockwise``) per block. Yields (first row, the block)."""
+    small = [n for n in nodes if n not in set(big)]
+    needed = frozenset(i for n in big for i in n.all_input_nodes if i not in set(big))
+    env = _evaluate(small, keep=needed) if small else {}
+    for start in range(0, rows, per_block):
+        stop = min(rows, start + per_block)
+        block = {i: _rows_of(env[i], start, stop, rows) for i in needed}
+        for n in big:
+            if n.target is torch.ops.aten.expand.default:
+                sizes = list(n.args[1])
+                sizes[-2] = stop - start
+                block[n] = block[n.args[0]].expand(sizes)
+                continue
+            block = _evaluate([n], env=block)
+        yield start, block[nodes[-1]]
 
 
 def _causal_nodes(mask: fx.Node, attention: fx.Node, max_elements: int) -> list[fx.Node] | None:
@@ -141,20 +195,32 @@ def _causal_nodes(mask: fx.Node, attention: fx.Node, max_elements: int) -> list[
     length, keys = int(q.shape[-2]), int(k.shape[-2])
     if tuple(m.shape[-2:]) != (length, keys):
         return None
-    if any(n.meta["val"].numel() > max_elements for n in nodes if isinstance(n.meta.get("val"), torch.Tensor)):
-        return None  # (the mask is among them)
+    big = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > max_elements]
+    per_block = length
+    if big:  # (a long sequence's mask: by blocks of query rows, where every large value is computed row-wise
+        # and no small one is computed from a large one, as HF's comparisons of position aranges are)
+        large = set(big)
+        if m.numel() > LIMIT or not all(_blockwise(n, length) for n in big) or \
+                any(i in large for n in nodes if n not in large for i in n.all_input_nodes):
+            return None
+        per_block = max(1, min(max_elements, BLOCK) // (m.numel() // length))
     try:
-        value = _evaluate(nodes)
+        blocks = _mask_blocks(nodes, big, length, per_block) if big else [(0, _evaluate(nodes)[nodes[-1]])]
+        causal = all(_causal_rows(value, start, keys) for start, value in blocks)
     except Exception as e:  # noqa: BLE001  (the mask then stays as the model made it: still exact)
         log.warning("autopar: could not evaluate %s's mask on CPU (%s: %s); it stays a mask", attention.name,
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
-    allowed = torch.ones(length, keys, dtype=torch.bool).tril()
-    if value.dtype == torch.bool:
-        causal = torch.equal(value, allowed.expand_as(value))
-    elif value.is_floating_point():
-        lowest = torch.finfo(value.dtype).min / 2
-        causal = bool(((value == 0) == allowed).all() and (value[..., ~allowed] <= lowest).all())
-    else:
-        causal = False
     return nodes if causal else None
+
+
+def _causal_rows(value: torch.Tensor, start: int, keys: int) -> bool:
+    """Whether ``value`` (query rows ``start:`` of a mask over ``keys`` keys, broadcast) is the causal mask's."""
+    rows = int(value.shape[-2])
+    allowed = torch.arange(keys)[None, :] <= torch.arange(start, start + rows)[:, None]
+    if value.dtype == torch.bool:
+        return torch.equal(value, allowed.expand_as(value))
+    if value.is_floating_point():
+        lowest = torch.finfo(value.dtype).min / 2
+        return bool(((value == 0) == allowed).all() and (value[..., ~allowed] <= lowest).all())
+    return False

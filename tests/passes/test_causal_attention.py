@@ -103,6 +103,34 @@ def test_other_masks_stay():
     assert not _run(lambda l, s, d: torch.ones(l, s, dtype=torch.bool, device=d).tril(), max_elements=35)
 
 
+def test_a_long_sequences_mask_is_decided_by_blocks_of_rows():
+    """A mask larger than the evaluation may build, made of row-wise ops on position aranges (as HF's): decided
+    block of query rows by block (here blocks of one row: ``max_elements`` below a row of the broadcast mask);
+    a sliding window made alike stays (mutation: each block compared with the first rows' causal mask, the
+    causal one stays too)."""
+    positions = lambda n, d: torch.arange(n, device=d)  # noqa: E731
+    causal = lambda l, s, d: (positions(s, d)[None, :] <= positions(l, d)[:, None]).expand(2, 1, l, s)  # noqa: E731
+    assert _run(causal, max_elements=11)
+    assert _run(causal, length=7, keys=7, max_elements=30)  # (blocks of 2 rows, the last one of 1)
+    window = lambda l, s, d: causal(l, s, d) & (positions(s, d)[None, :] > positions(l, d)[:, None] - 3)  # noqa: E731
+    assert not _run(window, max_elements=11)
+    additive = lambda l, s, d: torch.where(causal(l, s, d), 0.0, float("-inf"))  # noqa: E731
+    assert _run(additive, max_elements=11)
+
+
+def test_hf_llamas_mask_turns_causal_by_blocks():
+    torch.manual_seed(0)
+    model = zoo.build_model("llama").eval()
+    (ids,) = zoo.example_inputs("llama")
+    ep = _export(model, (ids,), {"use_cache": False})
+    before = ep.module()(ids, use_cache=False).logits
+    # (max_elements: the position ids' 4 x 16 and their [4, 1, 16, 1] views whole, the [4, 1, 16, 16] mask by
+    # blocks of one row)
+    assert causal_attention(ep.graph_module, max_elements=64).changed
+    assert _attentions(ep) and all(map(_causal, _attentions(ep)))
+    torch.testing.assert_close(ep.module()(ids, use_cache=False).logits, before, rtol=1e-5, atol=1e-6)
+
+
 def test_random_masks_are_never_evaluated():
     assert not _run(lambda l, s, d: (torch.rand(l, s, device=d) < 2).tril())
 
