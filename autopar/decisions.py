@@ -398,6 +398,9 @@ class ExpertPlan:
     tensor_axis: str = ""
     """The tensor axis (row or col) splitting each expert's hidden features (``passes.analysis.experts.tensor_split``);
     '' where each expert stays whole on the tensor ranks."""
+    batched: bool = False
+    """Every token goes to every expert in blocks (Llama 4's ``bmm`` of ``[experts, tokens, hidden]``): the bytes
+    its exchange moves do not depend on the routing."""
 
     @property
     def lent(self) -> str:

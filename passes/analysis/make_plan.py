@@ -23,6 +23,7 @@ A fused projection whose output is split apart (q/k/v, gate/up) keeps each piece
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import re
 from collections.abc import Callable
@@ -415,7 +416,9 @@ class _Planner:
         if not ep and c.size(axis) == 1:
             return ()
         out = []
-        for layer in find_expert_layers(self.gm):
+        layers = find_expert_layers(self.gm)
+        blocks = {layer.module for layer in layers if layer.batched}
+        for layer in layers:
             size = c.size(axis)
             why = tensor_split(layer, size).why_whole if size > 1 else ""
             tensor_axis = axis if size > 1 and not why else ""
@@ -444,7 +447,7 @@ class _Planner:
                     out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "", reason))
                 continue
             out.append(ExpertPlan(layer.module, layer.weights, layer.experts, "", whole_over_tensor, tensor_axis))
-        return tuple(out)
+        return tuple(dataclasses.replace(e, batched=True) if e.module in blocks else e for e in out)
 
 
 def uneven_head_notes(res: LayoutResult, config: ParallelConfig) -> tuple[str, ...]:

@@ -201,6 +201,7 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
     rows = with_comm
     shared = shared_names(plan)
     lent = {e.module: e.lent for e in plan.experts if e.lent}
+    blocks = {e.module for e in plan.experts if e.batched}
 
     def label(where: str, kind: str, phase: str) -> str:
         fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss",
@@ -210,6 +211,8 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
         if kind == "send":
             return f"pipeline sends ({phase})"
         if kind == "all_to_all":
+            if where in blocks:  # (every token to every expert: the same bytes whatever the routing)
+                return f"expert exchange at {where} (all-to-all of each expert's block of tokens)"
             return f"expert exchange at {where} (all-to-all, balanced routing assumed)"
         if kind == "all_gather" and where in lent:  # (whole experts over data x a tensor axis)
             return f"all-gathers at {where} (expert blocks over {lent[where]}, layout conversions)"

@@ -225,6 +225,10 @@ def test_llama4s_batched_experts_are_a_layer_of_blocks_that_splits_both_ways():
                               kwargs={"use_cache": False})
     assert [(e.axis, e.tensor_axis, e.reason) for e in plan.experts] == [("data", "row", "")] * 2
     assert "3-D expert weights stay whole" not in plan.summary()
+    # (its exchange's bytes do not depend on the routing: the report says so, not "balanced routing assumed")
+    assert all(e.batched for e in plan.experts)
+    labels = [what for what, _ in report.other_comm]
+    assert any("each expert's block of tokens" in w for w in labels) and not any("balanced" in w for w in labels)
     out = [c for c in report.collectives if c.kind == "all_to_all" and c.phase == "forward"
            and c.where.endswith("experts") and c.message_bytes > 100]
     rows = 4 * 8 * 16 // 2  # this data rank's tokens, once per expert: half of them to the other rank
