@@ -59,6 +59,10 @@ MIN_KEEP = 4
 """Of those, the ones the screen puts within NEAR times its best, and at least MIN_KEEP."""
 ROUNDS = 4
 """While no planned grid fits memory, the next KEEP the screen ranks are planned, up to ROUNDS x KEEP."""
+RELIEF = 1.25
+"""A fitting grid that recomputes blocks is also planned with its optimizer state split over data where its step
+is within this factor of the best one's (``_search``'s ``relieved``): the RELIEF_TRIES fastest such grids."""
+RELIEF_TRIES = 3
 SCREENED = "not planned"
 
 
@@ -166,8 +170,23 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             out.append(s)
         return out
 
+    def relieved(scored: list[Scored]) -> list[Scored]:
+        """``scored`` where a fitting grid near the best (within ``RELIEF``) recomputes blocks: with its optimizer
+        state split over data too, when that is faster (the memory freed recomputes fewer blocks: BLOOM's
+        ZeRO-1 grid), checked for those grids only."""
+        best = min((s.seconds for s in scored if s.fits), default=math.inf)
+        eligible = sorted((s.seconds, i) for i, s in enumerate(scored)
+                          if shard and s.fits and s.recompute and s.candidate.data > 1
+                          and not s.candidate.shard_optimizer and s.seconds <= RELIEF * best)
+        out = list(scored)
+        for _, i in eligible[:RELIEF_TRIES]:
+            split = scored_one(dataclasses.replace(out[i].candidate, shard_optimizer=True))
+            if split.fits and split.seconds < out[i].seconds:
+                out[i] = split
+        return out
+
     if keep is None or len(grids) <= keep:
-        return rank_plans(planned(grids))
+        return rank_plans(relieved(planned(grids)))
     shape = shape_of(probed(), shards)
     half = precision in ("bf16", "fp16")
     def screened_one(c: Candidate, own: tuple[float, int], split: tuple[float, int] | None
@@ -214,6 +233,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         more = [c for _, memory, c in screened[done:done + keep] if memory <= machine.memory_bytes]
         done += keep
         scored += planned(choose(more))
+    scored = relieved(scored)
     device = gib(machine.memory_bytes)
     return rank_plans(scored) + [
         Scored(c, None, memory, memory <= machine.memory_bytes,

@@ -409,7 +409,7 @@ def rank_plans(scored: Iterable[Scored]) -> list[Scored]:
     def key(s: Scored) -> tuple:
         c = s.candidate
         return (not s.fits, s.time is None, s.seconds, c.row * c.col * c.depth, c.pipeline, -c.data,
-                c.expert_parallel)
+                (False, True, TENSOR_EXPERTS).index(c.expert_parallel))
     return sorted(scored, key=key)
 
 

@@ -15,9 +15,11 @@ BLOOM-176B (BigScience, "BLOOM: A 176B-Parameter Open-Access Multilingual Langua
 section 3.4): 384 A100 80GB GPUs in 48 nodes, tensor-parallel 4, pipeline-parallel 12, data-parallel 8, 2,048
 sequences of 2,048 tokens per step in micro-batches of 2, bf16; 70 layers, hidden 14,336, 112 heads,
 250,880 tokens' vocabulary (built as GPT-2 of that shape: ALiBi's biases instead of GPT-2's position table
-change no matmul). BLOOM shards its optimizer state over data (ZeRO-1); autopar's search does only where a
-grid does not fit without it, and the published shape fits 80 GB without it on its fullest rank (the first: the embedding, 6 blocks, 12 micro-batches in
-flight, its blocks recomputed one micro-batch at a time).
+change no matmul). BLOOM shards its optimizer state over data (ZeRO-1); the published shape fits 80 GB without
+it on its fullest rank (the first: the embedding, 6 blocks, 12 micro-batches in flight, its blocks recomputed
+one micro-batch at a time), and with it recomputes fewer blocks: 104.5 s against 109.5 s. Since 2026-12-05 the
+search also splits the optimizer state of the fastest fitting grids that recompute (``RELIEF``), so its pick is
+at least as fast as the published grid with ZeRO-1 (before, 5% slower).
 
 Llama-3-405B (Dubey et al., "The Llama 3 Herd of Models", arXiv 2407.21783, section 3.3 and Table 4): 16,384
 H100s, tensor 8 x pipeline 16 x data 128, 16M tokens per step as 2,048 sequences of 8,192, one sequence
@@ -53,6 +55,10 @@ PUBLISHED = {
 }
 
 
+#: Runs that split their optimizer state over data (ZeRO-1).
+ZERO = frozenset({"bloom-176b"})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_published_configurations(name):
@@ -71,6 +77,8 @@ def test_published_configurations(name):
     rows = batch // (gpus // (tp * pp))  # per data shard; Megatron's micro-batches had one or two of them
     published = [c for c in candidates(gpus, batch, fixed={"row": tp, "col": 1, "depth": 1, "pipeline": pp})
                  if c.microbatches in (rows, rows // 2)]
+    if name in ZERO:  # (as it ran: its optimizer state split over data)
+        published = [dataclasses.replace(c, shard_optimizer=True) for c in published]
     scored = [score(model, inputs, c, machine, precision="bf16") for c in published]
     fastest = min((s for s in scored if s.fits), key=lambda s: s.seconds)
     # The search never ranks a grid it was given faster than its own pick: its screen kept the best grid.
