@@ -186,7 +186,9 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             attention gathers the keys and values over the context ranks; the loss is completed over them.
             Serial's numbers. The sequence length must divide into ``2 * context`` chunks. Combines with ``data``
             and ``tensor`` (not yet with ``pipeline``, ``sequence_parallel``, ``shard_optimizer`` or
-            ``expert_parallel``); ``data=None`` counts it among the ranks used. See docs/guide/context.md.
+            ``expert_parallel``); ``data=None`` counts it among the ranks used. With ``plan="auto"`` the search
+            keeps a degree given here, and tries context degrees on its own where a sequence has 16,384 tokens or
+            more. See docs/guide/context.md.
 
     Yields:
         The validated ParallelConfig (None with ``plan="auto"``: it is chosen later).
@@ -280,9 +282,8 @@ def _options(*, tensor: Sequence[int] | None = None, data: int | None = None, pi
         tensor=(1, 1, 1) if tensor is None else tensor, data=data, world_size=dist.get_world_size(),
         pipeline=1 if pipeline is None else pipeline, shard_optimizer=shard_optimizer,
         sequence_parallel=sequence_parallel, expert_parallel=expert_parallel, context=context)
-    if plan == "auto" and context != 1:
-        raise ConfigError(f"plan='auto' with context={context}: the search does not choose context parallelism yet. "
-                          "Give the grid (data=, tensor=, context=) or leave context out.")
+    if plan == "auto" and context != 1:  # (the search keeps it, as the other degrees given)
+        given["context"] = context
     pipe = PipelineConfig(microbatches, schedule or "1f1b", chunks)
     if schedule is not None or chunks is not None:  # the search keeps the user's schedule's stages per rank
         given["chunks"] = pipe.stages_per_rank

@@ -117,7 +117,8 @@ def agreed_choice(model: nn.Module, name: str, args: tuple, kwargs: dict, rows: 
                                       pipeline=chosen.pipeline,
                                       shard_optimizer=memory.shard_optimizer or chosen.shard_optimizer,
                                       sequence_parallel=memory.sequence_parallel or chosen.sequence_parallel,
-                                      expert_parallel=chosen.expert_parallel or memory.expert_parallel)
+                                      expert_parallel=chosen.expert_parallel or memory.expert_parallel,
+                                      context=chosen.context)
     if chosen.pipeline > 1:
         pipe = dataclasses.replace(pipe, microbatches=chosen.microbatches)
         if "chunks" not in given and chosen.chunks > 1:

@@ -3,8 +3,8 @@
     python -m autopar.plan MODEL.py[:NAME] --gpus N [--gpus-per-node G] [--hardware h100-80gb|a100-80gb|cpu|FILE.json]
         [--global-batch B] [--seq S] [--top K] [--evaluate "data=.. pipeline=.. tensor=R,C,D microbatches=.. chunks=..
         [shard_optimizer] [sequence_parallel] [expert_parallel[=data+tensor]] [checkpoint=auto|none|full] [compile|eager]"]
-        [--without shard_optimizer,sequence_parallel,expert_parallel]
-        [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--chunks V] [--json FILE]
+        [--without shard_optimizer,sequence_parallel,expert_parallel,context]
+        [--data D] [--pipeline P] [--row R] [--col C] [--depth D] [--context X] [--chunks V] [--json FILE]
 
 Each candidate grid (``passes.analysis.search_plans.candidates``) is planned as the runtime would plan it
 (``autopar.planning.planner.plan_model``: capture on meta, the plan, its exact collectives, the memory plan with the
@@ -17,7 +17,9 @@ CLI's convention: ``build_model()`` and ``example_inputs()`` (``:NAME`` is passe
 features, the checkpoint policy (``checkpoint=full`` recomputes every block, as Megatron's full recompute;
 ``none`` nothing; ``auto``, the default, what memory needs) and ``compile`` or ``eager`` (default ``--compile``'s).
 ``--without`` holds the search to plans without the named features, so a run made without them (a framework
-that lacks one) is compared with the best plan of its own kind.
+that lacks one) is compared with the best plan of its own kind. The search also tries context parallelism
+(``context=X``, without a pipeline) where a sequence has 16,384 tokens or more (``--context`` fixes its degree,
+1 for none).
 """
 
 from __future__ import annotations
@@ -108,9 +110,9 @@ def parse_evaluate(text: str, world: int) -> Evaluation:
 def parse_without(text: str) -> frozenset[str]:
     """``"shard_optimizer,sequence_parallel"`` -> the features the search must not use."""
     words = frozenset(w.strip() for w in text.replace(" ", ",").split(",") if w.strip())
-    unknown = sorted(words - set(FEATURES))
+    unknown = sorted(words - {*FEATURES, "context"})
     if unknown:
-        raise ConfigError(f"--without takes the features {', '.join(FEATURES)} (comma-separated); "
+        raise ConfigError(f"--without takes the features {', '.join(FEATURES)} and context (comma-separated); "
                           f"{', '.join(map(repr, unknown))} is not one of them")
     return words
 
@@ -168,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
                              '[sequence_parallel] [expert_parallel[=data+tensor]] [checkpoint=auto|none|full] [compile|eager]" '
                              '(the words the ranked list prints)')
     parser.add_argument("--without", default="", metavar="FEATURES",
-                        help=f"plans without these features only (comma-separated: {','.join(FEATURES)})")
+                        help=f"plans without these features only (comma-separated: {','.join(FEATURES)},context)")
     parser.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"))
     parser.add_argument("--compile", default="auto", choices=("auto", "true", "false", "reduce-overhead"),
                         help="auto_parallelize's compile= (default auto: compiled on GPUs): a compiled piece of "
@@ -178,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exhaustive", action="store_true", help="plan every grid exactly (slow at scale)")
     for degree in DEGREES:
         parser.add_argument(f"--{degree}", type=int, default=None, help=f"fix the {degree} degree")
+    parser.add_argument("--context", type=int, default=None,
+                        help="fix the context degree (1: none; default: tried from 16,384 tokens per sequence)")
     parser.add_argument("--chunks", type=int, default=None,
                         help="fix the stages per pipeline rank (1: 1F1B, more: interleaved; default: either)")
     parser.add_argument("--json", metavar="FILE", help='also write {"plans": [...], "evaluated": {...}}')
@@ -204,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
             model = module.build_model()
         inputs = module.example_inputs()
         inputs = meta_inputs(inputs if isinstance(inputs, tuple) else (inputs,), args.global_batch, args.seq)
-        fixed = {d: getattr(args, d) for d in (*DEGREES, "chunks") if getattr(args, d) is not None}
+        fixed = {d: getattr(args, d) for d in (*DEGREES, "context", "chunks") if getattr(args, d) is not None}
         compiled = CompileConfig(compile_arg(args.compile)).enabled(device_type_of(machine), training=True)
         asked = parse_evaluate(args.evaluate, args.gpus) if args.evaluate else None  # (its errors first)
         ranked = search(model, inputs, args.gpus, machine, fixed=fixed, precision=args.precision,

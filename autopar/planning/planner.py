@@ -343,7 +343,8 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
         # each rank computes its own batch, not a shard of one: the whole step is every shard's, alike
         report = dataclasses.replace(summarize(report.layers, report.collectives, report.num_parameters, plan,
                                                flops_scale=config.num_batch_shards, whole=report.whole),
-                                     largest_param_bytes=report.largest_param_bytes, experts=report.experts)
+                                     largest_param_bytes=report.largest_param_bytes, experts=report.experts,
+                                     attention_kv=report.attention_kv, output_bytes=report.output_bytes)
     chain, loss = (), ()
     if microbatches:
         chain = pipeline_chain(mine.gm, plan, report.collectives, layouts=mine_layouts)

@@ -23,7 +23,8 @@ from autopar.planning.planner import SLOWEST, plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
 from passes.analysis.screen import screen_grids, shape_of
-from passes.analysis.search_plans import Candidate, Scored, candidates, factorizations, plan_seconds, rank_plans
+from passes.analysis.search_plans import (Candidate, Scored, candidates, context_degrees, factorizations, plan_seconds,
+                                         rank_plans)
 
 
 def score(model: nn.Module, inputs: tuple, candidate: Candidate, machine: Machine, *,
@@ -97,8 +98,9 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
     also tried with them split over data, and each of one tensor axis whose data x tensor ranks divide them with
     whole experts over those ("data+tensor"; ``candidates``'s ``expert_layouts``): beside the unsplit grid
     (None), only so (True: either; "data+tensor": that one), or never (False). ``without``: features no
-    plan may use (``Candidate``'s: ``shard_optimizer``, ``sequence_parallel``, ``expert_parallel``), as a
-    framework that lacks them runs."""
+    plan may use (``Candidate``'s: ``shard_optimizer``, ``sequence_parallel``, ``expert_parallel``, ``context``), as a
+    framework that lacks them runs. Where a sequence has ``CONTEXT_FROM`` tokens or more, grids without a pipeline
+    are also tried with context degrees (``context_degrees``; ``fixed["context"]`` keeps one, 1 none)."""
     if "expert_parallel" in without:
         if expert_parallel:
             raise PlanError("the search was asked for experts split over data and held to plans without them")
@@ -115,6 +117,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             without: frozenset[str] = frozenset()) -> list[Scored]:
     shard, sequence = "shard_optimizer" not in without, "sequence_parallel" not in without
     batch = _batch_size((inputs, kwargs))
+    contexts = () if "context" in without else context_degrees(world, _sequence_length((inputs, kwargs)))
     fixed = dict(fixed or {})
     chunks = (fixed.pop("chunks"),) if "chunks" in fixed else (1, 2)
     captures: dict[Any, Any] = {}  # grids whose batch shards get the same rows share a capture
@@ -133,7 +136,8 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     experts: tuple[int, ...] = ()
     if expert_parallel is not False and any(p.dim() >= 3 for p in model.parameters()):
         experts = tuple(e.experts for e in probed().experts)
-    grids = candidates(world, batch, fixed=fixed, chunks=chunks, experts=experts, expert_parallel=expert_parallel)
+    grids = candidates(world, batch, fixed=fixed, chunks=chunks, experts=experts, expert_parallel=expert_parallel,
+                       contexts=contexts)
     if not grids:
         fixed_text = ", ".join(f"{k}={v}" for k, v in (fixed or {}).items()) or "nothing"
         if not factorizations(world, fixed):
@@ -156,6 +160,9 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         out = []
         for c in grids:
             s = scored_one(c)
+            if c.context > 1:  # (runs with data and tensor grids only: ParallelConfig)
+                out.append(s)
+                continue
             if shard and not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
@@ -176,7 +183,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         ZeRO-1 grid), checked for those grids only."""
         best = min((s.seconds for s in scored if s.fits), default=math.inf)
         eligible = sorted((s.seconds, i) for i, s in enumerate(scored)
-                          if shard and s.fits and s.recompute and s.candidate.data > 1
+                          if shard and s.fits and s.recompute and s.candidate.data > 1 and s.candidate.context == 1
                           and not s.candidate.shard_optimizer and s.seconds <= RELIEF * best)
         out = list(scored)
         for _, i in eligible[:RELIEF_TRIES]:
@@ -255,6 +262,12 @@ def _grids(options: list[dict[str, int]]) -> str:
     shown = [f"data={o['data']} pipeline={o['pipeline']} tensor={o['row']},{o['col']},{o['depth']}"
              for o in options[:6]]
     return "; ".join(shown) + (f"; ... ({len(options)} in all)" if len(options) > 6 else "")
+
+
+def _sequence_length(inputs: tuple) -> int:
+    """The tokens per row of the first input of two or more dimensions (a language model's ids); 0 without one."""
+    tensors = [x for x in pytree.tree_leaves(inputs) if isinstance(x, torch.Tensor) and x.dim() >= 2]
+    return int(tensors[0].shape[1]) if tensors else 0
 
 
 def _batch_size(inputs: tuple) -> int:

@@ -76,7 +76,8 @@ class Collective:
 
 
 CONTEXT = "<context>"
-"""``Collective.where`` of attention's key and value gathers over the context ranks (``context_collectives``)."""
+"""How ``Collective.where`` of attention's key and value gathers over the context ranks ends
+(``context_collectives``: the attention module's name before it, so a repeated block's are copied with it)."""
 AGREEMENT = "<agreement>"
 """``Collective.where`` of the per-call agreement (under a pipeline: once per train_step, not per micro-batch)."""
 
@@ -494,23 +495,55 @@ def context_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelC
     reduce-scattered in backward; each output gathered whole. The loss's sums over the context ranks (a few
     bytes) are left out."""
     n, out = config.context, []
-    aten = torch.ops.aten
+    for node, kv, whole in attention_keys_values(gm, res, config):
+        where = module_of(node) + CONTEXT
+        out.append(Collective("all_gather", "context", n, whole, "forward", where, node.name))
+        if res.requires_grad.get(kv, False):
+            out.append(Collective("reduce_scatter", "context", n, whole, "backward", where, node.name))
+    out += [Collective("all_gather", "context", n, nbytes, "forward", "<output>") for nbytes in gathered_outputs(gm)]
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class AttentionShape:
+    """One attention's keys or values, as the plan search's screen prices a context degree for them
+    (``StepReport.attention_kv``)."""
+
+    module: str
+    """The attention's module (its block's, for ``repeat_blocks``)."""
+    kv_bytes: int
+    """The keys' or values' bytes over every token of this rank's rows and the heads it holds (as captured)."""
+
+
+def attention_shapes(gm: fx.GraphModule, res: LayoutResult, config: ParallelConfig) -> tuple[AttentionShape, ...]:
+    """``attention_keys_values`` as ``AttentionShape`` records."""
+    return tuple(AttentionShape(module_of(node), b) for node, _, b in attention_keys_values(gm, res, config))
+
+
+def attention_keys_values(gm: fx.GraphModule, res: LayoutResult, config: ParallelConfig
+                          ) -> list[tuple[fx.Node, fx.Node, int]]:
+    """Each attention's keys and values in ``gm``: (the attention, the keys or values, their bytes over every
+    token of this rank's rows and the heads it holds): what context parallelism gathers."""
+    out = []
     for node in gm.graph.nodes:
-        if node.op != "call_function" or node.target is not aten.scaled_dot_product_attention.default:
+        if node.op != "call_function" or node.target is not torch.ops.aten.scaled_dot_product_attention.default:
             continue
         for kv in node.args[1:3]:
             t = tensor_meta(kv)
-            if t is None:
-                continue
-            s = res.sharding(kv)
-            whole = t.numel() * t.element_size() // (1 if s.is_replicated else config.size(s.axis))
-            out.append(Collective("all_gather", "context", n, whole, "forward", CONTEXT, node.name))
-            if res.requires_grad.get(kv, False):
-                out.append(Collective("reduce_scatter", "context", n, whole, "backward", CONTEXT, node.name))
+            if t is not None:
+                s = res.sharding(kv)
+                out.append((node, kv, t.numel() * t.element_size() // (1 if s.is_replicated else config.size(s.axis))))
+    return out
+
+
+def gathered_outputs(gm: fx.GraphModule) -> list[int]:
+    """The bytes of each floating output of two or more dimensions (logits): what context parallelism gathers
+    whole over its ranks."""
+    out = []
     for producer in dict.fromkeys(output_node(gm).all_input_nodes):
         t = tensor_meta(producer)
         if t is not None and t.dim() >= 2 and t.is_floating_point():
-            out.append(Collective("all_gather", "context", n, t.numel() * t.element_size(), "forward", "<output>"))
+            out.append(t.numel() * t.element_size())
     return out
 
 

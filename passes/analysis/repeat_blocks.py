@@ -62,6 +62,7 @@ _NAME_FIELDS: dict[str, tuple[str, ...]] = {
     "SegmentCost": ("name",),
     "ChainSegment": ("name",),
     "ExpertShape": ("module",),
+    "AttentionShape": ("module",),
 }
 
 
@@ -189,16 +190,19 @@ def repeat_report(report: StepReport, full_plan: Plan, repeats: Sequence[Repeat]
     caller that summarizes them again (a pipeline's, per rank: ``autopar.planning.planner``), which saves a summary of
     some 10,000 records per plan at 16,384 GPUs."""
     rows, colls, whole, experts = report.layers, report.collectives, report.whole, report.experts
+    attention = report.attention_kv
     num_parameters = report.num_parameters
     for r in repeats:
         rows, colls, whole, experts = _extend(rows, r), _extend(colls, r), _extend(whole, r), _extend(experts, r)
+        attention = _extend(attention, r)
         block = sum(math.prod(p.shape) for p in full_plan.params if r.index_of(p.name) == r.template)
         num_parameters += (r.count - r.template - 1) * block
     if not totals:
         return dataclasses.replace(report, layers=rows, collectives=colls, num_parameters=num_parameters, whole=whole,
-                                   experts=experts)
+                                   experts=experts, attention_kv=attention)
     return dataclasses.replace(summarize(rows, colls, num_parameters, full_plan, whole=whole),
-                               largest_param_bytes=report.largest_param_bytes, experts=experts)  # a copied block's are the cut's
+                               largest_param_bytes=report.largest_param_bytes, experts=experts,  # a copied block's are the cut's
+                               attention_kv=attention, output_bytes=report.output_bytes)
 
 
 def _renamed_segment(s: ChainSegment, r: Repeat, src: int, dst: int) -> ChainSegment:

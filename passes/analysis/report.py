@@ -17,10 +17,14 @@ from torch import fx
 from autopar.decisions import Orientation, Plan, collective_bytes
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.estimate_costs import (
+    CONTEXT,
+    AttentionShape,
     Collective,
     ExpertShape,
+    attention_shapes,
     expert_collectives,
     expert_shapes,
+    gathered_outputs,
     list_collectives,
     matmul_flops,
     matmul_split,
@@ -99,6 +103,13 @@ class StepReport:
     """Activation bytes this rank keeps for backward at the least (without a pipeline): each block that
     saves more than its inputs recomputed. No choice of recomputation needs less (the plan search's
     screen prices memory with it)."""
+    attention_kv: tuple[AttentionShape, ...] = ()
+    """Each attention's keys and values over this rank's rows (every token, the heads it holds), fp32 as
+    captured: what context parallelism gathers (the plan search's screen prices context degrees with them;
+    under a pipeline, empty)."""
+    output_bytes: tuple[int, ...] = ()
+    """Bytes of each floating output of two or more dimensions over this rank's rows (logits): what context
+    parallelism gathers whole."""
 
     @property
     def construction_bytes_per_rank(self) -> int:
@@ -163,7 +174,9 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
     experts = expert_shapes(gm, res.requires_grad, scale, {r.weight: r.flops for r in whole}) \
         if any(w.op in ("grouped_mm", "bmm") for w in whole) else ()
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
-                               largest_param_bytes=largest, experts=experts)
+                               largest_param_bytes=largest, experts=experts,
+                               attention_kv=attention_shapes(gm, res, config),
+                               output_bytes=tuple(gathered_outputs(gm)))
 
 
 def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_parameters: int,
@@ -204,8 +217,9 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
     blocks = {e.module for e in plan.experts if e.batched}
 
     def label(where: str, kind: str, phase: str) -> str:
-        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss",
-                 "<context>": "attention's keys and values over context"}.get(where)
+        fixed = {"<output>": "output gather", "<input>": "input gradient gather", "<loss>": "loss"}.get(where)
+        if where.endswith(CONTEXT):
+            fixed = "attention's keys and values over context"
         if fixed is not None:
             return fixed
         if kind == "send":

@@ -61,6 +61,11 @@ class ModelShape:
     """The parameters those ops read (fp32): whole on every tensor rank."""
     experts: tuple[ExpertShape, ...] = ()
     """The routed-experts layers an expert layout can split over data (``StepReport.experts``)."""
+    attention_kv: tuple[int, ...] = ()
+    """Each attention's keys' and values' bytes over the global batch (``StepReport.attention_kv``): what a
+    context degree gathers."""
+    output_bytes: int = 0
+    """The floating outputs' bytes over the global batch (logits): what a context degree gathers whole."""
 
 
 def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
@@ -89,7 +94,8 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
                       report.rank_least_kept_bytes * shards, report.rank_attention_flops * shards,
                       tuple((f + (attention if b else 0.0), bool(b)) for b, f in links),
                       sum(f for b, f in links if not b), float(sum(r.flops for r in report.whole)),
-                      sum(weights.values()), report.experts)
+                      sum(weights.values()), report.experts, tuple(a.kv_bytes * shards for a in report.attention_kv),
+                      sum(report.output_bytes) * shards)
 
 
 def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1) -> float:
@@ -115,7 +121,7 @@ def _tensor_seconds(shape: ModelShape, c: Candidate, price: Prices, axes: tuple)
     seconds and how many, under the cheaper of the two alternations the planner may choose (which layer of
     a pair splits its output over row). A weight's depth collectives, the same under both, are priced once.
     ``axes``: ``_axes(c, price)``."""
-    shards = c.data * c.depth
+    shards = c.data * c.depth * c.context  # (a context rank's matmuls take its tokens: rows alike)
     micro = c.microbatches if c.pipeline > 1 else 1
     totals = [[0.0, 0.0], [0.0, 0.0]]  # per alternation: seconds, calls
     memo = price.memo
@@ -212,7 +218,8 @@ def screen_grids(shape: ModelShape, grids: Sequence[Candidate], machine: Machine
     groups: dict[tuple, _Degrees] = {}
     out = []
     for c in grids:
-        key = (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer, c.sequence_parallel, c.expert_parallel)
+        key = (c.data, c.pipeline, c.row, c.col, c.depth, c.shard_optimizer, c.sequence_parallel, c.expert_parallel,
+               c.context)
         group = groups.get(key)
         if group is None:
             group = groups[key] = _Degrees(shape, c, machine, half, memo, compiled)
@@ -228,7 +235,8 @@ class _Degrees:
                  compiled: bool = False) -> None:
         self.shape, self.machine, self.half, self.memo, self.compiled = shape, machine, half, memo, compiled
         self.config = config = c.config
-        self.shards, self.tensor, self.stages = c.data * c.depth, c.row * c.col, c.pipeline
+        # (a context rank computes its tokens of every row: its share as a batch shard's)
+        self.shards, self.tensor, self.stages = c.data * c.depth * c.context, c.row * c.col, c.pipeline
         self.price = price = Prices(machine, config, half, memo)
         # the matmuls outside the blocks (the head) split over one tensor axis, the larger, at best
         self.widen = widen = self.tensor / max(c.row, c.col)
@@ -266,7 +274,8 @@ class _Degrees:
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
         self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
-        self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True, split_experts)
+        self.split = None if c.shard_optimizer or c.data == 1 or c.context > 1 else \
+            self._state(c, params, price, True, split_experts)
         self.micro: dict[int, tuple[float, float, float, int]] = {}
         self.axes = _axes(c, price)
 
@@ -298,6 +307,22 @@ class _Degrees:
         share = micro / self.stages
         return seconds * share, calls * share
 
+    def _context(self, c: Candidate) -> tuple[float, float]:
+        """Context parallelism's collectives of one step (``estimate_costs.context_collectives``): each attention's
+        keys and values gathered whole over the context ranks in forward and their gradients reduce-scattered in
+        backward (this rank's rows, the heads over the larger tensor axis), and the outputs gathered: seconds and
+        calls."""
+        price, n, rows = self.price, c.context, c.data * c.depth
+        heads = max(c.row, c.col)
+        seconds = sum(price("all_gather", "context", n, kv // (rows * heads), "forward")
+                      + price("reduce_scatter", "context", n, kv // (rows * heads), "backward")
+                      for kv in self.shape.attention_kv)
+        calls = 2 * len(self.shape.attention_kv)
+        if self.shape.output_bytes:
+            seconds += price("all_gather", "context", n, self.shape.output_bytes // rows, "forward")
+            calls += 1
+        return seconds, calls
+
     def _state(self, c: Candidate, params: int, price: Prices, shard_optimizer: bool, split_experts: int = 0
                ) -> tuple[float, float, int]:
         """The gradient sync and the optimizer update (seconds) and the memory (bytes), with the optimizer
@@ -305,12 +330,14 @@ class _Degrees:
         bytes of experts split over data, whose gradients are complete from every data rank's rows (summed over
         depth only)."""
         sync = 0.0
-        if c.data > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
+        replicas = c.data * c.context  # (the context ranks hold the same weights: summed over data x context)
+        if replicas > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
             # (split state: each data rank keeps the sum of its chunk, a reduce-scatter)
             kind = "reduce_scatter" if shard_optimizer else "all_reduce"
+            axis = "data+context" if c.context > 1 else "data"
             full, rest = divmod(params - split_experts, BUCKET_BYTES)
-            sync = full * price(kind, "data", c.data, BUCKET_BYTES, "step") if full else 0.0
-            sync += price(kind, "data", c.data, rest, "step") if rest else 0.0
+            sync = full * price(kind, axis, replicas, BUCKET_BYTES, "step") if full else 0.0
+            sync += price(kind, axis, replicas, rest, "step") if rest else 0.0
         if split_experts and c.depth > 1:
             sync += price("all_reduce", "depth", c.depth, split_experts, "step")
         state = 2 * params  # Adam's two moments
@@ -352,10 +379,13 @@ class _Degrees:
             compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
         # the planner orients each matmul; of the two alternations (which layer of a pair splits its output
         # over row) the screen takes the cheaper
-        key = ("tensor", id(shape), self.half, c.data, c.row, c.col, c.depth, stages, micro)  # (either schedule)
+        key = ("tensor", id(shape), self.half, c.data, c.row, c.col, c.depth, c.context, stages, micro)  # (either schedule)
         if key not in memo:
             memo[key] = _tensor_seconds(shape, c, price, self.axes)
         comm, blocking = memo[key]
+        if c.context > 1:
+            gathers, calls = self._context(c)
+            comm, blocking = comm + gathers, blocking + calls
         if self.experts or self.each_expert:
             exchange, calls = self._exchange(c, micro)
             comm, blocking = comm + exchange, blocking + calls

@@ -55,8 +55,8 @@ class Candidate:
     """Routed experts split over the data ranks, their rows moved by all-to-alls, or ("data+tensor") whole ones
     over data x the tensor axis (``ParallelConfig``'s)."""
     context: int = 1
-    """Ranks splitting every sequence's tokens (``ParallelConfig.context``): scored by ``--evaluate``; the search
-    does not propose it yet."""
+    """Ranks splitting every sequence's tokens (``ParallelConfig.context``): the search tries it on grids
+    without a pipeline where the sequence is long (``context_degrees``)."""
 
     @property
     def config(self) -> ParallelConfig:
@@ -81,7 +81,7 @@ class Candidate:
 
 def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None = None,
                max_microbatches: int = 4, chunks: Sequence[int] = (1, 2), experts: Sequence[int] = (),
-               expert_parallel: bool | str | None = None) -> list[Candidate]:
+               expert_parallel: bool | str | None = None, contexts: Sequence[int] = ()) -> list[Candidate]:
     """Every grid of ``world`` ranks: data x pipeline x row x col x depth = world, each degree in ``fixed``
     as given. The batch must give every data x depth shard a row; a pipeline takes ``pipeline`` x 1, 2, ...
     ``max_microbatches``, x every power of two, and micro-batches of one, two, four, ... rows (as Megatron
@@ -92,11 +92,41 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     whose data degree (> 1) divides them all also comes with its experts split over data (``expert_parallel``),
     and a grid of one tensor axis whose data x tensor ranks divide them all with whole experts over those
     ("data+tensor"), beside it (``expert_parallel=None``) or instead of it (True: either layout; "data+tensor":
-    that one); False: never."""
+    that one); False: never.
+    ``contexts``: context degrees (> 1) also tried, each on every grid of ``world / C`` ranks without a pipeline
+    (as the runtime runs it: experts whole, ``Candidate.context``); ``fixed["context"]`` keeps one degree only
+    (1: none)."""
     fixed = dict(fixed or {})
-    unknown = sorted(set(fixed) - set(DEGREES))
+    unknown = sorted(set(fixed) - {*DEGREES, "context"})
     if unknown:
-        raise ValueError(f"unknown degrees {unknown}; expected some of {DEGREES}")
+        raise ValueError(f"unknown degrees {unknown}; expected some of {(*DEGREES, 'context')}")
+    if "context" in fixed:
+        contexts = () if fixed["context"] == 1 else (fixed.pop("context"),)
+        fixed.pop("context", None)
+        if contexts:  # (only grids of that context degree)
+            return _context_grids(world, global_batch, fixed, contexts)
+    return _grids(world, global_batch, fixed, max_microbatches, chunks, experts, expert_parallel) + \
+        _context_grids(world, global_batch, fixed, contexts)
+
+
+def _context_grids(world: int, global_batch: int, fixed: Mapping[str, int], contexts: Sequence[int]
+                   ) -> list[Candidate]:
+    """``candidates``' grids of each context degree in ``contexts``: data x row x col x depth of ``world / C``."""
+    if fixed.get("pipeline", 1) != 1:
+        return []
+    out = []
+    for context in contexts:
+        if context <= 1 or world % context:
+            continue
+        rest = {**fixed, "pipeline": 1}
+        out += [dataclasses.replace(c, context=context)
+                for c in _grids(world // context, global_batch, rest, 1, (1,), (), False)]
+    return out
+
+
+def _grids(world: int, global_batch: int, fixed: Mapping[str, int], max_microbatches: int, chunks: Sequence[int],
+           experts: Sequence[int], expert_parallel: bool | str | None) -> list[Candidate]:
+    """``candidates`` without context parallelism."""
     out = []
     for degrees in _factorings(world, len(DEGREES)):
         grid = dict(zip(DEGREES, degrees))
@@ -144,6 +174,24 @@ def expert_layouts(grid: Mapping[str, int], experts: Sequence[int], expert_paral
     if expert_parallel is None:
         return (False, *split)
     return tuple(split) or (False,)
+
+
+CONTEXT_FROM = 16384
+"""Tokens per sequence from which the search also tries context parallelism (``context_degrees``): below it a
+sequence's activations rarely outgrow what tensor parallelism with sequence parallelism splits, and the
+search's grids stay as they were."""
+CONTEXT_TOKENS = 1024
+"""The fewest tokens a context rank holds in a grid the search tries (each of its two chunks half of them)."""
+
+
+def context_degrees(world: int, tokens: int) -> tuple[int, ...]:
+    """The context degrees the search tries for sequences of ``tokens`` on ``world`` ranks: none below
+    ``CONTEXT_FROM`` tokens; else each divisor ``C > 1`` of the world size whose ``2C`` chunks divide the
+    sequence, each rank holding at least ``CONTEXT_TOKENS``."""
+    if tokens < CONTEXT_FROM:
+        return ()
+    return tuple(c for c in range(2, world + 1)
+                 if world % c == 0 and tokens % (2 * c) == 0 and tokens // c >= CONTEXT_TOKENS)
 
 
 def _factorings(n: int, parts: int) -> Iterator[tuple[int, ...]]:

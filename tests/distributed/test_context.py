@@ -93,10 +93,10 @@ def _case(name: str, grid: dict, how: str = "labels") -> dict:
 
 CASES = [("llama", {"context": 4}, "labels"), ("llama", {"context": 2, "tensor": (2, 1, 1)}, "labels"),
          ("qwen3", {"context": 2, "data": 2}, "labels"), ("nanogpt", {"context": 2, "data": 2}, "labels"),
-         ("llama", {"context": 2, "data": 2}, "caller")]
+         ("llama", {"context": 2, "data": 2}, "caller"), ("llama", {"context": 2, "plan": "auto"}, "labels")]
 """Context alone (4 ranks: 8 chunks of 2 tokens), with a row-split tensor grid (heads and vocabulary split too),
 with data (Qwen3's per-head q/k norms; nanoGPT's own attention call and loss); the caller's loss on the logits
-(the output gathered over the context ranks)."""
+(the output gathered over the context ranks); the rest of the grid chosen by the search at the first call."""
 
 
 def _per_rank_case(grid: dict, how: str) -> dict:

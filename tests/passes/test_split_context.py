@@ -78,14 +78,29 @@ def test_dropout_in_training_is_refused():
         _emitted("gpt2", ParallelConfig(context=2), dropout=True)
 
 
-def _priced(config: ParallelConfig, seq: int = 256):
+def _priced(config: ParallelConfig, seq: int = 256, layers: int = 4, repeat: bool = True):
     from autopar.planning.planner import plan_model
 
     with torch.device("meta"):
         torch.manual_seed(0)
-        model = zoo.build_model("llama", layers=4)
+        model = zoo.build_model("llama", layers=layers)
     ids = torch.empty(2, seq, dtype=torch.long, device="meta")
-    return plan_model(model, (ids,), config, kwargs={"labels": ids, "use_cache": False}, checkpoint="none")
+    return plan_model(model, (ids,), config, kwargs={"labels": ids, "use_cache": False}, checkpoint="none",
+                      repeat=repeat)
+
+
+def test_a_plan_of_repeated_blocks_prices_every_blocks_key_value_gathers():
+    """A model of many alike blocks is planned from a capture of three, the rest copied by name
+    (``repeat_blocks``): each block's key and value gathers are copied with it (they were named ``<context>``
+    alone, so 8 layers were priced as 3: Llama-3-8B's gathers at a third), and its attentions' shapes for the
+    search's screen (``StepReport.attention_kv``)."""
+    cut = _priced(ParallelConfig(context=2), layers=8)[1]
+    whole = _priced(ParallelConfig(context=2), layers=8, repeat=False)[1]
+    def gathers(report):
+        return sorted((x.kind, x.where, x.message_bytes) for x in report.collectives if x.axis == "context")
+    assert gathers(cut) == gathers(whole)
+    assert sum(x.where.endswith("<context>") for x in cut.collectives) == 8 * 2 * 2  # k and v, forward and backward
+    assert cut.attention_kv == whole.attention_kv and len(cut.attention_kv) == 16
 
 
 def test_the_plan_prices_this_ranks_tokens_and_the_key_value_gathers():
@@ -103,7 +118,7 @@ def test_the_plan_prices_this_ranks_tokens_and_the_key_value_gathers():
         # k and v whole, 4 layers x batch 2 x 4 heads of 8 (HF repeats the 2 key/value heads before attention, and
         # what attention reads is gathered) x 256 tokens x fp32
         kv = 2 * 4 * 2 * 4 * 8 * 256 * 4
-        assert sum(x.message_bytes for x in gathers if x.phase == "forward" and x.where == "<context>") == kv
+        assert sum(x.message_bytes for x in gathers if x.phase == "forward" and x.where.endswith("<context>")) == kv
         assert {x.kind for x in gathers if x.phase == "backward"} == {"reduce_scatter"}
         assert all("context" in x.axis.split("+") and x.group_size == c for x in report.collectives
                    if x.phase == "step")
@@ -117,3 +132,26 @@ def test_evaluate_scores_a_context_layout_in_the_words_it_prints():
     assert e.candidate.config.context == 2 and "context=2" in e.candidate.describe()
     with pytest.raises(Exception, match="not supported yet"):
         parse_evaluate("pipeline=2 context=2", 4)
+
+
+@pytest.mark.slow
+def test_the_search_tries_context_parallelism_on_long_sequences_and_prices_it_as_planned():
+    """At 16,384 tokens the search also tries context degrees (grids without a pipeline), each planned grid's
+    numbers what planning it alone predicts; at 8,192 it tries none; held ``without`` context, none either."""
+    from autopar.planning.machines import load_machine
+    from autopar.planning.search import score, search
+
+    with torch.device("meta"):
+        model = zoo.build_model("llama", layers=2)
+    machine = load_machine("h100-80gb")
+    long = (torch.empty(1, 16384, dtype=torch.long, device="meta"),)
+    ranked = search(model, long, 4, machine, precision="bf16")
+    planned = [s for s in ranked if s.time is not None]
+    split = [s for s in planned if s.candidate.context > 1]
+    assert split, [s.candidate.describe() for s in planned]
+    alone = score(model, long, split[0].candidate, machine, precision="bf16")
+    assert (alone.seconds, alone.memory_bytes) == (split[0].seconds, split[0].memory_bytes)
+    assert not any(s.candidate.context > 1 for s in search(model, long, 4, machine, precision="bf16",
+                                                           without=frozenset({"context"})))
+    short = (torch.empty(1, 8192, dtype=torch.long, device="meta"),)
+    assert not any(s.candidate.context > 1 for s in search(model, short, 4, machine, precision="bf16"))

@@ -676,3 +676,27 @@ def test_the_screen_keeps_a_matmul_whole_where_the_tensor_axes_divide_none_of_it
     (t4, m4), (t7, m7) = (screen(shape, Candidate(1, 1, 1, n, 1), machine) for n in (4, 7))  # 600 = 4 x 150, not 7 x
     assert m7 >= 2 * 16 * 600 * 600 * 4 > m4  # the weights (and their gradients) whole on every rank
     assert t7 > 1.5 * t4
+
+
+def test_context_degrees_are_tried_for_long_sequences_only():
+    from passes.analysis.search_plans import CONTEXT_FROM, context_degrees
+
+    assert context_degrees(8, CONTEXT_FROM // 2) == ()
+    assert context_degrees(8, 16384) == (2, 4, 8)
+    assert context_degrees(8, 16386) == ()  # (2C chunks must divide the sequence)
+    assert context_degrees(256, 16384) == (2, 4, 8, 16)  # (at least CONTEXT_TOKENS per rank)
+    assert context_degrees(64, 131072) == (2, 4, 8, 16, 32, 64)
+
+
+def test_context_grids_come_without_a_pipeline_and_keep_the_fixed_degrees():
+    plain = candidates(8, 8)
+    both = candidates(8, 8, contexts=(2, 4))
+    split = [c for c in both if c.context > 1]
+    assert [c for c in both if c.context == 1] == plain
+    assert {c.context for c in split} == {2, 4}
+    assert all(c.pipeline == 1 and not c.expert_parallel and c.config.world_size == 8 for c in split)
+    assert all(c.context == 2 for c in candidates(8, 8, fixed={"context": 2}, contexts=(2, 4)))
+    assert candidates(8, 8, fixed={"context": 1}, contexts=(2, 4)) == plain
+    assert not any(c.context > 1 for c in candidates(8, 8, fixed={"pipeline": 2}, contexts=(2, 4)))
+    assert all(c.row == 2 for c in candidates(8, 8, fixed={"context": 2, "row": 2}))
+    assert "context=2" in split[0].describe()
