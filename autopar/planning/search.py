@@ -160,9 +160,6 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         out = []
         for c in grids:
             s = scored_one(c)
-            if c.context > 1:  # (runs with data and tensor grids only: ParallelConfig)
-                out.append(s)
-                continue
             if shard and not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
@@ -170,7 +167,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             # (the split applies where one of row and col reduces a whole output: exactly one of them > 1; not
             # tried with experts split over data, whose exchange under token-split activations is not built)
             if (sequence and not s.fits and s.time is not None and (c.row > 1) != (c.col > 1)
-                    and not c.sequence_parallel and not c.expert_parallel):
+                    and not c.sequence_parallel and not c.expert_parallel and c.context == 1):  # (ParallelConfig's)
                 seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
                 if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
                     s = seq
@@ -183,7 +180,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         ZeRO-1 grid), checked for those grids only."""
         best = min((s.seconds for s in scored if s.fits), default=math.inf)
         eligible = sorted((s.seconds, i) for i, s in enumerate(scored)
-                          if shard and s.fits and s.recompute and s.candidate.data > 1 and s.candidate.context == 1
+                          if shard and s.fits and s.recompute and s.candidate.data > 1
                           and not s.candidate.shard_optimizer and s.seconds <= RELIEF * best)
         out = list(scored)
         for _, i in eligible[:RELIEF_TRIES]:

@@ -286,11 +286,13 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         split = gathered_numel(plan.shape, plan.split_axes(config), config.data, plan.fused_dims(config)) \
             if config.shard_optimizer and config.data > 1 and not plan.splits_over_data(config) else 0
         if split:
-            # each data rank keeps the sum of its chunk (GradSync's reduce-scatter), then sums it over depth
+            # each data rank keeps the sum of its chunk (GradSync's reduce-scatter), then sums it over the rest of
+            # the gradient's axes (depth, context)
             out.append(Collective("reduce_scatter", "data", config.data, split * t.element_size(), "step", name))
-            if axis != "data":
-                out.append(Collective("all_reduce", "depth", config.depth, split // config.data * t.element_size(),
-                                      "step", name))
+            rest = "+".join(a for a in axes if a != "data")
+            if rest:
+                out.append(Collective("all_reduce", rest, axis_size(config, rest), split // config.data
+                                      * t.element_size(), "step", name))
         else:
             out.append(Collective("all_reduce", axis, axis_size(config, axis), nbytes, "step", name))
         if split:  # the updated chunks, from every data rank
@@ -474,8 +476,11 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
     if res.batch is not None and batch is not None:
         out += pooled_collectives(gm, res.batch, batch) if pooled else batch_collectives(gm, res.batch, batch, config)
     if config.context > 1:  # each rank holds 1/context of the tokens: its activations' collectives move that much
-        out = [dataclasses.replace(c, message_bytes=c.message_bytes // config.context) if c.phase != "step" else c
-               for c in out]
+        # (not the weights' gathers over depth and their gradients' reduce-scatters, nor the outputs' gather over the
+        # batch shards, which comes after their gather over context)
+        out = [dataclasses.replace(c, message_bytes=c.message_bytes // config.context)
+               if c.phase != "step" and "depth" not in c.axis.split("+")
+               and not (c.where == "<output>" and c.axis == "batch") else c for c in out]
         out += context_collectives(gm, res, config)
     if params is not None:
         out += grad_sync_collectives(gm, params, config)

@@ -274,8 +274,7 @@ class _Degrees:
         # (a pipeline's ranks: not priced)
         self.kept = shape.least_kept_bytes // (self.shards * self.tensor) if self.stages == 1 else 0
         self.own = self._state(c, params, price, c.shard_optimizer, split_experts)
-        self.split = None if c.shard_optimizer or c.data == 1 or c.context > 1 else \
-            self._state(c, params, price, True, split_experts)
+        self.split = None if c.shard_optimizer or c.data == 1 else self._state(c, params, price, True, split_experts)
         self.micro: dict[int, tuple[float, float, float, int]] = {}
         self.axes = _axes(c, price)
 
@@ -331,13 +330,16 @@ class _Degrees:
         depth only)."""
         sync = 0.0
         replicas = c.data * c.context  # (the context ranks hold the same weights: summed over data x context)
+        scatter = shard_optimizer and c.data > 1
         if replicas > 1:  # in the runtime's buckets: as many full ones as fit, and the rest
-            # (split state: each data rank keeps the sum of its chunk, a reduce-scatter)
-            kind = "reduce_scatter" if shard_optimizer else "all_reduce"
-            axis = "data+context" if c.context > 1 else "data"
+            # (split state: each data rank keeps the sum of its chunk, a reduce-scatter, then sums it over context)
+            kind, axis, group = (("reduce_scatter", "data", c.data) if scatter else
+                                 ("all_reduce", "data+context" if c.context > 1 else "data", replicas))
             full, rest = divmod(params - split_experts, BUCKET_BYTES)
-            sync = full * price(kind, axis, replicas, BUCKET_BYTES, "step") if full else 0.0
-            sync += price(kind, axis, replicas, rest, "step") if rest else 0.0
+            sync = full * price(kind, axis, group, BUCKET_BYTES, "step") if full else 0.0
+            sync += price(kind, axis, group, rest, "step") if rest else 0.0
+            if scatter and c.context > 1:
+                sync += price("all_reduce", "context", c.context, (params - split_experts) // c.data, "step")
         if split_experts and c.depth > 1:
             sync += price("all_reduce", "depth", c.depth, split_experts, "step")
         state = 2 * params  # Adam's two moments

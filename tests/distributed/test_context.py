@@ -93,10 +93,15 @@ def _case(name: str, grid: dict, how: str = "labels") -> dict:
 
 CASES = [("llama", {"context": 4}, "labels"), ("llama", {"context": 2, "tensor": (2, 1, 1)}, "labels"),
          ("qwen3", {"context": 2, "data": 2}, "labels"), ("nanogpt", {"context": 2, "data": 2}, "labels"),
-         ("llama", {"context": 2, "data": 2}, "caller"), ("llama", {"context": 2, "plan": "auto"}, "labels")]
+         ("llama", {"context": 2, "data": 2}, "caller"), ("llama", {"context": 2, "plan": "auto"}, "labels"),
+         ("llama", {"context": 2, "tensor": (1, 1, 2)}, "labels"),
+         ("llama", {"context": 2, "data": 2, "shard_optimizer": True}, "labels")]
 """Context alone (4 ranks: 8 chunks of 2 tokens), with a row-split tensor grid (heads and vocabulary split too),
 with data (Qwen3's per-head q/k norms; nanoGPT's own attention call and loss); the caller's loss on the logits
-(the output gathered over the context ranks); the rest of the grid chosen by the search at the first call."""
+(the output gathered over the context ranks); the rest of the grid chosen by the search at the first call; with
+depth (a weight split over depth has its gradient summed over data x context only: summed over the depth ranks
+too, as before 2026-12-05, its gradients were off by 100%); with the optimizer state split over data (each data
+rank's chunk of a gradient then summed over context)."""
 
 
 def _per_rank_case(grid: dict, how: str) -> dict:
@@ -157,8 +162,40 @@ def _lengths() -> list[float]:
     return out
 
 
+BYTES = [{"context": 2, "data": 2, "shard_optimizer": True}, {"context": 2, "tensor": (2, 1, 1)},
+         {"context": 2, "tensor": (1, 1, 2)}]
+"""Grids whose bytes of one training step (forward, backward, AdamW's step) are compared with the plan's."""
+
+
+def _bytes(grid: dict) -> dict[str, tuple[float, float]]:
+    """Bytes sent per collective kind in the second step on ``grid`` (measured, the plan's prediction)."""
+    from autopar.planning.planner import plan_model
+
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(**grid):
+        model = _build("llama")
+    ids = _data()[0]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        autopar.reset_comm_stats()
+        model(ids, labels=ids, use_cache=False).loss.backward()
+        opt.step()
+        opt.zero_grad()
+    got = autopar.comm_stats()
+    with torch.device("meta"):
+        shadow = _build("llama")
+    _, report = plan_model(shadow, (ids,), runtime_of(model).config, rank=dist.get_rank(),
+                           kwargs={"labels": ids, "use_cache": False})
+    autopar.detach(model)
+    want: dict[str, float] = {}
+    for c in report.collectives:
+        want[c.kind] = want.get(c.kind, 0.0) + float(c.bytes)
+    return {k: (got.get(k, 0.0), want.get(k, 0.0)) for k in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
 def _worker() -> dict:
     results = [_case(*c) for c in CASES]
+    sent = [_bytes(g) for g in BYTES]
     per_rank = [_per_rank_case(*c) for c in PER_RANK]
     lengths = _lengths()
     original = context_ops.ContextOps.output
@@ -170,7 +207,7 @@ def _worker() -> dict:
         mutated = _case("llama", {"context": 2, "data": 2}, "caller")
     finally:
         context_ops.ContextOps.output = original
-    return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated}
+    return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated, "bytes": sent}
 
 
 def test_context_parallel_matches_serial(distributed):
@@ -187,13 +224,19 @@ def test_context_parallel_matches_serial(distributed):
                 assert got[what] < TOL, f"rank {rank}, per-rank batches at {grid} ({how}): {what} {got[what]:.2e}"
         assert max(r["lengths"]) < TOL, f"rank {rank}: losses at 16, 24, 16 tokens differ by {r['lengths']}"
         assert r["mutated"]["grads"] > 0.5, f"rank {rank}: the mutation went unseen ({r['mutated']})"
+        for grid, sent in zip(BYTES, r["bytes"], strict=True):
+            # (the keys' and values' gathers, the outputs', the weights' over depth, the gradients' syncs: to the
+            # byte; the loss's sums over context, a few bytes, are left out of the plan)
+            for kind in ("all_gather", "reduce_scatter"):
+                assert sent[kind][0] == sent[kind][1], (rank, grid, kind, sent[kind])
+            assert 0 <= sent["all_reduce"][0] - sent["all_reduce"][1] <= 64, (rank, grid, sent["all_reduce"])
 
 
 def test_context_with_what_it_does_not_combine_with_yet_is_refused():
     from autopar.config import ParallelConfig
     from autopar.errors import ConfigError
 
-    for extra in ({"pipeline": 2}, {"shard_optimizer": True}, {"expert_parallel": True}):
+    for extra in ({"pipeline": 2}, {"sequence_parallel": True, "tensor": (2, 1, 1)}, {"expert_parallel": True}):
         with pytest.raises(ConfigError, match="not supported yet"):
             ParallelConfig.from_user(world_size=8, context=2, **extra)
     with pytest.raises(ConfigError, match="context"):

@@ -73,6 +73,10 @@ class Mesh:
         self._groups["batch"] = flatten_mesh(self._mesh["data", "depth"], "batch").get_group()
         if config.context > 1:  # the ranks with this rank's weights: a gradient is summed over all of them
             self._groups["replicas"] = flatten_mesh(self._mesh["data", "context", "depth"], "replicas").get_group()
+            if config.depth > 1:  # (a weight split over depth: the same piece on data x context)
+                self._groups["data+context"] = flatten_mesh(self._mesh["data", "context"], "data_context").get_group()
+                # (shard_optimizer: a data rank's chunk of a gradient, summed over the rest of its replicas)
+                self._groups["context+depth"] = flatten_mesh(self._mesh["context", "depth"], "context_depth").get_group()
         if "+" in config.expert_axis:  # whole experts over data x a tensor axis ("data+row": rank order d * row + r)
             axes = tuple(config.expert_axis.split("+"))
             self._groups[config.expert_axis] = flatten_mesh(self._mesh[axes], "experts").get_group()
@@ -177,9 +181,12 @@ class Mesh:
         """The group that sums a gradient over ``axes``: (data,), (data, depth), or (depth,) for experts split over
         data (each expert's gradient is complete over the data ranks' rows already). Under context parallelism
         the context ranks hold the same weights and compute other tokens: a gradient summed over data (and
-        depth) is summed over them too ("replicas")."""
+        depth) is summed over them too ("replicas", or "data+context" for a weight split over depth)."""
         if self.config.context > 1 and "data" in axes:
-            return "replicas", self.size("replicas")
+            if "depth" in axes or self.config.depth == 1:
+                return "replicas", self.size("replicas")
+            # a weight split over depth is summed over data x context only: the depth ranks hold other pieces
+            return "data+context", self.size("data+context")
         if axes == ("depth",):
             return "depth", self.size("depth")
         if axes == ("data", "depth"):

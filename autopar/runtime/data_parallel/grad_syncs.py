@@ -53,13 +53,19 @@ class GradSyncs:
                 axis = "data"
             if p.requires_grad and size > 1 and config.pipeline == 1:
                 synced.setdefault(axis, {})[id(p)] = p
-        if shards is not None and "batch" in synced:  # split over data, then summed over depth: on the data group
-            split = {i: p for i, p in synced["batch"].items() if shards.grad_layout(p) is not None}
-            synced["batch"] = {i: p for i, p in synced["batch"].items() if i not in split}
+        # split over data, then summed over the rest of the group (depth; under context parallelism the context
+        # ranks too): on the data group, each data rank's chunk then summed over the rest
+        rests = {"batch": "depth", "replicas": "context+depth" if config.depth > 1 else "context",
+                 "data+context": "context"}
+        for axis, rest in rests.items():
+            if shards is None or axis not in synced:
+                continue
+            split = {i: p for i, p in synced[axis].items() if shards.grad_layout(p) is not None}
+            synced[axis] = {i: p for i, p in synced[axis].items() if i not in split}
             if split:
                 self.add(GradSync(list(split.values()), mesh.group("data"), mesh.size("data"), reduce_dtype,
-                                  enabled=self.enabled, shards=shards, rest=(mesh.group("depth"), mesh.size("depth"))),
-                         "data, then depth")
+                                  enabled=self.enabled, shards=shards, rest=(mesh.group(rest), mesh.size(rest))),
+                         f"data, then {rest}")
         for axis, group in synced.items():  # (shard_optimizer: each data rank keeps the sum of its chunk only)
             if group:
                 self.add(GradSync(list(group.values()), mesh.group(axis), mesh.size(axis), reduce_dtype,
