@@ -93,11 +93,11 @@ class ParallelConfig:
                               "larger tensor axis).")
         if self.context > 1:
             others = [name for name, on in (("pipeline > 1", self.pipeline > 1),
-                                            ("sequence_parallel", self.sequence_parallel and max(self.row, self.col) > 1),
                                             ("expert_parallel", bool(self.expert_axis))) if on]
             if others:
                 raise ConfigError(f"context={self.context} with {' and '.join(others)} is not supported yet: context "
-                                  "parallelism runs with data parallelism, tensor grids and shard_optimizer "
+                                  "parallelism runs with data parallelism, tensor grids, sequence_parallel and "
+                                  "shard_optimizer "
                                   "(docs/guide/context.md). Drop one of them.")
 
     @classmethod

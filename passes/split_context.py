@@ -8,7 +8,8 @@ of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
 
 - ops that work token by token (elementwise ops, matmuls on the features, norms and softmaxes over the features,
   views that keep the tokens in one dim, embedding lookups, per-token losses) run on this rank's tokens, their
-  size arguments cut to them; a whole-sequence operand they meet (position ids, rotary tables, labels, an
+  size arguments cut to them; so do sequence parallelism's gathers and scatters of the tokens over a tensor axis
+  (``convert_layout``, their sizes cut), and a lookup whose rows it scatters along the tokens has its ids cut; a whole-sequence operand they meet (position ids, rotary tables, labels, an
   attention mask's query rows) is cut to this rank's tokens where they meet (``context_slice``);
 - ``scaled_dot_product_attention`` of this rank's queries becomes ``context_attention``: keys and values
   gathered over the context ranks, a causal mask made from the tokens' positions;
@@ -287,7 +288,16 @@ class _Splitter:
             return other
         if size != src.outer * self.tokens * src.inner:
             raise _Unsplittable
-        return self.slice_of(other, dataclasses.replace(src, dim=at), node)
+        want = dataclasses.replace(src, dim=at)
+        if (other.target is sharded_embedding and other.args[3].scatter_dim == at and len(other.users) == 1
+                and isinstance(ids := other.args[1], fx.Node) and _ndim(ids) == _ndim(other) - 1
+                and self.state.get(ids) is None):
+            # a lookup whose rows sequence parallelism scatters over a tensor axis along the tokens (nanoGPT's
+            # positions' table): its ids are cut instead, so that it scatters this rank's tokens
+            other.replace_input_with(ids, self.slice_of(ids, want, other))
+            self.state[other] = want
+            return other
+        return self.slice_of(other, want, node)
 
     def _split_of(self, x: Any) -> ContextSpec:
         """How ``x`` holds this rank's tokens; raises ``_Unsplittable`` where it is whole or a tuple."""
@@ -506,6 +516,18 @@ class _Splitter:
         x = node.args[0]
         spec = self._split_of(x)
         last = node.args[-1]
+        if node.target is convert_layout:  # sequence parallelism's gather or scatter of the tokens over a tensor axis
+            cut = {}
+            for field in ("src", "dst"):
+                sharding = getattr(last, field)
+                if not sharding.is_replicated and sharding.dim % _ndim(x) == spec.dim:
+                    whole = spec.outer * self.tokens * spec.inner  # (rows of a flattened batch x tokens, too)
+                    if sharding.parts != (whole,):
+                        raise _Unsplittable
+                    cut[field] = dataclasses.replace(sharding, parts=(whole // self.ranks,))  # this rank's
+            if cut:
+                node.args = (*node.args[:-1], dataclasses.replace(last, **cut))
+                return spec
         for sharding in (getattr(last, "src", None), getattr(last, "dst", None), getattr(last, "sharding", None)):
             if sharding is not None and not sharding.is_replicated and sharding.dim % _ndim(x) == spec.dim:
                 raise _Unsplittable

@@ -167,7 +167,7 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             # (the split applies where one of row and col reduces a whole output: exactly one of them > 1; not
             # tried with experts split over data, whose exchange under token-split activations is not built)
             if (sequence and not s.fits and s.time is not None and (c.row > 1) != (c.col > 1)
-                    and not c.sequence_parallel and not c.expert_parallel and c.context == 1):  # (ParallelConfig's)
+                    and not c.sequence_parallel and not c.expert_parallel):
                 seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
                 if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
                     s = seq

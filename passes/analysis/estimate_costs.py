@@ -476,10 +476,12 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
     if res.batch is not None and batch is not None:
         out += pooled_collectives(gm, res.batch, batch) if pooled else batch_collectives(gm, res.batch, batch, config)
     if config.context > 1:  # each rank holds 1/context of the tokens: its activations' collectives move that much
-        # (not the weights' gathers over depth and their gradients' reduce-scatters, nor the outputs' gather over the
-        # batch shards, which comes after their gather over context)
+        # (not the weights' gathers over depth and their gradients' reduce-scatters, nor the sums of a weight's
+        # gradient over a tensor axis (sequence parallelism's norms), nor the outputs' gather over the batch shards,
+        # which comes after their gather over context)
+        weights = {n.name for n in gm.graph.nodes if param_name(n) is not None}
         out = [dataclasses.replace(c, message_bytes=c.message_bytes // config.context)
-               if c.phase != "step" and "depth" not in c.axis.split("+")
+               if c.phase != "step" and "depth" not in c.axis.split("+") and c.node not in weights
                and not (c.where == "<output>" and c.axis == "batch") else c for c in out]
         out += context_collectives(gm, res, config)
     if params is not None:

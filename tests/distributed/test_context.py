@@ -95,13 +95,16 @@ CASES = [("llama", {"context": 4}, "labels"), ("llama", {"context": 2, "tensor":
          ("qwen3", {"context": 2, "data": 2}, "labels"), ("nanogpt", {"context": 2, "data": 2}, "labels"),
          ("llama", {"context": 2, "data": 2}, "caller"), ("llama", {"context": 2, "plan": "auto"}, "labels"),
          ("llama", {"context": 2, "tensor": (1, 1, 2)}, "labels"),
-         ("llama", {"context": 2, "data": 2, "shard_optimizer": True}, "labels")]
+         ("llama", {"context": 2, "data": 2, "shard_optimizer": True}, "labels"),
+         ("llama", {"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True}, "caller"),
+         ("nanogpt", {"context": 2, "tensor": (1, 2, 1), "sequence_parallel": True}, "labels")]
 """Context alone (4 ranks: 8 chunks of 2 tokens), with a row-split tensor grid (heads and vocabulary split too),
 with data (Qwen3's per-head q/k norms; nanoGPT's own attention call and loss); the caller's loss on the logits
 (the output gathered over the context ranks); the rest of the grid chosen by the search at the first call; with
 depth (a weight split over depth has its gradient summed over data x context only: summed over the depth ranks
 too, as before 2026-12-05, its gradients were off by 100%); with the optimizer state split over data (each data
-rank's chunk of a gradient then summed over context)."""
+rank's chunk of a gradient then summed over context); with sequence parallelism (this rank's tokens split again
+over the tensor axis between matmuls; nanoGPT's positions' lookup scatters this rank's tokens)."""
 
 
 def _per_rank_case(grid: dict, how: str) -> dict:
@@ -163,7 +166,7 @@ def _lengths() -> list[float]:
 
 
 BYTES = [{"context": 2, "data": 2, "shard_optimizer": True}, {"context": 2, "tensor": (2, 1, 1)},
-         {"context": 2, "tensor": (1, 1, 2)}]
+         {"context": 2, "tensor": (1, 1, 2)}, {"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True}]
 """Grids whose bytes of one training step (forward, backward, AdamW's step) are compared with the plan's."""
 
 
@@ -236,7 +239,7 @@ def test_context_with_what_it_does_not_combine_with_yet_is_refused():
     from autopar.config import ParallelConfig
     from autopar.errors import ConfigError
 
-    for extra in ({"pipeline": 2}, {"sequence_parallel": True, "tensor": (2, 1, 1)}, {"expert_parallel": True}):
+    for extra in ({"pipeline": 2}, {"expert_parallel": True}):
         with pytest.raises(ConfigError, match="not supported yet"):
             ParallelConfig.from_user(world_size=8, context=2, **extra)
     with pytest.raises(ConfigError, match="context"):

@@ -53,6 +53,21 @@ def test_decoders_and_encoders_split_every_op_and_gather_only_keys_and_values(na
     assert {n.args[-1].is_causal for n in attention} == {name != "bert"}
 
 
+@pytest.mark.parametrize("name, tensor", [("llama", (2, 1, 1)), ("qwen3", (1, 2, 1)), ("gpt2", (2, 1, 1))])
+def test_with_sequence_parallelism_the_tokens_gather_over_tensor_is_cut_to_this_ranks(name, tensor):
+    """Sequence parallelism's gathers and scatters of the tokens over a tensor axis (``convert_layout``) name the
+    tokens' size: cut to this rank's, they split like any op (they were whole-sequence reads, gathered over
+    context, which the tokens split over the tensor axis too did not fit: an index error at run time); GPT-2's
+    positions' lookup scatters this rank's tokens, its ids cut."""
+    gm, found, notes = _emitted(name, ParallelConfig(row=tensor[0], col=tensor[1], context=2, sequence_parallel=True))
+    assert found["attention"] == zoo.LAYERS and found["gather"] == 0 and not notes, (found, notes)
+    converts = [n.args[-1] for n in gm.graph.nodes if n.target is ir.convert_layout]
+    # the tokens' dim: dim 1 of [batch 4, 16 tokens, features], or dim 0 of GPT-2's [4 x 16 rows, features]
+    dim, whole = (0, 64) if name == "gpt2" else (1, 16)
+    tokens = [s.parts for c in converts for s in (c.src, c.dst) if not s.is_replicated and s.dim == dim]
+    assert (whole // 2,) in tokens and (whole,) not in tokens, tokens  # (GPT-2's [4, 16, 32] split on its 4 rows)
+
+
 def test_with_a_tensor_grid_the_vocabulary_split_loss_is_completed_over_context():
     gm, found, _ = _emitted("llama", ParallelConfig(row=2, context=2))
     assert found["attention"] == zoo.LAYERS and found["gather"] == 0, found
