@@ -1,7 +1,9 @@
 """Long sequences on a few ranks: context parallelism (``context=4``) against tensor parallelism with sequence
-parallelism (``tensor=(4,1,1)``, ``sequence_parallel=True``) on the same small Llama (hidden 64, 4 heads and 4
-key/value heads, so that tensor 4 splits attention too), batch 1 x 32,768 tokens, in one torchrun job: per grid, the loss of each step (both must equal each other), the median step time (slowest
-rank) and the activation peak per rank of one step (``autopar.memory.LiveBytes``), and the plan's prediction.
+parallelism (``tensor=(4,1,1)``, ``sequence_parallel=True``) and both (context 2 x tensor 2 with sequence
+parallelism) on the same small Llama (hidden 64, 4 heads and 4 key/value heads, so that tensor 4 splits attention
+too), batch 1 x 32,768 tokens, in one torchrun job: per grid, the loss of each step (all must equal each other),
+the median step time (slowest rank) and the activation peak per rank of one step (``autopar.memory.LiveBytes``),
+and the plan's prediction.
 
     python -m benchmarks.context                       # 4 ranks, 32,768 tokens (a few minutes on 2 CPU cores)
     python -m benchmarks.context --tokens 4096 --steps 2
@@ -18,7 +20,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-GRIDS = {"context=4": {"context": 4}, "tensor=(4,1,1) + SP": {"tensor": (4, 1, 1), "sequence_parallel": True}}
+GRIDS = {"context=4": {"context": 4}, "tensor=(4,1,1) + SP": {"tensor": (4, 1, 1), "sequence_parallel": True},
+         "context=2 x tensor=(2,1,1) + SP": {"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True}}
 
 
 def job(args: argparse.Namespace) -> None:
@@ -70,8 +73,9 @@ def job(args: argparse.Namespace) -> None:
             print(f"| {name} | {t:.2f} | {peak / 2**20:.1f} | {planned / 2**20:.1f} | "
                   f"{', '.join(f'{x:.6f}' for x in losses)} |")
         base = rows[1]
-        print(f"context / tensor+SP: step {rows[0][1] / base[1]:.2f}x, activations {rows[0][2] / base[2]:.2f}x; "
-              f"losses differ by at most {max(abs(a - b) for a, b in zip(rows[0][4], base[4])):.1e}")
+        for name, t, peak, _, losses in (rows[0], rows[2]):
+            print(f"{name} / tensor+SP: step {t / base[1]:.2f}x, activations {peak / base[2]:.2f}x; losses differ "
+                  f"by at most {max(abs(a - b) for a, b in zip(losses, base[4])):.1e}")
     dist.destroy_process_group()
 
 
