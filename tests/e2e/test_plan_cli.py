@@ -88,6 +88,7 @@ def test_evaluate_takes_the_checkpoint_policy_and_compile_and_the_search_goes_wi
             parse_evaluate(bad, 2)
     with pytest.raises(ConfigError, match="'zero3' is not one of them"):
         parse_without("shard_optimizer,zero3")
+    assert parse_without("context,sequence_parallel") == {"context", "sequence_parallel"}
     got = {}
     for policy in ("none", "full"):
         out = tmp_path / f"{policy}.json"
