@@ -16,7 +16,8 @@ by running its nodes on CPU, so no pattern of HF's code is assumed: any other ma
 the user's ``attention_mask``, position ids the user passed, sliding windows, a decode step's
 bottom-right mask) stays as it was. A mask over ``max_elements`` elements (a long sequence's) is evaluated
 by blocks of query rows where its large values are computed row-wise (``_blockwise``: HF's comparisons of
-position aranges), up to ``LIMIT`` elements; otherwise, or with symbolic sizes, it stays too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
+position aranges), up to ``LIMIT`` elements (of one batch row and head where everything it is computed from is
+the same along them: one is evaluated); otherwise, or with symbolic sizes, it stays too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
 recompiles once for this and its own cleanup).
 
 Before -> After (HF Llama, seq 16)::
@@ -166,19 +167,44 @@ def _rows_of(x: Any, start: int, stop: int, rows: int) -> Any:
     return x
 
 
-def _mask_blocks(nodes: list[fx.Node], big: list[fx.Node], rows: int, per_block: int) -> Any:
-    """The mask (``nodes[-1]``, one of ``big``) in blocks of ``per_block`` query rows: the nodes not in ``big``
-    evaluated once, the ``big`` ones (``_blockwise``) per block. Yields (first row, the block)."""
-    small = [n for n in nodes if n not in set(big)]
-    needed = frozenset(i for n in big for i in n.all_input_nodes if i not in set(big))
+def _inputs(nodes: list[fx.Node], big: list[fx.Node]) -> dict[fx.Node, Any]:
+    """The values the ``big`` nodes read from the others, which are evaluated (each at most ``max_elements``)."""
+    large = set(big)
+    small = [n for n in nodes if n not in large]
+    needed = frozenset(i for n in big for i in n.all_input_nodes if i not in large)
     env = _evaluate(small, keep=needed) if small else {}
+    return {i: env[i] for i in needed}
+
+
+def _one_row(values: dict[fx.Node, Any]) -> dict[fx.Node, Any] | None:
+    """``values`` cut to one along every dim before their last two (the batch's rows, the heads) where each is
+    the same along them (HF's position ids of a batch without padding), so the mask they make is too; None where
+    one is not."""
+    out = {}
+    for i, v in values.items():
+        if isinstance(v, torch.Tensor) and v.dim() > 2 and any(d > 1 for d in v.shape[:-2]):
+            first = v[(slice(0, 1),) * (v.dim() - 2)]
+            if not torch.equal(v, first.expand_as(v)):
+                return None
+            v = first
+        out[i] = v
+    return out
+
+
+def _mask_blocks(nodes: list[fx.Node], big: list[fx.Node], rows: int, per_block: int, values: dict[fx.Node, Any],
+                 one: bool = False) -> Any:
+    """The mask (``nodes[-1]``, one of ``big``) in blocks of ``per_block`` query rows from ``values`` (``_inputs``),
+    the ``big`` nodes (``_blockwise``) evaluated per block. Yields (first row, the block). ``one``: ``values`` are
+    one along the dims before the last two (``_one_row``), and so is each block (its ``expand``s to one there)."""
     for start in range(0, rows, per_block):
         stop = min(rows, start + per_block)
-        block = {i: _rows_of(env[i], start, stop, rows) for i in needed}
+        block = {i: _rows_of(v, start, stop, rows) for i, v in values.items()}
         for n in big:
             if n.target is torch.ops.aten.expand.default:
                 sizes = list(n.args[1])
                 sizes[-2] = stop - start
+                if one:
+                    sizes[:-2] = [1] * (len(sizes) - 2)
                 block[n] = block[n.args[0]].expand(sizes)
                 continue
             block = _evaluate([n], env=block)
@@ -196,16 +222,26 @@ def _causal_nodes(mask: fx.Node, attention: fx.Node, max_elements: int) -> list[
     if tuple(m.shape[-2:]) != (length, keys):
         return None
     big = [n for n in nodes if isinstance(n.meta.get("val"), torch.Tensor) and n.meta["val"].numel() > max_elements]
-    per_block = length
     if big:  # (a long sequence's mask: by blocks of query rows, where every large value is computed row-wise
         # and no small one is computed from a large one, as HF's comparisons of position aranges are)
         large = set(big)
-        if m.numel() > LIMIT or not all(_blockwise(n, length) for n in big) or \
+        if not all(_blockwise(n, length) for n in big) or \
                 any(i in large for n in nodes if n not in large for i in n.all_input_nodes):
             return None
-        per_block = max(1, min(max_elements, BLOCK) // (m.numel() // length))
     try:
-        blocks = _mask_blocks(nodes, big, length, per_block) if big else [(0, _evaluate(nodes)[nodes[-1]])]
+        if big:
+            # where what they read is the same for every row of the batch and head, the mask is: one is evaluated
+            # (BLOOM's search captured a [2048, 1, 2048, 2048] mask: 2^33 elements, for 2^22 to decide)
+            values = _inputs(nodes, big)
+            reduced = _one_row(values)
+            elements = length * keys if reduced is not None else m.numel()
+            if elements > LIMIT:
+                return None
+            per_block = max(1, min(max_elements, BLOCK) // (elements // length))
+            blocks = _mask_blocks(nodes, big, length, per_block, reduced if reduced is not None else values,
+                                  reduced is not None)
+        else:
+            blocks = [(0, _evaluate(nodes)[nodes[-1]])]
         causal = all(_causal_rows(value, start, keys) for start, value in blocks)
     except Exception as e:  # noqa: BLE001  (the mask then stays as the model made it: still exact)
         log.warning("autopar: could not evaluate %s's mask on CPU (%s: %s); it stays a mask", attention.name,

@@ -118,6 +118,25 @@ def test_a_long_sequences_mask_is_decided_by_blocks_of_rows():
     assert _run(additive, max_elements=11)
 
 
+def test_a_mask_alike_for_every_batch_row_is_decided_on_one(monkeypatch):
+    """A mask made from values alike along the batch's rows (HF's position ids of a batch without padding) is the
+    same for every row: one row's is evaluated, so a mask counted whole over ``LIMIT`` is still decided (BLOOM's
+    search captured a [2048, 1, 2048, 2048] mask: 2^33 elements to evaluate, 90 s of its 115); one made from values
+    that differ along them is evaluated whole, so over the limit it stays (mutation: the limit counted on the
+    whole mask -> the first stays)."""
+    import passes.causal_attention as pass_module
+
+    monkeypatch.setattr(pass_module, "LIMIT", 40)  # (one [6, 6] row's 36 elements; the [2, 1, 6, 6] mask's 72)
+    positions = lambda n, d: torch.arange(n, device=d)  # noqa: E731
+    causal = lambda l, s, d: (positions(s, d)[None, :] <= positions(l, d)[:, None]).expand(2, 1, l, s)  # noqa: E731
+    assert _run(causal, max_elements=11)
+    batch = lambda d: torch.arange(2, device=d)[:, None, None, None]  # noqa: E731  (0 and 1: not alike)
+    rows = lambda l, s, d: causal(l, s, d) & (batch(d) + positions(l, d)[None, None, :, None] >= 0)  # noqa: E731
+    assert not _run(rows, max_elements=11)
+    monkeypatch.setattr(pass_module, "LIMIT", 1 << 36)
+    assert _run(rows, max_elements=11)  # (whole, within the limit: still causal)
+
+
 def test_hf_llamas_mask_turns_causal_by_blocks():
     torch.manual_seed(0)
     model = zoo.build_model("llama").eval()
