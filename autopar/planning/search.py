@@ -64,6 +64,9 @@ RELIEF = 1.25
 """A fitting grid that recomputes blocks is also planned with its optimizer state split over data where its step
 is within this factor of the best one's (``_search``'s ``relieved``): the RELIEF_TRIES fastest such grids."""
 RELIEF_TRIES = 3
+SEQUENCE_TRIES = 2
+"""The screen's best grids of one tensor axis also planned where none is among its best (``_search``): sequence
+parallelism may fit them with fewer blocks recomputed, and the screen counts no activations."""
 SCREENED = "not planned"
 
 
@@ -187,6 +190,15 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
             split = scored_one(dataclasses.replace(out[i].candidate, shard_optimizer=True))
             if split.fits and split.seconds < out[i].seconds:
                 out[i] = split
+        # and with its activations split along the tokens, where one tensor axis allows it (``planned``'s)
+        eligible = sorted((s.seconds, i) for i, s in enumerate(out)
+                          if sequence and s.fits and s.recompute and (s.candidate.row > 1) != (s.candidate.col > 1)
+                          and not s.candidate.sequence_parallel and not s.candidate.expert_parallel
+                          and s.seconds <= RELIEF * best)
+        for _, i in eligible[:RELIEF_TRIES]:
+            split = scored_one(dataclasses.replace(out[i].candidate, sequence_parallel=True))
+            if split.fits and split.seconds < out[i].seconds:
+                out[i] = split
         return out
 
     if keep is None or len(grids) <= keep:
@@ -225,11 +237,24 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     # and the screen's best grid without tensor axes and with them, where the first are all of one kind: the
     # screen prices the two kinds by different closed forms (AxoNN's per-layer collectives, experts split over
     # a tensor axis) and errs differently on each (Qwen3-30B-A3B on 16 H100s: data 2 x pipeline 8 screened at
-    # 893 ms behind tensor grids screened under 730, planned at 667 against their 812)
-    kinds = [next((c for _, memory, c in screened[first:] if (c.row * c.col * c.depth > 1) == tensor
-                   and memory <= machine.memory_bytes), None) for tensor in (False, True)
-             if not any((c.row * c.col * c.depth > 1) == tensor for *_, c in screened[:first])]
-    scored = planned(choose([c for *_, c in screened[:first]] + [c for c in kinds if c is not None]))
+    # 893 ms behind tensor grids screened under 730, planned at 667 against their 812); and its SEQUENCE_TRIES best
+    # grids of one tensor axis (a grid and its row/column mirror counted once), where sequence parallelism may
+    # split their activations: the screen counts none, so it cannot see the blocks that saves from recomputing
+    # (Llama-3-405B at 8,192 tokens on 16,384 H100s: tensor 8 with it 14.2 s, the screen's 2 x 4 grids 16.8 s)
+    kinds_of = [(lambda c: c.row * c.col * c.depth == 1, 1), (lambda c: c.row * c.col * c.depth > 1, 1)]
+    if sequence:
+        kinds_of.append((lambda c: (c.row > 1) != (c.col > 1) and not c.expert_parallel, SEQUENCE_TRIES))
+    kinds: dict[Candidate, None] = {}
+    for kind, tries in kinds_of:
+        if any(kind(c) for *_, c in screened[:first]):
+            continue
+        shapes: set[Candidate] = set()
+        for _, memory, c in screened[first:]:
+            mirror = dataclasses.replace(c, row=c.col, col=c.row)
+            if len(shapes) < tries and kind(c) and memory <= machine.memory_bytes and mirror not in shapes:
+                shapes.add(c)
+                kinds[c] = None
+    scored = planned(choose([c for *_, c in screened[:first]] + list(kinds)))
     # the screen counts no activations: while none of the planned grids fits, plan the next ones it would
     # fit, up to ROUNDS times as many
     done = first
