@@ -91,14 +91,10 @@ class ParallelConfig:
                               f"{'depth > 1' if self.depth > 1 else 'two'}: use a tensor grid of one axis "
                               "(tensor=(T, 1, 1)), or expert_parallel=True (experts over data, each split over the "
                               "larger tensor axis).")
-        if self.context > 1:
-            others = [name for name, on in (("pipeline > 1", self.pipeline > 1),
-                                            ("expert_parallel", bool(self.expert_axis))) if on]
-            if others:
-                raise ConfigError(f"context={self.context} with {' and '.join(others)} is not supported yet: context "
-                                  "parallelism runs with data parallelism, tensor grids, sequence_parallel and "
-                                  "shard_optimizer "
-                                  "(docs/guide/context.md). Drop one of them.")
+        if self.context > 1 and self.expert_axis:
+            raise ConfigError(f"context={self.context} with expert_parallel is not supported yet: context "
+                              "parallelism runs with data, pipeline and tensor grids, sequence_parallel and "
+                              "shard_optimizer (docs/guide/context.md). Drop one of them.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,

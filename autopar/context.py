@@ -185,7 +185,7 @@ def auto_parallelize(*, tensor: Sequence[int] | None = None, data: int | None = 
             ``2 * context - 1 - i``: causal attention's work is even), position ids and rotary tables follow, and
             attention gathers the keys and values over the context ranks; the loss is completed over them.
             Serial's numbers. The sequence length must divide into ``2 * context`` chunks. Combines with ``data``,
-            ``tensor``, ``sequence_parallel`` and ``shard_optimizer`` (not yet with ``pipeline`` or
+            ``pipeline``, ``tensor``, ``sequence_parallel`` and ``shard_optimizer`` (not yet with
             ``expert_parallel``); ``data=None`` counts it among the ranks used. With ``plan="auto"`` the search
             keeps a degree given here, and tries context degrees on its own where a sequence has 16,384 tokens or
             more. See docs/guide/context.md.

@@ -18,7 +18,7 @@ features, the checkpoint policy (``checkpoint=full`` recomputes every block, as 
 ``none`` nothing; ``auto``, the default, what memory needs) and ``compile`` or ``eager`` (default ``--compile``'s).
 ``--without`` holds the search to plans without the named features, so a run made without them (a framework
 that lacks one) is compared with the best plan of its own kind. The search also tries context parallelism
-(``context=X``, without a pipeline) where a sequence has 16,384 tokens or more (``--context`` fixes its degree,
+(``context=X``, with or without a pipeline) where a sequence has 16,384 tokens or more (``--context`` fixes its degree,
 1 for none).
 """
 

@@ -51,7 +51,7 @@ from torch import fx
 from autopar.compat import OpOverload
 from autopar.decisions import Plan
 from autopar.errors import PlanError
-from passes.analysis.graph_facts import tensor_meta
+from passes.analysis.graph_facts import tensor_meta, token_lookups
 from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, InputKind, batch_reduce, context_attention,
                        context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
                        expert_dispatch, gather_output, gather_rows, input_info, reduce_partial, scatter_rows,
@@ -80,7 +80,7 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     ranks = plan.config.context if plan is not None else 1
     if ranks <= 1:
         return PassResult(gm, False)
-    seeds = _seeds(gm)
+    seeds = token_lookups(gm)
     tokens = {int(tensor_meta(ids).shape[-1]) for _, ids in seeds}
     if len(tokens) > 1:
         raise PlanError(f"context={ranks}: the model embeds sequences of different lengths {sorted(tokens)}; "
@@ -106,40 +106,6 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
         if node.target is context_slice and not node.users:
             gm.graph.erase_node(node)
     return PassResult(gm, True, notes)
-
-
-def _seeds(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
-    """(embedding, its token ids) for each lookup of ids that come from a user input and hold a sequence."""
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target is aten.embedding.default:
-            ids = node.args[1]
-        elif node.target is sharded_embedding:
-            ids = node.args[1]
-        else:
-            continue
-        val = tensor_meta(ids) if isinstance(ids, fx.Node) else None
-        if val is None or val.dim() < 2 or not isinstance(val.shape[-1], int) or not _from_user(ids):
-            continue
-        out.append((node, ids))
-    return out
-
-
-def _from_user(node: fx.Node) -> bool:
-    seen, todo = set(), [node]
-    while todo:
-        n = todo.pop()
-        if n in seen:
-            continue
-        seen.add(n)
-        if n.op == "placeholder":
-            info = input_info(n)
-            if info is not None and info.kind is InputKind.USER:
-                return True
-        todo.extend(n.all_input_nodes)
-    return False
 
 
 def _ndim(node: Any) -> int | None:

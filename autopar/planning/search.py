@@ -102,8 +102,8 @@ def search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fix
     whole experts over those ("data+tensor"; ``candidates``'s ``expert_layouts``): beside the unsplit grid
     (None), only so (True: either; "data+tensor": that one), or never (False). ``without``: features no
     plan may use (``Candidate``'s: ``shard_optimizer``, ``sequence_parallel``, ``expert_parallel``, ``context``), as a
-    framework that lacks them runs. Where a sequence has ``CONTEXT_FROM`` tokens or more, grids without a pipeline
-    are also tried with context degrees (``context_degrees``; ``fixed["context"]`` keeps one, 1 none)."""
+    framework that lacks them runs. Where a sequence has ``CONTEXT_FROM`` tokens or more, the grids (pipelines
+    included) are also tried with context degrees (``context_degrees``; ``fixed["context"]`` keeps one, 1 none)."""
     if "expert_parallel" in without:
         if expert_parallel:
             raise PlanError("the search was asked for experts split over data and held to plans without them")

@@ -34,7 +34,7 @@ from autopar.errors import PlanError
 from passes.analysis.estimate_costs import AGREEMENT, Collective, matmul_flops, matmul_split
 from passes.analysis.estimate_memory import shard_fraction, segment_names
 from passes.analysis.graph_facts import (ATTENTION_STEP_FACTOR, MatmulMatch, attention_flops, module_of, param_name,
-                                         tensor_meta)
+                                         tensor_meta, token_split_nodes)
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.machine import Machine
 from passes.analysis.make_plan import layouts_for
@@ -236,6 +236,12 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
             continue  # once per step (gradient sync), or not run by a pipeline (train_step's loss instead)
         seg = by_name.get(c.node) or of_param.get(c.where) or of_module.get(c.where) or order[-1]
         issued[seg].append(c)
+    # context parallelism: a stage computes and sends this rank's tokens of what the token lookups make (the
+    # rest, rotary tables, position ids, labels, crosses whole and is cut where it is read)
+    tokens = token_split_nodes(gm) if config.context > 1 else frozenset()
+    if config.context > 1:
+        flops = {k: v / config.context for k, v in flops.items()}
+        attention = {k: v / config.context for k, v in attention.items()}
     crossing: list[list[tuple[int, bool]]] = [[] for _ in order]  # tensors live across a cut after segment k
     last = len(order) - 1
     for node in gm.graph.nodes:
@@ -250,7 +256,8 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         users = [last if u.op == "output" else index[seg_of[u]] for u in node.users if u in seg_of or u.op == "output"]
         if t is None or not users:
             continue
-        nbytes = int(t.numel() * t.element_size() * shard_fraction(res.sharding(node), sizes))
+        nbytes = int(t.numel() * t.element_size() * shard_fraction(res.sharding(node), sizes)
+                     / (config.context if node in tokens else 1))
         for k in range(born, max(users)):
             crossing[k].append((nbytes, bool(res.requires_grad.get(node, False))))
     params = {p.name: p.local_numel(config) * 4 for p in plan.params}

@@ -246,15 +246,21 @@ def loss_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConf
     logits = next((a for a in leaves if isinstance(a, fx.Node) and tensor_meta(a) is not None), None)
     if logits is None:
         return []
+    context: list[Collective] = []
+    if config.context > 1:  # the last stage's outputs gathered whole over context for the loss (``split_context``),
+        # their gradients reduce-scattered back to each rank's tokens
+        context = [Collective(kind, "context", config.context, nbytes, phase, "<loss>")
+                   for nbytes in gathered_outputs(gm)
+                   for kind, phase in (("all_gather", "forward"), ("reduce_scatter", "backward"))]
     t, sharding = tensor_meta(logits), res.sharding(logits)
     if sharding.is_replicated:
-        return []
+        return context
     size = config.size(sharding.axis)
     if sharding.dim == t.dim() - 1 and len(sharding.parts) == 1:
         out = vocab_loss_collectives(t, t.dim() - 1, sharding.axis, config, "<loss>")
     else:
         out = [Collective("all_gather", sharding.axis, size, gathered_bytes(t, sharding, config), "forward", "<loss>")]
-    return [c for c in out if c.group_size > 1]
+    return context + [c for c in out if c.group_size > 1]
 
 
 def vocab_loss_collectives(logits: Any, class_dim: int, axis: str, config: ParallelConfig, where: str, at: str = "",

@@ -12,7 +12,7 @@ import torch
 from torch import fx
 
 from autopar.compat import op_schema, pytree, size_hint
-from passes.ir import InputKind, input_info
+from passes.ir import InputKind, input_info, sharded_embedding
 
 aten = torch.ops.aten
 
@@ -340,3 +340,50 @@ class InPlaceWrites:
         if start is None or end is None:
             return False
         return any(start < p < end for p in self.at.get(storage_root(producer), ()))
+
+
+def token_lookups(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """(embedding, its token ids) for each lookup of ids that come from a user input and hold a sequence (static
+    length, last dim): where context parallelism cuts the tokens (``passes.split_context``)."""
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or node.target not in (aten.embedding.default, sharded_embedding):
+            continue
+        ids = node.args[1]
+        val = tensor_meta(ids) if isinstance(ids, fx.Node) else None
+        if val is None or val.dim() < 2 or not isinstance(val.shape[-1], int) or not _from_user(ids):
+            continue
+        out.append((node, ids))
+    return out
+
+
+def token_split_nodes(gm: fx.GraphModule) -> frozenset[fx.Node]:
+    """The nodes that hold this rank's tokens under context parallelism: every node computed from a token lookup
+    (``token_lookups``). Whole-sequence tensors made apart from them (rotary tables, position ids, labels) stay whole
+    and are cut where they meet split ones; an op that reads the whole sequence back (``context_gather``) is
+    counted split too."""
+    todo = [node for node, _ in token_lookups(gm)]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op == "output":
+            continue
+        seen.add(n)
+        todo.extend(n.users)
+    return frozenset(seen)
+
+
+def _from_user(node: fx.Node) -> bool:
+    """Whether ``node`` is computed from a user input."""
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        if n in seen:
+            continue
+        seen.add(n)
+        if n.op == "placeholder":
+            info = input_info(n)
+            if info is not None and info.kind is InputKind.USER:
+                return True
+        todo.extend(n.all_input_nodes)
+    return False

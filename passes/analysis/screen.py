@@ -306,20 +306,25 @@ class _Degrees:
         share = micro / self.stages
         return seconds * share, calls * share
 
-    def _context(self, c: Candidate) -> tuple[float, float]:
+    def _context(self, c: Candidate, micro: int) -> tuple[float, float]:
         """Context parallelism's collectives of one step (``estimate_costs.context_collectives``): each attention's
         keys and values gathered whole over the context ranks in forward and their gradients reduce-scattered in
         backward (this rank's rows, the heads over the larger tensor axis), and the outputs gathered: seconds and
-        calls."""
-        price, n, rows = self.price, c.context, c.data * c.depth
+        calls. Under a pipeline, per micro-batch (``micro``) of the rank's share of the blocks, and the last
+        stage's outputs gathered for the loss and their gradients reduce-scattered (``loss_collectives``), priced
+        on every rank (the busiest may be the last)."""
+        price, n, rows, stages = self.price, c.context, c.data * c.depth * micro, self.stages
         heads = max(c.row, c.col)
         seconds = sum(price("all_gather", "context", n, kv // (rows * heads), "forward")
                       + price("reduce_scatter", "context", n, kv // (rows * heads), "backward")
-                      for kv in self.shape.attention_kv)
-        calls = 2 * len(self.shape.attention_kv)
+                      for kv in self.shape.attention_kv) * micro / stages
+        calls = 2 * len(self.shape.attention_kv) * micro / stages
         if self.shape.output_bytes:
-            seconds += price("all_gather", "context", n, self.shape.output_bytes // rows, "forward")
-            calls += 1
+            seconds += micro * price("all_gather", "context", n, self.shape.output_bytes // rows, "forward")
+            calls += micro
+            if stages > 1:
+                seconds += micro * price("reduce_scatter", "context", n, self.shape.output_bytes // rows, "backward")
+                calls += micro
         return seconds, calls
 
     def _state(self, c: Candidate, params: int, price: Prices, shard_optimizer: bool, split_experts: int = 0
@@ -386,7 +391,7 @@ class _Degrees:
             memo[key] = _tensor_seconds(shape, c, price, self.axes)
         comm, blocking = memo[key]
         if c.context > 1:
-            gathers, calls = self._context(c)
+            gathers, calls = self._context(c, micro)
             comm, blocking = comm + gathers, blocking + calls
         if self.experts or self.each_expert:
             exchange, calls = self._exchange(c, micro)

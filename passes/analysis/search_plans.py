@@ -55,8 +55,8 @@ class Candidate:
     """Routed experts split over the data ranks, their rows moved by all-to-alls, or ("data+tensor") whole ones
     over data x the tensor axis (``ParallelConfig``'s)."""
     context: int = 1
-    """Ranks splitting every sequence's tokens (``ParallelConfig.context``): the search tries it on grids
-    without a pipeline where the sequence is long (``context_degrees``)."""
+    """Ranks splitting every sequence's tokens (``ParallelConfig.context``): the search tries it where the sequence
+    is long (``context_degrees``)."""
 
     @property
     def config(self) -> ParallelConfig:
@@ -93,7 +93,7 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     and a grid of one tensor axis whose data x tensor ranks divide them all with whole experts over those
     ("data+tensor"), beside it (``expert_parallel=None``) or instead of it (True: either layout; "data+tensor":
     that one); False: never.
-    ``contexts``: context degrees (> 1) also tried, each on every grid of ``world / C`` ranks without a pipeline
+    ``contexts``: context degrees (> 1) also tried, each on every grid of ``world / C`` ranks
     (as the runtime runs it: experts whole, ``Candidate.context``); ``fixed["context"]`` keeps one degree only
     (1: none)."""
     fixed = dict(fixed or {})
@@ -104,23 +104,21 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         contexts = () if fixed["context"] == 1 else (fixed.pop("context"),)
         fixed.pop("context", None)
         if contexts:  # (only grids of that context degree)
-            return _context_grids(world, global_batch, fixed, contexts)
+            return _context_grids(world, global_batch, fixed, contexts, max_microbatches, chunks)
     return _grids(world, global_batch, fixed, max_microbatches, chunks, experts, expert_parallel) + \
-        _context_grids(world, global_batch, fixed, contexts)
+        _context_grids(world, global_batch, fixed, contexts, max_microbatches, chunks)
 
 
-def _context_grids(world: int, global_batch: int, fixed: Mapping[str, int], contexts: Sequence[int]
-                   ) -> list[Candidate]:
-    """``candidates``' grids of each context degree in ``contexts``: data x row x col x depth of ``world / C``."""
-    if fixed.get("pipeline", 1) != 1:
-        return []
+def _context_grids(world: int, global_batch: int, fixed: Mapping[str, int], contexts: Sequence[int],
+                   max_microbatches: int, chunks: Sequence[int]) -> list[Candidate]:
+    """``candidates``' grids of each context degree in ``contexts``: data x pipeline x row x col x depth of
+    ``world / C``, experts whole."""
     out = []
     for context in contexts:
         if context <= 1 or world % context:
             continue
-        rest = {**fixed, "pipeline": 1}
         out += [dataclasses.replace(c, context=context)
-                for c in _grids(world // context, global_batch, rest, 1, (1,), (), False)]
+                for c in _grids(world // context, global_batch, fixed, max_microbatches, chunks, (), False)]
     return out
 
 

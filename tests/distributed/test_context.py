@@ -4,9 +4,11 @@ completed over them. Oracle: the serial model, same seed and data: losses (HF's 
 in forward, the caller's cross-entropy on the logits), first-step gradients, final parameters, ``model(x)``'s
 logits and greedy ``generate()`` tokens (a prompt that does not split runs whole); on context alone and with data
 and tensor grids, on HF Llama, Qwen3 (q/k norms) and nanoGPT (``F.scaled_dot_product_attention(is_causal=True)``
-called directly, learned positions); a DDP script's per-rank batches against DDP's step. Mutation: an output
-whose caller's gradient is kept on every context rank (not one) doubles the gradients, and the comparison sees
-it."""
+called directly, learned positions); with a pipeline, its stages run in order by ``model(x)`` and by
+``autopar.train_step``'s schedules; a DDP script's per-rank batches against DDP's step. Mutations: an output
+whose caller's gradient is kept on every context rank (not one) doubles the gradients; a pipeline's stages cut from
+the whole sequence's graph (before 2026-12-05 they were: every context rank computed all the tokens, silently off by
+100%); the comparison sees both."""
 
 from __future__ import annotations
 
@@ -20,7 +22,10 @@ from autopar.examples import zoo
 from autopar.examples.nanogpt import GPTConfig, NanoGPT
 from autopar.parallel_model import plan_of, runtime_of
 from autopar.runtime.comm.collectives import comm_calls
+from autopar.runtime.execution import builder
 from autopar.runtime.ops import context as context_ops
+from passes.split_context import split_context
+from tests import zoo_helpers as Z
 from tests.helpers import rel_err
 
 TOL = 1e-5
@@ -97,14 +102,34 @@ CASES = [("llama", {"context": 4}, "labels"), ("llama", {"context": 2, "tensor":
          ("llama", {"context": 2, "tensor": (1, 1, 2)}, "labels"),
          ("llama", {"context": 2, "data": 2, "shard_optimizer": True}, "labels"),
          ("llama", {"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True}, "caller"),
-         ("nanogpt", {"context": 2, "tensor": (1, 2, 1), "sequence_parallel": True}, "labels")]
+         ("nanogpt", {"context": 2, "tensor": (1, 2, 1), "sequence_parallel": True}, "labels"),
+         ("llama", {"context": 2, "pipeline": 2}, "labels")]
 """Context alone (4 ranks: 8 chunks of 2 tokens), with a row-split tensor grid (heads and vocabulary split too),
 with data (Qwen3's per-head q/k norms; nanoGPT's own attention call and loss); the caller's loss on the logits
 (the output gathered over the context ranks); the rest of the grid chosen by the search at the first call; with
 depth (a weight split over depth has its gradient summed over data x context only: summed over the depth ranks
 too, as before 2026-12-05, its gradients were off by 100%); with the optimizer state split over data (each data
 rank's chunk of a gradient then summed over context); with sequence parallelism (this rank's tokens split again
-over the tensor axis between matmuls; nanoGPT's positions' lookup scatters this rank's tokens)."""
+over the tensor axis between matmuls; nanoGPT's positions' lookup scatters this rank's tokens); with a pipeline (its
+stages run in order: each sends its context rank's tokens to the next)."""
+
+
+STEP_CASES = [{"context": 2, "pipeline": 2}, {"context": 2, "pipeline": 2, "schedule": "interleaved", "microbatches": 4}]
+"""Context with a pipeline through ``autopar.train_step`` (torch's schedules over micro-batches; the last stage's
+logits gathered over context for the caller's cross-entropy)."""
+
+
+def _step_case(grid: dict) -> dict:
+    data = [(args, {}, target) for args, _, target in Z.batches("llama", batch=4, seq=16)]
+    losses, grads = Z.serial("llama", data)
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(**grid):
+        model = zoo.build_model("llama")
+    got, got_grads = Z.train(model, data, lambda m: runtime_of(m).full_grads(),
+                             lambda m, args, kwargs, target: autopar.train_step(m, args, target, F.cross_entropy))
+    autopar.detach(model)
+    return {"loss": max(abs(a - b) for a, b in zip(got, losses)),
+            "grads": max(rel_err(got_grads[k], grads[k]) for k in grads)}
 
 
 def _per_rank_case(grid: dict, how: str) -> dict:
@@ -198,6 +223,7 @@ def _bytes(grid: dict) -> dict[str, tuple[float, float]]:
 
 def _worker() -> dict:
     results = [_case(*c) for c in CASES]
+    steps = [_step_case(g) for g in STEP_CASES]
     sent = [_bytes(g) for g in BYTES]
     per_rank = [_per_rank_case(*c) for c in PER_RANK]
     lengths = _lengths()
@@ -210,7 +236,14 @@ def _worker() -> dict:
         mutated = _case("llama", {"context": 2, "data": 2}, "caller")
     finally:
         context_ops.ContextOps.output = original
-    return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated, "bytes": sent}
+    passes = builder.PIPELINE_PASSES  # mutation: a pipeline's stages cut from the whole sequence's graph
+    builder.PIPELINE_PASSES = tuple(p for p in passes if p is not split_context)
+    try:
+        staged = _step_case({"context": 2, "pipeline": 2})
+    finally:
+        builder.PIPELINE_PASSES = passes
+    return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated, "bytes": sent,
+            "steps": steps, "staged": staged}
 
 
 def test_context_parallel_matches_serial(distributed):
@@ -227,6 +260,10 @@ def test_context_parallel_matches_serial(distributed):
                 assert got[what] < TOL, f"rank {rank}, per-rank batches at {grid} ({how}): {what} {got[what]:.2e}"
         assert max(r["lengths"]) < TOL, f"rank {rank}: losses at 16, 24, 16 tokens differ by {r['lengths']}"
         assert r["mutated"]["grads"] > 0.5, f"rank {rank}: the mutation went unseen ({r['mutated']})"
+        for grid, got in zip(STEP_CASES, r["steps"], strict=True):
+            for what in ("loss", "grads"):
+                assert got[what] < TOL, f"rank {rank}, train_step at {grid}: {what} differ by {got[what]:.2e}"
+        assert r["staged"]["grads"] > 0.5, f"rank {rank}: stages of the whole sequence went unseen ({r['staged']})"
         for grid, sent in zip(BYTES, r["bytes"], strict=True):
             # (the keys' and values' gathers, the outputs', the weights' over depth, the gradients' syncs: to the
             # byte; the loss's sums over context, a few bytes, are left out of the plan)
@@ -235,13 +272,13 @@ def test_context_parallel_matches_serial(distributed):
             assert 0 <= sent["all_reduce"][0] - sent["all_reduce"][1] <= 64, (rank, grid, sent["all_reduce"])
 
 
-def test_context_with_what_it_does_not_combine_with_yet_is_refused():
+def test_context_with_expert_parallelism_is_refused():
     from autopar.config import ParallelConfig
     from autopar.errors import ConfigError
 
-    for extra in ({"pipeline": 2}, {"expert_parallel": True}):
-        with pytest.raises(ConfigError, match="not supported yet"):
-            ParallelConfig.from_user(world_size=8, context=2, **extra)
+    with pytest.raises(ConfigError, match="not supported yet"):
+        ParallelConfig.from_user(world_size=8, context=2, expert_parallel=True)
+    assert ParallelConfig.from_user(world_size=8, context=2, pipeline=2).data == 2
     with pytest.raises(ConfigError, match="context"):
         ParallelConfig.from_user(world_size=6, context=4)
     assert ParallelConfig.from_user(world_size=8, context=2, tensor=(2, 1, 1)).data == 2

@@ -240,6 +240,9 @@ PIPELINE_BYTES_CASES = [  # 4 ranks: every kind of collective a pipeline rank is
     ("gpt2", (1, 1, 1), 2, {"pipeline": 2, "schedule": "gpipe"}),  # gradient sync and loss over data
     ("llama", (1, 1, 1), 1, {"pipeline": 4}),  # rotary tables pass through every stage
     ("llama", (1, 1, 1), 2, {"pipeline": 2, "schedule": "interleaved", "microbatches": 4}),
+    # this rank's tokens sent between stages (rotary tables whole), the logits gathered over context for the loss
+    ("llama", (1, 1, 1), 1, {"pipeline": 2, "context": 2}),
+    ("llama", (1, 1, 1), 1, {"pipeline": 2, "context": 2, "schedule": "interleaved", "microbatches": 4}),
 ]
 
 

@@ -145,13 +145,16 @@ def test_evaluate_scores_a_context_layout_in_the_words_it_prints():
 
     e = parse_evaluate("data=2 context=2 tensor=2,1,1", 8)
     assert e.candidate.config.context == 2 and "context=2" in e.candidate.describe()
+    e = parse_evaluate("data=2 pipeline=2 context=2 tensor=2,1,1 microbatches=2 chunks=2 sequence_parallel", 16)
+    assert (e.candidate.pipeline, e.candidate.context, e.candidate.chunks) == (2, 2, 2)
+    assert e.candidate.describe().startswith("data=2 pipeline=2 context=2")
     with pytest.raises(Exception, match="not supported yet"):
-        parse_evaluate("pipeline=2 context=2", 4)
+        parse_evaluate("data=2 context=2 expert_parallel", 4)
 
 
 @pytest.mark.slow
 def test_the_search_tries_context_parallelism_on_long_sequences_and_prices_it_as_planned():
-    """At 16,384 tokens the search also tries context degrees (grids without a pipeline), each planned grid's
+    """At 16,384 tokens the search also tries context degrees (with and without a pipeline), each planned grid's
     numbers what planning it alone predicts; at 8,192 it tries none; held ``without`` context, none either."""
     from autopar.planning.machines import load_machine
     from autopar.planning.search import score, search

@@ -688,15 +688,19 @@ def test_context_degrees_are_tried_for_long_sequences_only():
     assert context_degrees(64, 131072) == (2, 4, 8, 16, 32, 64)
 
 
-def test_context_grids_come_without_a_pipeline_and_keep_the_fixed_degrees():
+def test_context_grids_come_with_and_without_a_pipeline_and_keep_the_fixed_degrees():
     plain = candidates(8, 8)
     both = candidates(8, 8, contexts=(2, 4))
     split = [c for c in both if c.context > 1]
     assert [c for c in both if c.context == 1] == plain
     assert {c.context for c in split} == {2, 4}
-    assert all(c.pipeline == 1 and not c.expert_parallel and c.config.world_size == 8 for c in split)
+    assert all(not c.expert_parallel and c.config.world_size == 8 for c in split)
+    # each context degree on every grid of the other ranks, pipelines (and their micro-batch counts) included
+    for context in (2, 4):
+        assert [dataclasses.replace(c, context=1) for c in split if c.context == context] == candidates(8 // context, 8)
+    assert any(c.pipeline > 1 for c in split)
     assert all(c.context == 2 for c in candidates(8, 8, fixed={"context": 2}, contexts=(2, 4)))
     assert candidates(8, 8, fixed={"context": 1}, contexts=(2, 4)) == plain
-    assert not any(c.context > 1 for c in candidates(8, 8, fixed={"pipeline": 2}, contexts=(2, 4)))
+    assert all(c.pipeline == 2 for c in candidates(8, 8, fixed={"pipeline": 2}, contexts=(2, 4)))
     assert all(c.row == 2 for c in candidates(8, 8, fixed={"context": 2, "row": 2}))
     assert "context=2" in split[0].describe()

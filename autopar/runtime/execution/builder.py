@@ -57,8 +57,9 @@ from passes.split_stages import split_stages
 log = logging.getLogger(__name__)
 
 PASSES = (split_batch, shard_linears, split_experts, split_context, insert_checkpoints)
-#: With pipeline > 1 the stages are cut first, then checkpoints go inside each stage.
-PIPELINE_PASSES = (split_batch, shard_linears, split_experts, split_stages, insert_checkpoints)
+#: With pipeline > 1 the stages are cut (from the graph of this rank's tokens under context parallelism: a stage
+#: sends and receives them), then checkpoints go inside each stage.
+PIPELINE_PASSES = (split_batch, shard_linears, split_experts, split_context, split_stages, insert_checkpoints)
 
 
 class Builder:
