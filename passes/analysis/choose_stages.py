@@ -238,8 +238,8 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         issued[seg].append(c)
     # context parallelism: a stage computes and sends this rank's tokens of what the token lookups make (the
     # rest, rotary tables, position ids, labels, crosses whole and is cut where it is read)
-    tokens = token_split_nodes(gm) if config.context > 1 else frozenset()
-    if config.context > 1:
+    tokens = token_split_nodes(gm, config.context)
+    if tokens:
         flops = {k: v / config.context for k, v in flops.items()}
         attention = {k: v / config.context for k, v in attention.items()}
     crossing: list[list[tuple[int, bool]]] = [[] for _ in order]  # tensors live across a cut after segment k

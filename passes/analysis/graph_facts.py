@@ -357,12 +357,17 @@ def token_lookups(gm: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def token_split_nodes(gm: fx.GraphModule) -> frozenset[fx.Node]:
-    """The nodes that hold this rank's tokens under context parallelism: every node computed from a token lookup
-    (``token_lookups``). Whole-sequence tensors made apart from them (rotary tables, position ids, labels) stay whole
-    and are cut where they meet split ones; an op that reads the whole sequence back (``context_gather``) is
-    counted split too."""
-    todo = [node for node, _ in token_lookups(gm)]
+def token_split_nodes(gm: fx.GraphModule, ranks: int) -> frozenset[fx.Node]:
+    """The nodes that hold this rank's tokens under context parallelism over ``ranks``: every node computed from a
+    token lookup (``token_lookups``). Whole-sequence tensors made apart from them (rotary tables, position ids,
+    labels) stay whole and are cut where they meet split ones; an op that reads the whole sequence back
+    (``context_gather``) is counted split too. Empty where ``passes.split_context`` leaves the graph whole: lookups of
+    different lengths, or a length that does not divide into ``2 * ranks`` chunks."""
+    lookups = token_lookups(gm)
+    lengths = {int(tensor_meta(ids).shape[-1]) for _, ids in lookups}
+    if ranks <= 1 or len(lengths) != 1 or next(iter(lengths)) % (2 * ranks):
+        return frozenset()
+    todo = [node for node, _ in lookups]
     seen: set[fx.Node] = set()
     while todo:
         n = todo.pop()

@@ -173,3 +173,29 @@ def test_the_search_tries_context_parallelism_on_long_sequences_and_prices_it_as
                                                            without=frozenset({"context"})))
     short = (torch.empty(1, 8192, dtype=torch.long, device="meta"),)
     assert not any(s.candidate.context > 1 for s in search(model, short, 4, machine, precision="bf16"))
+
+
+def test_the_nodes_holding_this_ranks_tokens_are_those_the_pass_cuts():
+    """``graph_facts.token_split_nodes`` (what a pipeline's plan counts a rank's tokens of at a stage's cut): the
+    nodes made from the token lookups, not the rotary tables or labels made apart; none where the pass leaves the
+    graph whole (a length that does not divide into 2C chunks). Mutation: the length check dropped -> caught."""
+    from passes.analysis.graph_facts import tensor_meta, token_split_nodes
+
+    for seq, ranks, split in ((16, 2, True), (16, 4, True), (12, 4, False), (6, 2, False)):
+        torch.manual_seed(0)
+        model = zoo.build_model("llama")
+        ids = zoo.example_inputs("llama", seq=seq)[0]
+        leaves, spec = pytree.tree_flatten(((ids,), {"labels": ids, "use_cache": False}))
+        cap = capture_shard(meta_shadow(model), leaves, spec, {}, (), 0,
+                            requires_grad={n: True for n, _ in model.named_parameters()})
+        nodes = token_split_nodes(cap.gm, ranks)
+        assert bool(nodes) == split, (seq, ranks)
+        if not split:
+            continue
+        embedded = [n for n in cap.gm.graph.nodes if n.target is torch.ops.aten.embedding.default]
+        assert embedded and all(n in nodes for n in embedded)
+        # the rotary tables ([1, seq, dim], made from position ids, not from the tokens) stay whole
+        tables = [n for n in cap.gm.graph.nodes if n.target in (torch.ops.aten.cos.default, torch.ops.aten.sin.default)]
+        assert tables and not any(n in nodes for n in tables)
+        assert all(tensor_meta(n) is None or n in nodes for n in cap.gm.graph.nodes
+                   if n.op == "call_function" and n.target is torch.ops.aten.mm.default)
