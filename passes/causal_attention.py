@@ -17,7 +17,8 @@ the user's ``attention_mask``, position ids the user passed, sliding windows, a 
 bottom-right mask) stays as it was. A mask over ``max_elements`` elements (a long sequence's) is evaluated
 by blocks of query rows where its large values are computed row-wise (``_blockwise``: HF's comparisons of
 position aranges), up to ``LIMIT`` elements (of one batch row and head where everything it is computed from is
-the same along them: one is evaluated); otherwise, or with symbolic sizes, it stays too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
+the same along them: one is evaluated, and its decision remembered for the same ops on the same values, as the
+next capture of a search brings them: ``_DECIDED``); otherwise, or with symbolic sizes, it stays too. Like every pass it leaves recompiling the changed graph to its caller (``passes.runner``; capture
 recompiles once for this and its own cleanup).
 
 Before -> After (HF Llama, seq 16)::
@@ -29,6 +30,7 @@ Before -> After (HF Llama, seq 16)::
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import operator
 from typing import Any
@@ -238,16 +240,63 @@ def _causal_nodes(mask: fx.Node, attention: fx.Node, max_elements: int) -> list[
             if elements > LIMIT:
                 return None
             per_block = max(1, min(max_elements, BLOCK) // (elements // length))
+            key = _decision_key(nodes, big, reduced, length, keys) if reduced is not None else None
+            if key is not None and key in _DECIDED:
+                return nodes if _DECIDED[key] else None
             blocks = _mask_blocks(nodes, big, length, per_block, reduced if reduced is not None else values,
                                   reduced is not None)
         else:
-            blocks = [(0, _evaluate(nodes)[nodes[-1]])]
+            key, blocks = None, [(0, _evaluate(nodes)[nodes[-1]])]
         causal = all(_causal_rows(value, start, keys) for start, value in blocks)
+        if key is not None:
+            if len(_DECIDED) >= DECIDED_KEPT:
+                _DECIDED.clear()
+            _DECIDED[key] = causal
     except Exception as e:  # noqa: BLE001  (the mask then stays as the model made it: still exact)
         log.warning("autopar: could not evaluate %s's mask on CPU (%s: %s); it stays a mask", attention.name,
                     type(e).__name__, str(e).splitlines()[0] if str(e) else "")
         return None
     return nodes if causal else None
+
+
+#: Long masks decided on one batch row (``_one_row``), by what decides them (``_decision_key``): a search captures
+#: one graph per count of rows a batch shard gets, each with the same mask of another batch (Llama-3.1-405B at
+#: 131,072 tokens: 2^34 elements to evaluate, ~12 s, for each of up to eight captures). At most DECIDED_KEPT.
+_DECIDED: dict[tuple, bool] = {}
+DECIDED_KEPT = 64
+
+
+def _decision_key(nodes: list[fx.Node], big: list[fx.Node], values: dict[fx.Node, Any], length: int, keys: int
+                  ) -> tuple | None:
+    """What a mask evaluated on one batch row (``_mask_blocks`` with ``one``) is a function of: the large ops (their
+    targets, and their arguments with nodes by place and an ``expand``'s sizes but its last two as the evaluation
+    takes them) and the values they read (dtype, shape and bytes); None where an argument is not plain."""
+    order = {n: i for i, n in enumerate(nodes)}
+    read_first = sorted(values, key=order.__getitem__)  # (graph order: the same in every capture)
+    place = {n: ("node", i) for i, n in enumerate(big)}
+    place.update({n: ("value", i) for i, n in enumerate(read_first)})
+    ops = []
+    for n in big:
+        args: list[Any] = []
+        for a in pytree.tree_leaves((tuple(n.args), dict(n.kwargs))):
+            if isinstance(a, fx.Node):
+                if a not in place:
+                    return None
+                args.append(place[a])
+            elif a is None or isinstance(a, (bool, int, float, str, torch.dtype, torch.device, torch.layout)):
+                args.append(repr(a))
+            else:
+                return None
+        if n.target is torch.ops.aten.expand.default:
+            args = args[:1] + args[-2:]  # (the evaluation expands to one along the dims before the last two)
+        ops.append((str(n.target), tuple(args)))
+    read = []
+    for v in (values[n] for n in read_first):
+        if not isinstance(v, torch.Tensor):
+            return None
+        digest = hashlib.sha1(v.detach().reshape(-1).contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+        read.append((str(v.dtype), tuple(v.shape), digest))
+    return length, keys, tuple(ops), tuple(read)
 
 
 def _causal_rows(value: torch.Tensor, start: int, keys: int) -> bool:

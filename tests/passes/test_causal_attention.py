@@ -164,3 +164,27 @@ def test_autopars_own_capture_runs_the_pass():
                        batch=None)
     attentions = [n for n in captured.gm.graph.nodes if n.target is SDPA]
     assert len(attentions) == 2 and all(map(_causal, attentions))
+
+
+def test_a_mask_decided_on_one_row_is_remembered_for_the_values_it_reads_only(monkeypatch):
+    """A search captures one graph per count of rows a batch shard gets, each with the same long mask: decided on
+    one row once, then remembered (``_DECIDED``) by its large ops and the values they read. The same ops on other
+    values (the queries' positions one ahead: a token ahead visible) are evaluated again and stay (mutation: the
+    key without the values read -> taken as causal, and the outputs differ)."""
+    import passes.causal_attention as pass_module
+
+    monkeypatch.setattr(pass_module, "_DECIDED", {})
+    evaluated = []
+    original = pass_module._mask_blocks
+
+    def counted(*args, **kwargs):
+        evaluated.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(pass_module, "_mask_blocks", counted)
+    keys_at = lambda n, d: torch.arange(n, device=d)  # noqa: E731
+    mask = lambda start: lambda l, s, d: (keys_at(s, d)[None, :] <= torch.arange(start, start + l, device=d)[:, None]  # noqa: E731
+                                          ).expand(2, 1, l, s)
+    assert _run(mask(0), max_elements=11) and len(evaluated) == 1
+    assert _run(mask(0), max_elements=11) and len(evaluated) == 1  # (a second capture: remembered)
+    assert not _run(mask(1), max_elements=11) and len(evaluated) == 2
