@@ -163,14 +163,11 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         out = []
         for c in grids:
             s = scored_one(c)
-            if shard and not s.fits and s.time is not None and c.data > 1 and not c.shard_optimizer:
+            if shard and not s.fits and s.time is not None and _state_splits(c):
                 split = scored_one(dataclasses.replace(c, shard_optimizer=True))
                 if split.fits or (split.time is not None and split.memory_bytes < s.memory_bytes):
                     s = split
-            # (the split applies where one of row and col reduces a whole output: exactly one of them > 1; not
-            # tried with experts split over data, whose exchange under token-split activations is not built)
-            if (sequence and not s.fits and s.time is not None and (c.row > 1) != (c.col > 1)
-                    and not c.sequence_parallel and not c.expert_parallel):
+            if sequence and not s.fits and s.time is not None and _tokens_split(c):
                 seq = scored_one(dataclasses.replace(s.candidate, sequence_parallel=True))
                 if seq.fits or (seq.time is not None and seq.memory_bytes < s.memory_bytes):
                     s = seq
@@ -179,26 +176,18 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
 
     def relieved(scored: list[Scored]) -> list[Scored]:
         """``scored`` where a fitting grid near the best (within ``RELIEF``) recomputes blocks: with its optimizer
-        state split over data too, when that is faster (the memory freed recomputes fewer blocks: BLOOM's
-        ZeRO-1 grid), checked for those grids only."""
+        state split over data too, then with its activations split along the tokens, each when that is faster (the
+        memory freed recomputes fewer blocks: BLOOM's ZeRO-1 grid), checked for those grids only."""
         best = min((s.seconds for s in scored if s.fits), default=math.inf)
-        eligible = sorted((s.seconds, i) for i, s in enumerate(scored)
-                          if shard and s.fits and s.recompute and s.candidate.data > 1
-                          and not s.candidate.shard_optimizer and s.seconds <= RELIEF * best)
         out = list(scored)
-        for _, i in eligible[:RELIEF_TRIES]:
-            split = scored_one(dataclasses.replace(out[i].candidate, shard_optimizer=True))
-            if split.fits and split.seconds < out[i].seconds:
-                out[i] = split
-        # and with its activations split along the tokens, where one tensor axis allows it (``planned``'s)
-        eligible = sorted((s.seconds, i) for i, s in enumerate(out)
-                          if sequence and s.fits and s.recompute and (s.candidate.row > 1) != (s.candidate.col > 1)
-                          and not s.candidate.sequence_parallel and not s.candidate.expert_parallel
-                          and s.seconds <= RELIEF * best)
-        for _, i in eligible[:RELIEF_TRIES]:
-            split = scored_one(dataclasses.replace(out[i].candidate, sequence_parallel=True))
-            if split.fits and split.seconds < out[i].seconds:
-                out[i] = split
+        for feature, applies, allowed in (("shard_optimizer", _state_splits, shard),
+                                          ("sequence_parallel", _tokens_split, sequence)):
+            eligible = sorted((s.seconds, i) for i, s in enumerate(out) if allowed and s.fits and s.recompute
+                              and applies(s.candidate) and s.seconds <= RELIEF * best)
+            for _, i in eligible[:RELIEF_TRIES]:
+                split = scored_one(dataclasses.replace(out[i].candidate, **{feature: True}))
+                if split.fits and split.seconds < out[i].seconds:
+                    out[i] = split
         return out
 
     if keep is None or len(grids) <= keep:
@@ -243,15 +232,17 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     # (Llama-3-405B at 8,192 tokens on 16,384 H100s: tensor 8 with it 14.2 s, the screen's 2 x 4 grids 16.8 s)
     kinds_of = [(lambda c: c.row * c.col * c.depth == 1, 1), (lambda c: c.row * c.col * c.depth > 1, 1)]
     if sequence:
-        kinds_of.append((lambda c: (c.row > 1) != (c.col > 1) and not c.expert_parallel, SEQUENCE_TRIES))
+        kinds_of.append((_tokens_split, SEQUENCE_TRIES))
     kinds: dict[Candidate, None] = {}
     for kind, tries in kinds_of:
         if any(kind(c) for *_, c in screened[:first]):
             continue
         shapes: set[Candidate] = set()
         for _, memory, c in screened[first:]:
-            mirror = dataclasses.replace(c, row=c.col, col=c.row)
-            if len(shapes) < tries and kind(c) and memory <= machine.memory_bytes and mirror not in shapes:
+            if len(shapes) == tries:
+                break
+            mirrored = kind(c) and dataclasses.replace(c, row=c.col, col=c.row) in shapes
+            if kind(c) and memory <= machine.memory_bytes and not mirrored:
                 shapes.add(c)
                 kinds[c] = None
     scored = planned(choose([c for *_, c in screened[:first]] + list(kinds)))
@@ -268,6 +259,18 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
         Scored(c, None, memory, memory <= machine.memory_bytes,
                reason=_screened(seconds, memory, c, shape, machine, device))
         for seconds, memory, c in screened[done:] if c not in chosen]
+
+
+def _state_splits(c: Candidate) -> bool:
+    """Whether ``c``'s optimizer state may also be split over its data ranks (``shard_optimizer``)."""
+    return c.data > 1 and not c.shard_optimizer
+
+
+def _tokens_split(c: Candidate) -> bool:
+    """Whether ``c``'s activations may also be split along the tokens (``sequence_parallel``): where one of row and
+    col reduces a whole output (exactly one of them > 1); not with experts split over data, whose exchange under
+    token-split activations is not built."""
+    return (c.row > 1) != (c.col > 1) and not c.sequence_parallel and not c.expert_parallel
 
 
 def _screened(seconds: float, memory: float, config: Candidate, shape, machine: Machine, device: str) -> str:
