@@ -113,7 +113,9 @@ def test_expert_exchange_moves_batched_experts_blocks(distributed):
     got = distributed(blocks_worker, 4)
     for r in got:
         assert r["shape"] == (EXPERTS // 4, sum(2 + p for p in range(4)), K), r  # every rank's tokens
-        assert r["out"] == 0.0 and r["dx"] < 1e-12 and r["dw"] < 1e-12, r
+        # an expert's block holds every rank's tokens, so bmm runs on more rows than serial did and its kernel may
+        # block the sums differently: equal to rounding, not bit for bit
+        assert r["out"] < 1e-12 and r["dx"] < 1e-12 and r["dw"] < 1e-12, r
 
 
 def row_blocks_worker(total: int, dim: int) -> dict:
