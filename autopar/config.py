@@ -91,10 +91,6 @@ class ParallelConfig:
                               f"{'depth > 1' if self.depth > 1 else 'two'}: use a tensor grid of one axis "
                               "(tensor=(T, 1, 1)), or expert_parallel=True (experts over data, each split over the "
                               "larger tensor axis).")
-        if self.context > 1 and self.expert_axis:
-            raise ConfigError(f"context={self.context} with expert_parallel is not supported yet: context "
-                              "parallelism runs with data, pipeline and tensor grids, sequence_parallel and "
-                              "shard_optimizer (docs/guide/context.md). Drop one of them.")
 
     @classmethod
     def from_user(cls, *, tensor: tuple[int, int, int] | list[int] = (1, 1, 1), data: int | None = None,
@@ -159,6 +155,15 @@ class ParallelConfig:
         if "+" in axis:
             return math.prod(getattr(self, a) for a in axis.split("+"))
         return getattr(self, axis) if axis else 1
+
+    def grad_axes(self, axes: tuple[str, ...]) -> tuple[str, ...]:
+        """The mesh axes a gradient of a parameter whose plan sums it over ``axes`` (``ParamPlan.grad_axes``) is
+        summed over on this grid: the context ranks hold the same weights and compute other tokens, so under
+        context parallelism a gradient summed over data, or over depth only (experts split over data), is summed
+        over them too."""
+        if self.context > 1 and ("data" in axes or axes == ("depth",)):
+            return tuple(a for a in ("data", "context", "depth") if a in axes or a == "context")
+        return axes
 
     @property
     def expert_axis(self) -> str:

@@ -284,9 +284,7 @@ def grad_sync_collectives(gm: fx.GraphModule, params: Mapping[str, ParamPlan],
         if name is None or t is None or not node.users or not (info and info.requires_grad):
             continue
         plan = params[name]
-        axes = plan.grad_axes
-        if config.context > 1 and "data" in axes:  # the context ranks hold the same weights (Mesh.grad_group)
-            axes = ("data", "context", *axes[1:])
+        axes = config.grad_axes(plan.grad_axes)  # (the context ranks hold the same weights: Mesh.grad_group)
         axis = "+".join(axes)
         nbytes = plan.local_numel(config) * t.element_size()
         split = gathered_numel(plan.shape, plan.split_axes(config), config.data, plan.fused_dims(config)) \

@@ -345,8 +345,9 @@ class _Degrees:
             sync += price(kind, axis, group, rest, "step") if rest else 0.0
             if scatter and c.context > 1:
                 sync += price("all_reduce", "context", c.context, (params - split_experts) // c.data, "step")
-        if split_experts and c.depth > 1:
-            sync += price("all_reduce", "depth", c.depth, split_experts, "step")
+        if split_experts and c.depth * c.context > 1:  # (the experts' gradients: over the ranks holding the same)
+            axis = "+".join(a for a in ("context", "depth") if getattr(c, a) > 1)
+            sync += price("all_reduce", axis, c.depth * c.context, split_experts, "step")
         state = 2 * params  # Adam's two moments
         grads = params
         if shard_optimizer and c.data > 1:  # each data rank keeps and updates 1/data, then all-gathers the rest

@@ -93,9 +93,9 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
     and a grid of one tensor axis whose data x tensor ranks divide them all with whole experts over those
     ("data+tensor"), beside it (``expert_parallel=None``) or instead of it (True: either layout; "data+tensor":
     that one); False: never.
-    ``contexts``: context degrees (> 1) also tried, each on every grid of ``world / C`` ranks
-    (as the runtime runs it: experts whole, ``Candidate.context``); ``fixed["context"]`` keeps one degree only
-    (1: none)."""
+    ``contexts``: context degrees (> 1) also tried, each on every grid of ``world / C`` ranks, with the same
+    expert layouts (``Candidate.context``; the exchange runs among the data (x tensor) ranks of one context
+    rank); ``fixed["context"]`` keeps one degree only (1: none)."""
     fixed = dict(fixed or {})
     unknown = sorted(set(fixed) - {*DEGREES, "context"})
     if unknown:
@@ -104,21 +104,23 @@ def candidates(world: int, global_batch: int, *, fixed: Mapping[str, int] | None
         contexts = () if fixed["context"] == 1 else (fixed.pop("context"),)
         fixed.pop("context", None)
         if contexts:  # (only grids of that context degree)
-            return _context_grids(world, global_batch, fixed, contexts, max_microbatches, chunks)
+            return _context_grids(world, global_batch, fixed, contexts, max_microbatches, chunks, experts,
+                                  expert_parallel)
     return _grids(world, global_batch, fixed, max_microbatches, chunks, experts, expert_parallel) + \
-        _context_grids(world, global_batch, fixed, contexts, max_microbatches, chunks)
+        _context_grids(world, global_batch, fixed, contexts, max_microbatches, chunks, experts, expert_parallel)
 
 
 def _context_grids(world: int, global_batch: int, fixed: Mapping[str, int], contexts: Sequence[int],
-                   max_microbatches: int, chunks: Sequence[int]) -> list[Candidate]:
+                   max_microbatches: int, chunks: Sequence[int], experts: Sequence[int],
+                   expert_parallel: bool | str | None) -> list[Candidate]:
     """``candidates``' grids of each context degree in ``contexts``: data x pipeline x row x col x depth of
-    ``world / C``, experts whole."""
+    ``world / C``, each with its expert layouts."""
     out = []
     for context in contexts:
         if context <= 1 or world % context:
             continue
-        out += [dataclasses.replace(c, context=context)
-                for c in _grids(world // context, global_batch, fixed, max_microbatches, chunks, (), False)]
+        out += [dataclasses.replace(c, context=context) for c in
+                _grids(world // context, global_batch, fixed, max_microbatches, chunks, experts, expert_parallel)]
     return out
 
 

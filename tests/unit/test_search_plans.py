@@ -704,3 +704,14 @@ def test_context_grids_come_with_and_without_a_pipeline_and_keep_the_fixed_degre
     assert all(c.pipeline == 2 for c in candidates(8, 8, fixed={"pipeline": 2}, contexts=(2, 4)))
     assert all(c.row == 2 for c in candidates(8, 8, fixed={"context": 2, "row": 2}))
     assert "context=2" in split[0].describe()
+
+
+def test_context_grids_carry_the_expert_layouts():
+    """A model with routed experts: each context degree's grids come with the same expert layouts as the grids
+    without context (whole over data, over data x tensor), the exchange among one context rank's data ranks."""
+    both = candidates(8, 8, experts=(8,), contexts=(2,))
+    split = [c for c in both if c.context == 2]
+    assert [dataclasses.replace(c, context=1) for c in split] == candidates(4, 8, experts=(8,))
+    layouts = {(c.data, c.row, c.expert_parallel) for c in split if c.pipeline == 1 and c.col == c.depth == 1}
+    assert {(4, 1, True), (2, 2, "data+tensor")} <= layouts, layouts
+    assert not any(c.expert_parallel for c in candidates(8, 8, experts=(8,), contexts=(2,), expert_parallel=False))

@@ -179,14 +179,19 @@ class Mesh:
 
     def grad_group(self, axes: tuple[str, ...]) -> tuple[str, int]:
         """The group that sums a gradient over ``axes``: (data,), (data, depth), or (depth,) for experts split over
-        data (each expert's gradient is complete over the data ranks' rows already). Under context parallelism
-        the context ranks hold the same weights and compute other tokens: a gradient summed over data (and
-        depth) is summed over them too ("replicas", or "data+context" for a weight split over depth)."""
-        if self.config.context > 1 and "data" in axes:
-            if "depth" in axes or self.config.depth == 1:
+        data (each expert's gradient is complete over the data ranks' rows already), widened over the context
+        ranks under context parallelism (``ParallelConfig.grad_axes``): "replicas" (data x context x depth, or
+        data x context without depth), "data+context" for a weight split over depth, "context" or
+        "context+depth" for experts split over data."""
+        axes = self.config.grad_axes(axes)
+        if self.config.context > 1:
+            if axes == ("data", "context", "depth") or (axes == ("data", "context") and self.config.depth == 1):
                 return "replicas", self.size("replicas")
-            # a weight split over depth is summed over data x context only: the depth ranks hold other pieces
-            return "data+context", self.size("data+context")
+            if axes == ("context", "depth") and self.config.depth == 1:
+                return "context", self.size("context")
+            if axes in (("data", "context"), ("context", "depth")):
+                name = "+".join(axes)
+                return name, self.size(name)
         if axes == ("depth",):
             return "depth", self.size("depth")
         if axes == ("data", "depth"):
