@@ -17,14 +17,17 @@ of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
   reduction "mean" (and ``vocab_cross_entropy``, ``batch_reduce``) becomes per-token losses and a
   ``batch_reduce`` with its counts over every rank holding a part (``BatchReduceSpec.context``); other sums by
   ``context_reduce``;
+- a routed-experts module (``passes.analysis.token_rows``: grouped matmuls, expert exchanges) whose routing is
+  proved to work token by token runs on this rank's tokens, its row counts cut to them; one that cannot be (Llama
+  4's batched experts) reads every context rank's tokens, as its exchange does (one note);
 - any other op reading this rank's tokens (one that works along the sequence: a shift, a cumulative sum, a
   sort) reads the whole sequence, gathered back (``context_gather``), and computes the whole;
 - each output holding this rank's tokens is gathered, and every output with a gradient goes through
   ``context_output`` (the caller's gradient kept on one rank: see ``autopar.runtime.ops.context``).
 
 Refused (``PlanError``, naming the op): dropout with p > 0 in training on this rank's tokens (its mask would not
-be serial's), a mean over the tokens without counts of more than one dim, ops of the batch analysis (gathers
-of the batch's rows) or expert exchanges on this rank's tokens. A graph with no such embedding, or whose
+be serial's), a mean over the tokens without counts of more than one dim, a random op on a tensor split over a
+tensor axis. A graph with no such embedding, or whose
 sequence does not divide into 2C chunks (a decode step of one token, a prompt of 6), is left whole, every
 context rank computing all of it (one note); its outputs still go through ``context_output``.
 
@@ -52,6 +55,7 @@ from autopar.compat import OpOverload
 from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import tensor_meta, token_lookups
+from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
 from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, InputKind, batch_reduce, context_attention,
                        context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
                        expert_dispatch, gather_output, gather_rows, input_info, reduce_partial, scatter_rows,
@@ -69,9 +73,12 @@ _SAME = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.d
          aten.silu.default, aten.gelu.default, aten.relu.default, aten.ones_like.default, aten.zeros_like.default,
          aten.full_like.default, aten.empty_like.default}
 _LOSSES = {aten.cross_entropy_loss.default}
-_REFUSED = {gather_rows: "an op along the batch's rows", scatter_rows: "an op along the batch's rows",
-            expert_dispatch: "an expert exchange", expert_combine: "an expert exchange",
-            split_random: "a random op on a tensor split over a tensor axis"}
+_REFUSED = {split_random: "a random op on a tensor split over a tensor axis"}
+#: Ops that read this rank's tokens whole, never per op: split_batch's gathers and scatters of the batch's rows,
+#: and the expert exchanges of a module ``passes.analysis.token_rows`` could not prove per-token.
+_WHOLE = {gather_rows, scatter_rows, expert_dispatch, expert_combine}
+#: Gathers and scatters along a dim (their argument 1): token by token along another (DeepSeek-V3's router).
+_INDEXED = {aten.gather.default, aten.scatter.value, aten.scatter.src, aten.scatter_.value, aten.scatter_.src}
 #: Markers that work token by token (their specs name feature dims only).
 _MARKERS = {reduce_partial, sum_grad, gather_output, convert_layout}
 
@@ -101,7 +108,9 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
         seeds = []
     # (whole or split, every output goes through context_output: the caller's gradient, the same on every
     # context rank, counts once)
-    _Splitter(gm, length, ranks).run(seeds)
+    splitter = _Splitter(gm, length, ranks)
+    splitter.run(seeds)
+    notes += tuple(splitter.notes)
     for node in list(gm.graph.nodes):  # (cuts made for an op that then read the whole sequence)
         if node.target is context_slice and not node.users:
             gm.graph.erase_node(node)
@@ -117,6 +126,24 @@ def _shape(node: fx.Node) -> tuple[int, ...]:
     return tuple(int(s) for s in tensor_meta(node).shape)
 
 
+def _after_inputs(graph: fx.Graph, block: ExpertBlock) -> None:
+    """Moves the ops of ``block`` that come before something it reads from outside (a marker a pass put right
+    after the rows it reads) to after it, where only the block reads them: the walk then meets the block once
+    everything it reads has its split known."""
+    members = set(block.nodes)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    inputs = [a for n in block.nodes for a in n.all_input_nodes if a not in members]
+    if not inputs:
+        return
+    anchor = max(inputs, key=order.__getitem__)
+    early = [n for n in block.nodes if order[n] < order[anchor]]
+    if any(u not in members and order[u] <= order[anchor] for n in early for u in n.users):
+        return
+    for n in early:
+        anchor.append(n)
+        anchor = n
+
+
 class _Unsplittable(Exception):
     """The op reads this rank's tokens in a way no rule covers: it reads the whole sequence instead."""
 
@@ -127,6 +154,11 @@ class _Splitter:
         self.state: dict[fx.Node, Any] = {}  # node -> ContextSpec (this rank's tokens), tuple of them, or absent
         self.sliced: dict[tuple[fx.Node, ContextSpec], fx.Node] = {}
         self.gathered: dict[fx.Node, fx.Node] = {}
+        blocks = expert_blocks(gm)
+        for block in blocks:
+            _after_inputs(gm.graph, block)
+        self.blocks = blocks_by_node(blocks)
+        self.notes: list[str] = []
 
     def spec(self, dim: int, outer: int = 1, inner: int = 1) -> ContextSpec:
         return ContextSpec(dim, self.tokens, self.ranks, outer, inner)
@@ -163,16 +195,63 @@ class _Splitter:
             emb.replace_input_with(ids, self.slice_of(ids, spec, emb))
             self.state[emb] = spec
         seeded = {emb for emb, _ in seeds}
+        done: set[fx.Node] = set()
+        tried: set[ExpertBlock] = set()
         for node in list(self.graph.nodes):
+            if node in done:
+                continue
             if node.op == "output":
                 self._outputs(node)
             elif node.op == "call_function" and node not in seeded and node.target not in (
                     context_slice, context_gather):
                 if any(self.state.get(a) is not None for a in node.all_input_nodes):
+                    block = self.blocks.get(node)
+                    if block is not None and block not in tried:
+                        tried.add(block)
+                        why = self._block(block)
+                        if why is None:
+                            done.update(block.nodes)
+                            continue
+                        self.notes.append(f"context={self.ranks}: {block.module} computes the tokens of every "
+                                          f"context rank (its experts read them whole): {why}")
                     self._visit(node)
+
+    def _block(self, block: ExpertBlock) -> str | None:
+        """A routed-experts module run on this rank's tokens (``passes.analysis.token_rows``): its sizes made this
+        rank's, what it hands on holding this rank's tokens; None, or why it cannot (it then reads them whole)."""
+        members, entries, outer = set(block.nodes), {}, None
+        for n in block.nodes:
+            for a in n.all_input_nodes:
+                s = self.state.get(a)
+                if a in members or s is None:
+                    continue
+                if isinstance(s, tuple) or s.dim != 0 or (outer is not None and s.outer != outer):
+                    return f"{a.name} holds this rank's tokens other than as rows"
+                outer = s.outer
+                entries[a] = s.inner
+        if outer is None:
+            return "it reads none of this rank's tokens as rows"
+        found = local_rows(block, entries, outer * self.tokens)
+        if isinstance(found, str):
+            return found
+        for n in found.sized:  # (its sizes counted every rank's tokens' rows)
+            if n.target is aten.arange.default:
+                n.args = (n.args[0] // self.ranks, *n.args[1:])
+            else:
+                size = list(n.args[1])
+                size[0] //= self.ranks
+                n.args = (n.args[0], size, *n.args[2:])
+        for n, grain in found.exits.items():
+            self.state[n] = self.spec(0, outer=outer, inner=grain)
+        return None
 
     def _visit(self, node: fx.Node) -> None:
         target = node.target
+        if target in _WHOLE:  # (the rows of the whole batch, or every token routed: of the whole sequence)
+            for a in node.all_input_nodes:
+                if isinstance(self.state.get(a), ContextSpec):
+                    node.replace_input_with(a, self.whole_of(a))
+            return
         if target in _REFUSED:
             raise PlanError(f"context={self.ranks}: {node.name} is {_REFUSED[target]} on this rank's tokens, which "
                             "context parallelism does not combine with yet. Use context=1 for this model.")
@@ -220,6 +299,11 @@ class _Splitter:
             return self._reduction(node)
         if t in (aten.softmax.int, aten._softmax.default, aten.log_softmax.int, aten._log_softmax.default):
             return self._along(node, node.args[1])
+        if t is aten.topk.default:  # (a router's picks along the experts)
+            spec = self._along(node, node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", -1))
+            return (spec, spec)
+        if t in _INDEXED:
+            return self._indexed(node)
         if t in (aten.layer_norm.default, aten.rms_norm.default):
             return self._normed(node)
         if t in (split_dropout, aten.dropout.default, aten.native_dropout.default):
@@ -467,6 +551,14 @@ class _Splitter:
         spec = self._split_of(x)
         if dim % _ndim(x) == spec.dim:
             raise _Unsplittable
+        return spec
+
+    def _indexed(self, node: fx.Node) -> ContextSpec:
+        src, spec = self._first_split(node)
+        n = _ndim(node)
+        if n is None or _ndim(src) != n or node.args[1] % n == spec.dim:
+            raise _Unsplittable
+        self._replace_args(node, lambda a: self._aligned(node, spec, n, a) if isinstance(a, fx.Node) else a)
         return spec
 
     def _normed(self, node: fx.Node) -> ContextSpec:
