@@ -322,8 +322,11 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
     layouts' analysis). Whole experts over data x a tensor axis (``ExpertPlan.lent``): each rank of that axis
     moves its block of the rows, and the results (forward) and the rows' gradients (backward) are all-gathered
     over it. Balanced routing assumed:
-    the bytes of an uneven one differ (the plan says so)."""
+    the bytes of an uneven one differ (the plan says so). Under context parallelism each context rank routes its
+    own tokens (``passes.split_context``): 1/context of the rows (a module that reads them whole, Llama 4's
+    batched experts, is priced so too)."""
     experts = tuple(experts)
+    share = config.context  # (this rank's tokens' rows)
     split = {e.module: e for e in experts if e.axis}
     tensor = {e.module: e.tensor_axis for e in experts if e.tensor_axis}
     out: list[Collective] = []
@@ -331,25 +334,25 @@ def expert_collectives(gm: fx.GraphModule, experts: Iterable[ExpertPlan], config
         if layer.module in tensor and not layer.why_whole:  # each expert split over a tensor axis
             axis = tensor[layer.module]
             size = config.size(axis)
-            out.append(Collective("all_reduce", axis, size, _nbytes(layer.output), "forward", layer.module,
+            out.append(Collective("all_reduce", axis, size, _nbytes(layer.output) // share, "forward", layer.module,
                                   layer.output.name))  # the partial sums
             if requires_grad.get(layer.rows, False):
-                out.append(Collective("all_reduce", axis, size, _nbytes(layer.rows), "backward", layer.module,
-                                      layer.rows.name))  # the rows' gradient, from each rank's part of every expert
-            out += [Collective("all_gather", axis, size, _nbytes(n), "backward", layer.module, n.name)
+                out.append(Collective("all_reduce", axis, size, _nbytes(layer.rows) // share, "backward",
+                                      layer.module, layer.rows.name))  # the rows' gradient, from each rank's part
+            out += [Collective("all_gather", axis, size, _nbytes(n) // share, "backward", layer.module, n.name)
                     for n in layer.inputs if requires_grad.get(n, False)]  # their features' gradients
             # (over data too: on the rows received, as many as this rank's own under balanced routing)
         e = split.get(layer.module)
         if e is None or layer.why_whole:
             continue
         size = config.size(e.axis)
-        rows = layer.rows_in(layer.rows)
+        rows = layer.rows_in(layer.rows) // share
         if e.lent:  # (each rank of the lent axis sends its block of the rows, and gathers the results over it)
             lent = config.size(e.lent)
             rows = -(-rows // lent)
-            out.append(Collective("all_gather", e.lent, lent, _nbytes(layer.output), "forward", layer.module,
-                                  layer.output.name))
-            out += [Collective("all_gather", e.lent, lent, _nbytes(n), "backward", layer.module, n.name)
+            out.append(Collective("all_gather", e.lent, lent, _nbytes(layer.output) // share, "forward",
+                                  layer.module, layer.output.name))
+            out += [Collective("all_gather", e.lent, lent, _nbytes(n) // share, "backward", layer.module, n.name)
                     for n in (layer.rows, *layer.inputs) if requires_grad.get(n, False)]
 
         def moved(node: fx.Node, phase: str, layer: ExpertLayer = layer) -> Collective:
@@ -503,15 +506,22 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
 def context_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConfig) -> list[Collective]:
     """What context parallelism adds (``passes.split_context``): each attention's keys and values all-gathered
     over the context ranks in forward (their whole size, over the heads this rank holds) and their gradients
-    reduce-scattered in backward; each output gathered whole. The loss's sums over the context ranks (a few
-    bytes) are left out."""
+    reduce-scattered in backward; each output gathered whole, and, where the graph returns no loss beside it
+    (the caller's loss is on the output), its gradient reduce-scattered back in backward. The loss's sums over
+    the context ranks (a few bytes) are left out."""
     n, out = config.context, []
     for node, kv, whole in attention_keys_values(gm, res, config):
         where = module_of(node) + CONTEXT
         out.append(Collective("all_gather", "context", n, whole, "forward", where, node.name))
         if res.requires_grad.get(kv, False):
             out.append(Collective("reduce_scatter", "context", n, whole, "backward", where, node.name))
-    out += [Collective("all_gather", "context", n, nbytes, "forward", "<output>") for nbytes in gathered_outputs(gm)]
+    producers = dict.fromkeys(output_node(gm).all_input_nodes)
+    loss = any(tensor_meta(p) is not None and tensor_meta(p).dim() == 0 and res.requires_grad.get(p, False)
+               for p in producers)
+    for producer, nbytes in _gathered(gm):
+        out.append(Collective("all_gather", "context", n, nbytes, "forward", "<output>"))
+        if res.requires_grad.get(producer, False) and not loss:
+            out.append(Collective("reduce_scatter", "context", n, nbytes, "backward", "<output>"))
     return out
 
 
@@ -550,11 +560,15 @@ def attention_keys_values(gm: fx.GraphModule, res: LayoutResult, config: Paralle
 def gathered_outputs(gm: fx.GraphModule) -> list[int]:
     """The bytes of each floating output of two or more dimensions (logits): what context parallelism gathers
     whole over its ranks."""
+    return [nbytes for _, nbytes in _gathered(gm)]
+
+
+def _gathered(gm: fx.GraphModule) -> list[tuple[fx.Node, int]]:
     out = []
     for producer in dict.fromkeys(output_node(gm).all_input_nodes):
         t = tensor_meta(producer)
         if t is not None and t.dim() >= 2 and t.is_floating_point():
-            out.append(t.numel() * t.element_size())
+            out.append((producer, t.numel() * t.element_size()))
     return out
 
 
