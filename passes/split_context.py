@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+import re
 from typing import Any
 
 import torch
@@ -54,7 +55,7 @@ from torch import fx
 from autopar.compat import OpOverload
 from autopar.decisions import Plan
 from autopar.errors import PlanError
-from passes.analysis.graph_facts import tensor_meta, token_lookups
+from passes.analysis.graph_facts import module_of, tensor_meta, token_lookups
 from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
 from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, InputKind, batch_reduce, context_attention,
                        context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
@@ -110,7 +111,7 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     # context rank, counts once)
     splitter = _Splitter(gm, length, ranks)
     splitter.run(seeds)
-    notes += tuple(splitter.notes)
+    notes += tuple(splitter.notes) + tuple(splitter.whole_notes())
     for node in list(gm.graph.nodes):  # (cuts made for an op that then read the whole sequence)
         if node.target is context_slice and not node.users:
             gm.graph.erase_node(node)
@@ -159,6 +160,9 @@ class _Splitter:
             _after_inputs(gm.graph, block)
         self.blocks = blocks_by_node(blocks)
         self.notes: list[str] = []
+        self.unproved: dict[fx.Node, tuple[ExpertBlock, str]] = {}  # a node of a block not proved -> it, why
+        self.read_whole: dict[ExpertBlock, str] = {}  # such blocks some of whose ops then read every token
+        self.whole_reads: dict[str, set[str]] = {}  # module -> the ops there that read the whole sequence
 
     def spec(self, dim: int, outer: int = 1, inner: int = 1) -> ContextSpec:
         return ContextSpec(dim, self.tokens, self.ranks, outer, inner)
@@ -212,8 +216,7 @@ class _Splitter:
                         if why is None:
                             done.update(block.nodes)
                             continue
-                        self.notes.append(f"context={self.ranks}: {block.module} computes the tokens of every "
-                                          f"context rank (its experts read them whole): {why}")
+                        self.unproved.update((n, (block, why)) for n in block.nodes)
                     self._visit(node)
 
     def _block(self, block: ExpertBlock) -> str | None:
@@ -251,6 +254,7 @@ class _Splitter:
             for a in node.all_input_nodes:
                 if isinstance(self.state.get(a), ContextSpec):
                     node.replace_input_with(a, self.whole_of(a))
+                    self._read_whole(node)
             return
         if target in _REFUSED:
             raise PlanError(f"context={self.ranks}: {node.name} is {_REFUSED[target]} on this rank's tokens, which "
@@ -261,10 +265,36 @@ class _Splitter:
             for a in node.all_input_nodes:
                 if self.state.get(a) is not None and not isinstance(self.state[a], tuple):
                     node.replace_input_with(a, self.whole_of(a))
+                    self._read_whole(node)
                 elif isinstance(self.state.get(a), tuple):
                     raise PlanError(f"context={self.ranks}: {node.name} ({target}) reads a tuple of this rank's "
                                     "tokens along the sequence; autopar cannot gather it. Use context=1.") from None
             self.state.pop(node, None)
+
+    def _read_whole(self, node: fx.Node) -> None:
+        if node in self.unproved:  # (said of its block: what its routing could not prove)
+            block, why = self.unproved[node]
+            self.read_whole[block] = why
+            return
+        if node.target is gather_output:  # (an output gathered over the batch: outputs are gathered whole anyway)
+            return
+        name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        self.whole_reads.setdefault(module_of(node) or "the model's top level", set()).add(name)
+
+    def whole_notes(self) -> list[str]:
+        """One note per routed-experts module that read every context rank's tokens, and one per kind of other
+        module (its repeats' indices as ``*``) whose ops read the whole sequence: every context rank computes all
+        the tokens there."""
+        out = [f"context={self.ranks}: {block.module} computes the tokens of every context rank (its experts "
+               f"read them whole): {why}" for block, why in self.read_whole.items()]
+        kinds: dict[str, tuple[set[str], set[str]]] = {}
+        for module, ops in self.whole_reads.items():
+            modules, names = kinds.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", module), (set(), set()))
+            modules.add(module)
+            names.update(ops)
+        return out + [f"context={self.ranks}: {kind} ({len(modules)} module{'s' if len(modules) > 1 else ''}) reads "
+                f"the whole sequence ({', '.join(sorted(names)[:4])}): every context rank computes all its tokens "
+                "there (serial's numbers, C times the work)" for kind, (modules, names) in sorted(kinds.items())]
 
     def _rule(self, node: fx.Node) -> Any:
         t = node.target
@@ -286,6 +316,15 @@ class _Splitter:
             return self._matmul(node)
         if t in _VIEWS or t is aten.expand.default:
             return self._view(node)
+        if t is aten.flatten.using_ints:  # (no sizes to cut)
+            return self._token_dim(self._split_of(node.args[0]), _shape(node.args[0]), _shape(node))
+        if t in (aten.view_as_complex.default, aten.view_as_real.default):  # (Llama 4's rotary: pairs of features)
+            spec = self._split_of(node.args[0])
+            if t is aten.view_as_complex.default and spec.dim == _ndim(node.args[0]) - 1:
+                raise _Unsplittable
+            return spec
+        if t is aten.repeat.default:  # (copies of every token: Llama 4's rows for each expert)
+            return self._repeat(node)
         if t in (aten.transpose.int, aten.permute.default, aten.t.default, aten.unsqueeze.default,
                  aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int, aten.slice.Tensor,
                  aten.index_select.default):
@@ -397,9 +436,10 @@ class _Splitter:
         t = node.target
         a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
         spec = self._split_of(a)
-        if (spec.dim != _ndim(a) - 2 or self.state.get(b) is not None or _ndim(b) != 2
+        if (spec.dim != _ndim(a) - 2 or self.state.get(b) is not None or (_ndim(b) or 0) < 2
+                or (_ndim(b) > 2 and t not in (aten.bmm.default, aten.matmul.default))
                 or (t is aten.addmm.default and self.state.get(node.args[0]) is not None)):
-            raise _Unsplittable
+            raise _Unsplittable  # (a whole right operand's batch dims are not the tokens': Llama 4's experts)
         return dataclasses.replace(spec, dim=_ndim(node) - 2)
 
     def _embedding(self, node: fx.Node) -> ContextSpec:
@@ -424,6 +464,12 @@ class _Splitter:
             size[found.dim] = size[found.dim] // self.ranks
         node.args = (x, size, *node.args[2:])
         return found
+
+    def _repeat(self, node: fx.Node) -> ContextSpec:
+        x, times = node.args[0], list(node.args[1])
+        spec = self._split_of(x)
+        at = spec.dim + len(times) - _ndim(x)
+        return dataclasses.replace(spec, dim=at, outer=spec.outer * times[at])
 
     def _token_dim(self, spec: ContextSpec, before: tuple[int, ...], after: tuple[int, ...]) -> ContextSpec:
         """The dim of ``after`` (a view of ``before``, split as ``spec``) that holds the tokens whole, by the

@@ -107,8 +107,10 @@ GROUPED = [n for n in ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "olmoe", 
 @pytest.mark.parametrize("name", GROUPED)
 def test_every_grouped_matmul_family_routes_this_ranks_tokens(name):
     blocks, _, notes, whole = _emitted(name, ParallelConfig(context=2))
-    assert blocks and not notes, notes
+    assert blocks and all("self_attn (2 modules) reads the whole sequence" in n for n in notes), notes
     assert all(m.endswith("self_attn") for m in whole), whole  # (no experts, no router read the whole sequence)
+    # (what does is said: gpt-oss's attention with sinks written out as matmuls, DeepSeek's MLA)
+    assert bool(notes) == bool(whole), (notes, whole)
 
 
 @pytest.mark.parametrize("grid", [dict(data=2, context=2, expert_parallel=True),
@@ -121,12 +123,25 @@ def test_split_experts_route_this_ranks_tokens(grid):
 
 
 @pytest.mark.skipif("llama4" not in moe_zoo.NAMES, reason="this transformers has no Llama 4")
-@pytest.mark.parametrize("grid", [dict(context=2), dict(data=2, context=2, expert_parallel=True)])
-def test_batched_experts_read_the_tokens_whole_with_a_note(grid):
-    """Llama 4's batched experts: every context rank computes every token's experts (exact, C times the work),
-    said in a note; split over data, the exchange reads every token too (before 2026-12-05 it was refused)."""
-    _, found, notes, whole = _emitted("llama4", ParallelConfig(**grid))
-    assert any("feed_forward.experts computes the tokens of every context rank" in n for n in notes), notes
-    assert any(m.endswith("feed_forward") for m in whole), whole
-    if grid.get("expert_parallel"):
-        assert found[ir.expert_dispatch] == found[ir.expert_combine] == 2
+def test_batched_experts_split_op_by_op_and_read_every_token_for_an_exchange():
+    """Llama 4's batched experts (``[experts, tokens, hidden]`` blocks: ``repeat`` of the tokens, ``bmm`` by
+    whole weights) and its complex rotary split op by op: nothing reads the whole sequence, no note. Split over
+    data, the exchange of the blocks reads every token (exact, C times the experts' work; before 2026-12-05 it
+    was refused), said in a note per layer."""
+    _, _, notes, whole = _emitted("llama4", ParallelConfig(context=2))
+    assert not notes and not whole, (notes, whole)
+    _, found, notes, whole = _emitted("llama4", ParallelConfig(data=2, context=2, expert_parallel=True))
+    assert sum("feed_forward.experts computes the tokens of every context rank" in n for n in notes) == 2, notes
+    assert whole - {""} and all(m.endswith("feed_forward.experts") for m in whole - {""}), whole  # ("": outputs)
+    assert found[ir.expert_dispatch] == found[ir.expert_combine] == 2
+
+
+def test_modules_that_read_the_whole_sequence_are_said_once_per_kind():
+    """JetMoE (its routers sort the tokens, its attention's queries come from experts by index): one note per
+    kind of module, the repeated layers' indices as ``*``."""
+    if "jetmoe" not in moe_zoo.NAMES:
+        pytest.skip("this transformers has no JetMoE")
+    _, _, notes, whole = _emitted("jetmoe", ParallelConfig(context=2))
+    assert any(n.startswith("context=2: model.layers.*.mlp.router (2 modules) reads the whole sequence (")
+               for n in notes), notes
+    assert len(notes) == len({module.replace(".0.", ".*.").replace(".1.", ".*.") for module in whole}), (notes, whole)
