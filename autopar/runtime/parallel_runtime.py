@@ -55,6 +55,10 @@ from autopar.runtime.data_parallel.per_rank import own_output, pool_rows
 from autopar.runtime.pipeline.stage_grads import StageGrads
 from passes.ir import InputKind
 
+#: The tokens from which an evaluation call under context parallelism is split over the context ranks
+#: (``ParallelRuntime._long``).
+EVAL_CONTEXT_FROM = 1024
+
 log = logging.getLogger(__name__)
 
 runtimes: weakref.WeakKeyDictionary[nn.Module, ParallelRuntime] = weakref.WeakKeyDictionary()
@@ -192,6 +196,15 @@ class ParallelRuntime:
             self.calls.settle(result[0])
         return result
 
+    def _long(self, leaves: list[Any]) -> bool:
+        """An evaluation call under context parallelism whose token ids (a 2-D integer input) are
+        ``EVAL_CONTEXT_FROM`` tokens or more and split into 2C chunks: captured at its length and split (one
+        capture per such length; shorter calls, prompts and decode steps keep one graph for every length, whole
+        on every context rank)."""
+        chunks = 2 * self.config.context
+        return any(isinstance(x, torch.Tensor) and x.dim() == 2 and not x.is_floating_point() and not
+                   x.is_complex() and x.shape[1] >= EVAL_CONTEXT_FROM and x.shape[1] % chunks == 0 for x in leaves)
+
     def _run_as(self, mode: str, every: Any, args: tuple, kwargs: dict, leaves: list[Any], spec: Any,
                 arrived: dict, names: Any, found: Any, grad: bool,
                 local_outputs: bool) -> tuple[Any, list[Any], tuple[int, ...]]:
@@ -220,9 +233,10 @@ class ParallelRuntime:
         # Where data x depth split the batch, each rank's rows are symbolic when every shard has two or more
         # (export specializes a size of 1), and the graph's batch ops read the call's row counts.
         rows_symbolic = not split or min(sizes) > 1
-        # (context parallelism splits a static length: its training graphs are captured per length)
+        # (context parallelism splits a static length: its training graphs are captured per length, and so are
+        # evaluation calls of long sequences that split, which whole would not fit where training needed context)
         dynamic = symbolic_dims(self._model(), leaves, found[0] if rows_symbolic else {}, bool(split),
-                                sequence=not (grad and self.config.context > 1))
+                                sequence=not (self.config.context > 1 and (grad or self._long(leaves))))
         training = self._model().training
 
         def these_sizes() -> Any:
@@ -302,7 +316,7 @@ class ParallelRuntime:
                                    self._forward_whole(args, kwargs))
         # lengths symbolic as for a global batch (training: from the second shape on); each member's rows stay
         # numbers (the members' losses are cut by them)
-        whole_lengths = torch.is_grad_enabled() and self.config.context > 1  # (as in run: a graph per length)
+        whole_lengths = self.config.context > 1 and (torch.is_grad_enabled() or self._long(local))  # (as in run)
         dynamic = symbolic_dims(self._model(), local, sequence=not whole_lengths) if self.config.pipeline == 1 else {}
         static = ("per-rank", spec, self._model().training, rows, tuple(signature(x) for x in local))
         key = ("per-rank", spec, self._model().training, rows, tuple(signature(x, dynamic.get(i)) for i, x in enumerate(local))

@@ -191,6 +191,39 @@ def _lengths() -> list[float]:
     return out
 
 
+def _evaluation(split_from: int) -> dict:
+    """An evaluation call of a long sequence (``EVAL_CONTEXT_FROM`` tokens or more, here lowered to ``split_from``)
+    is captured at its length and split (before 2026-12-05 every evaluation ran whole on every context rank): HF's
+    default call returning its cache, the ``labels=`` loss, and ``generate()`` from prompts of 6 tokens (whole)
+    and 16 (the prefill split, the cache gathered whole for the decode steps)."""
+    from autopar.runtime import parallel_runtime
+
+    torch.manual_seed(0)
+    serial = _build("llama").eval()
+    torch.manual_seed(0)
+    with autopar.auto_parallelize(context=2, data=2):
+        model = _build("llama")
+    model.eval()
+    ids = _data()[0]
+    whole = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # (a cache returned split over data)
+    before, parallel_runtime.EVAL_CONTEXT_FROM = parallel_runtime.EVAL_CONTEXT_FROM, split_from
+    try:
+        with torch.no_grad():
+            autopar.reset_comm_stats()
+            got, want = model(ids), serial(ids)
+            out = {"gathers": comm_calls().get("all_gather", 0), "logits": rel_err(got.logits, want.logits),
+                   "cache": max(rel_err(whole(a.keys), b.keys) + rel_err(whole(a.values), b.values)
+                                for a, b in zip(got.past_key_values.layers, want.past_key_values.layers)),
+                   "loss": abs(model(ids, labels=ids).loss.item() - serial(ids, labels=ids).loss.item())}
+        out["tokens"] = all(torch.equal(model.generate(ids[:2, :n], max_new_tokens=4, do_sample=False, pad_token_id=0),
+                                        serial.generate(ids[:2, :n], max_new_tokens=4, do_sample=False, pad_token_id=0))
+                            for n in (6, 16))
+    finally:
+        parallel_runtime.EVAL_CONTEXT_FROM = before
+    autopar.detach(model)
+    return out
+
+
 BYTES = [({"context": 2, "data": 2, "shard_optimizer": True}, "labels"),
          ({"context": 2, "tensor": (2, 1, 1)}, "labels"), ({"context": 2, "tensor": (1, 1, 2)}, "labels"),
          ({"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True}, "labels"),
@@ -232,6 +265,7 @@ def _worker() -> dict:
     sent = [_bytes(*c) for c in BYTES]
     per_rank = [_per_rank_case(*c) for c in PER_RANK]
     lengths = _lengths()
+    evaluation = {"split": _evaluation(16), "whole": _evaluation(1 << 30)}
     original = context_ops.ContextOps.output
 
     def keep_everywhere(self, x, spec):  # mutation: every context rank keeps the caller's gradient
@@ -248,7 +282,7 @@ def _worker() -> dict:
     finally:
         builder.PIPELINE_PASSES = passes
     return {"cases": results, "per_rank": per_rank, "lengths": lengths, "mutated": mutated, "bytes": sent,
-            "steps": steps, "staged": staged}
+            "steps": steps, "staged": staged, "evaluation": evaluation}
 
 
 def test_context_parallel_matches_serial(distributed):
@@ -264,6 +298,10 @@ def test_context_parallel_matches_serial(distributed):
             for what in ("loss", "params"):
                 assert got[what] < TOL, f"rank {rank}, per-rank batches at {grid} ({how}): {what} {got[what]:.2e}"
         assert max(r["lengths"]) < TOL, f"rank {rank}: losses at 16, 24, 16 tokens differ by {r['lengths']}"
+        for how, got in r["evaluation"].items():
+            assert max(got["logits"], got["cache"], got["loss"]) < TOL and got["tokens"], (rank, how, got)
+        # (split: each layer's keys and values gathered too)
+        assert r["evaluation"]["split"]["gathers"] >= r["evaluation"]["whole"]["gathers"] + 4, (rank, r["evaluation"])
         assert r["mutated"]["grads"] > 0.5, f"rank {rank}: the mutation went unseen ({r['mutated']})"
         for grid, got in zip(STEP_CASES, r["steps"], strict=True):
             for what in ("loss", "grads"):
@@ -281,13 +319,14 @@ EXPERT_CASES = [("mixtral", {"context": 2, "data": 2, "expert_parallel": True}),
                 ("mixtral+aux", {"context": 2, "data": 2, "expert_parallel": True}),
                 ("qwen3_moe", {"context": 2, "tensor": (2, 1, 1)}),
                 ("gpt_oss", {"context": 2, "tensor": (2, 1, 1), "expert_parallel": "data+tensor"}),
+                ("llama4", {"context": 2, "tensor": (2, 1, 1)}),
                 ("llama4", {"context": 2, "data": 2, "expert_parallel": True})]
 """Mixture-of-experts families under context parallelism: whole experts over data (each expert's gradient summed
 over the context ranks, who routed other tokens to it), with the load-balancing loss (its router statistics
 completed over the context ranks), each expert split over row, whole experts over row (GPT-OSS: biases, clamped
 SwiGLU, attention sinks). Each context rank routes its own tokens (``passes.analysis.token_rows``): no note, and
-only the attention's keys and values (and the caller's logits) gathered; Llama 4's batched experts read every
-context rank's tokens (a note), the exchange sending them all."""
+only the attention's keys and values (and the caller's logits) gathered; Llama 4's batched experts and complex
+rotary split op by op, but its exchange of experts' blocks reads every context rank's tokens (a note)."""
 
 
 def _experts_case(name: str, grid: dict) -> dict:
@@ -332,7 +371,7 @@ def test_context_splits_moe_families_tokens_with_serials_numbers(distributed):
             where = f"rank {rank}, {name} at {grid}"
             assert "context=2" in got["config"], (where, got["config"])
             assert got["loss"] < TOL and got["params"] < TOL and got["tokens"], (where, got)
-            assert bool(got["notes"]) == (name == "llama4"), (where, got["notes"])
+            assert bool(got["notes"]) == (name == "llama4" and "data" in grid), (where, got["notes"])
         assert r["mutated"]["params"] > 1e-3, f"rank {rank}: the mutation went unseen ({r['mutated']})"
 
 
