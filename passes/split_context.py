@@ -7,10 +7,11 @@ more dims: its last dim is the sequence, S tokens) are cut to this rank's tokens
 of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
 
 - ops that work token by token (elementwise ops, matmuls on the features, norms and softmaxes over the features,
-  views that keep the tokens in one dim, embedding lookups, per-token losses) run on this rank's tokens, their
-  size arguments cut to them; so do sequence parallelism's gathers and scatters of the tokens over a tensor axis
-  (``convert_layout``, their sizes cut), and a lookup whose rows it scatters along the tokens has its ids cut; a whole-sequence operand they meet (position ids, rotary tables, labels, an
-  attention mask's query rows) is cut to this rank's tokens where they meet (``context_slice``);
+  views that keep the tokens in one dim (``passes.context_shapes``), embedding lookups, per-token losses) run on
+  this rank's tokens, their size arguments cut to them; so do sequence parallelism's gathers and scatters of the
+  tokens over a tensor axis (``convert_layout``, their sizes cut), and a lookup whose rows it scatters along the
+  tokens has its ids cut; a whole-sequence operand they meet (position ids, rotary tables, labels, an attention
+  mask's query rows) is cut to this rank's tokens where they meet (``context_slice``);
 - ``scaled_dot_product_attention`` of this rank's queries becomes ``context_attention``: keys and values
   gathered over the context ranks, a causal mask made from the tokens' positions;
 - a sum or mean over the tokens (a loss) is completed over the context ranks: ``cross_entropy_loss`` with
@@ -57,6 +58,7 @@ from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import module_of, tensor_meta, token_lookups
 from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
+from passes.context_shapes import SHAPE_OPS, ShapeRules, Unsplittable, ndim_of, shape_of
 from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, InputKind, batch_reduce, context_attention,
                        context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
                        expert_dispatch, gather_output, gather_rows, input_info, reduce_partial, scatter_rows,
@@ -66,7 +68,6 @@ from passes.runner import PassResult
 aten = torch.ops.aten
 
 SDPA = aten.scaled_dot_product_attention.default
-_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
 _SAME = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default,
          aten.lift_fresh_copy.default, aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device,
          aten.type_as.default, aten.dropout.default, aten.native_dropout.default, aten.masked_fill.Scalar,
@@ -118,15 +119,6 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     return PassResult(gm, True, notes)
 
 
-def _ndim(node: Any) -> int | None:
-    val = tensor_meta(node) if isinstance(node, fx.Node) else None
-    return val.dim() if val is not None else None
-
-
-def _shape(node: fx.Node) -> tuple[int, ...]:
-    return tuple(int(s) for s in tensor_meta(node).shape)
-
-
 def _after_inputs(graph: fx.Graph, block: ExpertBlock) -> None:
     """Moves the ops of ``block`` that come before something it reads from outside (a marker a pass put right
     after the rows it reads) to after it, where only the block reads them: the walk then meets the block once
@@ -145,11 +137,7 @@ def _after_inputs(graph: fx.Graph, block: ExpertBlock) -> None:
         anchor = n
 
 
-class _Unsplittable(Exception):
-    """The op reads this rank's tokens in a way no rule covers: it reads the whole sequence instead."""
-
-
-class _Splitter:
+class _Splitter(ShapeRules):
     def __init__(self, gm: fx.GraphModule, tokens: int, ranks: int) -> None:
         self.gm, self.graph, self.tokens, self.ranks = gm, gm.graph, tokens, ranks
         self.state: dict[fx.Node, Any] = {}  # node -> ContextSpec (this rank's tokens), tuple of them, or absent
@@ -195,7 +183,7 @@ class _Splitter:
     # -- the walk ----------------------------------------------------------------------------------------------
     def run(self, seeds: list[tuple[fx.Node, fx.Node]]) -> None:
         for emb, ids in seeds:
-            spec = self.spec(_ndim(ids) - 1)
+            spec = self.spec(ndim_of(ids) - 1)
             emb.replace_input_with(ids, self.slice_of(ids, spec, emb))
             self.state[emb] = spec
         seeded = {emb for emb, _ in seeds}
@@ -261,7 +249,7 @@ class _Splitter:
                             "context parallelism does not combine with yet. Use context=1 for this model.")
         try:
             self.state[node] = self._rule(node)
-        except _Unsplittable:
+        except Unsplittable:
             for a in node.all_input_nodes:
                 if self.state.get(a) is not None and not isinstance(self.state[a], tuple):
                     node.replace_input_with(a, self.whole_of(a))
@@ -314,25 +302,8 @@ class _Splitter:
             return self._linear(node)
         if t in (aten.mm.default, aten.addmm.default, aten.matmul.default, aten.bmm.default):
             return self._matmul(node)
-        if t in _VIEWS or t is aten.expand.default:
-            return self._view(node)
-        if t is aten.flatten.using_ints:  # (no sizes to cut)
-            return self._token_dim(self._split_of(node.args[0]), _shape(node.args[0]), _shape(node))
-        if t in (aten.view_as_complex.default, aten.view_as_real.default):  # (Llama 4's rotary: pairs of features)
-            spec = self._split_of(node.args[0])
-            if t is aten.view_as_complex.default and spec.dim == _ndim(node.args[0]) - 1:
-                raise _Unsplittable
-            return spec
-        if t is aten.repeat.default:  # (copies of every token: Llama 4's rows for each expert)
-            return self._repeat(node)
-        if t in (aten.transpose.int, aten.permute.default, aten.t.default, aten.unsqueeze.default,
-                 aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.select.int, aten.slice.Tensor,
-                 aten.index_select.default):
-            return self._reindex(node)
-        if t in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.unbind.int):
-            return self._split(node)
-        if t in (aten.cat.default, aten.stack.default):
-            return self._cat(node)
+        if t in SHAPE_OPS:
+            return self.shape_rule(node)
         if t in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default, aten.amax.default,
                  aten.var.correction, aten.std.correction):
             return self._reduction(node)
@@ -356,30 +327,30 @@ class _Splitter:
 
     @staticmethod
     def _unsplittable() -> Any:
-        raise _Unsplittable
+        raise Unsplittable
 
     # -- rules -------------------------------------------------------------------------------------------------
     def _aligned(self, node: fx.Node, src: ContextSpec, src_ndim: int, other: Any) -> Any:
         """``other`` (an operand broadcast against a tensor of ``src_ndim`` dims split as ``src``) as this rank's
         tokens: cut where it is whole and has the tokens' dim; None where it broadcasts over it."""
-        if not isinstance(other, fx.Node) or _ndim(other) is None:
+        if not isinstance(other, fx.Node) or ndim_of(other) is None:
             return other
-        at = src.dim - (src_ndim - _ndim(other))
+        at = src.dim - (src_ndim - ndim_of(other))
         if at < 0:
             return other
         have = self.state.get(other)
         if have is not None:
             if isinstance(have, tuple) or have != dataclasses.replace(src, dim=at):
-                raise _Unsplittable
+                raise Unsplittable
             return other
-        size = _shape(other)[at]
+        size = shape_of(other)[at]
         if size == 1:
             return other
         if size != src.outer * self.tokens * src.inner:
-            raise _Unsplittable
+            raise Unsplittable
         want = dataclasses.replace(src, dim=at)
         if (other.target is sharded_embedding and other.args[3].scatter_dim == at and len(other.users) == 1
-                and isinstance(ids := other.args[1], fx.Node) and _ndim(ids) == _ndim(other) - 1
+                and isinstance(ids := other.args[1], fx.Node) and ndim_of(ids) == ndim_of(other) - 1
                 and self.state.get(ids) is None):
             # a lookup whose rows sequence parallelism scatters over a tensor axis along the tokens (nanoGPT's
             # positions' table): its ids are cut instead, so that it scatters this rank's tokens
@@ -389,10 +360,10 @@ class _Splitter:
         return self.slice_of(other, want, node)
 
     def _split_of(self, x: Any) -> ContextSpec:
-        """How ``x`` holds this rank's tokens; raises ``_Unsplittable`` where it is whole or a tuple."""
+        """How ``x`` holds this rank's tokens; raises ``Unsplittable`` where it is whole or a tuple."""
         spec = self.state.get(x) if isinstance(x, fx.Node) else None
         if spec is None or isinstance(spec, tuple):
-            raise _Unsplittable
+            raise Unsplittable
         return spec
 
     def _first_split(self, node: fx.Node) -> tuple[fx.Node, ContextSpec]:
@@ -400,20 +371,20 @@ class _Splitter:
             s = self.state.get(a)
             if s is not None:
                 if isinstance(s, tuple):
-                    raise _Unsplittable
+                    raise Unsplittable
                 return a, s
-        raise _Unsplittable
+        raise Unsplittable
 
     def _replace_args(self, node: fx.Node, fn: Any) -> None:
         args, kwargs = tuple(fn(a) for a in node.args), {k: fn(v) for k, v in node.kwargs.items()}
         node.args, node.kwargs = args, kwargs
 
     def _elementwise(self, node: fx.Node) -> ContextSpec:
-        out = _ndim(node)
+        out = ndim_of(node)
         if out is None:
-            raise _Unsplittable
+            raise Unsplittable
         src, spec = self._first_split(node)
-        at = spec.dim + (out - _ndim(src))
+        at = spec.dim + (out - ndim_of(src))
         result = dataclasses.replace(spec, dim=at)
 
         def cut(a: Any) -> Any:
@@ -426,141 +397,33 @@ class _Splitter:
     def _linear(self, node: fx.Node) -> ContextSpec:
         x = node.args[0]
         spec = self._split_of(x)
-        if spec.dim == _ndim(x) - 1:
-            raise _Unsplittable
+        if spec.dim == ndim_of(x) - 1:
+            raise Unsplittable
         if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
-            raise _Unsplittable
+            raise Unsplittable
         return spec
 
     def _matmul(self, node: fx.Node) -> ContextSpec:
         t = node.target
         a, b = (node.args[1], node.args[2]) if t is aten.addmm.default else (node.args[0], node.args[1])
         spec = self._split_of(a)
-        if (spec.dim != _ndim(a) - 2 or self.state.get(b) is not None or (_ndim(b) or 0) < 2
-                or (_ndim(b) > 2 and t not in (aten.bmm.default, aten.matmul.default))
+        if (spec.dim != ndim_of(a) - 2 or self.state.get(b) is not None or (ndim_of(b) or 0) < 2
+                or (ndim_of(b) > 2 and t not in (aten.bmm.default, aten.matmul.default))
                 or (t is aten.addmm.default and self.state.get(node.args[0]) is not None)):
-            raise _Unsplittable  # (a whole right operand's batch dims are not the tokens': Llama 4's experts)
-        return dataclasses.replace(spec, dim=_ndim(node) - 2)
+            raise Unsplittable  # (a whole right operand's batch dims are not the tokens': Llama 4's experts)
+        return dataclasses.replace(spec, dim=ndim_of(node) - 2)
 
     def _embedding(self, node: fx.Node) -> ContextSpec:
         ids = node.args[1]
         spec = self._split_of(ids)
         if self.state.get(node.args[0]) is not None:
-            raise _Unsplittable
+            raise Unsplittable
         return spec
-
-    def _view(self, node: fx.Node) -> ContextSpec:
-        x, size = node.args[0], list(node.args[1])
-        spec = self._split_of(x)
-        before, after = _shape(x), _shape(node)
-        if node.target is aten.expand.default:
-            at = spec.dim + (len(after) - len(before))
-            found = dataclasses.replace(spec, dim=at)
-        else:
-            found = self._token_dim(spec, before, after)
-        if any(not isinstance(s, int) for s in size):
-            raise _Unsplittable
-        if size[found.dim] != -1:
-            size[found.dim] = size[found.dim] // self.ranks
-        node.args = (x, size, *node.args[2:])
-        return found
-
-    def _repeat(self, node: fx.Node) -> ContextSpec:
-        x, times = node.args[0], list(node.args[1])
-        spec = self._split_of(x)
-        at = spec.dim + len(times) - _ndim(x)
-        return dataclasses.replace(spec, dim=at, outer=spec.outer * times[at])
-
-    def _token_dim(self, spec: ContextSpec, before: tuple[int, ...], after: tuple[int, ...]) -> ContextSpec:
-        """The dim of ``after`` (a view of ``before``, split as ``spec``) that holds the tokens whole, by the
-        tokens' stride in the flat order: None where a view cuts them over two dims."""
-        stride = spec.inner
-        for s in before[spec.dim + 1:]:
-            stride *= s
-        extent = stride * self.tokens
-        suffix = 1
-        for e in range(len(after) - 1, -1, -1):
-            size = after[e]
-            if suffix <= stride and extent <= suffix * size and stride % suffix == 0 and (suffix * size) % extent == 0:
-                return self.spec(e, outer=(suffix * size) // extent, inner=stride // suffix)
-            suffix *= size
-        raise _Unsplittable
-
-    def _reindex(self, node: fx.Node) -> ContextSpec:
-        t, x = node.target, node.args[0]
-        spec = self._split_of(x)
-        n, d = _ndim(x), spec.dim
-        if t is aten.t.default:
-            return dataclasses.replace(spec, dim=1 - d)
-        if t is aten.transpose.int:
-            a, b = (i % n for i in node.args[1:3])
-            return dataclasses.replace(spec, dim=b if d == a else a if d == b else d)
-        if t is aten.permute.default:
-            dims = [i % n for i in node.args[1]]
-            return dataclasses.replace(spec, dim=dims.index(d))
-        if t is aten.unsqueeze.default:
-            at = node.args[1] % (n + 1)
-            return dataclasses.replace(spec, dim=d + 1 if at <= d else d)
-        if t in (aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default):
-            shape = _shape(x)
-            if t is aten.squeeze.default:
-                gone = [i for i in range(n) if shape[i] == 1]
-            else:
-                dims = node.args[1] if t is aten.squeeze.dims else [node.args[1]]
-                gone = [i % n for i in dims if shape[i % n] == 1]
-            if d in gone:
-                raise _Unsplittable
-            return dataclasses.replace(spec, dim=d - sum(1 for i in gone if i < d))
-        dim = (node.args[1] if len(node.args) > 1 else 0) % n
-        if dim == d and t is aten.slice.Tensor and self._whole_slice(node, _shape(x)[d]):
-            return spec
-        if dim == d:
-            raise _Unsplittable
-        if t is aten.select.int:
-            return dataclasses.replace(spec, dim=d - 1 if dim < d else d)
-        if t is aten.index_select.default and self.state.get(node.args[2]) is not None:
-            raise _Unsplittable
-        return spec
-
-    @staticmethod
-    def _whole_slice(node: fx.Node, size: int) -> bool:
-        """A ``slice`` that keeps every entry (HF's ``hidden_states[:, slice(-0, None), :]`` before the head)."""
-        start, end, step = (list(node.args[2:5]) + [None, None, 1][len(node.args[2:5]):])
-        return start in (None, 0) and (end is None or end >= size) and step in (None, 1)
-
-    def _split(self, node: fx.Node) -> tuple:
-        x = node.args[0]
-        spec = self._split_of(x)
-        n = _ndim(x)
-        if node.target is aten.unbind.int:
-            dim = (node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)) % n
-        else:
-            dim = (node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)) % n
-        if dim == spec.dim:
-            raise _Unsplittable
-        out = dataclasses.replace(spec, dim=spec.dim - 1 if node.target is aten.unbind.int and dim < spec.dim
-                                  else spec.dim)
-        count = len(node.meta["val"]) if isinstance(node.meta.get("val"), (list, tuple)) else 0
-        return tuple(out for _ in range(count))
-
-    def _cat(self, node: fx.Node) -> ContextSpec:
-        parts = node.args[0]
-        first = next((p for p in parts if self.state.get(p) is not None), None)
-        spec = self._split_of(first)
-        n = _ndim(first)
-        dim = (node.args[1] if len(node.args) > 1 else 0)
-        stack = node.target is aten.stack.default
-        dim %= (n + 1) if stack else n
-        if not stack and dim == spec.dim:
-            raise _Unsplittable
-        cut = [self._aligned(node, spec, n, p) for p in parts]
-        node.args = (cut, *node.args[1:])
-        return dataclasses.replace(spec, dim=spec.dim + 1 if stack and dim <= spec.dim else spec.dim)
 
     def _reduction(self, node: fx.Node) -> Any:
         x = node.args[0]
         spec = self._split_of(x)
-        n = _ndim(x)
+        n = ndim_of(x)
         t = node.target
         if t in (aten.sum.default, aten.mean.default):
             dims, keep = list(range(n)), False
@@ -571,11 +434,11 @@ class _Splitter:
         if spec.dim not in dims:
             return dataclasses.replace(spec, dim=spec.dim if keep else spec.dim - sum(1 for d in dims if d < spec.dim))
         if t not in (aten.sum.dim_IntList, aten.mean.dim, aten.sum.default, aten.mean.default):
-            raise _Unsplittable
+            raise Unsplittable
         # a sum over the tokens: this rank's part, completed over the context ranks; a mean: the whole count's
         if t in (aten.mean.dim, aten.mean.default):
             whole = 1
-            shape = _shape(x)
+            shape = shape_of(x)
             for d in dims:
                 whole *= shape[d]
             local = whole // self.ranks
@@ -595,25 +458,25 @@ class _Splitter:
     def _along(self, node: fx.Node, dim: int) -> ContextSpec:
         x = node.args[0]
         spec = self._split_of(x)
-        if dim % _ndim(x) == spec.dim:
-            raise _Unsplittable
+        if dim % ndim_of(x) == spec.dim:
+            raise Unsplittable
         return spec
 
     def _indexed(self, node: fx.Node) -> ContextSpec:
         src, spec = self._first_split(node)
-        n = _ndim(node)
-        if n is None or _ndim(src) != n or node.args[1] % n == spec.dim:
-            raise _Unsplittable
+        n = ndim_of(node)
+        if n is None or ndim_of(src) != n or node.args[1] % n == spec.dim:
+            raise Unsplittable
         self._replace_args(node, lambda a: self._aligned(node, spec, n, a) if isinstance(a, fx.Node) else a)
         return spec
 
     def _normed(self, node: fx.Node) -> ContextSpec:
         x, shape = node.args[0], node.args[1]
         spec = self._split_of(x)
-        if spec.dim >= _ndim(x) - len(shape):
-            raise _Unsplittable
+        if spec.dim >= ndim_of(x) - len(shape):
+            raise Unsplittable
         if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
-            raise _Unsplittable
+            raise Unsplittable
         return spec
 
     def _marker_rule(self, node: fx.Node) -> ContextSpec:
@@ -624,19 +487,19 @@ class _Splitter:
             cut = {}
             for field in ("src", "dst"):
                 sharding = getattr(last, field)
-                if not sharding.is_replicated and sharding.dim % _ndim(x) == spec.dim:
+                if not sharding.is_replicated and sharding.dim % ndim_of(x) == spec.dim:
                     whole = spec.outer * self.tokens * spec.inner  # (rows of a flattened batch x tokens, too)
                     if sharding.parts != (whole,):
-                        raise _Unsplittable
+                        raise Unsplittable
                     cut[field] = dataclasses.replace(sharding, parts=(whole // self.ranks,))  # this rank's
             if cut:
                 node.args = (*node.args[:-1], dataclasses.replace(last, **cut))
                 return spec
         for sharding in (getattr(last, "src", None), getattr(last, "dst", None), getattr(last, "sharding", None)):
-            if sharding is not None and not sharding.is_replicated and sharding.dim % _ndim(x) == spec.dim:
-                raise _Unsplittable
+            if sharding is not None and not sharding.is_replicated and sharding.dim % ndim_of(x) == spec.dim:
+                raise Unsplittable
         if node.target is gather_output and (last.batch_split or last.keep_split):
-            raise _Unsplittable
+            raise Unsplittable
         return spec
 
     def _refuse_dropout(self, node: fx.Node) -> None:
@@ -652,21 +515,22 @@ class _Splitter:
         params = dict(zip(names, node.args[3:]), **node.kwargs)
         q, k, v = node.args[:3]
         sq, sk, sv = (self.state.get(x) for x in (q, k, v))
-        n = _ndim(q)
+        n = ndim_of(q)
         want = self.spec(n - 2)
         if sq != want or (sk is None) != (sv is None) or (sk is not None and (sk != want or sv != want)):
-            raise _Unsplittable
+            raise Unsplittable
         if params.get("dropout_p", 0.0):
             raise PlanError(f"context={self.ranks}: attention dropout (p={params['dropout_p']}) at {node.name} would "
                             "not draw serial's mask. Set the model's attention dropout to 0, or use context=1.")
         mask = params.get("attn_mask")
         if isinstance(mask, fx.Node):
             if self.state.get(mask) is not None:
-                raise _Unsplittable
-            if _shape(mask)[-2] != 1:
-                mask = self.slice_of(mask, self.spec(_ndim(mask) - 2), node)
-        if _shape(q)[-2] != self.tokens or (sk is None and _shape(k)[-2] != self.tokens and params.get("is_causal")):
-            raise _Unsplittable
+                raise Unsplittable
+            if shape_of(mask)[-2] != 1:
+                mask = self.slice_of(mask, self.spec(ndim_of(mask) - 2), node)
+        if shape_of(q)[-2] != self.tokens or (sk is None and shape_of(k)[-2] != self.tokens
+                                              and params.get("is_causal")):
+            raise Unsplittable
         spec = ContextAttentionSpec(self.tokens, self.ranks, bool(params.get("is_causal")), params.get("scale"),
                                     bool(params.get("enable_gqa")), gather_kv=sk is not None)
         with self.graph.inserting_before(node):
@@ -680,8 +544,8 @@ class _Splitter:
     def _loss(self, node: fx.Node) -> Any:
         x, target = node.args[0], node.args[1]
         spec = self._split_of(x)
-        if _ndim(x) != 2 or spec.dim != 0:
-            raise _Unsplittable
+        if ndim_of(x) != 2 or spec.dim != 0:
+            raise Unsplittable
         if node.target is vocab_cross_entropy:
             loss = node.args[2]
             reduction, ignore = loss.reduction, loss.ignore_index
@@ -690,7 +554,7 @@ class _Splitter:
             given = dict(zip(names, node.args), **node.kwargs)
             args = [given.get(k, d) for k, d in zip(names, (None, None, None, 1, -100, 0.0))]
             if args[2] is not None:
-                raise _Unsplittable  # (class weights: the mean's count is their sum)
+                raise Unsplittable  # (class weights: the mean's count is their sum)
             reduction, ignore = args[3], args[4]
         cut = self._aligned(node, dataclasses.replace(spec, dim=0), 1, target)
         if cut is not target:
@@ -718,9 +582,9 @@ class _Splitter:
         values, counts, spec = node.args
         have = self.state.get(values)
         if have is None or isinstance(have, tuple) or have.dim != 0:
-            raise _Unsplittable
+            raise Unsplittable
         if counts is None and spec.mean:
-            if _ndim(values) != 1:
+            if ndim_of(values) != 1:
                 raise PlanError(f"context={self.ranks}: {node.name} takes a mean over the tokens of per-token values "
                                 "with more than one dim; autopar cannot count them. Use context=1 for this model.")
             with self.graph.inserting_before(node):
@@ -728,7 +592,7 @@ class _Splitter:
             counts.meta["val"] = values.meta.get("val")
             self.state[counts] = have
         elif isinstance(counts, fx.Node):
-            counts = self._aligned(node, have, _ndim(values), counts)
+            counts = self._aligned(node, have, ndim_of(values), counts)
         node.args = (values, counts, dataclasses.replace(spec, context=True))
         return None
 
