@@ -6,7 +6,8 @@ logits and greedy ``generate()`` tokens (a prompt that does not split runs whole
 and tensor grids, on HF Llama, Qwen3 (q/k norms) and nanoGPT (``F.scaled_dot_product_attention(is_causal=True)``
 called directly, learned positions); with a pipeline, its stages run in order by ``model(x)`` and by
 ``autopar.train_step``'s schedules; a DDP script's per-rank batches against DDP's step; mixture-of-experts families
-(each context rank routing its own tokens) with experts over data or a tensor axis. Mutations: an output
+(each context rank routing its own tokens) with experts over data or a tensor axis, and through a script's
+idioms (clipping, AdamW under ``shard_optimizer``, a DCP checkpoint across layouts, a per-rank loader). Mutations: an output
 whose caller's gradient is kept on every context rank (not one) doubles the gradients; a pipeline's stages cut from
 the whole sequence's graph (before 2026-12-05 they were: every context rank computed all the tokens, silently off by
 100%); an expert's gradient not summed over the context ranks; the comparisons see them."""
@@ -388,3 +389,114 @@ def test_context_composes_with_every_other_axis():
     with pytest.raises(ConfigError, match="context"):
         ParallelConfig.from_user(world_size=6, context=4)
     assert ParallelConfig.from_user(world_size=8, context=2, tensor=(2, 1, 1)).data == 2
+
+
+IDIOM_GRID = {"context": 2, "data": 2, "expert_parallel": True}
+
+
+def _idioms_worker() -> dict:
+    """Mixtral with whole experts over data under context 2, through a script's idioms: ``clip_grad_norm_``
+    (and the mutation: every rank counting its copies), AdamW with clipping under ``shard_optimizer``, a DCP
+    checkpoint loaded under three other layouts, a DDP-style loader's per-rank rows."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+
+    from autopar.runtime.interop import norms
+    from tests import unlike_models as U
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    (x, y), out = U.batches("mixtral")[0], {}
+
+    def build(seed: int = 0, **grid) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        with autopar.auto_parallelize(**grid):
+            return U.build("mixtral")
+
+    def train(model: torch.nn.Module, opt: torch.optim.Optimizer, rows=lambda t: t, clip: bool = False) -> dict:
+        losses = []
+        for xx, yy in U.batches("mixtral"):
+            loss = U.loss_of("mixtral", model, rows(xx), rows(yy))
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            opt.step()
+            opt.zero_grad()
+            t = loss.detach().clone()
+            dist.all_reduce(t)
+            losses.append(t.item() / world)
+        state = autopar.full_state_dict(model)
+        autopar.detach(model)
+        return {"losses": losses, "state": state}
+
+    norms_of = []
+    for mutated in (False, True):
+        model = build(**IDIOM_GRID)
+        U.loss_of("mixtral", model, x, y).backward()
+        original = norms.designated
+        if mutated:
+            norms.designated = lambda t: True
+        try:
+            norms_of.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        finally:
+            norms.designated = original
+        autopar.detach(model)
+    out["norm"], out["mutated norm"] = norms_of
+    model = build(shard_optimizer=True, **IDIOM_GRID)
+    out["adamw"] = train(model, torch.optim.AdamW(model.parameters(), lr=1e-3), clip=True)
+    model = build(batch="per-rank", **IDIOM_GRID)
+    out["per-rank"] = train(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                            rows=lambda t: t.chunk(world)[rank])
+    box = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(box)
+    saved_model = build(**IDIOM_GRID)
+    U.loss_of("mixtral", saved_model, x, y)  # (the first call shards the experts)
+    dcp.save(saved_model.state_dict(), checkpoint_id=box[0])
+    saved = autopar.full_state_dict(saved_model)
+    autopar.detach(saved_model)
+    out["dcp"] = {}
+    for seed, grid in enumerate(({"data": 4}, IDIOM_GRID, {"context": 2, "tensor": (2, 1, 1)}), start=1):
+        other = build(seed, **grid)
+        U.loss_of("mixtral", other, x, y)
+        sd = other.state_dict()
+        dcp.load(sd, checkpoint_id=box[0])
+        other.load_state_dict(sd)
+        back = autopar.full_state_dict(other)
+        out["dcp"][str(grid)] = all(torch.equal(back[k], v) for k, v in saved.items())
+        autopar.detach(other)
+    return out
+
+
+def test_context_with_split_experts_keeps_serials_numbers_through_a_scripts_idioms(distributed):
+    """Context 2 x data 2 with the experts over data: ``clip_grad_norm_``'s total norm is serial's (the mutation,
+    every rank counting its copies, is seen); AdamW with clipping under ``shard_optimizer`` trains to serial's
+    parameters; a DDP-style per-rank loader trains as DDP (for equal rows and a mean loss: serial); a DCP
+    checkpoint loads to the bit with the experts whole over data 4, with the same layout, and each split over row
+    under context."""
+    from tests import unlike_models as U
+
+    torch.manual_seed(0)
+    serial = U.build("mixtral")
+    x, y = U.batches("mixtral")[0]
+    U.loss_of("mixtral", serial, x, y).backward()
+    norm = float(torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05))
+    torch.manual_seed(0)
+    serial = U.build("mixtral")
+    opt = torch.optim.AdamW(serial.parameters(), lr=1e-3)
+    adamw = []
+    for xx, yy in U.batches("mixtral"):
+        loss = U.loss_of("mixtral", serial, xx, yy)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(serial.parameters(), 0.05)
+        opt.step()
+        opt.zero_grad()
+        adamw.append(loss.item())
+    wants = {"adamw": {"losses": adamw, "state": serial.state_dict()}, "per-rank": U.serial("mixtral")}
+    for rank, r in enumerate(distributed(_idioms_worker, 4, timeout=900)):
+        assert abs(r["norm"] - norm) <= 1e-5 * norm, (rank, r["norm"], norm)
+        assert r["mutated norm"] > 1.2 * norm, (rank, "the mutation went unseen", r["mutated norm"], norm)
+        for idiom, want in wants.items():
+            got = r[idiom]
+            assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])) < TOL, (rank, idiom)
+            assert max(rel_err(got["state"][k], want["state"][k]) for k in want["state"]) < TOL, (rank, idiom)
+        assert all(r["dcp"].values()), (rank, r["dcp"])
