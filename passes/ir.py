@@ -276,6 +276,16 @@ class ContextSpec:
 
 
 @dataclass(frozen=True, slots=True)
+class ContextDropoutSpec:
+    """``dropout`` on this rank's tokens (``tokens``), and on its piece of a tensor axis's split (``piece``, a
+    ``split_dropout``'s sharding, its tokens' segment this rank's under sequence parallelism; None where no tensor
+    axis splits it): the mask is drawn for the whole tensor and this rank keeps its part."""
+
+    tokens: ContextSpec
+    piece: Sharding | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class ContextAttentionSpec:
     """``scaled_dot_product_attention`` on this rank's queries (``passes.split_context``): its arguments, and
     whether the keys and values hold this rank's tokens (gathered over the context ranks first) or all of them."""
@@ -394,6 +404,12 @@ def context_reduce(x, spec: ContextSpec):
     raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
 
 
+def context_dropout(x, p, train, spec: ContextDropoutSpec):
+    """``dropout(x, p, train)`` on this rank's tokens (and piece): every context rank draws the mask dropout
+    draws for the whole tensor, in serial's order, and keeps its tokens' part, so the masks are serial's."""
+    raise UnboundOpError("autopar marker op called before the runtime bound it to process groups")
+
+
 def context_attention(q, k, v, mask, spec: ContextAttentionSpec):
     """Attention of this rank's queries over the whole sequence: keys and values gathered over the context
     ranks (``spec.gather_kv``) in order, a causal mask made from the tokens' positions (``spec.is_causal``) or
@@ -413,7 +429,8 @@ def gather_output(x, spec: GatherOutputSpec):
 
 
 SPEC_TYPES = (Layout, Orientation, EmbeddingMode, Sharding, MatmulSpec, EmbeddingSpec, ConvertSpec, ReduceSpec,
-              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec, ExpertSpec, ContextSpec, ContextAttentionSpec)
+              GatherOutputSpec, BatchReduceSpec, GatherRowsSpec, ExpertSpec, ContextSpec, ContextAttentionSpec,
+              ContextDropoutSpec)
 """The types whose values marker ops take as arguments."""
 
 _spec_names_depth = 0

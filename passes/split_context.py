@@ -23,12 +23,17 @@ of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
   4's batched experts) reads every context rank's tokens, as its exchange does (one note);
 - any other op reading this rank's tokens (one that works along the sequence: a shift, a cumulative sum, a
   sort) reads the whole sequence, gathered back (``context_gather``), and computes the whole;
+- a dropout in training on this rank's tokens (and on its piece over a tensor axis: ``split_dropout``) becomes
+  ``context_dropout``: the whole tensor's mask drawn on every rank, this rank's part kept (serial's masks). SDPA's
+  own attention dropout, and any random op on a tensor split over a tensor axis (``split_random``), draw inside
+  the op: they read the whole sequence;
+- where a whole tensor meets this rank's tokens after sequence parallelism scattered its tokens over a tensor
+  axis (a projection of an attention computed whole, which reduce-scatters them), the scatter's input is cut;
 - each output holding this rank's tokens is gathered, and every output with a gradient goes through
   ``context_output`` (the caller's gradient kept on one rank: see ``autopar.runtime.ops.context``).
 
-Refused (``PlanError``, naming the op): dropout with p > 0 in training on this rank's tokens (its mask would not
-be serial's), a mean over the tokens without counts of more than one dim, a random op on a tensor split over a
-tensor axis. A graph with no such embedding, or whose
+Refused (``PlanError``, naming the op): ``native_dropout`` in training on this rank's tokens, a mean over the
+tokens without counts of more than one dim. A graph with no such embedding, or whose
 sequence does not divide into 2C chunks (a decode step of one token, a prompt of 6), is left whole, every
 context rank computing all of it (one note); its outputs still go through ``context_output``.
 
@@ -59,8 +64,8 @@ from autopar.errors import PlanError
 from passes.analysis.graph_facts import module_of, tensor_meta, token_lookups
 from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
 from passes.context_shapes import SHAPE_OPS, ShapeRules, Unsplittable, ndim_of, shape_of
-from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, InputKind, batch_reduce, context_attention,
-                       context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
+from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextDropoutSpec, ContextSpec, InputKind, batch_reduce,
+                       context_attention, context_dropout, context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
                        expert_dispatch, gather_output, gather_rows, input_info, reduce_partial, scatter_rows,
                        sharded_embedding, sharded_matmul, split_dropout, split_random, sum_grad, vocab_cross_entropy)
 from passes.runner import PassResult
@@ -75,7 +80,6 @@ _SAME = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.d
          aten.silu.default, aten.gelu.default, aten.relu.default, aten.ones_like.default, aten.zeros_like.default,
          aten.full_like.default, aten.empty_like.default}
 _LOSSES = {aten.cross_entropy_loss.default}
-_REFUSED = {split_random: "a random op on a tensor split over a tensor axis"}
 #: Ops that read this rank's tokens whole, never per op: split_batch's gathers and scatters of the batch's rows,
 #: and the expert exchanges of a module ``passes.analysis.token_rows`` could not prove per-token.
 _WHOLE = {gather_rows, scatter_rows, expert_dispatch, expert_combine}
@@ -244,9 +248,6 @@ class _Splitter(ShapeRules):
                     node.replace_input_with(a, self.whole_of(a))
                     self._read_whole(node)
             return
-        if target in _REFUSED:
-            raise PlanError(f"context={self.ranks}: {node.name} is {_REFUSED[target]} on this rank's tokens, which "
-                            "context parallelism does not combine with yet. Use context=1 for this model.")
         try:
             self.state[node] = self._rule(node)
         except Unsplittable:
@@ -267,6 +268,9 @@ class _Splitter(ShapeRules):
         if node.target is gather_output:  # (an output gathered over the batch: outputs are gathered whole anyway)
             return
         name = getattr(node.target, "__name__", str(node.target)).split(".")[0]
+        if node.target is split_random or (node.target is SDPA and dict(zip(("attn_mask", "dropout_p"), node.args[3:]),
+                                                                        **node.kwargs).get("dropout_p", 0.0)):
+            name = f"{'attention' if SDPA in (node.target, node.args[0]) else 'a random op'}'s dropout, drawn whole"
         self.whole_reads.setdefault(module_of(node) or "the model's top level", set()).add(name)
 
     def whole_notes(self) -> list[str]:
@@ -316,7 +320,9 @@ class _Splitter(ShapeRules):
             return self._indexed(node)
         if t in (aten.layer_norm.default, aten.rms_norm.default):
             return self._normed(node)
-        if t in (split_dropout, aten.dropout.default, aten.native_dropout.default):
+        if t in (split_dropout, aten.dropout.default):
+            return self._dropout(node)
+        if t is aten.native_dropout.default:
             self._refuse_dropout(node)
             return self._elementwise(node)
         if t in _MARKERS:
@@ -357,7 +363,46 @@ class _Splitter(ShapeRules):
             other.replace_input_with(ids, self.slice_of(ids, want, other))
             self.state[other] = want
             return other
+        found = self._scattered_chain(other, want)
+        if found:  # (whole over context, its tokens split over a tensor axis: cut before the tensor axis splits them)
+            chain, cut = found
+            x = chain[0].args[0]
+            chain[0].replace_input_with(x, self.slice_of(x, cut, chain[0]))
+            for n in chain:
+                self._visit(n)
+            if self.state.get(other) == want:
+                return other
+            raise PlanError(f"context={self.ranks}: {other.name} holds the whole sequence's tokens split over a tensor "
+                            "axis (sequence parallelism), which autopar could not cut to this rank's. Use "
+                            "sequence_parallel=False or context=1 for this model.")
         return self.slice_of(other, want, node)
+
+    def _scattered_chain(self, other: fx.Node, want: ContextSpec) -> tuple[list[fx.Node], ContextSpec] | None:
+        """The ops from a matmul whose partial sums sequence parallelism reduce-scatters along the tokens, or a
+        scatter of them (each rank of the tensor axis then holds part of every context rank's tokens), to ``other`` (to be split as ``want``),
+        each the one reader of the one before, through views, dropouts and copies; and how the matmul's input is
+        to be split. None where ``other`` is not so made."""
+        chain, node, spec = [], other, want
+        while isinstance(node, fx.Node) and node.op == "call_function" and self.state.get(node) is None:
+            chain.append(node)
+            x = node.args[0] if node.args else None
+            if node.target in (sharded_matmul, convert_layout):  # (a reduce-scatter, or a scatter, along the tokens)
+                last = node.args[-1]
+                at = last.scatter_dim if node.target is sharded_matmul else (
+                    -1 if last.dst.is_replicated else last.dst.dim % ndim_of(node))
+                return (chain[::-1], spec) if at == spec.dim and ndim_of(x) == ndim_of(node) else None
+            if not isinstance(x, fx.Node) or len(x.users) != 1:
+                return None
+            if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                try:
+                    spec = self._token_dim(spec, shape_of(node), shape_of(x))
+                except Unsplittable:
+                    return None
+            elif node.target not in (split_dropout, aten.dropout.default, aten.clone.default, aten.contiguous.default,
+                                     aten.alias.default):
+                return None
+            node = x
+        return None
 
     def _split_of(self, x: Any) -> ContextSpec:
         """How ``x`` holds this rank's tokens; raises ``Unsplittable`` where it is whole or a tuple."""
@@ -502,6 +547,22 @@ class _Splitter(ShapeRules):
             raise Unsplittable
         return spec
 
+    def _dropout(self, node: fx.Node) -> ContextSpec:
+        """A dropout on this rank's tokens in training: ``context_dropout`` (the whole tensor's mask, this rank's
+        part of it: serial's masks)."""
+        spec = self._elementwise(node)
+        x, p, train = node.args[:3]
+        if not (isinstance(p, (int, float)) and p > 0 and train is not False):
+            return spec
+        piece = node.args[3] if node.target is split_dropout else None
+        if piece is not None and piece.dim % ndim_of(x) == spec.dim:  # (the tokens over a tensor axis, too)
+            whole = spec.outer * self.tokens * spec.inner
+            if piece.parts != (whole,):
+                raise Unsplittable
+            piece = dataclasses.replace(piece, parts=(whole // self.ranks,))
+        node.target, node.args = context_dropout, (x, p, train, ContextDropoutSpec(spec, piece))
+        return spec
+
     def _refuse_dropout(self, node: fx.Node) -> None:
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
         train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
@@ -519,9 +580,8 @@ class _Splitter(ShapeRules):
         want = self.spec(n - 2)
         if sq != want or (sk is None) != (sv is None) or (sk is not None and (sk != want or sv != want)):
             raise Unsplittable
-        if params.get("dropout_p", 0.0):
-            raise PlanError(f"context={self.ranks}: attention dropout (p={params['dropout_p']}) at {node.name} would "
-                            "not draw serial's mask. Set the model's attention dropout to 0, or use context=1.")
+        if params.get("dropout_p", 0.0):  # (its mask is drawn inside the kernel: whole, it is serial's)
+            raise Unsplittable
         mask = params.get("attn_mask")
         if isinstance(mask, fx.Node):
             if self.state.get(mask) is not None:

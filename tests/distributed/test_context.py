@@ -500,3 +500,80 @@ def test_context_with_split_experts_keeps_serials_numbers_through_a_scripts_idio
             assert max(abs(a - b) / abs(b) for a, b in zip(got["losses"], want["losses"])) < TOL, (rank, idiom)
             assert max(rel_err(got["state"][k], want["state"][k]) for k in want["state"]) < TOL, (rank, idiom)
         assert all(r["dcp"].values()), (rank, r["dcp"])
+
+
+DROPOUT_CASES = {2: [("nanogpt", {"context": 2}), ("gpt2", {"context": 2}), ("gpt2-eager", {"context": 2}),
+                     ("gpt2", {"tensor": (2, 1, 1), "sequence_parallel": True})],
+                 4: [("gpt2-eager", {"context": 2, "tensor": (1, 2, 1), "sequence_parallel": True}),
+                     ("gpt2", {"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True})]}
+"""Dropout in training under context (refused before 2026-12-06): nanoGPT (SDPA's own attention dropout, and
+hidden dropout on this rank's tokens), GPT-2 with SDPA and with eager attention (its dropout an op on the
+probabilities), with the tensor axes and sequence parallelism (heads over col; the tokens over row, cut from the
+attention's whole output). The last case's attention dropout draws per piece of the heads (``split_random``), as
+without context: its oracle is the same tensor grid without context (on 2 ranks)."""
+
+
+def _dropout_build(name: str) -> torch.nn.Module:
+    if name == "nanogpt":
+        return NanoGPT(GPTConfig(vocab_size=zoo.VOCAB, block_size=zoo.POSITIONS, n_layer=2, n_head=zoo.HEADS,
+                                 n_embd=zoo.HIDDEN, dropout=0.1))
+    model = zoo.build_model("gpt2", dropout=True)
+    if name == "gpt2-eager":
+        model.config._attn_implementation = "eager"
+    return model
+
+
+def _dropout_losses(model: torch.nn.Module, name: str) -> list[float]:
+    torch.manual_seed(1)  # (the masks' generator, alike on every rank and in serial)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for ids in _data():
+        loss = _loss(model, "nanogpt" if name == "nanogpt" else "hf", ids, "labels")
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def _dropout_worker(ranks: int) -> dict:
+    out = {}
+    for mutated in (False, True) if ranks == 2 else (False,):
+        original = context_ops.ContextOps.dropout
+        if mutated:  # each rank draws a mask for its own tokens only
+            context_ops.ContextOps.dropout = lambda self, x, p, train, spec: torch.ops.aten.dropout(x, p, train)
+        try:
+            for name, grid in DROPOUT_CASES[ranks][:1] if mutated else DROPOUT_CASES[ranks]:
+                torch.manual_seed(0)
+                serial = _dropout_build(name)
+                want = _dropout_losses(serial, name)
+                torch.manual_seed(0)
+                with autopar.auto_parallelize(**grid):
+                    model = _dropout_build(name)
+                got = _dropout_losses(model, name)
+                notes = [n for exes in runtime_of(model).executables.values() for e in exes for r in e.records
+                         if r.name == "split_context" for n in r.notes]
+                out[("mutated " if mutated else "") + name + str(grid)] = {"want": want, "got": got, "notes": notes}
+                autopar.detach(model)
+        finally:
+            context_ops.ContextOps.dropout = original
+    return out
+
+
+def test_dropout_under_context_draws_serials_masks(distributed):
+    """Each context rank draws the whole tensor's mask and keeps its tokens' part (``context_dropout``); an
+    attention whose dropout is drawn inside SDPA reads the whole sequence (a note: serial's masks, C times the
+    work). Losses equal serial's (to float rounding: the masks are the same numbers); the mutation (each rank's
+    mask drawn for its own tokens) is seen."""
+    two = distributed(_dropout_worker, 2, 2)[0]
+    four = distributed(_dropout_worker, 4, 4)[0]
+    for key, r in {**two, **four}.items():
+        if key.startswith("mutated"):
+            assert max(abs(a - b) for a, b in zip(r["got"], r["want"])) > 1e-3, (key, r)
+            continue
+        want = two["gpt2{'tensor': (2, 1, 1), 'sequence_parallel': True}"]["got"] if "(2, 1, 1)" in key else r["want"]
+        assert max(abs(a - b) / b for a, b in zip(r["got"], want)) < TOL, (key, r["got"], want)
+        if "context" in key:
+            assert any("reads the whole sequence" in n and "attn" in n for n in r["notes"]), (key, r["notes"])
+            sdpa = "eager" not in key
+            assert any("attention's dropout, drawn whole" in n for n in r["notes"]) == sdpa, (key, r["notes"])

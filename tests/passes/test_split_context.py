@@ -2,7 +2,8 @@
 token ids an embedding reads), that every attention becomes ``context_attention`` and the loss a reduction over
 the context ranks, with no whole-sequence gather in HF's decoder families, BERT and GPT-2 (learned positions);
 a model whose attention is written out (GPT-Neo's matmuls) reads the whole sequence there instead; a sequence
-that does not split runs whole (one note) with its outputs still marked; dropout in training is refused."""
+that does not split runs whole (one note) with its outputs still marked; dropout in training draws the whole
+tensor's mask."""
 
 from __future__ import annotations
 
@@ -88,9 +89,27 @@ def test_a_sequence_that_does_not_split_runs_whole_with_a_note():
     assert notes and "12 tokens" in notes[0] and "multiple of 8" in notes[0]
 
 
-def test_dropout_in_training_is_refused():
-    with pytest.raises(PlanError, match="dropout"):
-        _emitted("gpt2", ParallelConfig(context=2), dropout=True)
+@pytest.mark.parametrize("tensor", [(1, 1), (2, 1), (1, 2)])
+def test_dropout_on_this_ranks_tokens_draws_the_whole_mask_and_sdpas_reads_the_whole_sequence(tensor):
+    """GPT-2 with every dropout on: the hidden dropouts become ``context_dropout`` (with their piece over the tensor
+    axis: the tokens' rows over row cut to this rank's under sequence parallelism), SDPA's attention dropout reads
+    the whole sequence (a note). Under sequence parallelism the attention's whole output meets the residual
+    stream through the output projection, which reduce-scatters its rows over row (and the positions through a
+    scatter): their inputs are cut to this rank's tokens before (before 2026-12-06 the scattered rows were cut as
+    if whole: an index error at run time)."""
+    config = ParallelConfig(row=tensor[0], col=tensor[1], context=2, sequence_parallel=tensor != (1, 1))
+    gm, found, notes = _emitted("gpt2", config, dropout=True)
+    dropouts = [n.args[-1] for n in gm.graph.nodes if n.target is ir.context_dropout]
+    whole = [n for n in gm.graph.nodes if n.target in (ir.split_dropout, torch.ops.aten.dropout.default)]
+    # (the embeddings' and each block's two residual dropouts; the attention's, after its whole output's
+    # projection (and under sequence parallelism, the tokens over row: cut before the projection), may draw whole)
+    assert len(dropouts) + len(whole) == 1 + 2 * zoo.LAYERS and len(dropouts) >= 1 + zoo.LAYERS, (dropouts, whole)
+    assert all(d.tokens.ranks == 2 and d.tokens.tokens == 16 for d in dropouts), dropouts
+    pieces = {d.piece for d in dropouts if d.piece is not None}
+    assert all(p.dim != 1 or p.parts == (8,) for p in pieces), pieces  # (the tokens over row: this rank's 8)
+    assert len(notes) == 1 and "attention's dropout, drawn whole" in notes[0], notes
+    scattered = {ir.sharded_matmul, ir.convert_layout}
+    assert not any(n.target is ir.context_slice and n.args[0].target in scattered for n in gm.graph.nodes)
 
 
 def _priced(config: ParallelConfig, seq: int = 256, layers: int = 4, repeat: bool = True):

@@ -26,11 +26,10 @@ from autopar.runtime.ops.rows import BatchReduceOp, BatchRows, GatherOutputOp, G
 from autopar.runtime.ops.vocabulary import EmbeddingOp, VocabCrossEntropyOp
 from autopar.runtime.data_parallel.per_rank import SegmentReduceOp
 from autopar.runtime.ops.random_pieces import DropoutOp, RandomPieceOp
-from passes.ir import (InputKind, batch_reduce, context_attention, context_gather, context_output, context_reduce,
-                       context_slice, convert_layout, expert_combine, expert_dispatch, gather_output,
-                       gather_rows, input_info,
-                       reduce_partial, scatter_rows, sharded_embedding, sharded_matmul, split_dropout, split_random,
-                       sum_grad, vocab_cross_entropy)
+from passes.ir import (InputKind, batch_reduce, context_attention, context_dropout, context_gather, context_output,
+                       context_reduce, context_slice, convert_layout, expert_combine, expert_dispatch, gather_output,
+                       gather_rows, input_info, reduce_partial, scatter_rows, sharded_embedding, sharded_matmul,
+                       split_dropout, split_random, sum_grad, vocab_cross_entropy)
 
 
 def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.dtype | None, pipeline: int,
@@ -66,6 +65,7 @@ def bind_markers(gm: fx.GraphModule, mesh: Mesh, rows: BatchRows, reduce: torch.
             context_reduce: lambda spec: lambda x: ctx.reduce(x, spec),
             context_output: lambda spec: lambda x: ctx.output(x, spec),
             context_attention: lambda spec: lambda q, k, v, mask: ctx.attention(q, k, v, mask, spec),
+            context_dropout: lambda spec: lambda x, p, train: ctx.dropout(x, p, train, spec),
         })
     if per_rank is not None:
         members, member = per_rank

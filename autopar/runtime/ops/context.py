@@ -24,7 +24,8 @@ from autopar.runtime.comm import collectives as C
 from autopar.runtime.comm.mesh import Mesh
 from autopar.runtime.ops.rows import OnOneRank
 from autopar.runtime.ops.untracked import apply
-from passes.ir import ContextAttentionSpec, ContextSpec
+from autopar.runtime.comm.pieces import take_pieces
+from passes.ir import ContextAttentionSpec, ContextDropoutSpec, ContextSpec
 
 
 def token_index(tokens: int, ranks: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -146,6 +147,23 @@ class ContextOps:
         if x.requires_grad:
             x = apply(OnOneRank, x, self.rank == 0)
         return x
+
+    def dropout(self, x: torch.Tensor, p: float, train: bool, spec: ContextDropoutSpec) -> torch.Tensor:
+        """Dropout with the mask of the whole tensor (the op itself, on ones, as serial draws it; every rank
+        alike), this rank's tokens of it, then its piece over the tensor axis: serial's masks. The whole mask
+        lives only inside this call."""
+        if not train or p == 0:
+            return torch.ops.aten.dropout(x, p, train)
+        whole, piece = list(x.shape), spec.piece
+        n = self.mesh.size(piece.axis) if piece is not None else 1
+        if n > 1:
+            whole[piece.dim] = piece.full_size
+        whole[spec.tokens.dim] *= spec.tokens.ranks
+        with torch.no_grad():
+            scale = take_tokens(torch.ops.aten.dropout(x.new_ones(whole), p, True), spec.tokens, self.rank)
+            if n > 1:
+                scale = take_pieces(scale, piece.dim, piece.parts, n, self.mesh.index(piece.axis))
+        return x * scale
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   spec: ContextAttentionSpec) -> torch.Tensor:
