@@ -9,7 +9,7 @@ of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
 - ops that work token by token (elementwise ops, matmuls on the features, norms and softmaxes over the features,
   views that keep the tokens in one dim (``passes.context_shapes``), embedding lookups, per-token losses) run on
   this rank's tokens, their size arguments cut to them; so do sequence parallelism's gathers and scatters of the
-  tokens over a tensor axis (``convert_layout``, their sizes cut), and a lookup whose rows it scatters along the
+  tokens over a tensor axis (``convert_layout``, their sizes cut: ``passes.context_markers``), and a lookup whose rows it scatters along the
   tokens has its ids cut; a whole-sequence operand they meet (position ids, rotary tables, labels, an attention
   mask's query rows) is cut to this rank's tokens where they meet (``context_slice``);
 - ``scaled_dot_product_attention`` of this rank's queries becomes ``context_attention``: keys and values
@@ -63,11 +63,12 @@ from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import module_of, tensor_meta, token_lookups
 from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
+from passes.context_markers import MarkerRules
 from passes.context_shapes import SHAPE_OPS, ShapeRules, Unsplittable, ndim_of, shape_of
-from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextDropoutSpec, ContextSpec, InputKind, batch_reduce,
-                       context_attention, context_dropout, context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
-                       expert_dispatch, gather_output, gather_rows, input_info, reduce_partial, scatter_rows,
-                       sharded_embedding, sharded_matmul, split_dropout, split_random, sum_grad, vocab_cross_entropy)
+from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, batch_reduce, context_attention,
+                       context_gather, context_output, context_reduce, context_slice, convert_layout, expert_combine,
+                       expert_dispatch, gather_output, gather_rows, reduce_partial, scatter_rows, sharded_embedding,
+                       sharded_matmul, split_dropout, split_random, sum_grad, vocab_cross_entropy)
 from passes.runner import PassResult
 
 aten = torch.ops.aten
@@ -141,7 +142,7 @@ def _after_inputs(graph: fx.Graph, block: ExpertBlock) -> None:
         anchor = n
 
 
-class _Splitter(ShapeRules):
+class _Splitter(ShapeRules, MarkerRules):
     def __init__(self, gm: fx.GraphModule, tokens: int, ranks: int) -> None:
         self.gm, self.graph, self.tokens, self.ranks = gm, gm.graph, tokens, ranks
         self.state: dict[fx.Node, Any] = {}  # node -> ContextSpec (this rank's tokens), tuple of them, or absent
@@ -321,12 +322,12 @@ class _Splitter(ShapeRules):
         if t in (aten.layer_norm.default, aten.rms_norm.default):
             return self._normed(node)
         if t in (split_dropout, aten.dropout.default):
-            return self._dropout(node)
+            return self.dropout_rule(node)
         if t is aten.native_dropout.default:
-            self._refuse_dropout(node)
+            self.refuse_dropout(node)
             return self._elementwise(node)
         if t in _MARKERS:
-            return self._marker_rule(node)
+            return self.marker_rule(node)
         if t in _SAME or (isinstance(t, OpOverload) and torch.Tag.pointwise in t.tags):
             return self._elementwise(node)
         return self._unsplittable()
@@ -363,46 +364,9 @@ class _Splitter(ShapeRules):
             other.replace_input_with(ids, self.slice_of(ids, want, other))
             self.state[other] = want
             return other
-        found = self._scattered_chain(other, want)
-        if found:  # (whole over context, its tokens split over a tensor axis: cut before the tensor axis splits them)
-            chain, cut = found
-            x = chain[0].args[0]
-            chain[0].replace_input_with(x, self.slice_of(x, cut, chain[0]))
-            for n in chain:
-                self._visit(n)
-            if self.state.get(other) == want:
-                return other
-            raise PlanError(f"context={self.ranks}: {other.name} holds the whole sequence's tokens split over a tensor "
-                            "axis (sequence parallelism), which autopar could not cut to this rank's. Use "
-                            "sequence_parallel=False or context=1 for this model.")
+        if self.cut_before_scatter(other, want):  # (whole over context, its tokens split over a tensor axis)
+            return other
         return self.slice_of(other, want, node)
-
-    def _scattered_chain(self, other: fx.Node, want: ContextSpec) -> tuple[list[fx.Node], ContextSpec] | None:
-        """The ops from a matmul whose partial sums sequence parallelism reduce-scatters along the tokens, or a
-        scatter of them (each rank of the tensor axis then holds part of every context rank's tokens), to ``other`` (to be split as ``want``),
-        each the one reader of the one before, through views, dropouts and copies; and how the matmul's input is
-        to be split. None where ``other`` is not so made."""
-        chain, node, spec = [], other, want
-        while isinstance(node, fx.Node) and node.op == "call_function" and self.state.get(node) is None:
-            chain.append(node)
-            x = node.args[0] if node.args else None
-            if node.target in (sharded_matmul, convert_layout):  # (a reduce-scatter, or a scatter, along the tokens)
-                last = node.args[-1]
-                at = last.scatter_dim if node.target is sharded_matmul else (
-                    -1 if last.dst.is_replicated else last.dst.dim % ndim_of(node))
-                return (chain[::-1], spec) if at == spec.dim and ndim_of(x) == ndim_of(node) else None
-            if not isinstance(x, fx.Node) or len(x.users) != 1:
-                return None
-            if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
-                try:
-                    spec = self._token_dim(spec, shape_of(node), shape_of(x))
-                except Unsplittable:
-                    return None
-            elif node.target not in (split_dropout, aten.dropout.default, aten.clone.default, aten.contiguous.default,
-                                     aten.alias.default):
-                return None
-            node = x
-        return None
 
     def _split_of(self, x: Any) -> ContextSpec:
         """How ``x`` holds this rank's tokens; raises ``Unsplittable`` where it is whole or a tuple."""
@@ -523,53 +487,6 @@ class _Splitter(ShapeRules):
         if any(self.state.get(a) is not None for a in node.all_input_nodes if a is not x):
             raise Unsplittable
         return spec
-
-    def _marker_rule(self, node: fx.Node) -> ContextSpec:
-        x = node.args[0]
-        spec = self._split_of(x)
-        last = node.args[-1]
-        if node.target is convert_layout:  # sequence parallelism's gather or scatter of the tokens over a tensor axis
-            cut = {}
-            for field in ("src", "dst"):
-                sharding = getattr(last, field)
-                if not sharding.is_replicated and sharding.dim % ndim_of(x) == spec.dim:
-                    whole = spec.outer * self.tokens * spec.inner  # (rows of a flattened batch x tokens, too)
-                    if sharding.parts != (whole,):
-                        raise Unsplittable
-                    cut[field] = dataclasses.replace(sharding, parts=(whole // self.ranks,))  # this rank's
-            if cut:
-                node.args = (*node.args[:-1], dataclasses.replace(last, **cut))
-                return spec
-        for sharding in (getattr(last, "src", None), getattr(last, "dst", None), getattr(last, "sharding", None)):
-            if sharding is not None and not sharding.is_replicated and sharding.dim % ndim_of(x) == spec.dim:
-                raise Unsplittable
-        if node.target is gather_output and (last.batch_split or last.keep_split):
-            raise Unsplittable
-        return spec
-
-    def _dropout(self, node: fx.Node) -> ContextSpec:
-        """A dropout on this rank's tokens in training: ``context_dropout`` (the whole tensor's mask, this rank's
-        part of it: serial's masks)."""
-        spec = self._elementwise(node)
-        x, p, train = node.args[:3]
-        if not (isinstance(p, (int, float)) and p > 0 and train is not False):
-            return spec
-        piece = node.args[3] if node.target is split_dropout else None
-        if piece is not None and piece.dim % ndim_of(x) == spec.dim:  # (the tokens over a tensor axis, too)
-            whole = spec.outer * self.tokens * spec.inner
-            if piece.parts != (whole,):
-                raise Unsplittable
-            piece = dataclasses.replace(piece, parts=(whole // self.ranks,))
-        node.target, node.args = context_dropout, (x, p, train, ContextDropoutSpec(spec, piece))
-        return spec
-
-    def _refuse_dropout(self, node: fx.Node) -> None:
-        p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
-        train = node.args[2] if len(node.args) > 2 else node.kwargs.get("train", True)
-        if isinstance(p, (int, float)) and p > 0 and train is not False:
-            raise PlanError(f"context={self.ranks}: dropout (p={p}) at {node.name} on this rank's tokens would not "
-                            "draw serial's mask. Set the model's dropout to 0 for training under context "
-                            "parallelism, or use context=1.")
 
     def _attention(self, node: fx.Node) -> ContextSpec:
         names = ("attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
