@@ -426,6 +426,9 @@ class Plan:
     memory: MemoryPlan | None = None
     pipeline: PipelinePlan | None = None
     experts: tuple[ExpertPlan, ...] = ()
+    context_whole: tuple[str, ...] = ()
+    """Under context parallelism, the nodes of the captured graph that compute every context rank's tokens
+    (``passes.split_context.whole_reads``: after a read of the whole sequence): priced and kept whole."""
     _by_weight: dict[str, MatmulPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_param: dict[str, ParamPlan] = field(default_factory=dict, compare=False, repr=False)
     _by_table: dict[str, EmbeddingPlan] = field(default_factory=dict, compare=False, repr=False)

@@ -10,9 +10,9 @@ Ensures:
 - a dropout in training on this rank's tokens (a tensor axis's ``split_dropout`` too) becomes
   ``context_dropout`` (the whole tensor's mask, this rank's part); ``native_dropout`` there is refused
   (``PlanError``);
-- ``cut_before_scatter``: a tensor whole over context whose tokens sequence parallelism scattered over a tensor
-  axis (an attention computed whole, then its output projection's reduce-scatter) is made this rank's by cutting
-  the scatter's input, the ops after it visited again.
+- ``cut_early``: a whole tensor about to be cut to this rank's tokens is cut before the ops that made it token by
+  token instead (an attention computed whole: before its output projection, and before sequence parallelism's
+  scatter of its tokens over a tensor axis, which must be), the ops after the cut visited again.
 """
 
 from __future__ import annotations
@@ -25,10 +25,15 @@ from torch import fx
 
 from autopar.errors import PlanError
 from passes.context_shapes import Unsplittable, ndim_of, shape_of
-from passes.ir import (ContextDropoutSpec, ContextSpec, context_dropout, convert_layout, gather_output, sharded_matmul,
-                       split_dropout)
+from passes.ir import (ContextDropoutSpec, ContextSpec, context_dropout, context_gather, convert_layout, gather_output,
+                       sharded_matmul, split_dropout)
 
 aten = torch.ops.aten
+
+_VIEWS = {aten.view.default, aten.reshape.default, aten._unsafe_view.default}
+_COPIES = {split_dropout, aten.dropout.default, aten.clone.default, aten.contiguous.default, aten.alias.default}
+#: Matmuls on the features (token by token): the first operand's rows are the tokens (``addmm``'s second).
+_PRODUCTS = {aten.linear.default, sharded_matmul, aten.addmm.default}
 
 
 class MarkerRules:
@@ -38,49 +43,67 @@ class MarkerRules:
     tokens: int
     ranks: int
 
-    def cut_before_scatter(self, other: fx.Node, want: ContextSpec) -> bool:
-        """Whether ``other``, whole over context with its tokens scattered over a tensor axis, is now this rank's
-        tokens (split as ``want``), its scatter's input cut; False where it is not so made."""
-        found = self._scattered_chain(other, want)
+    def cut_early(self, other: fx.Node, want: ContextSpec) -> bool:
+        """Whether ``other`` (whole, the one reader of it about to take this rank's tokens, split as ``want``) is
+        now this rank's tokens, cut before the ops that made it (``_chain_back``): before a scatter of its tokens
+        over a tensor axis (it holds part of every context rank's tokens, which no cut of it takes), and before
+        matmuls that work token by token (an attention's output projection after it read the whole sequence:
+        run on this rank's tokens, not all). False where there is no such chain: ``other`` is cut itself."""
+        found = self._chain_back(other, want)
         if not found:
             return False
         chain, cut = found
-        x = chain[0].args[0]
+        x = chain[0].args[1] if chain[0].target is aten.addmm.default else chain[0].args[0]
         chain[0].replace_input_with(x, self.slice_of(x, cut, chain[0]))
         for n in chain:
             self._visit(n)
         if self.state.get(other) == want:
             return True
-        raise PlanError(f"context={self.ranks}: {other.name} holds the whole sequence's tokens split over a tensor "
-                        "axis (sequence parallelism), which autopar could not cut to this rank's. Use "
-                        "sequence_parallel=False or context=1 for this model.")
+        raise PlanError(f"context={self.ranks}: {other.name} was made from the whole sequence by ops autopar could "
+                        f"not cut to this rank's tokens ({', '.join(n.name for n in chain)}). Use context=1 for this "
+                        "model, or sequence_parallel=False.")
 
-    def _scattered_chain(self, other: fx.Node, want: ContextSpec) -> tuple[list[fx.Node], ContextSpec] | None:
-        """The ops from a matmul whose partial sums sequence parallelism reduce-scatters along the tokens, or a
-        scatter of them (each rank of the tensor axis then holds part of every context rank's tokens), to ``other``
-        (to be split as ``want``), each the one reader of the one before, through views, dropouts and copies; and
-        how the matmul's input is to be split. None where ``other`` is not so made."""
-        chain, node, spec = [], other, want
+    def _chain_back(self, other: fx.Node, want: ContextSpec) -> tuple[list[fx.Node], ContextSpec] | None:
+        """The ops, each the one reader of the one before, that made ``other`` token by token from a tensor whole
+        over context: views, dropouts, copies and matmuls on the features, back to a scatter of the tokens over a
+        tensor axis (sequence parallelism's, which must be cut before) or to the first op that is none of these
+        or whose input has other readers; and how that first op's input is to be split. None where there is no
+        scatter and no matmul among them (cutting ``other`` costs as little)."""
+        if len(other.users) != 1:
+            return None
+        chain, node, spec, worth = [], other, want, False
         while isinstance(node, fx.Node) and node.op == "call_function" and self.state.get(node) is None:
-            chain.append(node)
-            x = node.args[0] if node.args else None
-            if node.target in (sharded_matmul, convert_layout):  # (a reduce-scatter, or a scatter, along the tokens)
+            t = node.target
+            x = node.args[1] if t is aten.addmm.default else node.args[0] if node.args else None
+            if not isinstance(x, fx.Node) or ndim_of(x) is None or x.target is context_gather:
+                break  # (after a gather: the op read the whole sequence, no rule taking this rank's tokens)
+            if t in (sharded_matmul, convert_layout):
                 last = node.args[-1]
-                at = last.scatter_dim if node.target is sharded_matmul else (
+                at = last.scatter_dim if t is sharded_matmul else (
                     -1 if last.dst.is_replicated else last.dst.dim % ndim_of(node))
-                return (chain[::-1], spec) if at == spec.dim and ndim_of(x) == ndim_of(node) else None
-            if not isinstance(x, fx.Node) or len(x.users) != 1:
-                return None
-            if node.target in (aten.view.default, aten.reshape.default, aten._unsafe_view.default):
+                if at >= 0:  # (a scatter: its output holds part of every context rank's tokens)
+                    if at != spec.dim or ndim_of(x) != ndim_of(node):
+                        return None
+                    return [node, *chain[::-1]], spec
+                if t is convert_layout:
+                    break
+            if t in _VIEWS:
+                if any(not isinstance(d, int) for d in node.args[1]):
+                    break  # (a symbolic size: no rule cuts it)
                 try:
-                    spec = self._token_dim(spec, shape_of(node), shape_of(x))
+                    before = self._token_dim(spec, shape_of(node), shape_of(x))
                 except Unsplittable:
-                    return None
-            elif node.target not in (split_dropout, aten.dropout.default, aten.clone.default, aten.contiguous.default,
-                                     aten.alias.default):
-                return None
+                    break
+            elif t in _COPIES or (t in _PRODUCTS and spec.dim < ndim_of(node) - 1 and ndim_of(x) == ndim_of(node)):
+                before = spec
+            else:
+                break
+            chain.append(node)
+            spec, worth = before, worth or t in _PRODUCTS
+            if len(x.users) != 1:
+                break
             node = x
-        return None
+        return (chain[::-1], spec) if worth else None
 
     def marker_rule(self, node: fx.Node) -> ContextSpec:
         x = node.args[0]

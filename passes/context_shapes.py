@@ -83,7 +83,7 @@ class ShapeRules:
             found = dataclasses.replace(spec, dim=at)
         else:
             found = self._token_dim(spec, before, after)
-        if any(not isinstance(s, int) for s in size):
+        if not isinstance(size[found.dim], int):  # (the tokens' size is cut: other sizes may be symbolic)
             raise Unsplittable
         if size[found.dim] != -1:
             size[found.dim] = size[found.dim] // self.ranks

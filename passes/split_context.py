@@ -27,8 +27,9 @@ of 2C equal chunks, ``ContextSpec``), and the split follows the ops forward:
   ``context_dropout``: the whole tensor's mask drawn on every rank, this rank's part kept (serial's masks). SDPA's
   own attention dropout, and any random op on a tensor split over a tensor axis (``split_random``), draw inside
   the op: they read the whole sequence;
-- where a whole tensor meets this rank's tokens after sequence parallelism scattered its tokens over a tensor
-  axis (a projection of an attention computed whole, which reduce-scatters them), the scatter's input is cut;
+- where a whole tensor meets this rank's tokens it is cut before the matmuls that made it token by token (an
+  attention computed whole: before its output projection), and before sequence parallelism's scatter of its
+  tokens over a tensor axis (``passes.context_markers``);
 - each output holding this rank's tokens is gathered, and every output with a gradient goes through
   ``context_output`` (the caller's gradient kept on one rank: see ``autopar.runtime.ops.context``).
 
@@ -61,7 +62,7 @@ from torch import fx
 from autopar.compat import OpOverload
 from autopar.decisions import Plan
 from autopar.errors import PlanError
-from passes.analysis.graph_facts import module_of, tensor_meta, token_lookups
+from passes.analysis.graph_facts import graph_copy, module_of, tensor_meta, token_lookups
 from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
 from passes.context_markers import MarkerRules
 from passes.context_shapes import SHAPE_OPS, ShapeRules, Unsplittable, ndim_of, shape_of
@@ -94,6 +95,36 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     ranks = plan.config.context if plan is not None else 1
     if ranks <= 1:
         return PassResult(gm, False)
+    _, notes = _split(gm, ranks)
+    for node in list(gm.graph.nodes):  # (cuts made for an op that then read the whole sequence)
+        if node.target is context_slice and not node.users:
+            gm.graph.erase_node(node)
+    return PassResult(gm, True, notes)
+
+
+def whole_reads(gm: fx.GraphModule, ranks: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What ``split_context`` would say of ``gm`` at context ``ranks`` (on a copy: ``gm`` is not changed), and
+    the names of the nodes that would compute every context rank's tokens: those after a read of the whole
+    sequence until its result meets this rank's tokens again, or every node where the sequence does not split.
+    The plan prices them whole and says where they are (``autopar.planning.planner.decide_plan``)."""
+    copy = graph_copy(gm)
+    splitter, notes = _split(copy, ranks)
+    if not splitter.seeded:
+        return notes, tuple(n.name for n in copy.graph.nodes if n.op == "call_function")
+    todo = [u for g in splitter.gathered.values() for u in g.users]
+    seen: set[fx.Node] = set()
+    while todo:
+        n = todo.pop()
+        if n in seen or n.op != "call_function" or splitter.state.get(n) is not None or n.target in (
+                context_slice, context_output):
+            continue
+        seen.add(n)
+        todo.extend(n.users)
+    return notes, tuple(sorted(n.name for n in seen))
+
+
+def _split(gm: fx.GraphModule, ranks: int) -> tuple[_Splitter, tuple[str, ...]]:
+    """The splitter's walk over ``gm`` (changed in place), and its notes."""
     seeds = token_lookups(gm)
     tokens = {int(tensor_meta(ids).shape[-1]) for _, ids in seeds}
     if len(tokens) > 1:
@@ -117,11 +148,7 @@ def split_context(gm: fx.GraphModule, plan: Plan | None = None) -> PassResult:
     # context rank, counts once)
     splitter = _Splitter(gm, length, ranks)
     splitter.run(seeds)
-    notes += tuple(splitter.notes) + tuple(splitter.whole_notes())
-    for node in list(gm.graph.nodes):  # (cuts made for an op that then read the whole sequence)
-        if node.target is context_slice and not node.users:
-            gm.graph.erase_node(node)
-    return PassResult(gm, True, notes)
+    return splitter, notes + tuple(splitter.notes) + tuple(splitter.whole_notes())
 
 
 def _after_inputs(graph: fx.Graph, block: ExpertBlock) -> None:
@@ -156,6 +183,7 @@ class _Splitter(ShapeRules, MarkerRules):
         self.unproved: dict[fx.Node, tuple[ExpertBlock, str]] = {}  # a node of a block not proved -> it, why
         self.read_whole: dict[ExpertBlock, str] = {}  # such blocks some of whose ops then read every token
         self.whole_reads: dict[str, set[str]] = {}  # module -> the ops there that read the whole sequence
+        self.seeded = False  # whether any token lookup was cut (else the graph runs whole)
 
     def spec(self, dim: int, outer: int = 1, inner: int = 1) -> ContextSpec:
         return ContextSpec(dim, self.tokens, self.ranks, outer, inner)
@@ -187,6 +215,7 @@ class _Splitter(ShapeRules, MarkerRules):
 
     # -- the walk ----------------------------------------------------------------------------------------------
     def run(self, seeds: list[tuple[fx.Node, fx.Node]]) -> None:
+        self.seeded = bool(seeds)
         for emb, ids in seeds:
             spec = self.spec(ndim_of(ids) - 1)
             emb.replace_input_with(ids, self.slice_of(ids, spec, emb))
@@ -280,14 +309,12 @@ class _Splitter(ShapeRules, MarkerRules):
         the tokens there."""
         out = [f"context={self.ranks}: {block.module} computes the tokens of every context rank (its experts "
                f"read them whole): {why}" for block, why in self.read_whole.items()]
-        kinds: dict[str, tuple[set[str], set[str]]] = {}
+        kinds: dict[str, set[str]] = {}
         for module, ops in self.whole_reads.items():
-            modules, names = kinds.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", module), (set(), set()))
-            modules.add(module)
-            names.update(ops)
-        return out + [f"context={self.ranks}: {kind} ({len(modules)} module{'s' if len(modules) > 1 else ''}) reads "
-                f"the whole sequence ({', '.join(sorted(names)[:4])}): every context rank computes all its tokens "
-                "there (serial's numbers, C times the work)" for kind, (modules, names) in sorted(kinds.items())]
+            kinds.setdefault(re.sub(r"\.\d+(?=\.|$)", ".*", module), set()).update(ops)
+        return out + [f"context={self.ranks}: {kind} reads the whole sequence ({', '.join(sorted(names)[:4])}): every "
+                      "context rank computes all its tokens there (serial's numbers, C times the work)"
+                      for kind, names in sorted(kinds.items())]
 
     def _rule(self, node: fx.Node) -> Any:
         t = node.target
@@ -364,7 +391,7 @@ class _Splitter(ShapeRules, MarkerRules):
             other.replace_input_with(ids, self.slice_of(ids, want, other))
             self.state[other] = want
             return other
-        if self.cut_before_scatter(other, want):  # (whole over context, its tokens split over a tensor axis)
+        if self.cut_early(other, want):  # (before a scatter over a tensor axis, or the matmuls that made it)
             return other
         return self.slice_of(other, want, node)
 

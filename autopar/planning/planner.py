@@ -41,6 +41,7 @@ from passes.analysis.repeat_blocks import (Repeat, repeat_chain, repeat_memory, 
                                           template_holds)
 from passes.analysis.report import StepReport, estimate_step, summarize
 from passes.ir import BatchInfo, record_graph_info
+from passes.split_context import whole_reads
 
 log = logging.getLogger(__name__)
 
@@ -131,11 +132,21 @@ def choose_memory(profile: MemoryProfile, plan: Plan, options: PlanOptions) -> M
                                compiled=options.compiled)
 
 
+def _sharding(gm: fx.GraphModule, config: ParallelConfig, shared: dict[Any, Any] | None = None) -> Plan:
+    """Step 2: every matmul's sharding (``make_plan``) and, under context parallelism, what reads the whole
+    sequence (``passes.split_context.whole_reads``: said in the notes, priced and kept whole)."""
+    plan = make_plan(gm, config, shared=shared)
+    if config.context > 1:
+        notes, whole = whole_reads(gm, config.context)
+        plan = dataclasses.replace(plan, notes=plan.notes + notes, context_whole=whole)
+    return plan
+
+
 def decide_plan(gm: fx.GraphModule, config: ParallelConfig, options: PlanOptions) -> Plan:
     """The whole plan for a captured graph (one batch shard's; one micro-batch's under a pipeline): sharding,
     then the pipeline's stages, then the memory plan (each rank recomputes for its own stages' memory)."""
     with hinted(gm):  # plans and estimates see the capture's example sizes
-        plan = make_plan(gm, config)
+        plan = _sharding(gm, config)
         if config.pipeline > 1:
             plan = dataclasses.replace(plan, pipeline=choose_pipeline(gm, plan, options)[0])
         return dataclasses.replace(plan, memory=choose_memory(estimate_memory(gm, plan, options.dtype,
@@ -335,7 +346,7 @@ def _plan_captured(shadow: nn.Module, inputs: tuple, kwargs: dict | None, config
     with without_stack_traces():  # (analysed only, never run)
         canonical = shard(0)
         mine = canonical if index == 0 else shard(index)
-    plan = make_plan(canonical.gm, config, shared=captures)
+    plan = _sharding(canonical.gm, config, captures)
     layouts = layouts_for(canonical.gm, plan)  # (read by each analysis below)
     mine_layouts = layouts if mine is canonical else layouts_for(mine.gm, plan)
     report = estimate_step(mine.gm, plan, mine_layouts)

@@ -212,23 +212,29 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
     of_module: dict[str, str] = {}
     of_param: dict[str, str] = {}
     weights = {name: n for n in gm.graph.nodes if (name := param_name(n)) is not None}
+    # context parallelism: a stage computes and sends this rank's tokens of what the token lookups make (the
+    # rest, rotary tables, position ids, labels, crosses whole and is cut where it is read), all of them where it
+    # reads the whole sequence (``Plan.context_whole``)
+    tokens = token_split_nodes(gm, config.context)
+    whole = frozenset(plan.context_whole) if tokens else frozenset()
     for node, seg in seg_of.items():
         of_module.setdefault(module_of(node), seg)
         for a in node.all_input_nodes:
             if (name := param_name(a)) is not None:
                 of_param.setdefault(name, seg)
         m = by_node.get(node)
+        every = config.context if node.name in whole else 1  # (all the tokens, where they are divided below)
         if m is not None:
             w = m.weight_node if m.weight_node.op == "placeholder" else m.weight_node.args[0]
-            flops[seg] += matmul_flops(m, res.requires_grad[m.x], res.requires_grad[w]) / matmul_split(
+            flops[seg] += matmul_flops(m, res.requires_grad[m.x], res.requires_grad[w]) * every / matmul_split(
                 config, plan.matmul(m.weight).orientation)
         if (w := match_whole(node)) is not None:  # grouped matmuls of experts, convolutions: whole on every rank
             # (or each expert split over a tensor axis: its part),
             # forward and the backward products that are needed (as ``report.estimate_step`` counts them)
             grads = 1 + int(res.requires_grad.get(w.x, False)) + int(res.requires_grad.get(weights.get(w.weight), False))
-            flops[seg] += w.forward_flops * grads / plan.whole_share(w.weight)
+            flops[seg] += w.forward_flops * grads * every / plan.whole_share(w.weight)
         if (a := attention_flops(node)):  # its stage's time, not its matmul FLOPs (reported apart)
-            attention[seg] += ATTENTION_STEP_FACTOR * a * float(shard_fraction(res.sharding(node), sizes))
+            attention[seg] += ATTENTION_STEP_FACTOR * a * every * float(shard_fraction(res.sharding(node), sizes))
     issued: dict[str, list[Collective]] = {name: [] for name in order}
     by_name = {n.name: seg for n, seg in seg_of.items()}
     for c in collectives:
@@ -236,9 +242,6 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
             continue  # once per step (gradient sync), or not run by a pipeline (train_step's loss instead)
         seg = by_name.get(c.node) or of_param.get(c.where) or of_module.get(c.where) or order[-1]
         issued[seg].append(c)
-    # context parallelism: a stage computes and sends this rank's tokens of what the token lookups make (the
-    # rest, rotary tables, position ids, labels, crosses whole and is cut where it is read)
-    tokens = token_split_nodes(gm, config.context)
     if tokens:
         flops = {k: v / config.context for k, v in flops.items()}
         attention = {k: v / config.context for k, v in attention.items()}
@@ -257,7 +260,7 @@ def pipeline_chain(gm: fx.GraphModule, plan: Plan, collectives: Sequence[Collect
         if t is None or not users:
             continue
         nbytes = int(t.numel() * t.element_size() * shard_fraction(res.sharding(node), sizes)
-                     / (config.context if node in tokens else 1))
+                     / (config.context if node in tokens and node.name not in whole else 1))
         for k in range(born, max(users)):
             crossing[k].append((nbytes, bool(res.requires_grad.get(node, False))))
     params = {p.name: p.local_numel(config) * 4 for p in plan.params}

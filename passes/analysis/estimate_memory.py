@@ -385,6 +385,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     config = plan.config
     sizes = {"row": config.row, "col": config.col}
     tokens = Fraction(1, config.context)  # (of each sequence, on this rank: context parallelism)
+    whole = frozenset(plan.context_whole)  # (nodes computing every context rank's tokens: not scaled by ``tokens``)
     res, by_node = layouts or layouts_for(gm, plan)
     seg_of = segment_names(gm)
     three_d = frozenset(n for n, o in res.orientations.items() if o.is_3d)
@@ -427,7 +428,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         # context parallelism: this rank's tokens of each activation, but attention keeps the keys and values it
         # gathered whole (``autopar.runtime.ops.context``)
         gathered = saver.op == "call_function" and saver.target is _SDPA and producer in saver.args[1:3]
-        share = 1 if gathered else tokens
+        share = 1 if gathered or saver.name in whole else tokens
         saved[seg] += (nbytes * shard_fraction(sharding, sizes) * (2 if vocab_split and producer is None else 1)
                        * share)
 
@@ -457,12 +458,13 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
                 peak[seg] = max(peak[seg], 2 * rec.largest[arg] * shard_fraction(dst, sizes)
                                 + rec.largest[arg] * shard_fraction(res.sharding(arg), sizes))
         m = by_node.get(node)
+        every = config.context if node.name in whole else 1  # (all the tokens, where ``tokens`` scales below)
         if m is not None:
             o = plan.matmul(m.weight).orientation
-            flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features,
+            flops[seg] += Fraction(2 * rows_of(tensor_meta(m.x)) * m.in_features * m.out_features * every,
                                    config.size(o.in_axis) * config.size(o.out_axis))
         if (a := attention_flops(node)):  # over the heads this rank holds
-            attention[seg] += a * shard_fraction(res.sharding(node), sizes)
+            attention[seg] += a * shard_fraction(res.sharding(node), sizes) * every
             if config.context > 1:
                 # backward holds the gathered keys' and values' whole gradients, a block's gradients of them and, to
                 # reduce-scatter them, a copy in the ranks' order

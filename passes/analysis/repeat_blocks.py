@@ -168,7 +168,8 @@ def repeat_plan(plan: Plan, repeats: Sequence[Repeat]) -> Plan:
     why += [(e.weight, f"(embedding) {e.reason}") for e in embeddings if e.reason]
     copied = tuple(f"{r.prefix}: blocks {r.template + 1}-{r.count - 1} planned as copies of block {r.template} "
                    f"(alike modules; blocks {r.template - 1} and {r.template} planned alike)" for r in repeats)
-    return Plan(plan.config, matmuls, params, replicated_notes(why) + layouts + copied, embeddings, experts=experts)
+    return Plan(plan.config, matmuls, params, replicated_notes(why) + layouts + copied, embeddings, experts=experts,
+                context_whole=plan.context_whole)  # (the captured blocks' nodes: the report copies their rows)
 
 
 def _extend_experts(plans: Sequence[ExpertPlan], r: Repeat) -> tuple[ExpertPlan, ...]:

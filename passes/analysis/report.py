@@ -36,6 +36,10 @@ from passes.analysis.whole_matmuls import find_whole_matmuls
 from passes.ir import graph_info
 
 
+EVERY_TOKEN = ", every context rank's tokens"
+"""Said of a row whose op comes after a read of the whole sequence under context parallelism."""
+
+
 @dataclass(frozen=True, slots=True)
 class LayerRow:
     module: str
@@ -51,10 +55,18 @@ class LayerRow:
     sharding: str
     comm_bytes: Fraction
     """This rank's bytes for the matmul and the gradient sync of its weight and bias."""
+    all_tokens: bool = False
+    """Under context parallelism: every context rank computes all the tokens here (it comes after a read of the
+    whole sequence: ``Plan.context_whole``), not its own."""
 
     @property
     def is_sharded(self) -> bool:
         return not self.sharding.startswith("replicated")
+
+    def context_flops(self, context: int) -> int:
+        """What the ``context`` ranks of one sequence compute of ``flops`` between them: ``flops``, or ``context``
+        times it where each computes all the tokens."""
+        return self.flops * context if self.all_tokens else self.flops
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +154,7 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
             if node.users:  # an unused placeholder is export's alias of a tied weight, counted once
                 num_parameters += _numel(shapes[name])
 
+    everything = frozenset(plan.context_whole) if plan.config.context > 1 else frozenset()
     rows = []
     for m in matches:
         mp = plan.matmul(m.weight)
@@ -154,8 +167,11 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
             sharding += f", tokens gathered over {mp.orientation.out_axis}"
         if m.node in res.seq_scatter:
             sharding += f", out tokens over {mp.orientation.in_axis}"
+        every = m.node.name in everything
+        if every:
+            sharding += EVERY_TOKEN
         rows.append(LayerRow(m.module, m.weight, m.bias, m.op, tuple(tensor_meta(m.x).shape),
-                             tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0)))
+                             tuple(tensor_meta(m.node).shape), nparams, flops, sharding, Fraction(0), every))
     whole = []
     split = {w: e for e in plan.experts if e.axis or e.tensor_axis for w in e.weights}
     for w in find_whole_matmuls(gm):
@@ -168,9 +184,11 @@ def estimate_step(gm: fx.GraphModule, plan: Plan,
                 f", each over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it" if e.tensor_axis else "")
         else:
             how = f"each expert over {e.tensor_axis}: 1/{plan.config.size(e.tensor_axis)} of it per rank"
+        every = w.node.name in everything
         whole.append(LayerRow(w.module, w.weight, None, w.op, tuple(tensor_meta(w.x).shape),
                               tuple(tensor_meta(w.node).shape), _numel(shapes[w.weight]),
-                              int(w.forward_flops * scale) * grads, how, Fraction(0)))
+                              int(w.forward_flops * scale) * grads, how + (EVERY_TOKEN if every else ""), Fraction(0),
+                              every))
     experts = expert_shapes(gm, res.requires_grad, scale, {r.weight: r.flops for r in whole}) \
         if any(w.op in ("grouped_mm", "bmm") for w in whole) else ()
     return dataclasses.replace(summarize(rows, colls, num_parameters, plan, whole=tuple(whole)),
@@ -210,7 +228,7 @@ def summarize(rows: Sequence[LayerRow], colls: Sequence[Collective], num_paramet
                     comm += nbytes
         # (LayerRow's fields in order: dataclasses.replace takes 3x as long, on thousands of rows per report)
         with_comm.append(LayerRow(r.module, r.weight, r.bias, r.op, r.in_shape, r.out_shape, r.num_parameters,
-                                  r.flops * flops_scale, r.sharding, comm))
+                                  r.flops * flops_scale, r.sharding, comm, r.all_tokens))
     rows = with_comm
     shared = shared_names(plan)
     lent = {e.module: e.lent for e in plan.experts if e.lent}
@@ -261,7 +279,7 @@ def estimate_step_seconds(report: StepReport, plan: Plan, hardware: Hardware) ->
     config = plan.config
     compute = report.rank_flops
     if compute is None:
-        compute = sum(r.flops / (config.num_batch_shards * config.context
+        compute = sum(r.context_flops(config.context) / (config.num_batch_shards * config.context
                                  * matmul_split(config, plan.matmul(r.weight).orientation)) for r in report.layers)
     compute += report.rank_attention_flops + whole_flops_per_rank(report, plan)
 
@@ -283,8 +301,9 @@ def whole_flops_per_rank(report: StepReport, plan: Plan) -> float:
     (``choose_stages.pipeline_chain``'s segment FLOPs)."""
     if report.rank_flops is not None:
         return 0.0
-    return sum(r.flops / plan.whole_share(r.weight) for r in report.whole) / (plan.config.num_batch_shards
-                                                                             * plan.config.context)
+    c = plan.config
+    return sum(r.context_flops(c.context) / plan.whole_share(r.weight) for r in report.whole) / (
+        c.num_batch_shards * c.context)
 
 
 def shared_names(plan: Plan) -> set[str]:

@@ -334,10 +334,10 @@ def arrival_skew(calls: int, compute: float, machine: Machine, config: ParallelC
 def plan_seconds(plan: Plan, report: StepReport, machine: Machine, precision: str = "fp32") -> StepTime:
     """``step_seconds`` of a planned grid from its step report (``autopar.planning.planner.plan_model``'s, under
     ``precision``)."""
-    layers = [(r.flops, plan.matmul(r.weight).orientation) for r in report.layers]
+    layers = [(r.context_flops(plan.config.context), plan.matmul(r.weight).orientation) for r in report.layers]
     memory = report.rank_memory or plan.memory
     half = precision in ("bf16", "fp16")
-    calls = [(r.flops / (plan.config.num_batch_shards * plan.config.context * matmul_split(plan.config, orientation)),
+    calls = [(r.context_flops(plan.config.context) / (plan.config.num_batch_shards * plan.config.context * matmul_split(plan.config, orientation)),
               _call_shape(r.in_shape, r.out_shape, plan.config, orientation))
              for r, (_, orientation) in zip(report.layers, layers)]
     return step_seconds(report.collectives, layers, plan, machine, rank_flops=report.rank_flops,

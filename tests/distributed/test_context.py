@@ -503,12 +503,14 @@ def test_context_with_split_experts_keeps_serials_numbers_through_a_scripts_idio
 
 
 DROPOUT_CASES = {2: [("nanogpt", {"context": 2}), ("gpt2", {"context": 2}), ("gpt2-eager", {"context": 2}),
+                     ("gpt-neo", {"context": 2}),
                      ("gpt2", {"tensor": (2, 1, 1), "sequence_parallel": True})],
                  4: [("gpt2-eager", {"context": 2, "tensor": (1, 2, 1), "sequence_parallel": True}),
                      ("gpt2", {"context": 2, "tensor": (2, 1, 1), "sequence_parallel": True})]}
 """Dropout in training under context (refused before 2026-12-06): nanoGPT (SDPA's own attention dropout, and
 hidden dropout on this rank's tokens), GPT-2 with SDPA and with eager attention (its dropout an op on the
-probabilities), with the tensor axes and sequence parallelism (heads over col; the tokens over row, cut from the
+probabilities), GPT-Neo (its attention written out: computed whole, cut before its output projection), with
+the tensor axes and sequence parallelism (heads over col; the tokens over row, cut from the
 attention's whole output). The last case's attention dropout draws per piece of the heads (``split_random``), as
 without context: its oracle is the same tensor grid without context (on 2 ranks)."""
 
@@ -517,7 +519,7 @@ def _dropout_build(name: str) -> torch.nn.Module:
     if name == "nanogpt":
         return NanoGPT(GPTConfig(vocab_size=zoo.VOCAB, block_size=zoo.POSITIONS, n_layer=2, n_head=zoo.HEADS,
                                  n_embd=zoo.HIDDEN, dropout=0.1))
-    model = zoo.build_model("gpt2", dropout=True)
+    model = zoo.build_model("gpt-neo" if name == "gpt-neo" else "gpt2", dropout=True)
     if name == "gpt2-eager":
         model.config._attn_implementation = "eager"
     return model
@@ -575,5 +577,5 @@ def test_dropout_under_context_draws_serials_masks(distributed):
         assert max(abs(a - b) / b for a, b in zip(r["got"], want)) < TOL, (key, r["got"], want)
         if "context" in key:
             assert any("reads the whole sequence" in n and "attn" in n for n in r["notes"]), (key, r["notes"])
-            sdpa = "eager" not in key
+            sdpa = "eager" not in key and "neo" not in key
             assert any("attention's dropout, drawn whole" in n for n in r["notes"]) == sdpa, (key, r["notes"])

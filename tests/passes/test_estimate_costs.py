@@ -117,8 +117,8 @@ def test_summarize_keeps_every_field_of_a_row_and_counts_each_collective_once():
 
     assert [f.name for f in dataclasses.fields(LayerRow)] == [
         "module", "weight", "bias", "op", "in_shape", "out_shape", "num_parameters", "flops", "sharding",
-        "comm_bytes"], "a new LayerRow field: copy it in report.summarize's rows"
-    row = LayerRow("fc", "fc.weight", "fc.bias", "linear", (2, 3), (2, 4), 16, 48, "row", Fraction(7))
+        "comm_bytes", "all_tokens"], "a new LayerRow field: copy it in report.summarize's rows"
+    row = LayerRow("fc", "fc.weight", "fc.bias", "linear", (2, 3), (2, 4), 16, 48, "row", Fraction(7), True)
     colls = [Collective("all_reduce", "row", 2, 100, "forward", "fc"),
              Collective("all_reduce", "row", 2, 60, "backward", "fc"),
              Collective("all_reduce", "data", 4, 64, "step", "fc.weight"),

@@ -159,6 +159,46 @@ def test_the_plan_prices_this_ranks_tokens_and_the_key_value_gathers():
     assert plans[4][0].memory.activation_bytes < plans[2][0].memory.activation_bytes
 
 
+def test_the_plan_says_and_prices_what_reads_the_whole_sequence():
+    """What ``split_context`` would run whole is in the plan (``Plan.context_whole``): its note, and priced whole.
+    GPT-Neo's written-out attention computes every context rank's tokens from its scores to its output, which is
+    cut before the output projection (the projection runs on this rank's tokens: before 2026-12-06 after it, C
+    times its work); the activations it saves are whole. GPT-2 with dropout reads the whole sequence in SDPA (its
+    attention dropout): its attention FLOPs count C times this rank's share. Before 2026-12-06 the plan priced them
+    at 1/C and said nothing (the notes came at run time only). Mutation: the plan blind to them prices less."""
+    import autopar.planning.planner as planner
+    from passes.analysis.choose_stages import Hardware
+    from passes.analysis.report import estimate_step_seconds
+
+    def priced(name: str, blind: bool = False):
+        with torch.device("meta"):
+            torch.manual_seed(0)
+            model = zoo.build_model(name, layers=4, dropout=name == "gpt2")
+        ids = torch.empty(2, 64, dtype=torch.long, device="meta")
+        original = planner.whole_reads
+        if blind:  # mutation: the plan blind to what reads the whole sequence
+            planner.whole_reads = lambda gm, ranks: ((), ())
+        try:
+            return planner.plan_model(model, (ids,), ParallelConfig(context=2),
+                                      kwargs={"labels": ids, "use_cache": False}, checkpoint="none")
+        finally:
+            planner.whole_reads = original
+
+    hardware = Hardware(1e12, 1e10, 1e10)
+    plan, report = priced("gpt-neo")
+    assert any("attn.attention reads the whole sequence (matmul)" in n for n in plan.notes), plan.notes
+    assert plan.context_whole and not any(r.all_tokens for r in report.layers)  # (out_proj: this rank's tokens)
+    blind = priced("gpt-neo", blind=True)[0]
+    assert plan.memory.activation_bytes > 1.2 * blind.memory.activation_bytes
+    plan, report = priced("gpt2")
+    assert any("attention's dropout, drawn whole" in n for n in plan.notes), plan.notes
+    blind, blind_report = priced("gpt2", blind=True)
+    assert report.rank_attention_flops == 2 * blind_report.rank_attention_flops > 0
+    assert estimate_step_seconds(report, plan, hardware) > estimate_step_seconds(blind_report, blind, hardware)
+    llama, llama_report = priced("llama")
+    assert not llama.context_whole and not any("whole sequence" in n for n in llama.notes)
+
+
 def test_evaluate_scores_a_context_layout_in_the_words_it_prints():
     from autopar.plan import parse_evaluate
 
