@@ -20,15 +20,13 @@ from passes.analysis.estimate_costs import (
     CONTEXT,
     AttentionShape,
     Collective,
-    ExpertShape,
     attention_shapes,
-    expert_collectives,
-    expert_shapes,
     gathered_outputs,
     list_collectives,
     matmul_flops,
     matmul_split,
 )
+from passes.analysis.expert_costs import ExpertShape, expert_collectives, expert_shapes
 from passes.analysis.graph_facts import MatmulMatch, param_name, rows_of, tensor_meta
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for

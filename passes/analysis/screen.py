@@ -20,7 +20,7 @@ from typing import Any
 from autopar.config import ParallelConfig
 from autopar.decisions import lent_axis
 from passes.analysis.choose_stages import choose_stages
-from passes.analysis.estimate_costs import ExpertShape, exchange_bytes
+from passes.analysis.expert_costs import ExpertShape, exchange_bytes
 from passes.analysis.estimate_memory import block_of, scattered_grad_bytes
 from passes.analysis.machine import Machine
 from passes.analysis.report import StepReport
@@ -279,7 +279,7 @@ class _Degrees:
         self.axes = _axes(c, price)
 
     def _exchange(self, c: Candidate, micro: int) -> tuple[float, float]:
-        """The all-to-alls of the routed experts split over data (``estimate_costs.expert_collectives``, balanced
+        """The all-to-alls of the routed experts split over data (``expert_costs.expert_collectives``, balanced
         routing), or the all-reduces of each expert split over a tensor axis: seconds and calls of one step of
         ``micro`` micro-batches, a pipeline rank its stages' share of
         the layers."""

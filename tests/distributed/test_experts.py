@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from autopar.runtime.comm import collectives as C
 from autopar.runtime.ops.experts import ExpertExchange, RowBlocks
-from passes.analysis.estimate_costs import exchange_bytes
+from passes.analysis.expert_costs import exchange_bytes
 
 EXPERTS, K, N = 8, 6, 5
 
@@ -77,7 +77,7 @@ def test_expert_exchange_gives_serials_rows_and_gradients(distributed, routing):
     assert all(receives[q][p] == sends[p][q] for p in range(4) for q in range(4))  # what p sends q, q receives
     if routing == "one expert":
         assert [r["rows here"] for r in got] == [0, 0, sum(3 + 4 * p for p in range(4)), 0]
-    if routing == "balanced":  # the bytes sent are the plan's (estimate_costs.expert_collectives' formulas)
+    if routing == "balanced":  # the bytes sent are the plan's (expert_costs.expert_collectives' formulas)
         counts = (4 - 1) * (EXPERTS // 4) * 8
         want = counts + sum(exchange_bytes(2 * EXPERTS, width * 8, 4) for width in (K, 2, N))
         assert all(r["sent"] == want for r in got), ([r["sent"] for r in got], want)
