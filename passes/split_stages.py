@@ -25,6 +25,7 @@ from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.estimate_memory import block_of, segment_names
 from passes.analysis.graph_facts import module_of
+from passes.ir import context_dropout, split_dropout, split_random
 from passes.outline import outline
 from passes.runner import PassResult
 
@@ -110,4 +111,8 @@ def _sink_prologue(gm: fx.GraphModule) -> None:
 
 
 def _is_random(node: fx.Node) -> bool:
-    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+    """A seeded op, or a marker standing for one (the dropouts and random ops on a piece of a tensor)."""
+    return node.target in _RANDOM_MARKERS or torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+_RANDOM_MARKERS = (split_dropout, split_random, context_dropout)
