@@ -22,7 +22,7 @@ from autopar.model_file import meta_inputs
 from autopar.planning.planner import SLOWEST, plan_model
 from passes.analysis.choose_stages import Hardware
 from passes.analysis.machine import Machine
-from passes.analysis.screen import screen_grids, shape_of
+from passes.analysis.screen import screen_grids, shape_of, with_context_whole
 from passes.analysis.search_plans import (Candidate, Scored, candidates, context_degrees, factorizations, plan_seconds,
                                          rank_plans)
 
@@ -193,6 +193,11 @@ def _search(model: nn.Module, inputs: tuple, world: int, machine: Machine, *, fi
     if keep is None or len(grids) <= keep:
         return rank_plans(relieved(planned(grids)))
     shape = shape_of(probed(), shards)
+    if any(c.context > 1 for c in grids):  # (what a context degree leaves whole, from a plan of the least one)
+        least = min(c.context for c in grids if c.context > 1)
+        at = plan_model(model, inputs, ParallelConfig(shards, 1, 1, 1, context=least), checkpoint="none",
+                        kwargs=kwargs, precision=precision, captures=captures, device=device_type_of(machine))[1]
+        shape = with_context_whole(shape, at, shards, least)
     half = precision in ("bf16", "fp16")
     def screened_one(c: Candidate, own: tuple[float, int], split: tuple[float, int] | None
                      ) -> tuple[float, int, Candidate]:

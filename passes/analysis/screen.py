@@ -12,6 +12,7 @@ Pure: no process groups, ranks or environment.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,6 +67,9 @@ class ModelShape:
     context degree gathers."""
     output_bytes: int = 0
     """The floating outputs' bytes over the global batch (logits): what a context degree gathers whole."""
+    context_whole_flops: float = 0.0
+    """Of ``matmuls``' and ``attention_flops``' FLOPs, those a context degree leaves whole (after a read of the
+    whole sequence, ``Plan.context_whole``): every context rank computes all their tokens (``with_context_whole``)."""
 
 
 def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
@@ -96,6 +100,16 @@ def shape_of(report: StepReport, shards: int = 1) -> ModelShape:
                       sum(f for b, f in links if not b), float(sum(r.flops for r in report.whole)),
                       sum(weights.values()), report.experts, tuple(a.kv_bytes * shards for a in report.attention_kv),
                       sum(report.output_bytes) * shards)
+
+
+def with_context_whole(shape: ModelShape, report: StepReport, shards: int, context: int) -> ModelShape:
+    """``shape`` (``shape_of``'s, over ``shards`` batch shards) with the FLOPs a context degree leaves whole, from
+    ``report``: a plan of the same model and batch shards at context ``context`` (its rows marked
+    ``all_tokens``, its attention FLOPs per rank the whole part's plus 1/context of the rest's)."""
+    matmuls = sum(r.flops for r in report.layers if r.all_tokens)
+    split = shape.attention_flops / shards  # (per batch shard: all of it, without context)
+    attention = max(0.0, (context * report.rank_attention_flops - split) / (context - 1)) * shards
+    return dataclasses.replace(shape, context_whole_flops=float(matmuls + attention))
 
 
 def stage_imbalance(segment_flops: Sequence[float], ranks: int, chunks: int = 1) -> float:
@@ -383,6 +397,10 @@ class _Degrees:
         # the ops left whole: each rank its rows' share (under a pipeline, of its stages' blocks)
         whole = shape.whole_flops - sum(e.flops for e in self.each_expert) * (1 - 1 / max(c.row, c.col))
         compute += whole / (shards * stages) / machine.flops_per_second
+        if c.context > 1:  # (what reads the whole sequence: each context rank all its tokens, not 1/C; over the
+            # tensor axes as the rest, at best)
+            compute += (shape.context_whole_flops * (c.context - 1) / (shards * max(c.row, c.col) * stages)
+                        / machine.flops_per_second)
         if machine.activation_bytes_per_second:
             compute += shape.saved_bytes / (shards * tensor * stages) / machine.activation_bytes_per_second
         # the planner orients each matmul; of the two alternations (which layer of a pair splits its output

@@ -199,6 +199,38 @@ def test_the_plan_says_and_prices_what_reads_the_whole_sequence():
     assert not llama.context_whole and not any("whole sequence" in n for n in llama.notes)
 
 
+def test_the_screen_prices_what_a_context_degree_leaves_whole():
+    """The search's screen reads what a context degree leaves whole from a plan at the least degree it tries
+    (``screen.with_context_whole``): GPT-2 with its attention dropout read whole (SDPA's) has that attention's FLOPs
+    there, and a context grid screens slower than blind to them; Llama has none (its screen is unchanged)."""
+    from autopar.planning.machines import load_machine
+    from autopar.planning.planner import plan_model
+    from passes.analysis.screen import screen_grids, shape_of, with_context_whole
+    from passes.analysis.search_plans import Candidate
+
+    machine = load_machine("h100-80gb")
+    grid = Candidate(data=1, pipeline=1, row=1, col=1, depth=1, context=2)
+    for name in ("gpt2", "llama"):
+        with torch.device("meta"):
+            torch.manual_seed(0)
+            model = zoo.build_model(name, layers=4, dropout=name == "gpt2")
+        ids = torch.empty(2, 64, dtype=torch.long, device="meta")
+
+        def report(context: int):
+            return plan_model(model, (ids,), ParallelConfig(context=context), checkpoint="none",
+                              kwargs={"labels": ids, "use_cache": False})[1]
+        blind = shape_of(report(1))
+        shape = with_context_whole(blind, report(2), 1, 2)
+        (seconds, _), = screen_grids(shape, [grid], machine, False)
+        (blind_seconds, _), = screen_grids(blind, [grid], machine, False)
+        if name == "gpt2":
+            assert shape.context_whole_flops == pytest.approx(blind.attention_flops), (shape, blind)
+            assert seconds > blind_seconds
+        else:
+            assert shape.context_whole_flops == pytest.approx(0, abs=1e-6 * blind.attention_flops)
+            assert seconds == pytest.approx(blind_seconds)
+
+
 def test_evaluate_scores_a_context_layout_in_the_words_it_prints():
     from autopar.plan import parse_evaluate
 
