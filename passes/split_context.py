@@ -63,7 +63,8 @@ from autopar.compat import OpOverload
 from autopar.decisions import Plan
 from autopar.errors import PlanError
 from passes.analysis.graph_facts import graph_copy, module_of, tensor_meta, token_lookups
-from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks, local_rows
+from passes.analysis.token_rows import ExpertBlock, blocks_by_node, expert_blocks
+from passes.context_experts import ExpertRules, after_inputs
 from passes.context_markers import MarkerRules
 from passes.context_shapes import SHAPE_OPS, ShapeRules, Unsplittable, ndim_of, shape_of
 from passes.ir import (BatchReduceSpec, ContextAttentionSpec, ContextSpec, batch_reduce, context_attention,
@@ -151,25 +152,7 @@ def _split(gm: fx.GraphModule, ranks: int) -> tuple[_Splitter, tuple[str, ...]]:
     return splitter, notes + tuple(splitter.notes) + tuple(splitter.whole_notes())
 
 
-def _after_inputs(graph: fx.Graph, block: ExpertBlock) -> None:
-    """Moves the ops of ``block`` that come before something it reads from outside (a marker a pass put right
-    after the rows it reads) to after it, where only the block reads them: the walk then meets the block once
-    everything it reads has its split known."""
-    members = set(block.nodes)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    inputs = [a for n in block.nodes for a in n.all_input_nodes if a not in members]
-    if not inputs:
-        return
-    anchor = max(inputs, key=order.__getitem__)
-    early = [n for n in block.nodes if order[n] < order[anchor]]
-    if any(u not in members and order[u] <= order[anchor] for n in early for u in n.users):
-        return
-    for n in early:
-        anchor.append(n)
-        anchor = n
-
-
-class _Splitter(ShapeRules, MarkerRules):
+class _Splitter(ShapeRules, MarkerRules, ExpertRules):
     def __init__(self, gm: fx.GraphModule, tokens: int, ranks: int) -> None:
         self.gm, self.graph, self.tokens, self.ranks = gm, gm.graph, tokens, ranks
         self.state: dict[fx.Node, Any] = {}  # node -> ContextSpec (this rank's tokens), tuple of them, or absent
@@ -177,7 +160,7 @@ class _Splitter(ShapeRules, MarkerRules):
         self.gathered: dict[fx.Node, fx.Node] = {}
         blocks = expert_blocks(gm)
         for block in blocks:
-            _after_inputs(gm.graph, block)
+            after_inputs(gm.graph, block)
         self.blocks = blocks_by_node(blocks)
         self.notes: list[str] = []
         self.unproved: dict[fx.Node, tuple[ExpertBlock, str]] = {}  # a node of a block not proved -> it, why
@@ -234,41 +217,12 @@ class _Splitter(ShapeRules, MarkerRules):
                     block = self.blocks.get(node)
                     if block is not None and block not in tried:
                         tried.add(block)
-                        why = self._block(block)
+                        why = self.expert_block(block)
                         if why is None:
                             done.update(block.nodes)
                             continue
                         self.unproved.update((n, (block, why)) for n in block.nodes)
                     self._visit(node)
-
-    def _block(self, block: ExpertBlock) -> str | None:
-        """A routed-experts module run on this rank's tokens (``passes.analysis.token_rows``): its sizes made this
-        rank's, what it hands on holding this rank's tokens; None, or why it cannot (it then reads them whole)."""
-        members, entries, outer = set(block.nodes), {}, None
-        for n in block.nodes:
-            for a in n.all_input_nodes:
-                s = self.state.get(a)
-                if a in members or s is None:
-                    continue
-                if isinstance(s, tuple) or s.dim != 0 or (outer is not None and s.outer != outer):
-                    return f"{a.name} holds this rank's tokens other than as rows"
-                outer = s.outer
-                entries[a] = s.inner
-        if outer is None:
-            return "it reads none of this rank's tokens as rows"
-        found = local_rows(block, entries, outer * self.tokens)
-        if isinstance(found, str):
-            return found
-        for n in found.sized:  # (its sizes counted every rank's tokens' rows)
-            if n.target is aten.arange.default:
-                n.args = (n.args[0] // self.ranks, *n.args[1:])
-            else:
-                size = list(n.args[1])
-                size[0] //= self.ranks
-                n.args = (n.args[0], size, *n.args[2:])
-        for n, grain in found.exits.items():
-            self.state[n] = self.spec(0, outer=outer, inner=grain)
-        return None
 
     def _visit(self, node: fx.Node) -> None:
         target = node.target
