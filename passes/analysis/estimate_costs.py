@@ -43,6 +43,7 @@ from passes.analysis.batch_facts import BatchDim, BatchFacts
 from passes.analysis.batch_rules import CLASS_LOSSES
 from passes.analysis.graph_facts import (
     MatmulMatch,
+    causal_attention,
     module_of,
     param_name,
     rows_of,
@@ -393,8 +394,9 @@ def list_collectives(gm: fx.GraphModule, res: LayoutResult, matmuls: Iterable[Ma
 
 def context_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelConfig) -> list[Collective]:
     """What context parallelism adds (``passes.split_context``): each attention's keys and values all-gathered
-    over the context ranks in forward (their whole size, over the heads this rank holds) and their gradients
-    reduce-scattered in backward; each output gathered whole, and, where the graph returns no loss beside it
+    over the context ranks in forward (their whole size, over the heads this rank holds), and in backward again
+    (``autopar.runtime.ops.context.CausalOverGathered`` keeps this rank's tokens of them) with their gradients
+    reduce-scattered; each output gathered whole, and, where the graph returns no loss beside it
     (the caller's loss is on the output), its gradient reduce-scattered back in backward. The loss's sums over
     the context ranks (a few bytes) are left out."""
     n, out = config.context, []
@@ -402,6 +404,8 @@ def context_collectives(gm: fx.GraphModule, res: LayoutResult, config: ParallelC
         where = module_of(node) + CONTEXT
         out.append(Collective("all_gather", "context", n, whole, "forward", where, node.name))
         if res.requires_grad.get(kv, False):
+            if causal_attention(node):  # (gathered again in backward: only this rank's tokens are kept)
+                out.append(Collective("all_gather", "context", n, whole, "backward", where, node.name))
             out.append(Collective("reduce_scatter", "context", n, whole, "backward", where, node.name))
     producers = dict.fromkeys(output_node(gm).all_input_nodes)
     loss = any(tensor_meta(p) is not None and tensor_meta(p).dim() == 0 and res.requires_grad.get(p, False)

@@ -50,7 +50,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from autopar.compat import pytree
 from autopar.decisions import Plan
-from passes.analysis.graph_facts import (MatmulMatch, attention_flops, module_of, param_name, rows_of, tensor_meta,
+from passes.analysis.graph_facts import (MatmulMatch, attention_flops, causal_attention, module_of, param_name, rows_of, tensor_meta,
                                          writes_state)
 from passes.analysis.layout_rules import LayoutResult
 from passes.analysis.make_plan import layouts_for
@@ -403,6 +403,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     saved = dict.fromkeys(order, Fraction(0))
     inputs = dict.fromkeys(order, Fraction(0))
     counted: set[int] = set()
+    saved_by: dict[fx.Node, Fraction] = {}  # (what each saver is the first to keep)
     for saver, key, nbytes, via in rec.saved:
         producer = rec.producer.get(key)
         if key in counted or producer in params:
@@ -425,12 +426,15 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
         seg = seg_of.get(saver, order[1])
         if producer is not None and seg_of.get(producer) not in (seg, previous[seg]):
             seg = "<shared>"  # read from further back (a mask, rotary tables): alive whatever is recomputed
-        # context parallelism: this rank's tokens of each activation, but attention keeps the keys and values it
-        # gathered whole (``autopar.runtime.ops.context``)
-        gathered = saver.op == "call_function" and saver.target is _SDPA and producer in saver.args[1:3]
+        # context parallelism: this rank's tokens of each activation; causal attention keeps this rank's tokens of
+        # the keys and values and gathers them again in backward, another keeps them gathered whole
+        # (``autopar.runtime.ops.context``)
+        gathered = (saver.op == "call_function" and saver.target is _SDPA and producer in saver.args[1:3]
+                    and not causal_attention(saver))
         share = 1 if gathered or saver.name in whole else tokens
-        saved[seg] += (nbytes * shard_fraction(sharding, sizes) * (2 if vocab_split and producer is None else 1)
-                       * share)
+        amount = nbytes * shard_fraction(sharding, sizes) * (2 if vocab_split and producer is None else 1) * share
+        saved[seg] += amount
+        saved_by[saver] = saved_by.get(saver, 0) + amount
 
     peak = dict.fromkeys(order, Fraction(0))
     flops = dict.fromkeys(order, Fraction(0))
@@ -438,6 +442,7 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
     ops = dict.fromkeys(order, 0)
     read: dict[str, set[fx.Node]] = {name: set() for name in order}
     stateful: set[str] = set()  # segments that must not run twice (``graph_facts.writes_state``)
+    index = {n: i for i, n in enumerate(gm.graph.nodes)}
     for node, seg in seg_of.items():
         if node.op == "call_function" and node.target is not operator.getitem:
             ops[seg] += 1
@@ -467,10 +472,16 @@ def estimate_memory(gm: fx.GraphModule, plan: Plan, compute_dtype: torch.dtype |
             attention[seg] += a * shard_fraction(res.sharding(node), sizes) * every
             if config.context > 1:
                 # backward holds the gathered keys' and values' whole gradients, a block's gradients of them and, to
-                # reduce-scatter them, a copy in the ranks' order
+                # reduce-scatter them, a copy in the ranks' order (causal attention: the keys and values gathered
+                # again, instead of the copy, as a block's gradients are freed first)
                 kv = sum(tensor_meta(x).numel() * tensor_meta(x).element_size() * shard_fraction(res.sharding(x), sizes)
                          for x in node.args[1:3])
-                peak[seg] = max(peak[seg], 3 * kv / tokens)  # (in this rank's tokens' terms: peaks scale below)
+                # and this rank's queries' gradient and the output's; by then what the segment's later ops keep is
+                # freed (their backward ran first)
+                later = sum(b for n, b in saved_by.items() if seg_of.get(n) == seg and index[n] > index[node])
+                q = tensor_meta(node.args[0])
+                q = q.numel() * q.element_size() * shard_fraction(res.sharding(node.args[0]), sizes)
+                peak[seg] = max(peak[seg], (3 * kv - later) / tokens + 2 * q)  # (peaks are scaled by ``tokens`` below)
 
     segments = tuple(SegmentCost(name, not name.startswith("<") and name not in stateful, int(saved[name]),
                                  int(inputs[name] * tokens),

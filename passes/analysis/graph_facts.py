@@ -154,12 +154,17 @@ def attention_flops(node: fx.Node) -> int:
     q, k, v = (tensor_meta(a) if isinstance(a, fx.Node) else None for a in node.args[:3])
     if q is None or k is None or v is None:
         return 0
-    causal = node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False)
+    causal = causal_attention(node)
     queries = 1
     for s in q.shape[:-1]:
         queries *= int(_hint(s))
     flops = 2 * queries * int(_hint(k.shape[-2])) * (int(_hint(q.shape[-1])) + int(_hint(v.shape[-1])))
     return flops // 2 if causal else flops
+
+
+def causal_attention(node: fx.Node) -> bool:
+    """Whether ``scaled_dot_product_attention`` at ``node`` is causal (``is_causal``)."""
+    return bool(node.kwargs.get("is_causal", node.args[5] if len(node.args) > 5 else False))
 
 
 def tensor_inputs(node: fx.Node) -> list[fx.Node]:

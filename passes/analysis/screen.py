@@ -322,17 +322,18 @@ class _Degrees:
 
     def _context(self, c: Candidate, micro: int) -> tuple[float, float]:
         """Context parallelism's collectives of one step (``estimate_costs.context_collectives``): each attention's
-        keys and values gathered whole over the context ranks in forward and their gradients reduce-scattered in
-        backward (this rank's rows, the heads over the larger tensor axis), and the outputs gathered: seconds and
+        keys and values gathered whole over the context ranks in forward and again in backward, and their gradients
+        reduce-scattered (causal attention, as most are: this rank's rows, the heads over the larger tensor axis), and the outputs gathered: seconds and
         calls. Under a pipeline, per micro-batch (``micro``) of the rank's share of the blocks, and the last
         stage's outputs gathered for the loss and their gradients reduce-scattered (``loss_collectives``), priced
         on every rank (the busiest may be the last)."""
         price, n, rows, stages = self.price, c.context, c.data * c.depth * micro, self.stages
         heads = max(c.row, c.col)
         seconds = sum(price("all_gather", "context", n, kv // (rows * heads), "forward")
+                      + price("all_gather", "context", n, kv // (rows * heads), "backward")
                       + price("reduce_scatter", "context", n, kv // (rows * heads), "backward")
                       for kv in self.shape.attention_kv) * micro / stages
-        calls = 2 * len(self.shape.attention_kv) * micro / stages
+        calls = 3 * len(self.shape.attention_kv) * micro / stages
         if self.shape.output_bytes:
             seconds += micro * price("all_gather", "context", n, self.shape.output_bytes // rows, "forward")
             calls += micro

@@ -53,12 +53,30 @@ def test_one_ranks_queries_over_the_whole_sequence_give_serials_rows(ranks):
         assert not torch.allclose(wrong, take_tokens(serial, spec, r), atol=1e-3)
 
 
+class _Stand:
+    """``KeysValues`` without ranks: the whole keys and values given, the whole gradients kept for the test."""
+
+    def __init__(self, whole: dict[int, torch.Tensor], spec: ContextSpec, rank: int) -> None:
+        self.whole, self.spec, self.rank, self.grads, self.gathers = whole, spec, rank, [], 0
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.gathers += 1
+        assert torch.equal(x, take_tokens(self.whole[id(x)], self.spec, self.rank))
+        return self.whole[id(x)]
+
+    def scatter(self, dx: torch.Tensor) -> torch.Tensor:
+        self.grads.append(dx)
+        return take_tokens(dx, self.spec, self.rank)
+
+
 @pytest.mark.parametrize("ranks, gqa", [(2, False), (4, True)])
-def test_both_causal_kernels_give_serials_rows_and_gradients(ranks, gqa):
-    """The CPU's blocks merged by their log-sum-exps (``BlockwiseCausal``) and the two lower-right chunks CUDA runs
-    (``chunked_causal``, here on the CPU), against serial causal attention: outputs and the gradients of the queries
-    and of the whole keys and values (this rank's part of them)."""
-    from autopar.runtime.ops.context import BlockwiseCausal, chunked_causal
+def test_both_causal_kernels_give_serials_rows_and_gradients(ranks, gqa, monkeypatch):
+    """The CPU's blocks merged by their log-sum-exps and the two lower-right chunks CUDA runs (``chunked_causal``,
+    here on the CPU), against serial causal attention: outputs and the gradients of the queries and of the whole
+    keys and values (this rank's part of them). ``CausalOverGathered`` keeps this rank's tokens of the keys and
+    values, unrepeated, and gathers them again in backward."""
+    from autopar.runtime.ops import context
+    from autopar.runtime.ops.context import CausalOverGathered, chunked_causal
     from passes.ir import ContextAttentionSpec
 
     torch.manual_seed(0)
@@ -70,17 +88,28 @@ def test_both_causal_kernels_give_serials_rows_and_gradients(ranks, gqa):
     dy = torch.randn(2, 4, 16, 8)
     serial = F.scaled_dot_product_attention(q, k, v, is_causal=True, **extra)
     want = torch.autograd.grad(serial, (q, k, v), dy)
-    for kernel in ("blocks", "chunks"):
+    for kernel in ("blocks", "chunks", "chunks recomputed"):
         parts, grads = [], [torch.zeros_like(t) for t in (q, k, v)]
         for r in range(ranks):
             mine = take_tokens(q, spec, r)
-            if kernel == "blocks":
-                out = BlockwiseCausal.apply(mine, k, v, attn, r)
-            else:
+            if kernel == "chunks":
                 out = chunked_causal(mine, k, v, attn, r)
-            for g, part in zip(grads, torch.autograd.grad(out, (q, k, v), take_tokens(dy, spec, r))):
+                got = torch.autograd.grad(out, (q, k, v), take_tokens(dy, spec, r))
+            else:
+                local = [take_tokens(t.detach(), spec, r).requires_grad_() for t in (k, v)]
+                stand = _Stand({id(t): w.detach() for t, w in zip(local, (k, v))}, spec, r)
+                # (on other devices the chunks run, and again in backward)
+                monkeypatch.setattr(context, "flash_blocks", lambda t: kernel == "blocks")
+                out = CausalOverGathered.apply(mine, *local, attn, r, stand)
+                saved = out.grad_fn.saved_tensors[1:3]  # (this rank's keys and values, unrepeated)
+                assert [t.shape for t in saved] == [local[0].shape] * 2
+                gq, _, _ = torch.autograd.grad(out, (mine, *local), take_tokens(dy, spec, r))
+                got = (torch.autograd.grad(mine, q, gq)[0], *stand.grads)
+                assert stand.gathers == 4  # (forward's two and backward's two)
+            for g, part in zip(grads, got):
                 g += part
             parts.append(place_tokens(out.detach(), spec, r))
         assert torch.allclose(sum(parts), serial, atol=1e-5), kernel
         for g, w in zip(grads, want):
             assert torch.allclose(g, w, atol=1e-5), kernel
+    assert context._kernel_takes_gqa()  # (torch 2.13's CPU kernel: no repeat)

@@ -13,6 +13,7 @@ rank's tokens, and an output's keeps the caller's gradient (the same on every ra
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -167,15 +168,70 @@ class ContextOps:
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
                   spec: ContextAttentionSpec) -> torch.Tensor:
-        if spec.gather_kv:
-            kv = ContextSpec(k.dim() - 2, spec.tokens, spec.ranks)
-            k, v = apply(_Gather, k, kv, self.mesh), apply(_Gather, v, kv, self.mesh)
-        kwargs = {"enable_gqa": True} if spec.enable_gqa else {}
+        kv = ContextSpec(k.dim() - 2, spec.tokens, spec.ranks) if spec.gather_kv else None
         if not spec.is_causal:
+            if kv is not None:
+                k, v = apply(_Gather, k, kv, self.mesh), apply(_Gather, v, kv, self.mesh)
+            kwargs = {"enable_gqa": True} if spec.enable_gqa else {}
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=spec.scale, **kwargs)
-        if q.device.type == "cpu" and not torch.compiler.is_compiling():
-            return apply(BlockwiseCausal, q, k, v, spec, self.rank)
-        return chunked_causal(q, k, v, spec, self.rank)
+        if torch.compiler.is_compiling():  # (traced: the gathers and the kernel as ops, saved as the compiler picks)
+            if kv is not None:
+                k, v = apply(_Gather, k, kv, self.mesh), apply(_Gather, v, kv, self.mesh)
+            return chunked_causal(q, k, v, spec, self.rank)
+        return apply(CausalOverGathered, q, k, v, spec, self.rank, None if kv is None else KeysValues(kv, self.mesh))
+
+
+class KeysValues:
+    """How attention's keys and values of this rank's tokens come whole, and their gradients go back."""
+
+    def __init__(self, spec: ContextSpec, mesh: Mesh) -> None:
+        self.spec, self.mesh = spec, mesh
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_tokens(x, self.spec, self.mesh)
+
+    def scatter(self, dx: torch.Tensor) -> torch.Tensor:
+        return reduce_scatter_tokens(dx, self.spec, self.mesh)
+
+
+class CausalOverGathered(torch.autograd.Function):
+    """Causal attention of this rank's queries over every context rank's keys and values, which are gathered in
+    forward and again in backward (``kv``; None: ``k`` and ``v`` are whole already), so that between the two only
+    this rank's tokens of them are kept, without GQA's repeat (as TransformerEngine's all-gather context
+    parallelism keeps them). On the CPU the blocks run on the flash kernel (``blockwise_causal``) and backward runs
+    its backward on them; elsewhere the lower-right chunks run (``chunked_causal``) and backward runs them again
+    with autograd on (one more attention forward in backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec, rank: int,
+                kv: KeysValues | None) -> torch.Tensor:
+        whole_k, whole_v = (k, v) if kv is None else (kv.gather(k), kv.gather(v))
+        ctx.spec, ctx.rank, ctx.kv, ctx.cpu = spec, rank, kv, flash_blocks(q)
+        if ctx.cpu:
+            out, lse = blockwise_causal(q, whole_k, whole_v, spec, rank)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+        with torch.no_grad():
+            out = chunked_causal(q, whole_k, whole_v, spec, rank)
+        ctx.save_for_backward(q, k, v)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
+        q, k, v, *kept = ctx.saved_tensors
+        kv, spec, rank = ctx.kv, ctx.spec, ctx.rank
+        whole_k, whole_v = (k, v) if kv is None else (kv.gather(k), kv.gather(v))
+        if ctx.cpu:
+            dq, dk, dv = blockwise_causal_backward(dy, q, whole_k, whole_v, *kept, spec, rank)
+        else:
+            with torch.enable_grad():
+                inputs = [t.detach().requires_grad_() for t in (q, whole_k, whole_v)]
+                dq, dk, dv = torch.autograd.grad(chunked_causal(*inputs, spec, rank), inputs, dy)
+        del whole_k, whole_v  # (freed before the gradients' copies in the ranks' order are made)
+        if kv is not None:
+            dk = kv.scatter(dk)
+            dv = kv.scatter(dv)
+        return dq, dk, dv, None, None, None
 
 
 def _blocks(spec: ContextAttentionSpec, rank: int) -> list[tuple[int, int, int, bool]]:
@@ -190,52 +246,72 @@ def _blocks(spec: ContextAttentionSpec, rank: int) -> list[tuple[int, int, int, 
     return out
 
 
-class BlockwiseCausal(torch.autograd.Function):
+def flash_blocks(q: torch.Tensor) -> bool:
+    """Whether attention on ``q``'s device runs in blocks on the CPU's flash kernel (else in lower-right chunks)."""
+    return q.device.type == "cpu"
+
+
+@functools.cache
+def _kernel_takes_gqa() -> bool:
+    """Whether the CPU's flash kernel (and its backward) takes keys and values with fewer heads (torch 2.13 does)."""
+    q, kv = torch.zeros(1, 2, 2, 8), torch.zeros(1, 1, 2, 8)
+    try:
+        out, lse = cpu_flash_attention(q, kv, kv, 0.0, True)
+        cpu_flash_attention_backward(out, q, kv, kv, out, lse, 0.0, True)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _repeat(q: torch.Tensor, k: torch.Tensor) -> int:
+    """How many times each key head repeats for ``q``'s heads where the kernel must be given them repeated; 1."""
+    repeat = q.shape[-3] // k.shape[-3]
+    return repeat if repeat > 1 and not _kernel_takes_gqa() else 1
+
+
+def blockwise_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
+                     rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of this rank's two chunks of queries over the whole keys and values, on the CPU's flash
     kernel without a mask: per chunk, its prefix of keys (no mask) and its own block (causal), merged by their
-    log-sum-exps; backward runs the kernel's backward on each block with the merged output and log-sum-exp (as
-    blockwise flash attention does), which gives the exact gradients. Keeps q, k, v, the output and the
-    log-sum-exps: no score or mask of the sequence's size."""
+    log-sum-exps. The output and the log-sum-exps: no score or mask of the sequence's size."""
+    repeat = _repeat(q, k)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    chunk = spec.tokens // (2 * spec.ranks)
+    parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {0: [], chunk: []}
+    for at, start, end, causal in _blocks(spec, rank):
+        parts[at].append(cpu_flash_attention(q.narrow(-2, at, chunk), k.narrow(-2, start, end - start),
+                                             v.narrow(-2, start, end - start), 0.0, causal, scale=spec.scale))
+    outs, lses = [], []
+    for blocks in parts.values():
+        lse = blocks[0][1] if len(blocks) == 1 else torch.logaddexp(blocks[0][1], blocks[1][1])
+        outs.append(sum(o.float() * torch.exp(b - lse).unsqueeze(-1) for o, b in blocks).to(q.dtype))
+        lses.append(lse)
+    return sdpa_layout(torch.cat(outs, dim=-2)), torch.cat(lses, dim=-1)
 
-    @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
-                rank: int) -> torch.Tensor:
-        repeat = q.shape[-3] // k.shape[-3]
-        if repeat > 1:  # (GQA: the kernel takes as many key heads as query heads)
-            k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
-        chunk = spec.tokens // (2 * spec.ranks)
-        parts: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {0: [], chunk: []}
-        for at, start, end, causal in _blocks(spec, rank):
-            parts[at].append(cpu_flash_attention(q.narrow(-2, at, chunk), k.narrow(-2, start, end - start),
-                                                 v.narrow(-2, start, end - start), 0.0, causal, scale=spec.scale))
-        outs, lses = [], []
-        for blocks in parts.values():
-            lse = blocks[0][1] if len(blocks) == 1 else torch.logaddexp(blocks[0][1], blocks[1][1])
-            outs.append(sum(o.float() * torch.exp(b - lse).unsqueeze(-1) for o, b in blocks).to(q.dtype))
-            lses.append(lse)
-        out, lse = sdpa_layout(torch.cat(outs, dim=-2)), torch.cat(lses, dim=-1)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.spec, ctx.rank, ctx.repeat = spec, rank, repeat
-        return out
 
-    @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple:
-        q, k, v, out, lse = ctx.saved_tensors
-        chunk = ctx.spec.tokens // (2 * ctx.spec.ranks)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        dy = dy.contiguous()
-        for at, start, end, causal in _blocks(ctx.spec, ctx.rank):
-            rows = slice(at, at + chunk)
-            gq, gk, gv = cpu_flash_attention_backward(
-                dy[..., rows, :], q[..., rows, :], k[..., start:end, :], v[..., start:end, :],
-                out[..., rows, :], lse[..., rows], 0.0, causal, scale=ctx.spec.scale)
-            dq[..., rows, :] += gq
-            dk[..., start:end, :] += gk
-            dv[..., start:end, :] += gv
-        if ctx.repeat > 1:  # (each key head's repeats' gradients summed back)
-            dk = dk.unflatten(-3, (-1, ctx.repeat)).sum(-3)
-            dv = dv.unflatten(-3, (-1, ctx.repeat)).sum(-3)
-        return dq, dk, dv, None, None
+def blockwise_causal_backward(dy: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                              out: torch.Tensor, lse: torch.Tensor, spec: ContextAttentionSpec,
+                              rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``blockwise_causal``'s gradients: the kernel's backward on each block with the merged output and
+    log-sum-exp (as blockwise flash attention does), which gives the exact gradients."""
+    repeat = _repeat(q, k)
+    if repeat > 1:
+        k, v = k.repeat_interleave(repeat, dim=-3), v.repeat_interleave(repeat, dim=-3)
+    chunk = spec.tokens // (2 * spec.ranks)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dy = dy.contiguous()
+    for at, start, end, causal in _blocks(spec, rank):
+        rows = slice(at, at + chunk)
+        gq, gk, gv = cpu_flash_attention_backward(
+            dy[..., rows, :], q[..., rows, :], k[..., start:end, :], v[..., start:end, :],
+            out[..., rows, :], lse[..., rows], 0.0, causal, scale=spec.scale)
+        dq[..., rows, :] += gq
+        dk[..., start:end, :] += gk
+        dv[..., start:end, :] += gv
+    if repeat > 1:  # (each key head's repeats' gradients summed back)
+        dk, dv = dk.unflatten(-3, (-1, repeat)).sum(-3), dv.unflatten(-3, (-1, repeat)).sum(-3)
+    return dq, dk, dv
 
 
 def chunked_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: ContextAttentionSpec,
